@@ -1,0 +1,98 @@
+"""``kestrelc``: build a .plan from a checkpoint or preset; inspect a plan."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+import click
+
+from kestrel.artifacts.errors import exit_on_error
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """Kestrel ahead-of-time compiler for hybrid (Gated DeltaNet + attention) LLMs."""
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--output", "out", required=True, help="Path of the .plan file to write.")
+@click.option("--target", default="cpu", show_default=True, help="cpu (GPU targets sm_80 ... sm_120 come with the kernel library).")
+@click.option("--quant", default="none", show_default=True, help="Weight precision: none = fp32.")
+@click.option("--max-seq", type=int, default=None, help="KV-cache rows (prompt + generated tokens). Default: min(4096, max_position_embeddings).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def build(model, out, target, quant, max_seq, quiet):
+    """Compile MODEL (a checkpoint folder or a preset: tiny) into a .plan."""
+    from kestrel.compiler.pipeline import build as do_build
+
+    log = (lambda msg: click.echo(msg, err=True))
+    exit_on_error(do_build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet)
+
+
+def plan_summary(plan) -> dict:
+    from kestrel.compiler.ir_text import parse_program
+
+    m = plan.manifest
+    prog = parse_program(plan.program_text)
+    return {
+        "path": plan.path, "bytes": os.path.getsize(plan.path),
+        "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
+        "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
+        "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
+        "program": {
+            "ops": len(prog.ops), "op_counts": dict(Counter(op.kind for op in prog.ops)),
+            "dyn_slots": {d.name: d.dtype for d in prog.dyn.values()},
+            "weights": len(prog.weights), "weight_bytes": prog.weight_bytes(),
+            "states": len(prog.states), "state_bytes": prog.state_bytes(),
+        },
+        "parts": len(m["parts"]),
+    }
+
+
+@cli.command()
+@click.argument("plan_path", metavar="PLAN")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object for machines.")
+@click.option("--verify", is_flag=True, help="Also check every part's sha256 (reads the whole file).")
+@exit_on_error
+def inspect(plan_path, as_json, verify):
+    """Summarize a .plan: versions, target, model, program, sizes."""
+    from kestrel.artifacts.plan import load_plan
+
+    plan = load_plan(plan_path)
+    s = plan_summary(plan)
+    if verify:
+        s["verified_bytes"] = plan.verify_all()
+    plan.close()
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    m, p = s["model"], s["program"]
+    kinds = Counter(m["layer_types"])
+    lines = [
+        f"plan      {s['path']}  ({s['bytes'] / 1e6:.2f} MB, format v{s['format_version']}, {s['producer']})",
+        f"target    {s['target']}   quant {s['quant']}   max_seq {s['max_seq']}",
+        f"source    {s['source'].get('name') or s['source'].get('path')} ({s['source']['kind']})",
+        f"model     {m['model_type']}: {m['num_hidden_layers']} layers ({kinds['linear_attention']} gated-deltanet, "
+        f"{kinds['full_attention']} attention), hidden {m['hidden_size']}, mlp {m['intermediate_size']}, "
+        f"vocab {m['vocab_size']}",
+        f"          attention {m['num_attention_heads']}/{m['num_key_value_heads']} heads of {m['head_dim']}; "
+        f"gdn {m['linear_num_key_heads']}/{m['linear_num_value_heads']} heads of "
+        f"{m['linear_key_head_dim']}/{m['linear_value_head_dim']}; tied embeddings: {m['tie_word_embeddings']}",
+        f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
+        f"program   {p['ops']} ops, {p['weights']} weights ({p['weight_bytes'] / 1e6:.2f} MB), "
+        f"{p['states']} states ({p['state_bytes'] / 1e6:.2f} MB), dyn slots {', '.join(p['dyn_slots'])}",
+        "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),
+    ]
+    if verify:
+        lines.append(f"verified  {s['verified_bytes']} bytes: every checksum matches")
+    click.echo("\n".join(lines))
+
+
+def main():
+    cli(prog_name="kestrelc")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

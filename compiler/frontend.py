@@ -1,0 +1,301 @@
+"""Frontend: read a Hugging Face Qwen3.5 checkpoint folder, validate it all, open tensors lazily.
+
+Accepted: ``config.json`` with model_type ``qwen3_5_text`` (text model; weights under ``model.*``)
+or ``qwen3_5`` (the multimodal wrapper: text settings under ``text_config``, weights under
+``model.language_model.*``; vision tower and MTP head are skipped with a one-line notice), and the
+weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+
+Everything is checked before any work starts (``open_checkpoint``): the config's keys and their
+consistency, then every expected tensor's presence, shape and dtype, and that no unknown tensor is
+left over. A problem raises ConfigError / CheckpointError with one line naming the key or tensor.
+Tensors are then read one at a time (``Checkpoint.read``), so peak memory does not grow with the
+checkpoint's size.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from kestrel.artifacts.errors import CheckpointError, ConfigError, UnsupportedError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+CHECKPOINT_DTYPES = ("F32", "BF16", "F16")
+# Parts of a multimodal checkpoint the text step does not use.
+SKIPPED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token-prediction head"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The normalised text-model settings the compiler needs (nothing model-type specific)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    rms_norm_eps: float
+    linear_conv_kernel_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_conv_channels(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        d["layer_types"] = tuple(d["layer_types"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def _get(cfg: dict, key: str, kind, where: str, default=None, positive=True):
+    if key not in cfg or cfg[key] is None:
+        if default is not None:
+            return default
+        raise ConfigError(f"{where}: missing key {key!r}")
+    v = cfg[key]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise ConfigError(f"{where}: {key!r} must be an integer, got {v!r}")
+    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise ConfigError(f"{where}: {key!r} must be a number, got {v!r}")
+    if kind is bool and not isinstance(v, bool):
+        raise ConfigError(f"{where}: {key!r} must be true or false, got {v!r}")
+    if positive and kind in (int, float) and v <= 0:
+        raise ConfigError(f"{where}: {key!r} must be positive, got {v!r}")
+    return kind(v)
+
+
+def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
+    """Normalise and validate a Qwen3.5 config.json (text or multimodal wrapper)."""
+    mt = raw.get("model_type")
+    if mt == "qwen3_next":
+        raise UnsupportedError(f"{where}: model_type 'qwen3_next' (MoE) is not supported yet; "
+                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    text = raw
+    if mt == "qwen3_5":
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{where}: model_type 'qwen3_5' needs a 'text_config' table")
+        where = f"{where} text_config"
+    g = lambda k, kind=int, **kw: _get(text, k, kind, where, **kw)  # noqa: E731
+
+    if text.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {text['hidden_act']!r} is not supported (expected 'silu')")
+    if text.get("attention_bias", False):
+        raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3.5 has no attention bias)")
+
+    n_layers = g("num_hidden_layers")
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = g("full_attention_interval", default=4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(f"{where}: 'layer_types' must list {n_layers} entries (num_hidden_layers)")
+    bad = sorted({t for t in layer_types if t not in ("linear_attention", "full_attention")})
+    if bad:
+        raise ConfigError(f"{where}: 'layer_types' has unknown kinds {bad}; expected linear_attention / full_attention")
+
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: 'rope_parameters' must be a table")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (expected 'default')")
+    rope_src = rope if "rope_theta" in rope else text
+    theta = _get(rope_src, "rope_theta", float, where, default=10000.0)
+    prf_src = rope if "partial_rotary_factor" in rope else text
+    prf = _get(prf_src, "partial_rotary_factor", float, where, default=0.25)
+
+    heads, kv_heads = g("num_attention_heads"), g("num_key_value_heads")
+    hidden = g("hidden_size")
+    head_dim = g("head_dim", default=hidden // heads)
+    lk, lv = g("linear_num_key_heads"), g("linear_num_value_heads")
+    tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{where}: 'tie_word_embeddings' must be true or false, got {tie!r}")
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    cfg = ModelConfig(
+        model_type=mt, vocab_size=g("vocab_size"), hidden_size=hidden,
+        intermediate_size=g("intermediate_size"), num_hidden_layers=n_layers, layer_types=tuple(layer_types),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rope_theta=theta, partial_rotary_factor=prf, rms_norm_eps=g("rms_norm_eps", float, default=1e-6),
+        linear_conv_kernel_dim=g("linear_conv_kernel_dim", default=4),
+        linear_num_key_heads=lk, linear_num_value_heads=lv,
+        linear_key_head_dim=g("linear_key_head_dim"), linear_value_head_dim=g("linear_value_head_dim"),
+        tie_word_embeddings=tie, max_position_embeddings=g("max_position_embeddings"),
+        eos_token_ids=eos_ids,
+    )
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}")
+    if lv % lk:
+        raise ConfigError(f"{where}: linear_num_value_heads {lv} must be a multiple of linear_num_key_heads {lk}")
+    if not (0 < prf <= 1) or cfg.rotary_dim % 2 or cfg.rotary_dim == 0:
+        raise ConfigError(f"{where}: head_dim {head_dim} x partial_rotary_factor {prf} must give an even rotary dim > 0")
+    return cfg
+
+
+def read_config(folder: str) -> tuple[dict, ModelConfig]:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{folder}: no such checkpoint folder (or preset name)")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{folder}: no config.json; is this a Hugging Face checkpoint folder?") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw, parse_config(raw, path)
+
+
+def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name relative to the text model prefix, shape) of every tensor of the text model
+    (``lm_head.weight``, which sits outside that prefix, is handled by the caller)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    out = [("embed_tokens.weight", (cfg.vocab_size, h)), ("norm.weight", (h,))]
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+                (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
+                (p + "mlp.down_proj.weight", (h, cfg.intermediate_size))]
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+            out += [(a + "in_proj_qkv.weight", (cfg.gdn_conv_channels, h)), (a + "in_proj_z.weight", (hv * dv, h)),
+                    (a + "in_proj_b.weight", (hv, h)), (a + "in_proj_a.weight", (hv, h)),
+                    (a + "conv1d.weight", (cfg.gdn_conv_channels, 1, cfg.linear_conv_kernel_dim)),
+                    (a + "A_log", (hv,)), (a + "dt_bias", (hv,)), (a + "norm.weight", (dv,)),
+                    (a + "out_proj.weight", (h, hv * dv))]
+        else:
+            a = p + "self_attn."
+            nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            out += [(a + "q_proj.weight", (nh * hd * 2, h)), (a + "k_proj.weight", (nkv * hd, h)),
+                    (a + "v_proj.weight", (nkv * hd, h)), (a + "o_proj.weight", (h, nh * hd)),
+                    (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+    return out
+
+
+class Checkpoint:
+    """A validated checkpoint: ``tensors`` maps plan-relative names to (file, hf name, dtype, shape)."""
+
+    def __init__(self, folder: str, raw_config: dict, cfg: ModelConfig):
+        self.folder, self.raw_config, self.cfg = folder, raw_config, cfg
+        self.prefix = "model.language_model." if cfg.model_type == "qwen3_5" else "model."
+        self.notices: list[str] = []
+        self._handles: dict = {}
+        index = self._index()
+        skipped: dict[str, int] = {}
+        expected = dict(expected_tensors(cfg))
+        self.tensors: dict[str, tuple[str, str, str, tuple]] = {}
+        for hf_name, (fname, dtype, shape) in index.items():
+            rel = hf_name[len(self.prefix):] if hf_name.startswith(self.prefix) else None
+            if hf_name == "lm_head.weight":
+                rel = "lm_head.weight"
+            skip = next((what for p, what in SKIPPED_PREFIXES.items() if hf_name.startswith(p)), None)
+            if skip:
+                skipped[skip] = skipped.get(skip, 0) + 1
+                continue
+            if rel == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # tied: the embedding table is the output projection
+            if rel not in expected and rel != "lm_head.weight":
+                raise CheckpointError(f"{folder}: unexpected tensor {hf_name!r}: not part of a {cfg.model_type} "
+                                      f"model with this config (is config.json the right one?)")
+            self.tensors[rel] = (fname, hf_name, dtype, shape)
+        if not cfg.tie_word_embeddings:
+            expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        for rel, shape in expected.items():
+            hf_name = rel if rel == "lm_head.weight" else self.prefix + rel
+            if rel not in self.tensors:
+                raise CheckpointError(f"{folder}: missing tensor {hf_name!r} (expected shape {list(shape)})")
+            _, _, dtype, got = self.tensors[rel]
+            if tuple(got) != tuple(shape):
+                raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, "
+                                      f"expected {list(shape)} from config.json")
+            if dtype not in CHECKPOINT_DTYPES:
+                raise CheckpointError(f"{folder}: tensor {hf_name!r} has dtype {dtype}; "
+                                      f"supported: {', '.join(CHECKPOINT_DTYPES)}")
+        for what, n in skipped.items():
+            self.notices.append(f"skipping the {what} ({n} tensors): Kestrel compiles the text model")
+
+    def _index(self) -> dict[str, tuple[str, str, tuple]]:
+        from safetensors import SafetensorError, safe_open
+
+        idx_path = os.path.join(self.folder, "model.safetensors.index.json")
+        single = os.path.join(self.folder, "model.safetensors")
+        if os.path.exists(idx_path):
+            try:
+                with open(idx_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{idx_path}: not a valid safetensors index (needs a 'weight_map')") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(single):
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+        index = {}
+        for fname in files:
+            path = os.path.join(self.folder, fname)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{self.folder}: shard {fname!r} listed in the index is missing")
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        sl = f.get_slice(name)
+                        index[name] = (fname, sl.get_dtype(), tuple(sl.get_shape()))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in index or index[name][0] != fname:
+                    raise CheckpointError(f"{self.folder}: index lists {name!r} in {fname!r}, but it is not there")
+        return index
+
+    def read(self, rel: str):
+        """Load one tensor (as stored) from its shard; only that tensor is in memory."""
+        from safetensors import safe_open
+
+        fname, hf_name, _, _ = self.tensors[rel]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
+        return self._handles[fname].get_tensor(hf_name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def open_checkpoint(folder: str) -> Checkpoint:
+    raw, cfg = read_config(folder)
+    return Checkpoint(folder, raw, cfg)

@@ -1,0 +1,115 @@
+"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot.
+
+``tiny`` is written in the same Hugging Face format a downloaded checkpoint has (config.json,
+model.safetensors, tokenizer.json) and then compiled through the ordinary frontend, so the preset
+exercises exactly the path a real checkpoint takes. It has both layer kinds, more value heads than
+key heads in the Gated DeltaNet layers, GQA in attention, and untied embeddings. Weights come from
+numpy's PCG64 generator with a fixed seed, so every build of ``tiny`` is byte-identical.
+
+Presets use a byte-level tokenizer (ids 0-255 are the bytes, 256 is ``<|endoftext|>``), built with
+the tokenizers library and stored as a regular tokenizer.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+TINY_SEED = 20261129
+EOS_TEXT = "<|endoftext|>"
+
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 320,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 256,
+        "bos_token_id": None,
+        "dtype": "float32",
+    }
+}
+
+
+def byte_level_tokenizer_json() -> str:
+    """A byte-level tokenizer: one token per byte (id = byte value) plus <|endoftext|> (id 256)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    # GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer and decoder use
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TEXT, special=True)])
+    return tok.to_str()
+
+
+def random_weights(shapes: dict[str, tuple], seed: int) -> dict[str, np.ndarray]:
+    """Weights with the spread of a trained model (so greedy decoding is decisive), from one seed.
+
+    Matrices ~ N(0, 1/fan_in); embeddings ~ N(0, 1); zero-centred norms ~ N(0, 0.1); the gated
+    norm ~ 1 + N(0, 0.1); A_log = log U(1, 16); dt_bias ~ N(0, 0.5); conv taps ~ N(0, 0.5).
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("A_log"):
+            w = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name.endswith("dt_bias") or "conv1d" in name:
+            w = rng.normal(0.0, 0.5, shape)
+        elif name.endswith("linear_attn.norm.weight"):
+            w = 1.0 + rng.normal(0.0, 0.1, shape)
+        elif len(shape) == 1:
+            w = rng.normal(0.0, 0.1, shape)
+        elif "embed_tokens" in name:
+            w = rng.normal(0.0, 1.0, shape)
+        else:
+            w = rng.normal(0.0, shape[-1] ** -0.5, shape)
+        out[name] = w.astype(np.float32)
+    return out
+
+
+def synthesize(name: str, folder: str) -> str:
+    """Write preset ``name`` as a Hugging Face checkpoint into ``folder``; returns the folder."""
+    from safetensors.numpy import save_file
+
+    from kestrel.compiler.frontend import expected_tensors, parse_config
+
+    raw = PRESETS[name]
+    cfg = parse_config(raw, f"preset {name}")
+    shapes = {"model." + rel: shape for rel, shape in expected_tensors(cfg)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    os.makedirs(folder, exist_ok=True)
+    save_file(random_weights(shapes, TINY_SEED), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(byte_level_tokenizer_json())
+    return folder

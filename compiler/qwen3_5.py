@@ -1,0 +1,110 @@
+"""Lowering of the Qwen3.5 text model to one static decode step (M = 1) in the step IR.
+
+One op per model operation: nothing is fused or quantized here (that is the passes' job). Every
+per-token quantity (input token, position, sampling settings) is a dyn slot; states (conv windows,
+recurrent states, KV caches of ``max_seq`` rows) are declared with fixed shapes.
+
+Weights are named after the checkpoint, relative to the text model and without ``.weight``
+(``layers.3.self_attn.q_proj``); ``weight_sources`` maps each plan weight to its checkpoint tensor.
+"""
+from __future__ import annotations
+
+from kestrel.compiler.frontend import ModelConfig
+from kestrel.compiler.ir import Program
+
+DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
+             ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"))
+
+
+def plan_weight_name(rel: str) -> str:
+    return rel[: -len(".weight")] if rel.endswith(".weight") else rel
+
+
+def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> tuple[Program, dict[str, str]]:
+    """Build the step program with every weight in its checkpoint layout, declared f32.
+
+    Returns (program, {plan weight name: checkpoint-relative tensor name}).
+    """
+    p = Program()
+    dyn = {name: p.add_dyn(name, dt) for name, dt in DYN_SLOTS}
+    sources: dict[str, str] = {}
+
+    def weight(rel: str, shape):
+        name = plan_weight_name(rel)
+        sources[name] = rel
+        return p.add_weight(name, "f32", shape)
+
+    eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
+    embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
+    h = p.emit("embedding", embed, dyn["token"])
+    for i, kind in enumerate(cfg.layer_types):
+        pre = f"layers.{i}."
+        x = p.emit("rmsnorm", h, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
+        if kind == "linear_attention":
+            y = _gated_deltanet(p, cfg, pre + "linear_attn.", x, weight)
+        else:
+            y = _gated_attention(p, cfg, pre + "self_attn.", x, weight, dyn["pos"], max_seq, kv_dtype)
+        h = p.emit("add", h, y)
+        x = p.emit("rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=eps)
+        inter = cfg.intermediate_size
+        gate = p.emit("matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
+        up = p.emit("matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
+        y = p.emit("matmul", p.emit("swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
+        h = p.emit("add", h, y)
+    hidden = p.emit("rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
+    head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
+    logits = p.emit("matmul", hidden, head)
+    p.emit("sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["pos"], out=dyn["sampled"])
+    p.emit("step_end", dyn["pos"], dyn["sampled"], out=[dyn["pos"], dyn["token"]])
+    p.outputs["hidden"] = hidden
+    p.outputs["logits"] = logits
+    return p, sources
+
+
+def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight):
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    c, h_dim, kk = cfg.gdn_conv_channels, cfg.hidden_size, cfg.linear_conv_kernel_dim
+    layer = pre.split(".")[1]
+    conv_state = p.add_state(f"layers.{layer}.conv_state", "f32", (c, kk - 1))
+    rec_state = p.add_state(f"layers.{layer}.recurrent_state", "f32", (hv, dk, dv))
+
+    qkv = p.emit("matmul", x, weight(pre + "in_proj_qkv.weight", (c, h_dim)))
+    z = p.emit("matmul", x, weight(pre + "in_proj_z.weight", (hv * dv, h_dim)))
+    b = p.emit("matmul", x, weight(pre + "in_proj_b.weight", (hv, h_dim)))
+    a = p.emit("matmul", x, weight(pre + "in_proj_a.weight", (hv, h_dim)))
+    mixed = p.emit("conv1d_step", qkv, conv_state, weight(pre + "conv1d.weight", (c, kk)), act="silu")
+
+    def part(lo, hi, shape):
+        return p.emit("reshape", p.emit("slice", mixed, axis=0, start=lo, stop=hi), shape=list(shape))
+
+    q = p.emit("l2norm", part(0, hk * dk, (hk, dk)), eps=1e-6)
+    k = p.emit("l2norm", part(hk * dk, 2 * hk * dk, (hk, dk)), eps=1e-6)
+    v = part(2 * hk * dk, c, (hv, dv))
+    g, beta = p.emit("gdn_gates", a, b, weight(pre + "A_log", (hv,)), weight(pre + "dt_bias", (hv,)))
+    o = p.emit("gated_delta_step", q, k, v, g, beta, rec_state, scale=dk ** -0.5)
+    o = p.emit("gated_rmsnorm", o, p.emit("reshape", z, shape=[hv, dv]), weight(pre + "norm.weight", (dv,)),
+               eps=cfg.rms_norm_eps)
+    return p.emit("matmul", p.emit("reshape", o, shape=[hv * dv]), weight(pre + "out_proj.weight", (h_dim, hv * dv)))
+
+
+def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, pos, max_seq: int, kv_dtype: str):
+    nh, nkv, hd, h_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    eps = cfg.rms_norm_eps
+    layer = pre.split(".")[1]
+    k_cache = p.add_state(f"layers.{layer}.k_cache", kv_dtype, (max_seq, nkv, hd))
+    v_cache = p.add_state(f"layers.{layer}.v_cache", kv_dtype, (max_seq, nkv, hd))
+
+    qg = p.emit("reshape", p.emit("matmul", x, weight(pre + "q_proj.weight", (nh * hd * 2, h_dim))),
+                shape=[nh, 2 * hd])
+    q = p.emit("slice", qg, axis=1, start=0, stop=hd)
+    gate = p.emit("reshape", p.emit("slice", qg, axis=1, start=hd, stop=2 * hd), shape=[nh * hd])
+    k = p.emit("reshape", p.emit("matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
+    v = p.emit("reshape", p.emit("matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
+    rope = dict(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+    q = p.emit("rope", p.emit("rmsnorm", q, weight(pre + "q_norm.weight", (hd,)), eps=eps), pos, **rope)
+    k = p.emit("rope", p.emit("rmsnorm", k, weight(pre + "k_norm.weight", (hd,)), eps=eps), pos, **rope)
+    p.emit("kv_append", k_cache, v_cache, k, v, pos)
+    o = p.emit("attention", q, k_cache, v_cache, pos, scale=hd ** -0.5)
+    o = p.emit("sigmoid_gate", p.emit("reshape", o, shape=[nh * hd]), gate)
+    return p.emit("matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))

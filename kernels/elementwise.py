@@ -1,0 +1,21 @@
+"""Elementwise ops of the step: residual add, output gate, SwiGLU, L2 normalisation."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def l2norm_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,8 @@
+"""Embedding gather: the row of the table for the token id held in the dyn buffer."""
+from __future__ import annotations
+
+import torch
+
+
+def embedding_ref(table: torch.Tensor, token: int) -> torch.Tensor:
+    return table[token].float()

@@ -1,0 +1,70 @@
+"""``kestrel-run``: generate tokens from a .plan."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise InputError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("plan_path", metavar="PLAN")
+@click.option("--prompt", help="Prompt text (needs a plan with a tokenizer).")
+@click.option("--prompt-ids", help="Prompt as comma-separated token ids.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
+              help="cpu runs the torch reference path (any plan).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--dump", "dump_dir", help="Write per-step logits and hidden states (float32) with index.json here.")
+@exit_on_error
+def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, as_json, dump_dir):
+    """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.runtime.generate import SamplingParams, generate
+    from kestrel.runtime.tokenizer import PlanTokenizer
+
+    if (prompt is None) == (prompt_ids is None):
+        raise InputError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    plan = load_plan(plan_path)
+    tok = PlanTokenizer(plan.tokenizer_json)
+    ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids)
+    if device == "auto" and plan.manifest["target"] != "cpu":
+        raise UnsupportedError(f"this plan targets {plan.manifest['target']}, and the GPU runtime is not in this "
+                               f"version: run it with --device cpu (the reference path)")
+    from kestrel.runtime.cpu import CpuStep
+
+    model = plan.manifest["model"]
+    from kestrel.runtime.generate import check_lengths
+
+    check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
+    step = CpuStep(plan)
+    plan.close()
+    eos = plan.manifest.get("tokenizer", {}).get("eos_token_ids") or model.get("eos_token_ids") or []
+    gen = generate(step, ids, max_new_tokens, SamplingParams(temperature, top_p, seed), eos_ids=set(eos),
+                   max_seq=step.max_seq, vocab_size=model["vocab_size"], dump_dir=dump_dir)
+    text = tok.decode(gen.tokens)
+    if as_json:
+        click.echo(json.dumps({
+            "tokens": gen.tokens, "text": text, "mode": step.mode, "ms_per_token": round(gen.ms_per_token, 4),
+            "prompt_tokens": len(ids), "prefill_ms": round(gen.prefill_ms, 3), "stopped_by": gen.stopped_by,
+        }))
+    else:
+        click.echo(text if text is not None else " ".join(map(str, gen.tokens)))
+        click.echo(f"[{step.mode}] {len(ids)} prompt tokens, {len(gen.tokens)} generated "
+                   f"({gen.stopped_by}), {gen.ms_per_token:.2f} ms/token", err=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""CPU reference runtime: executes the step program op by op with the torch references of kernels/.
+
+It runs any plan (whatever its target), one token per ``run()``, keeping the conv and recurrent
+states (fp32) and the KV caches between steps. It is the oracle the GPU paths are checked against.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kestrel.artifacts.plan import Plan
+from kestrel.compiler.ir import Dyn, State, Value, Weight
+from kestrel.compiler.ir_text import parse_program
+from kestrel.kernels.attention import attention_ref, kv_append_ref, rope_ref
+from kestrel.kernels.elementwise import add_ref, l2norm_ref, sigmoid_gate_ref, swiglu_ref
+from kestrel.kernels.embedding import embedding_ref
+from kestrel.kernels.gated_delta import conv1d_step_ref, gated_delta_step_ref, gdn_gates_ref
+from kestrel.kernels.matvec import matvec_ref
+from kestrel.kernels.rmsnorm import gated_rmsnorm_ref, rmsnorm_ref
+from kestrel.kernels.sample import sample_ref
+
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
+
+
+def _tensor_from_bytes(raw: memoryview, dtype: str, shape) -> torch.Tensor:
+    arr = np.frombuffer(raw, dtype=np.uint8).copy()  # own the bytes: the file map may close
+    return torch.from_numpy(arr).view(TORCH_DTYPES[dtype]).reshape(shape)
+
+
+class CpuStep:
+    """The step program bound to weights and states. ``dyn`` holds the dyn slots (python numbers)."""
+
+    mode = "cpu-reference"
+
+    def __init__(self, plan: Plan):
+        self.program = prog = parse_program(plan.program_text)
+        self.max_seq = plan.manifest["max_seq"]
+        self.weights = {name: _tensor_from_bytes(plan.read(name), w.type.dtype, w.type.shape)
+                        for name, w in prog.weights.items()}
+        self.states = {name: torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype])
+                       for name, s in prog.states.items()}
+        self.dyn: dict[str, int | float] = {name: 0 for name in prog.dyn}
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        for s in self.states.values():
+            s.zero_()
+        for k in self.dyn:
+            self.dyn[k] = 0
+
+    def run(self) -> None:
+        """One decode step: reads dyn.token at dyn.pos, leaves dyn.sampled and advances dyn.pos."""
+        env: dict[int, torch.Tensor] = {}
+
+        def get(x):
+            if isinstance(x, Value):
+                return env[id(x)]
+            if isinstance(x, Weight):
+                return self.weights[x.name]
+            if isinstance(x, State):
+                return self.states[x.name]
+            if isinstance(x, Dyn):
+                return self.dyn[x.name]
+            raise TypeError(x)
+
+        for op in self.program.ops:
+            args = [get(x) for x in op.ins]
+            res = _EXEC[op.kind](self, op, *args)
+            if op.kind in ("sample", "step_end"):
+                continue
+            if isinstance(res, torch.Tensor):
+                res = (res,)
+            for v, r in zip(op.outs, res or ()):
+                env[id(v)] = r
+        self.outputs = {name: env[id(v)] for name, v in self.program.outputs.items()}
+
+    def output(self, name: str) -> np.ndarray:
+        return self.outputs[name].detach().float().numpy()
+
+
+def _sample(step, op, logits, temperature, top_p, seed, pos):
+    step.dyn[op.outs[0].name] = sample_ref(logits, float(temperature), float(top_p), int(seed), int(pos))
+
+
+def _step_end(step, op, pos, sampled):
+    pos_slot, token_slot = op.outs
+    step.dyn[pos_slot.name] = int(pos) + 1
+    step.dyn[token_slot.name] = int(sampled)
+
+
+_EXEC = {
+    "embedding": lambda s, op, table, tok: embedding_ref(table, int(tok)),
+    "rmsnorm": lambda s, op, x, w: rmsnorm_ref(x, w, op.attrs["eps"]),
+    "matmul": lambda s, op, x, w: matvec_ref(x, w),
+    "add": lambda s, op, a, b: add_ref(a, b),
+    "reshape": lambda s, op, x: x.reshape(op.attrs["shape"]),
+    "slice": lambda s, op, x: x.narrow(op.attrs["axis"], op.attrs["start"], op.attrs["stop"] - op.attrs["start"]),
+    "conv1d_step": lambda s, op, x, st, w: conv1d_step_ref(x, st, w, op.attrs["act"]),
+    "l2norm": lambda s, op, x: l2norm_ref(x, op.attrs["eps"]),
+    "gdn_gates": lambda s, op, a, b, a_log, dt: gdn_gates_ref(a, b, a_log, dt),
+    "gated_delta_step": lambda s, op, q, k, v, g, beta, st: gated_delta_step_ref(q, k, v, g, beta, st,
+                                                                                 op.attrs["scale"]),
+    "gated_rmsnorm": lambda s, op, x, z, w: gated_rmsnorm_ref(x, z, w, op.attrs["eps"]),
+    "rope": lambda s, op, x, pos: rope_ref(x, int(pos), op.attrs["theta"], op.attrs["rotary_dim"]),
+    "kv_append": lambda s, op, kc, vc, k, v, pos: kv_append_ref(kc, vc, k, v, int(pos)),
+    "attention": lambda s, op, q, kc, vc, pos: attention_ref(q, kc, vc, int(pos), op.attrs["scale"]),
+    "sigmoid_gate": lambda s, op, x, g: sigmoid_gate_ref(x, g),
+    "swiglu": lambda s, op, g, u: swiglu_ref(g, u),
+    "sample": _sample,
+    "step_end": _step_end,
+}

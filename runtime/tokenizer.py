@@ -1,0 +1,29 @@
+"""Text <-> token ids for a plan, through the tokenizers library (the plan stores a tokenizer.json)."""
+from __future__ import annotations
+
+from kestrel.artifacts.errors import ArtifactError, InputError
+
+
+class PlanTokenizer:
+    def __init__(self, tokenizer_json: str | None):
+        self._tok = None
+        if tokenizer_json is not None:
+            from tokenizers import Tokenizer
+
+            try:
+                self._tok = Tokenizer.from_str(tokenizer_json)
+            except Exception as e:  # the library raises plain Exception subclasses
+                raise ArtifactError(f"the plan's tokenizer cannot be loaded ({e}); rebuild the plan") from None
+
+    @property
+    def available(self) -> bool:
+        return self._tok is not None
+
+    def encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            raise InputError("this plan has no tokenizer (its checkpoint had no tokenizer.json): "
+                             "pass --prompt-ids instead of --prompt")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self._tok is None else self._tok.decode(ids, skip_special_tokens=True)
