@@ -1,0 +1,23 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_plan(tmp_path_factory):
+    from kestrel.compiler.pipeline import build
+
+    path = str(tmp_path_factory.mktemp("tiny") / "tiny.plan")
+    build("tiny", path, max_seq=256, log=lambda m: None, progress=False)
+    return path
+
+
+def run_cli(*args, env=None):
+    """Run a console entry point in a subprocess; returns CompletedProcess (text)."""
+    cmd = [sys.executable, "-c", "import sys; from kestrel.{} import main; sys.argv[0]='{}'; main()".format(
+        "compiler.cli" if args[0] == "kestrelc" else "runtime.cli", args[0])] + list(args[1:])
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
