@@ -1,0 +1,124 @@
+"""Bad checkpoints and options: one clear line, a distinct exit code, no traceback, nothing written."""
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import run_cli
+from kestrel.artifacts.errors import CheckpointError, ConfigError, InputError, UnsupportedError
+from kestrel.compiler.presets import synthesize
+
+
+def edit_config(folder, fn):
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    fn(cfg)
+    json.dump(cfg, open(path, "w"))
+
+
+def edit_tensors(folder, fn):
+    path = os.path.join(folder, "model.safetensors")
+    t = load_file(path)
+    fn(t)
+    save_file(t, path)
+
+
+def _set(d, k, v):
+    d[k] = v
+
+
+def _pop(d, k):
+    d.pop(k)
+
+
+CASES = {
+    "unknown_model_type": (lambda f: edit_config(f, lambda c: _set(c, "model_type", "llama")),
+                           ConfigError, "unknown model_type 'llama'"),
+    "qwen3_next": (lambda f: edit_config(f, lambda c: _set(c, "model_type", "qwen3_next")),
+                   UnsupportedError, "qwen3_next"),
+    "missing_key": (lambda f: edit_config(f, lambda c: _pop(c, "hidden_size")), ConfigError, "missing key 'hidden_size'"),
+    "inconsistent_heads": (lambda f: edit_config(f, lambda c: _set(c, "num_attention_heads", 3)),
+                           ConfigError, "multiple of num_key_value_heads"),
+    "bad_layer_types": (lambda f: edit_config(f, lambda c: _set(c, "layer_types", ["linear_attention"] * 3)),
+                        ConfigError, "'layer_types' must list 4 entries"),
+    "not_json": (lambda f: open(os.path.join(f, "config.json"), "w").write("{oops"), ConfigError, "not valid JSON"),
+    "no_config": (lambda f: os.remove(os.path.join(f, "config.json")), ConfigError, "no config.json"),
+    "missing_tensor": (lambda f: edit_tensors(f, lambda t: _pop(t, "model.layers.1.mlp.up_proj.weight")),
+                       CheckpointError, "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
+    "wrong_shape": (lambda f: edit_tensors(f, lambda t: _set(t, "model.layers.3.self_attn.k_proj.weight",
+                                                             np.zeros((64, 129), np.float32))),
+                    CheckpointError, r"'model.layers.3.self_attn.k_proj.weight' has shape \[64, 129\], expected \[64, 128\]"),
+    "bad_dtype": (lambda f: edit_tensors(f, lambda t: _set(t, "model.norm.weight", np.zeros(128, np.int64))),
+                  CheckpointError, "dtype I64"),
+    "unexpected_tensor": (lambda f: edit_tensors(f, lambda t: _set(t, "model.layers.0.mlp.extra.weight",
+                                                                   np.zeros(2, np.float32))),
+                          CheckpointError, "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
+    "no_weights": (lambda f: os.remove(os.path.join(f, "model.safetensors")), CheckpointError,
+                   "no model.safetensors"),
+}
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    return synthesize("tiny", str(tmp_path_factory.mktemp("good")))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_broken_checkpoint(case, good_checkpoint, tmp_path):
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(good_checkpoint, ckpt)
+    breaker, err, message = CASES[case]
+    breaker(ckpt)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    r = run_cli("kestrelc", "build", ckpt, "-o", str(out_dir / "m.plan"))
+    assert r.returncode == err.exit_code, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    import re
+
+    assert re.search(message, lines[0]), lines[0]
+    assert list(out_dir.iterdir()) == []  # nothing written, not even a partial file
+
+
+@pytest.mark.parametrize("args, err, message", [
+    (["--target", "sm_90"], UnsupportedError, "--target sm_90"),
+    (["--quant", "q4"], UnsupportedError, "--quant q4"),
+    (["--max-seq", "100000"], InputError, "max_position_embeddings"),
+])
+def test_bad_build_options(args, err, message, tmp_path):
+    r = run_cli("kestrelc", "build", "tiny", "-o", str(tmp_path / "m.plan"), *args)
+    assert r.returncode == err.exit_code and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "m.plan").exists()
+
+
+def test_output_folder_missing(tmp_path):
+    r = run_cli("kestrelc", "build", "tiny", "-o", str(tmp_path / "no" / "m.plan"))
+    assert r.returncode == InputError.exit_code and "does not exist" in r.stderr
+
+
+def test_not_a_folder_nor_preset(tmp_path):
+    r = run_cli("kestrelc", "build", str(tmp_path / "nothing"), "-o", str(tmp_path / "m.plan"))
+    assert r.returncode == ConfigError.exit_code and "no such checkpoint folder (or preset name)" in r.stderr
+
+
+def test_sharded_index_with_missing_shard(good_checkpoint, tmp_path):
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(good_checkpoint, ckpt)
+    t = load_file(os.path.join(ckpt, "model.safetensors"))
+    names = sorted(t)
+    half = len(names) // 2
+    save_file({k: t[k] for k in names[:half]}, os.path.join(ckpt, "model-00001-of-00002.safetensors"))
+    os.remove(os.path.join(ckpt, "model.safetensors"))
+    wm = {k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+          for i, k in enumerate(names)}
+    json.dump({"metadata": {}, "weight_map": wm}, open(os.path.join(ckpt, "model.safetensors.index.json"), "w"))
+    r = run_cli("kestrelc", "build", ckpt, "-o", str(tmp_path / "m.plan"))
+    assert r.returncode == CheckpointError.exit_code and "model-00002-of-00002.safetensors" in r.stderr

@@ -1,0 +1,113 @@
+"""kestrel-run on the CPU reference path: JSON output, dumps, sampling, stopping, input errors."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from kestrel.artifacts.errors import InputError
+from kestrel.artifacts.plan import load_plan
+from kestrel.kernels.sample import sample_ref, uniform_from
+from kestrel.runtime.cpu import CpuStep
+from kestrel.runtime.generate import SamplingParams, generate
+
+
+def run_json(*args):
+    r = run_cli("kestrel-run", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_json_output(tiny_plan):
+    out = run_json(tiny_plan, "--prompt", "Hello", "--max-new-tokens", "16")
+    assert set(out) >= {"tokens", "text", "mode", "ms_per_token"}
+    assert len(out["tokens"]) == 16 and all(0 <= t < 320 for t in out["tokens"])
+    assert isinstance(out["text"], str) and out["mode"] == "cpu-reference" and out["ms_per_token"] > 0
+    assert out["prompt_tokens"] == 5  # byte-level tokenizer: one token per byte
+    again = run_json(tiny_plan, "--prompt-ids", "72,101,108,108,111", "--max-new-tokens", "16")
+    assert again["tokens"] == out["tokens"]  # same ids, greedy: same tokens
+
+
+def test_dump(tiny_plan, tmp_path):
+    d = tmp_path / "dump"
+    out = run_json(tiny_plan, "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--dump", str(d))
+    index = json.load(open(d / "index.json"))
+    steps = index["steps"]
+    assert len(steps) == 3 + 5 - 1 and index["shapes"] == {"logits": [320], "hidden": [128]}
+    assert [s["phase"] for s in steps] == ["prefill"] * 3 + ["decode"] * 4
+    assert [s["pos"] for s in steps] == list(range(7))
+    assert [s["token_in"] for s in steps[3:]] == out["tokens"][:4]
+    for s, tok in zip(steps[2:], out["tokens"]):
+        logits = np.fromfile(d / s["logits"], dtype="<f4")
+        hidden = np.fromfile(d / s["hidden"], dtype="<f4")
+        assert logits.shape == (320,) and hidden.shape == (128,) and np.isfinite(logits).all()
+        assert int(np.argmax(logits)) == tok == s["sampled"]
+
+
+def test_sampling_is_seeded(tiny_plan):
+    base = [tiny_plan, "--prompt", "The", "--max-new-tokens", "24", "--temperature", "1.0"]
+    a = run_json(*base, "--seed", "1")["tokens"]
+    assert run_json(*base, "--seed", "1")["tokens"] == a
+    assert run_json(*base, "--seed", "2")["tokens"] != a
+    greedy = run_json(tiny_plan, "--prompt", "The", "--max-new-tokens", "24")["tokens"]
+    assert a != greedy
+    # top-p keeping only the most likely token is greedy
+    assert run_json(*base, "--seed", "1", "--top-p", "1e-9")["tokens"] == greedy
+
+
+def test_sample_ref_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2, 1e-9]))
+    draws = np.bincount([sample_ref(logits, 1.0, 1.0, seed, 0) for seed in range(4000)], minlength=4) / 4000
+    assert np.allclose(draws[:3], [0.5, 0.3, 0.2], atol=0.03) and draws[3] == 0
+    top = np.bincount([sample_ref(logits, 1.0, 0.6, seed, 7) for seed in range(2000)], minlength=4)
+    assert top[2] == 0 and top[3] == 0  # 0.5 + 0.3 reaches top_p 0.6: only the first two remain
+    assert all(0 <= uniform_from(s, p) < 1 for s in range(50) for p in range(50))
+
+
+def test_eos_stops(tiny_plan):
+    plan = load_plan(tiny_plan)
+    step = CpuStep(plan)
+    plan.close()
+    free = generate(step, [1, 2, 3], 12, SamplingParams())
+    eos = free.tokens[4]
+    stopped = generate(step, [1, 2, 3], 12, SamplingParams(), eos_ids={eos})
+    k = free.tokens.index(eos)
+    assert stopped.tokens == free.tokens[:k + 1] and stopped.stopped_by == "eos"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", ",".join(["1"] * 250), "--max-new-tokens", "10"], "exceeds the plan's max_seq 256"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,5000"], "outside the vocabulary"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
+    (["--prompt", "a", "--top-p", "0"], "--top-p"),
+])
+def test_input_errors(tiny_plan, args, message):
+    r = run_cli("kestrel-run", tiny_plan, *args)
+    assert r.returncode == InputError.exit_code, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_text_needs_a_tokenizer(tmp_path):
+    from kestrel.compiler.pipeline import build
+    from kestrel.compiler.presets import synthesize
+
+    ckpt = synthesize("tiny", str(tmp_path / "ckpt"))
+    os.remove(os.path.join(ckpt, "tokenizer.json"))
+    build(ckpt, str(tmp_path / "m.plan"), max_seq=64, log=lambda m: None, progress=False)
+    r = run_cli("kestrel-run", str(tmp_path / "m.plan"), "--prompt", "hello")
+    assert r.returncode == InputError.exit_code and "--prompt-ids" in r.stderr
+    out = json.loads(run_cli("kestrel-run", str(tmp_path / "m.plan"), "--prompt-ids", "1,2", "--max-new-tokens", "3",
+                             "--json").stdout)
+    assert len(out["tokens"]) == 3 and out["text"] is None
+
+
+def test_inspect(tiny_plan):
+    r = run_cli("kestrelc", "inspect", tiny_plan)
+    assert r.returncode == 0 and "qwen3_5_text: 4 layers (3 gated-deltanet, 1 attention)" in r.stdout
+    s = json.loads(run_cli("kestrelc", "inspect", tiny_plan, "--json").stdout)
+    assert s["program"]["op_counts"]["gated_delta_step"] == 3 and s["max_seq"] == 256
+    assert s["program"]["dyn_slots"]["pos"] == "i32"
