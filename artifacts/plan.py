@@ -4,6 +4,8 @@ A plan is a single file (see README, "Artifact layout"), a safetensors container
   * the weights, one tensor per program weight, under the program's names;
   * ``__kestrel__/program``: the step program in its text form (UTF-8 bytes);
   * ``__kestrel__/tokenizer``: a tokenizers ``tokenizer.json`` (UTF-8 bytes), when the model has one;
+  * ``__kestrel__/launch_plan``: the launch plan (JSON): arena layout, dyn slot table, and every
+    launch with its kernel, grid, warps, constexprs and arguments as arena offsets or constants;
 and, in the header metadata,
   * ``kestrel.manifest``: JSON with the format and producer versions, target, quantization, max_seq,
     the model config, where it came from, and the sha256, dtype and shape of every part;
@@ -26,6 +28,7 @@ FORMAT = "kestrel.plan"
 FORMAT_VERSION = 1
 PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
+LAUNCH_PLAN_PART = "__kestrel__/launch_plan"
 
 
 def producer_version() -> str:
@@ -48,7 +51,8 @@ class PlanInfo:
 
 
 def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple[str, str, tuple]],
-               produce_weight, tokenizer_json: str | None = None, progress=None) -> None:
+               produce_weight, tokenizer_json: str | None = None, launch_plan: dict | None = None,
+               progress=None) -> None:
     """Write a plan, streaming weights one at a time.
 
     ``weights``: (name, dtype, shape) in the order to store them. ``produce_weight(name)`` returns
@@ -59,6 +63,8 @@ def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple
     extra = [(PROGRAM_PART, program_bytes)]
     if tokenizer_json is not None:
         extra.append((TOKENIZER_PART, tokenizer_json.encode()))
+    if launch_plan is not None:
+        extra.append((LAUNCH_PLAN_PART, json.dumps(launch_plan, sort_keys=True).encode()))
     entries = [(n, "u8", (len(b),)) for n, b in extra] + [(n, d, tuple(s)) for n, d, s in weights]
 
     def metadata_fn(checksums: dict[str, str]) -> dict[str, str]:
@@ -124,6 +130,7 @@ class Plan:
             raise ArtifactError(f"{path}: no step program inside; the file is corrupted")
         self.program_text = bytes(self.read(PROGRAM_PART)).decode()
         self.tokenizer_json = bytes(self.read(TOKENIZER_PART)).decode() if TOKENIZER_PART in parts else None
+        self.launch_plan = json.loads(bytes(self.read(LAUNCH_PLAN_PART))) if LAUNCH_PLAN_PART in parts else None
 
     @property
     def weight_names(self) -> list[str]:

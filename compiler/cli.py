@@ -19,16 +19,21 @@ def cli():
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, help="Path of the .plan file to write.")
-@click.option("--target", default="cpu", show_default=True, help="cpu (GPU targets sm_80 ... sm_120 come with the kernel library).")
-@click.option("--quant", default="none", show_default=True, help="Weight precision: none = fp32.")
+@click.option("--target", default="cpu", show_default=True, help="cpu, sm_80, sm_86, sm_89, sm_90, sm_100 or sm_120.")
+@click.option("--quant", default=None, help="Weight precision: none (fp32), bf16 or q4. Default: none on cpu, bf16 on GPUs.")
+@click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Inputs per f16 scale for --quant q4.")
 @click.option("--max-seq", type=int, default=None, help="KV-cache rows (prompt + generated tokens). Default: min(4096, max_position_embeddings).")
+@click.option("--dump-ir-after", metavar="PASS", default=None,
+              help="Print the IR after PASS (lower, fuse, quantize, hoist_dynamic, plan_memory, select_kernels) or 'all'.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def build(model, out, target, quant, max_seq, quiet):
+def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, quiet):
     """Compile MODEL (a checkpoint folder or a preset: tiny) into a .plan."""
     from kestrel.compiler.pipeline import build as do_build
 
     log = (lambda msg: click.echo(msg, err=True))
-    exit_on_error(do_build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet)
+    exit_on_error(do_build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
+                            q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo)
 
 
 def plan_summary(plan) -> dict:

@@ -21,6 +21,16 @@ from typing import Callable
 
 DTYPES = ("f32", "bf16", "f16", "i32")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
+Q4_GROUPS = (32, 64, 128)  # weight-only int4 with one f16 scale per group of this many inputs: dtype "q4g128"
+ALIGN = 256  # every arena buffer starts on this boundary
+
+
+def is_q4(dtype: str) -> bool:
+    return dtype.startswith("q4g") and dtype[3:].isdigit() and int(dtype[3:]) in Q4_GROUPS
+
+
+def q4_group(dtype: str) -> int:
+    return int(dtype[3:])
 
 
 class IRError(ValueError):
@@ -33,10 +43,12 @@ class TensorType:
     shape: tuple[int, ...]
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise IRError(f"unknown dtype {self.dtype!r} (known: {', '.join(DTYPES)})")
+        if self.dtype not in DTYPES and not is_q4(self.dtype):
+            raise IRError(f"unknown dtype {self.dtype!r} (known: {', '.join(DTYPES)}, q4g32/64/128)")
         if any((not isinstance(d, int)) or d <= 0 for d in self.shape):
             raise IRError(f"shape {self.shape} must be positive integers")
+        if is_q4(self.dtype) and (len(self.shape) != 2 or self.shape[1] % q4_group(self.dtype)):
+            raise IRError(f"{self}: a q4 weight is [out, in] with in a multiple of the group")
 
     @property
     def numel(self) -> int:
@@ -44,6 +56,9 @@ class TensorType:
 
     @property
     def nbytes(self) -> int:
+        if is_q4(self.dtype):  # packed nibbles, then one f16 scale per group (see passes/quantize.py)
+            n, k = self.shape
+            return n * k // 2 + n * (k // q4_group(self.dtype)) * 2
         return self.numel * DTYPE_BYTES[self.dtype]
 
     def __str__(self) -> str:
@@ -51,12 +66,14 @@ class TensorType:
 
 
 class Value:
-    """An SSA temporary defined by exactly one op. Identity is the object; names come at print time."""
+    """An SSA temporary defined by exactly one op. Identity is the object; names come at print time.
+    ``loc`` is its arena placement (region, byte offset) once plan_memory has run."""
 
-    __slots__ = ("type",)
+    __slots__ = ("type", "loc")
 
-    def __init__(self, type: TensorType):
+    def __init__(self, type: TensorType, loc: tuple[str, int] | None = None):
         self.type = type
+        self.loc = loc
 
     def __repr__(self) -> str:
         return f"Value({self.type})"
@@ -64,20 +81,32 @@ class Value:
 
 @dataclass(eq=False)
 class Weight:
+    """``source`` says how to make the bytes from the checkpoint, as a JSON-able recipe:
+    ["ckpt", name] | ["reshape", [dims], r] | ["concat", axis, r1, r2, ...] | ["cast", dtype, r]
+    | ["q4", group, r] (see compiler/weights.py)."""
+
     name: str
     type: TensorType
+    source: list | None = None
+    loc: tuple[str, int] | None = None
 
 
 @dataclass(eq=False)
 class State:
     name: str
     type: TensorType
+    loc: tuple[str, int] | None = None
 
 
 @dataclass(eq=False)
 class Dyn:
+    """A 4-byte per-token slot. ``host``: the host passes it with every launch (a kernel argument,
+    which changes per token); otherwise it lives in the device dyn buffer (see hoist_dynamic)."""
+
     name: str
-    dtype: str  # i32 or f32, one 4-byte slot each
+    dtype: str  # i32 or f32
+    host: bool = False
+    loc: tuple[str, int] | None = None
 
 
 Operand = Value | Weight | State | Dyn
@@ -89,6 +118,7 @@ class Op:
     outs: list  # Values, or Dyn slots the op writes
     ins: list  # Operands
     attrs: dict = field(default_factory=dict)
+    launch: dict | None = None  # set by select_kernels: kernel id and launch configuration
 
 
 @dataclass
@@ -98,22 +128,24 @@ class Program:
     states: dict[str, State] = field(default_factory=dict)
     ops: list[Op] = field(default_factory=list)
     outputs: dict[str, Value] = field(default_factory=dict)
+    arena: dict[str, int] = field(default_factory=dict)  # region -> bytes, set by plan_memory
+    target: str | None = None  # set by select_kernels
 
     # --- building ------------------------------------------------------------------------
-    def add_dyn(self, name: str, dtype: str) -> Dyn:
+    def add_dyn(self, name: str, dtype: str, host: bool = False) -> Dyn:
         if name in self.dyn:
             raise IRError(f"dyn slot {name!r} declared twice")
-        self.dyn[name] = d = Dyn(name, dtype)
+        self.dyn[name] = d = Dyn(name, dtype, host)
         return d
 
-    def add_weight(self, name: str, dtype: str, shape) -> Weight:
-        if name in self.weights:
+    def add_weight(self, name: str, dtype: str, shape, source: list | None = None) -> Weight:
+        if name in self.weights or name in self.states:
             raise IRError(f"weight {name!r} declared twice")
-        self.weights[name] = w = Weight(name, TensorType(dtype, tuple(shape)))
+        self.weights[name] = w = Weight(name, TensorType(dtype, tuple(shape)), source)
         return w
 
     def add_state(self, name: str, dtype: str, shape) -> State:
-        if name in self.states:
+        if name in self.states or name in self.weights:
             raise IRError(f"state {name!r} declared twice")
         self.states[name] = s = State(name, TensorType(dtype, tuple(shape)))
         return s
@@ -282,6 +314,48 @@ def _infer_step_end(ins, a):
     return []
 
 
+def _infer_add_rmsnorm(ins, a):
+    x, y, w = ins
+    shape = _same_shape(x, y)
+    _need(_t(w).shape == (shape[-1],), "add_rmsnorm weight must match the last axis")
+    return [_f32(shape), _f32(shape)]
+
+
+def _infer_matmul_swiglu(ins, a):
+    x, wg, wu = ins
+    _need(_t(wg).shape == _t(wu).shape, f"gate {_t(wg).shape} and up {_t(wu).shape} weights differ")
+    return _infer_matmul([x, wg], a)
+
+
+def _infer_gdn_step(ins, a):
+    qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec = ins
+    hv, dk, dv = _t(rec).shape
+    (c,) = _t(qkv).shape
+    _need(_t(rec).dtype == "f32", "recurrent state must be f32")
+    _need(_t(z).shape == (hv * dv,), f"z must be [{hv * dv}]")
+    _need(_t(b).shape == (hv,) and _t(av).shape == (hv,), f"a and b must be [{hv}]")
+    _need((c - hv * dv) > 0 and (c - hv * dv) % (2 * dk) == 0, f"qkv [{c}] does not split into q, k, v heads")
+    hk = (c - hv * dv) // (2 * dk)
+    _need(hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}")
+    kk = _t(conv_w).shape[1] if len(_t(conv_w).shape) == 2 else 0
+    _need(_t(conv_w).shape == (c, kk) and _t(conv_state).shape == (c, kk - 1), "conv weight/state do not match qkv")
+    _need(_t(a_log).shape == (hv,) and _t(dt_bias).shape == (hv,) and _t(norm_w).shape == (dv,),
+          "A_log, dt_bias must be [Hv] and the norm weight [Dv]")
+    return [_f32((hv * dv,))]
+
+
+def _infer_attn_step(ins, a):
+    qg, k, v, qn, kn, kc, vc, pos = ins
+    s, hkv, d = _t(kc).shape
+    (n2,) = _t(qg).shape
+    _need(n2 % (2 * d) == 0 and (n2 // (2 * d)) % hkv == 0, f"q|gate [{n2}] does not split into heads of {d}")
+    _need(_t(k).shape == (hkv * d,) and _t(v).shape == (hkv * d,), f"k, v must be [{hkv * d}]")
+    _need(_t(qn).shape == (d,) and _t(kn).shape == (d,), "q/k norm weights must be [head_dim]")
+    _need(_t(vc).shape == _t(kc).shape, "k and v caches differ")
+    _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
+    return [_f32((n2 // 2,))]
+
+
 OP_SPECS: dict[str, OpSpec] = {
     "embedding": OpSpec("wd", (), _infer_embedding, doc="row `token` of the table"),
     "rmsnorm": OpSpec("tw", ("eps",), _infer_rmsnorm, doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
@@ -305,7 +379,25 @@ OP_SPECS: dict[str, OpSpec] = {
     "sample": OpSpec("vdddd", (), _infer_sample, writes_dyn=True,
                      doc="argmax if temperature == 0, else seeded top-p sampling; writes dyn.sampled"),
     "step_end": OpSpec("dd", (), _infer_step_end, writes_dyn=True, doc="pos += 1; token = sampled"),
+    # --- fused ops (made by passes/fuse.py) ---
+    "add_rmsnorm": OpSpec("vvw", ("eps",), _infer_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
+    "matmul_swiglu": OpSpec("vww", (), _infer_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),
+    "gdn_step": OpSpec("vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, inout=(4, 9),
+                       doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm"),
+    "attn_step": OpSpec("vvvwwssd", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, inout=(5, 6),
+                        doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention, sigmoid gate"),
 }
+
+VIEW_OPS = ("reshape", "slice")
+
+
+def is_view(op: Op) -> bool:
+    """reshape, and slices of contiguous leading ranges, alias their input: no data moves."""
+    if op.kind == "reshape":
+        return True
+    if op.kind == "slice":
+        return all(d == 1 for d in op.ins[0].type.shape[:op.attrs["axis"]])
+    return False
 
 _OPERAND_CLASS = {"v": (Value,), "w": (Weight,), "s": (State,), "d": (Dyn,), "t": (Value, Weight, State)}
 _KIND_NAME = {Value: "value", Weight: "weight", State: "state", Dyn: "dyn slot"}

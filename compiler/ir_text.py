@@ -41,11 +41,25 @@ def _fmt_attr(v) -> str:
     raise IRError(f"attribute value {v!r} has no text form")
 
 
+def _loc(x) -> str:
+    return f" @{x.loc[0]}+{x.loc[1]}" if x.loc is not None else ""
+
+
+def _fmt_attrs(attrs: dict) -> str:
+    return "{" + ", ".join(f"{k}={_fmt_attr(v)}" for k, v in attrs.items()) + "}"
+
+
 def print_program(program: Program) -> str:
     lines = [HEADER]
-    lines += [f"dyn {d.name}:{d.dtype}" for d in program.dyn.values()]
-    lines += [f"weight {w.name} : {w.type}" for w in program.weights.values()]
-    lines += [f"state {s.name} : {s.type}" for s in program.states.values()]
+    if program.target is not None:
+        lines.append(f"target {program.target}")
+    if program.arena:
+        lines.append("arena " + " ".join(f"{k}={v}" for k, v in program.arena.items()))
+    lines += [f"dyn {d.name}:{d.dtype}{' host' if d.host else ''}{_loc(d)}" for d in program.dyn.values()]
+    lines += [f"weight {w.name} : {w.type}"
+              + (f" <- {json.dumps(w.source, separators=(',', ':'))}" if w.source is not None else "") + _loc(w)
+              for w in program.weights.values()]
+    lines += [f"state {s.name} : {s.type}{_loc(s)}" for s in program.states.values()]
     names: dict[int, str] = {}
 
     def ref(x) -> str:
@@ -63,19 +77,29 @@ def print_program(program: Program) -> str:
         for o in op.outs:
             if isinstance(o, Value):
                 names[id(o)] = f"%{len(names)}"
-                outs.append(f"{names[id(o)]} : {o.type}")
+                outs.append(f"{names[id(o)]} : {o.type}{_loc(o)}")
             else:
                 outs.append(ref(o))
         text = f"{op.kind} " + ", ".join(ref(x) for x in op.ins) if op.ins else op.kind
         if op.attrs:
-            text += " {" + ", ".join(f"{k}={_fmt_attr(v)}" for k, v in op.attrs.items()) + "}"
+            text += " " + _fmt_attrs(op.attrs)
+        if op.launch is not None:
+            text += " launch" + _fmt_attrs(op.launch)
         lines.append((", ".join(outs) + " = " + text) if outs else text)
     lines += [f"output {name} {ref(v)}" for name, v in program.outputs.items()]
     return "\n".join(lines) + "\n"
 
 
 _TYPE_RE = re.compile(r"^(\w+)\[([0-9,]*)\]$")
-_RESULT_RE = re.compile(r"%\d+\s*:\s*\w+\[[0-9,]*\]|dyn\.\w+")
+_RESULT_RE = re.compile(r"%\d+\s*:\s*\w+\[[0-9,]*\](?:\s*@\w+\+\d+)?|dyn\.\w+")
+_LOC_RE = re.compile(r"\s+@(\w+)\+(\d+)$")
+
+
+def _split_loc(s: str):
+    m = _LOC_RE.search(s)
+    if not m:
+        return s, None
+    return s[:m.start()], (m.group(1), int(m.group(2)))
 _ATTR_RE = re.compile(r'\s*(\w+)\s*=\s*("(?:[^"\\]|\\.)*"|\[[^\]]*\]|[^,}]+)\s*(?:,|$)')
 
 
@@ -149,24 +173,48 @@ def parse_program(text: str) -> Program:
         if not line or line.startswith("#"):
             continue
         head, _, rest = line.partition(" ")
-        if head == "dyn" and ":" in rest and "=" not in rest:
+        if head == "target" and " = " not in rest:
+            prog.target = rest.strip()
+            continue
+        if head == "arena" and " = " not in rest:
+            for item in rest.split():
+                k, _, v = item.partition("=")
+                prog.arena[k] = int(v)
+            continue
+        if head == "dyn" and ":" in rest and " = " not in rest:
+            rest, loc = _split_loc(rest)
             name, _, dt = rest.partition(":")
-            prog.add_dyn(name.strip(), dt.strip())
+            dt, _, flag = dt.strip().partition(" ")
+            if flag not in ("", "host"):
+                raise IRError(f"{where}: bad dyn slot flag {flag!r} (only 'host')")
+            prog.add_dyn(name.strip(), dt, host=flag == "host").loc = loc
             continue
         if head in ("weight", "state"):
+            rest, loc = _split_loc(rest)
             name, _, t = rest.partition(" : ")
+            t, _, src = t.partition(" <- ")
             name = name.strip()
             if name in prog.weights or name in prog.states:
                 raise IRError(f"{where}: {name!r} declared twice")
             typ = _parse_type(t, where)
-            (prog.add_weight if head == "weight" else prog.add_state)(name, typ.dtype, typ.shape)
+            if head == "weight":
+                try:
+                    source = json.loads(src) if src else None
+                except json.JSONDecodeError:
+                    raise IRError(f"{where}: weight source {src!r} is not valid JSON") from None
+                prog.add_weight(name, typ.dtype, typ.shape, source).loc = loc
+            else:
+                prog.add_state(name, typ.dtype, typ.shape).loc = loc
             continue
         if head == "output":
             name, _, v = rest.partition(" ")
             prog.outputs[name] = operand(v, where)
             continue
         lhs, eq, rhs = line.partition(" = ") if " = " in line else ("", "", line)
-        attrs = {}
+        attrs, launch = {}, None
+        if rhs.endswith("}") and " launch{" in rhs:
+            rhs, _, launch_text = rhs.rpartition(" launch{")
+            launch = _parse_attrs(launch_text[:-1], where)
         if rhs.endswith("}") and "{" in rhs:
             rhs, _, attr_text = rhs.partition(" {")
             attrs = _parse_attrs(attr_text[:-1], where)
@@ -184,13 +232,14 @@ def parse_program(text: str) -> Program:
             if o.startswith("dyn."):
                 outs.append(operand(o, where))
                 continue
+            o, loc = _split_loc(o)
             name, _, t = o.partition(" : ")
             if not name.startswith("%") or not t:
                 raise IRError(f"{where}: bad result {o!r} (expected like %3 : f32[8])")
             if name in values:
                 raise IRError(f"{where}: {name} defined twice")
-            values[name] = Value(_parse_type(t, where))
+            values[name] = Value(_parse_type(t, where), loc)
             outs.append(values[name])
-        prog.ops.append(Op(kind, outs, ins, attrs))
+        prog.ops.append(Op(kind, outs, ins, attrs, launch))
     verify(prog)
     return prog

@@ -13,14 +13,41 @@ from dataclasses import dataclass
 from kestrel.artifacts.errors import InputError, UnsupportedError
 from kestrel.artifacts.plan import PlanInfo, write_plan
 from kestrel.compiler.frontend import Checkpoint, open_checkpoint
-from kestrel.compiler.ir import verify
+from kestrel.compiler.ir import Program, verify
 from kestrel.compiler.ir_text import print_program
+from kestrel.compiler.launch_plan import launch_plan
 from kestrel.compiler.presets import PRESETS, synthesize
 from kestrel.compiler.qwen3_5 import lower
+from kestrel.compiler.weights import storage, weight_bytes
+from kestrel.kernels.targets import ALL_TARGETS
+from kestrel.passes.fuse import fuse
+from kestrel.passes.hoist_dynamic import check_dyn_invariance, hoist_dynamic
+from kestrel.passes.plan_memory import memory_report, plan_memory
+from kestrel.passes.quantize import DEFAULT_Q4_GROUP, QUANT_MODES, quantize
+from kestrel.passes.select_kernels import select_kernels
 
-TARGETS = ("cpu",)
-QUANTS = ("none",)
+PASS_NAMES = ("fuse", "quantize", "hoist_dynamic", "plan_memory", "select_kernels")
 DEFAULT_MAX_SEQ = 4096
+
+
+def default_quant(target: str) -> str:
+    return "none" if target == "cpu" else "bf16"
+
+
+def run_passes(program: Program, target: str, quant: str, q4_group: int = DEFAULT_Q4_GROUP,
+               until: str | None = None, on_pass=None) -> Program:
+    """The pass pipeline, each pass followed by the verifier. ``on_pass(name, program)`` sees the
+    program after each pass; ``until`` stops after that pass."""
+    passes = {"fuse": fuse, "quantize": lambda p: quantize(p, quant, q4_group), "hoist_dynamic": hoist_dynamic,
+              "plan_memory": plan_memory, "select_kernels": lambda p: select_kernels(p, target)}
+    for name in PASS_NAMES:
+        program = passes[name](program)
+        verify(program)
+        if on_pass is not None:
+            on_pass(name, program)
+        if name == until:
+            break
+    return program
 
 
 @dataclass
@@ -33,32 +60,35 @@ class BuildResult:
     notices: list[str]
 
 
-def _check_options(target: str, quant: str):
-    if target not in TARGETS:
-        raise UnsupportedError(f"--target {target}: only 'cpu' plans can be built so far (GPU targets need the "
-                               f"kernel library, not in this version); use --target cpu")
-    if quant not in QUANTS:
-        raise UnsupportedError(f"--quant {quant}: only 'none' (fp32) is available so far (bf16 and q4 come with "
-                               f"the quantize pass); use --quant none")
+def _check_options(target: str, quant: str, dump_ir_after: str | None):
+    if target not in ALL_TARGETS:
+        raise UnsupportedError(f"--target {target}: unknown target; choose one of {', '.join(ALL_TARGETS)}")
+    if quant not in QUANT_MODES:
+        raise UnsupportedError(f"--quant {quant}: unknown precision; choose one of {', '.join(QUANT_MODES)}")
+    if dump_ir_after not in (None, "all", "lower") + PASS_NAMES:
+        raise InputError(f"--dump-ir-after {dump_ir_after}: choose one of lower, {', '.join(PASS_NAMES)}, all")
 
 
-def build(model: str, out: str, target: str = "cpu", quant: str = "none", max_seq: int | None = None,
-          log=print, progress: bool = True) -> BuildResult:
-    _check_options(target, quant)
+def build(model: str, out: str, target: str = "cpu", quant: str | None = None, max_seq: int | None = None,
+          log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
+          dump=print) -> BuildResult:
+    quant = quant or default_quant(target)
+    _check_options(target, quant, dump_ir_after)
+    opts = dict(q4_group=q4_group, dump_ir_after=dump_ir_after, dump=dump)
     out_dir = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(out_dir):
         raise InputError(f"-o {out}: folder {out_dir} does not exist")
     if model in PRESETS:
         with tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-") as tmp:
             ck = open_checkpoint(synthesize(model, tmp))
-            return _build(ck, {"kind": "preset", "name": model}, out, target, quant, max_seq, log, progress)
+            return _build(ck, {"kind": "preset", "name": model}, out, target, quant, max_seq, log, progress, **opts)
     ck = open_checkpoint(model)
     return _build(ck, {"kind": "checkpoint", "path": os.path.abspath(model)}, out, target, quant, max_seq, log,
-                  progress)
+                  progress, **opts)
 
 
 def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_seq: int | None, log,
-           progress: bool) -> BuildResult:
+           progress: bool, q4_group: int, dump_ir_after: str | None, dump) -> BuildResult:
     cfg = ck.cfg
     if max_seq is None:
         max_seq = min(DEFAULT_MAX_SEQ, cfg.max_position_embeddings)
@@ -68,8 +98,22 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
     for notice in ck.notices:
         log(f"note: {notice}")
 
-    program, sources = lower(cfg, max_seq)
+    program = lower(cfg, max_seq)
     verify(program)
+
+    def on_pass(name, prog):
+        if dump_ir_after in (name, "all"):
+            dump(f"# IR after {name}\n" + print_program(prog))
+
+    on_pass("lower", program)
+    program = run_passes(program, target, quant, q4_group, on_pass=on_pass)
+    n_launches = check_dyn_invariance(program)
+    log(f"dyn check: the launch list is identical at two token states ({n_launches} launches, no per-token "
+        f"kernel argument)")
+    log(memory_report(program))
+    if target != "cpu":
+        log(f"note: {target} kernels are selected and launch-planned, but not compiled to cubins in this version; "
+            f"run the plan with --device cpu")
 
     tok_path = os.path.join(ck.folder, "tokenizer.json")
     tokenizer_json = None
@@ -78,14 +122,10 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
             tokenizer_json = f.read()
     info = PlanInfo(target=target, quant=quant, max_seq=max_seq, model=cfg.to_json(), source=source,
                     tokenizer={"eos_token_ids": list(cfg.eos_token_ids)} if tokenizer_json else {})
-    weights = [(w.name, w.type.dtype, w.type.shape) for w in program.weights.values()]
+    weights = [(w.name, *storage(w)) for w in program.weights.values()]
 
     def produce(name: str):
-        import torch
-
-        w = program.weights[name]
-        t = ck.read(sources[name]).to(torch.float32).reshape(w.type.shape).contiguous()
-        return memoryview(t.numpy()).cast("B")
+        return weight_bytes(program.weights[name], ck.read)
 
     n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
     log(f"kestrelc: {source.get('name') or source.get('path')} ({cfg.model_type}, {cfg.num_hidden_layers} layers: "
@@ -94,7 +134,7 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
     bar = _progress_bar(program.weight_bytes(), enabled=progress)
     try:
         write_plan(out, info, print_program(program), weights, produce, tokenizer_json,
-                   progress=lambda name, n: bar.update(n))
+                   launch_plan=launch_plan(program), progress=lambda name, n: bar.update(n))
     finally:
         bar.close()
         ck.close()

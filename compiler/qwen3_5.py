@@ -5,7 +5,11 @@ per-token quantity (input token, position, sampling settings) is a dyn slot; sta
 recurrent states, KV caches of ``max_seq`` rows) are declared with fixed shapes.
 
 Weights are named after the checkpoint, relative to the text model and without ``.weight``
-(``layers.3.self_attn.q_proj``); ``weight_sources`` maps each plan weight to its checkpoint tensor.
+(``layers.3.self_attn.q_proj``), declared f32 with their checkpoint tensor as source.
+
+Straight out of the lowering, the dyn slots are *host* slots (passed with every launch, as an eager
+framework would) and the host advances pos and feeds the sampled token back; hoist_dynamic moves
+them into the device dyn buffer and adds the step_end op.
 """
 from __future__ import annotations
 
@@ -20,19 +24,16 @@ def plan_weight_name(rel: str) -> str:
     return rel[: -len(".weight")] if rel.endswith(".weight") else rel
 
 
-def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> tuple[Program, dict[str, str]]:
-    """Build the step program with every weight in its checkpoint layout, declared f32.
-
-    Returns (program, {plan weight name: checkpoint-relative tensor name}).
-    """
+def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> Program:
+    """Build the step program with every weight in its checkpoint layout, declared f32."""
     p = Program()
-    dyn = {name: p.add_dyn(name, dt) for name, dt in DYN_SLOTS}
-    sources: dict[str, str] = {}
+    dyn = {name: p.add_dyn(name, dt, host=True) for name, dt in DYN_SLOTS}
 
     def weight(rel: str, shape):
-        name = plan_weight_name(rel)
-        sources[name] = rel
-        return p.add_weight(name, "f32", shape)
+        src = ["ckpt", rel]
+        if rel.endswith("conv1d.weight"):  # stored [C, 1, K]
+            src = ["reshape", list(shape), src]
+        return p.add_weight(plan_weight_name(rel), "f32", shape, src)
 
     eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
     embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
@@ -55,10 +56,9 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> tuple[Progra
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     logits = p.emit("matmul", hidden, head)
     p.emit("sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["pos"], out=dyn["sampled"])
-    p.emit("step_end", dyn["pos"], dyn["sampled"], out=[dyn["pos"], dyn["token"]])
     p.outputs["hidden"] = hidden
     p.outputs["logits"] = logits
-    return p, sources
+    return p
 
 
 def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight):

@@ -38,3 +38,28 @@ def attention_ref(q: torch.Tensor, k_cache, v_cache, pos: int, scale: float) -> 
     scores = torch.einsum("hd,hnd->hn", q.float(), k) * scale
     p = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return torch.einsum("hn,hnd->hd", p, v)
+
+
+def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: float, theta: float, rotary_dim: int,
+                  scale: float) -> torch.Tensor:
+    """The gated attention token mixer after its input projections, as one step: split q|gate per
+    head, q/k RMSNorm, partial RoPE at pos, KV append at pos, GQA attention over 0..pos, sigmoid gate.
+    Composed from the single-op references in the same order, so it matches them bit for bit."""
+    from kestrel.kernels.elementwise import sigmoid_gate_ref
+    from kestrel.kernels.rmsnorm import rmsnorm_ref
+
+    _, hkv, d = k_cache.shape
+    nh = qg.shape[0] // (2 * d)
+    qg = qg.reshape(nh, 2 * d)
+    q = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos, theta, rotary_dim)
+    kr = rope_ref(rmsnorm_ref(k.reshape(hkv, d), k_norm, eps), pos, theta, rotary_dim)
+    kv_append_ref(k_cache, v_cache, kr, v.reshape(hkv, d), pos)
+    o = attention_ref(q, k_cache, v_cache, pos, scale).reshape(nh * d)
+    return sigmoid_gate_ref(o, qg[:, d:].reshape(nh * d))
+
+
+def attn_step_launch(n_heads: int, head_dim: int, target) -> dict:
+    """One CTA per query head, walking the cache in BLOCK_S rows."""
+    from kestrel.kernels.targets import pow2_at_least
+
+    return {"grid": [n_heads, 1, 1], "num_warps": 4, "constexprs": {"D": pow2_at_least(head_dim), "BLOCK_S": 64}}

@@ -36,3 +36,29 @@ def gated_delta_step_ref(q, k, v, g, beta, state: torch.Tensor, scale: float) ->
     s = s + k[:, :, None] * delta[:, None, :]
     state.copy_(s)
     return (s * q[:, :, None]).sum(dim=1)
+
+
+def gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec_state, eps: float, l2_eps: float,
+                 scale: float) -> torch.Tensor:
+    """The whole Gated DeltaNet token mixer after its input projections, as one step:
+    conv1d update + SiLU, split q|k|v, L2-normalise q and k, gates, delta rule, gated RMSNorm.
+    Composed from the single-op references in the same order, so it matches them bit for bit."""
+    from kestrel.kernels.elementwise import l2norm_ref
+    from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
+
+    hv, dk, dv = rec_state.shape
+    hk = (qkv.shape[0] - hv * dv) // (2 * dk)
+    mixed = conv1d_step_ref(qkv, conv_state, conv_w, "silu")
+    q = l2norm_ref(mixed[: hk * dk].reshape(hk, dk), l2_eps)
+    k = l2norm_ref(mixed[hk * dk: 2 * hk * dk].reshape(hk, dk), l2_eps)
+    v = mixed[2 * hk * dk:].reshape(hv, dv)
+    g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
+    o = gated_delta_step_ref(q, k, v, g, beta, rec_state, scale)
+    return gated_rmsnorm_ref(o, z.reshape(hv, dv), norm_w, eps).reshape(hv * dv)
+
+
+def gdn_step_launch(hv: int, dk: int, dv: int, target) -> dict:
+    """One CTA per value head: it needs the head's whole q, k (L2 norms) and v row (gated norm)."""
+    from kestrel.kernels.targets import pow2_at_least
+
+    return {"grid": [hv, 1, 1], "num_warps": 4, "constexprs": {"DK": pow2_at_least(dk), "DV": pow2_at_least(dv)}}

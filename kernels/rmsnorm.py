@@ -19,3 +19,20 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: fl
     x = x.float()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return w.float() * y * torch.nn.functional.silu(z.float())
+
+
+def add_rmsnorm_ref(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
+    """Residual add fused with the next norm: returns (x + y, rmsnorm(x + y))."""
+    s = x + y
+    return s, rmsnorm_ref(s, w, eps)
+
+
+def rmsnorm_launch(shape: tuple, target) -> dict:
+    """One CTA per row (a single row at M = 1; per-head norms have one row per head)."""
+    from kestrel.kernels.targets import pow2_at_least
+
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    n = shape[-1]
+    return {"grid": [rows, 1, 1], "num_warps": 8 if n >= 2048 else 4, "constexprs": {"BLOCK": pow2_at_least(n)}}

@@ -9,34 +9,47 @@ import numpy as np
 import torch
 
 from kestrel.artifacts.plan import Plan
-from kestrel.compiler.ir import Dyn, State, Value, Weight
+from kestrel.compiler.ir import Dyn, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
-from kestrel.kernels.attention import attention_ref, kv_append_ref, rope_ref
+from kestrel.kernels.attention import attention_ref, attn_step_ref, kv_append_ref, rope_ref
 from kestrel.kernels.elementwise import add_ref, l2norm_ref, sigmoid_gate_ref, swiglu_ref
 from kestrel.kernels.embedding import embedding_ref
-from kestrel.kernels.gated_delta import conv1d_step_ref, gated_delta_step_ref, gdn_gates_ref
-from kestrel.kernels.matvec import matvec_ref
-from kestrel.kernels.rmsnorm import gated_rmsnorm_ref, rmsnorm_ref
+from kestrel.kernels.gated_delta import conv1d_step_ref, gated_delta_step_ref, gdn_gates_ref, gdn_step_ref
+from kestrel.kernels.matvec import matvec_ref, matvec_swiglu_ref, q4_unpack
+from kestrel.kernels.rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, rmsnorm_ref
 from kestrel.kernels.sample import sample_ref
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 
 
-def _tensor_from_bytes(raw: memoryview, dtype: str, shape) -> torch.Tensor:
+def weight_tensor(raw, w: Weight) -> torch.Tensor:
+    """A weight as the reference kernels take it: its stored dtype, or dequantised fp32 for q4."""
     arr = np.frombuffer(raw, dtype=np.uint8).copy()  # own the bytes: the file map may close
-    return torch.from_numpy(arr).view(TORCH_DTYPES[dtype]).reshape(shape)
+    t = torch.from_numpy(arr)
+    if is_q4(w.type.dtype):
+        return q4_unpack(t, *w.type.shape, q4_group(w.type.dtype))
+    return t.view(TORCH_DTYPES[w.type.dtype]).reshape(w.type.shape)
 
 
 class CpuStep:
-    """The step program bound to weights and states. ``dyn`` holds the dyn slots (python numbers)."""
+    """The step program bound to weights and states. ``dyn`` holds the dyn slots (python numbers).
+
+    Runs the program at any stage of the pipeline: if it has no step_end op (dyn slots still on the
+    host, before hoist_dynamic), ``run`` advances pos and feeds the sampled token back itself.
+    """
 
     mode = "cpu-reference"
 
-    def __init__(self, plan: Plan):
-        self.program = prog = parse_program(plan.program_text)
-        self.max_seq = plan.manifest["max_seq"]
-        self.weights = {name: _tensor_from_bytes(plan.read(name), w.type.dtype, w.type.shape)
-                        for name, w in prog.weights.items()}
+    def __init__(self, plan: Plan | None = None, *, program: Program | None = None, weights=None,
+                 max_seq: int | None = None):
+        if plan is not None:
+            program = parse_program(plan.program_text)
+            max_seq = plan.manifest["max_seq"]
+            weights = {name: weight_tensor(plan.read(name), w) for name, w in program.weights.items()}
+        self.program = prog = program
+        self.max_seq = max_seq
+        self.weights = weights
+        self.host_step_end = not any(op.kind == "step_end" for op in prog.ops)
         self.states = {name: torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype])
                        for name, s in prog.states.items()}
         self.dyn: dict[str, int | float] = {name: 0 for name in prog.dyn}
@@ -73,6 +86,9 @@ class CpuStep:
             for v, r in zip(op.outs, res or ()):
                 env[id(v)] = r
         self.outputs = {name: env[id(v)] for name, v in self.program.outputs.items()}
+        if self.host_step_end:
+            self.dyn["pos"] += 1
+            self.dyn["token"] = self.dyn["sampled"]
 
     def output(self, name: str) -> np.ndarray:
         return self.outputs[name].detach().float().numpy()
@@ -108,4 +124,9 @@ _EXEC = {
     "swiglu": lambda s, op, g, u: swiglu_ref(g, u),
     "sample": _sample,
     "step_end": _step_end,
+    "add_rmsnorm": lambda s, op, x, y, w: add_rmsnorm_ref(x, y, w, op.attrs["eps"]),
+    "matmul_swiglu": lambda s, op, x, wg, wu: matvec_swiglu_ref(x, wg, wu),
+    "gdn_step": lambda s, op, *a: gdn_step_ref(*a, **op.attrs),
+    "attn_step": lambda s, op, qg, k, v, qn, kn, kc, vc, pos: attn_step_ref(qg, k, v, qn, kn, kc, vc, int(pos),
+                                                                            **op.attrs),
 }

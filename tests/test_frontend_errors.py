@@ -87,8 +87,9 @@ def test_broken_checkpoint(case, good_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("args, err, message", [
-    (["--target", "sm_90"], UnsupportedError, "--target sm_90"),
-    (["--quant", "q4"], UnsupportedError, "--quant q4"),
+    (["--target", "sm_75"], UnsupportedError, "--target sm_75: unknown target"),
+    (["--quant", "q8"], UnsupportedError, "--quant q8: unknown precision"),
+    (["--dump-ir-after", "nope"], InputError, "--dump-ir-after nope"),
     (["--max-seq", "100000"], InputError, "max_position_embeddings"),
 ])
 def test_bad_build_options(args, err, message, tmp_path):

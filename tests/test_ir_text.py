@@ -9,7 +9,7 @@ from kestrel.compiler.qwen3_5 import lower
 
 
 def tiny_program() -> Program:
-    prog, _ = lower(parse_config(PRESETS["tiny"]), max_seq=32)
+    prog = lower(parse_config(PRESETS["tiny"]), max_seq=32)
     return prog
 
 

@@ -1,0 +1,53 @@
+"""The launch list of a step program: what a runtime launches, in order, with concrete arguments.
+
+Every op that moves data is one launch (views — reshape, leading slices — are none). Its arguments
+are its operands then its results, each as an arena placement ``{"region", "offset"}`` once
+plan_memory has run (a symbolic ``{"buffer": name}`` before), a host dyn slot as its value at the
+given token state ``{"const": v}``, and its attributes as constants. ``launch_list`` is what the
+dyn-invariance check compares; ``launch_plan`` is what the artifact stores.
+"""
+from __future__ import annotations
+
+from kestrel.compiler.ir import Dyn, Program, State, Value, Weight, is_view
+
+
+def _arg(x, names: dict, state: dict | None):
+    if isinstance(x, Dyn) and x.host:
+        if state is None:
+            raise ValueError(f"dyn slot {x.name!r} is still a host argument")
+        return {"const": state[x.name]}
+    if x.loc is not None:
+        return {"region": x.loc[0], "offset": x.loc[1]}
+    if isinstance(x, Value):
+        return {"buffer": names.setdefault(id(x), f"%{len(names)}")}
+    kind = {Weight: "weight", State: "state", Dyn: "dyn"}[type(x)]
+    return {"buffer": f"{kind}.{x.name}"}
+
+
+def launch_list(program: Program, state: dict | None = None) -> list[dict]:
+    names: dict[int, str] = {}
+    out = []
+    for op in program.ops:
+        for o in op.outs:  # name results in definition order, views included
+            if isinstance(o, Value):
+                names.setdefault(id(o), f"%{len(names)}")
+        if is_view(op):
+            continue
+        launch = op.launch or {}
+        out.append({
+            "op": op.kind,
+            "kernel": launch.get("kernel"),
+            "grid": launch.get("grid"),
+            "num_warps": launch.get("num_warps"),
+            "constexprs": {k: v for k, v in launch.items() if k not in ("kernel", "grid", "num_warps")},
+            "args": [_arg(x, names, state) for x in list(op.ins) + list(op.outs)],
+            "attrs": dict(op.attrs),
+        })
+    return out
+
+
+def launch_plan(program: Program) -> dict:
+    """The launch plan stored in the artifact (requires plan_memory and select_kernels)."""
+    return {"target": program.target, "arena": dict(program.arena),
+            "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
+            "launches": launch_list(program)}

@@ -1,0 +1,232 @@
+"""fuse: merge elementwise chains into the kernels that produce or consume them.
+
+Invariant established: no elementwise op is left where a fused kernel can absorb it; the math is
+unchanged op for op (each fused op's reference composes the single-op references in the same
+order, so the CPU path gives bit-identical logits before and after). Rewrites, in this order:
+
+  1. ``swiglu(matmul(x, Wg), matmul(x, Wu))``          -> ``matmul_swiglu(x, Wg, Wu)``
+  2. the Gated DeltaNet chain after its projections    -> ``gdn_step`` (conv1d_step, slices, l2norms,
+     gdn_gates, gated_delta_step, gated_rmsnorm)
+  3. the gated attention chain after its projections   -> ``attn_step`` (q|gate split, q/k rmsnorm,
+     rope, kv_append, attention, sigmoid_gate)
+  4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
+  5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
+     row-concatenated weight, its result sliced back (slices of a vector are free views)
+  6. ops whose results nobody reads, and that write no state, are dropped.
+
+A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
+"""
+from __future__ import annotations
+
+import copy
+
+from kestrel.compiler.ir import OP_SPECS, Op, Program, TensorType, Value, Weight
+
+
+class _Graph:
+    """Def-use view of a program, rebuilt after each rewrite round."""
+
+    def __init__(self, p: Program):
+        self.p = p
+        self.producer: dict[int, Op] = {}
+        self.users: dict[int, list[Op]] = {}
+        for op in p.ops:
+            for o in op.outs:
+                if isinstance(o, Value):
+                    self.producer[id(o)] = op
+            for x in op.ins:
+                if isinstance(x, Value):
+                    self.users.setdefault(id(x), []).append(op)
+        self.outputs = {id(v) for v in p.outputs.values()}
+
+    def prod(self, v, kind: str, **attrs) -> Op | None:
+        """The op of ``kind`` that defines ``v`` (with these attribute values), or None."""
+        op = self.producer.get(id(v)) if isinstance(v, Value) else None
+        if op is None or op.kind != kind or any(op.attrs.get(k) != a for k, a in attrs.items()):
+            return None
+        return op
+
+    def only_user(self, v) -> Op | None:
+        us = self.users.get(id(v), [])
+        return us[0] if len(us) == 1 and id(v) not in self.outputs else None
+
+
+def _replace_uses(p: Program, old: Value, new: Value) -> None:
+    for op in p.ops:
+        op.ins = [new if x is old else x for x in op.ins]
+    for k, v in p.outputs.items():
+        if v is old:
+            p.outputs[k] = new
+
+
+def _fuse_swiglu(p: Program) -> None:
+    g = _Graph(p)
+    for op in list(p.ops):
+        if op.kind != "swiglu":
+            continue
+        mg, mu = g.prod(op.ins[0], "matmul"), g.prod(op.ins[1], "matmul")
+        if not (mg and mu and mg.ins[0] is mu.ins[0] and g.only_user(mg.outs[0]) and g.only_user(mu.outs[0])
+                and mg.ins[1].type == mu.ins[1].type):
+            continue
+        fused = Op("matmul_swiglu", [op.outs[0]], [mg.ins[0], mg.ins[1], mu.ins[1]])
+        p.ops[p.ops.index(op)] = fused
+        p.ops.remove(mg)
+        p.ops.remove(mu)
+
+
+def _slice_reshape(g: _Graph, v, src, start: int, stop: int):
+    """v == reshape(slice(src, axis 0, start:stop)) ?"""
+    r = g.prod(v, "reshape")
+    s = r and g.prod(r.ins[0], "slice", axis=0, start=start, stop=stop)
+    return bool(s) and s.ins[0] is src
+
+
+def _fuse_gdn(p: Program) -> None:
+    g = _Graph(p)
+    for op in list(p.ops):
+        if op.kind != "gated_delta_step":
+            continue
+        q, k, v, gg, beta, rec = op.ins
+        hv, dk, dv = rec.type.shape
+        hk = q.type.shape[0]
+        lq, lk = g.prod(q, "l2norm"), g.prod(k, "l2norm")
+        gates = g.prod(gg, "gdn_gates")
+        vr = g.prod(v, "reshape")
+        vs = vr and g.prod(vr.ins[0], "slice", axis=0, start=2 * hk * dk)
+        conv = vs and g.prod(vs.ins[0], "conv1d_step", act="silu")
+        norm = g.only_user(op.outs[0])
+        if not (lq and lk and gates and conv and norm and norm.kind == "gated_rmsnorm" and beta is gates.outs[1]
+                and lq.attrs == lk.attrs and norm.ins[0] is op.outs[0]):
+            continue
+        mixed = conv.outs[0]
+        if not (_slice_reshape(g, lq.ins[0], mixed, 0, hk * dk) and _slice_reshape(g, lk.ins[0], mixed, hk * dk,
+                                                                                   2 * hk * dk)):
+            continue
+        zr = g.prod(norm.ins[1], "reshape")
+        flat = g.only_user(norm.outs[0])
+        if not (zr and flat and flat.kind == "reshape"):
+            continue
+        qkv, conv_state, conv_w = conv.ins
+        a, b, a_log, dt_bias = gates.ins
+        fused = Op("gdn_step", [flat.outs[0]],
+                   [qkv, zr.ins[0], b, a, conv_state, conv_w, a_log, dt_bias, norm.ins[2], rec],
+                   {"eps": norm.attrs["eps"], "l2_eps": lq.attrs["eps"], "scale": op.attrs["scale"]})
+        p.ops[p.ops.index(flat)] = fused  # where the result was defined; all operands are defined earlier
+        for dead in (conv, lq, lk, gates, op, norm):
+            p.ops.remove(dead)
+
+
+def _fuse_attention(p: Program) -> None:
+    g = _Graph(p)
+    for op in list(p.ops):
+        if op.kind != "attention":
+            continue
+        q, kc, vc, pos = op.ins
+        d = kc.type.shape[2]
+        rq = g.prod(q, "rope")
+        nq = rq and g.prod(rq.ins[0], "rmsnorm")
+        sq = nq and g.prod(nq.ins[0], "slice", axis=1, start=0, stop=d)
+        qg2 = sq and g.prod(sq.ins[0], "reshape")
+        app = next((u for u in p.ops if u.kind == "kv_append" and u.ins[0] is kc and u.ins[1] is vc), None)
+        if not (rq and nq and sq and qg2 and app) or p.ops.index(app) > p.ops.index(op):
+            continue
+        rk = g.prod(app.ins[2], "rope", **rq.attrs)
+        nk = rk and g.prod(rk.ins[0], "rmsnorm", **nq.attrs)
+        kr = nk and g.prod(nk.ins[0], "reshape")
+        vr = g.prod(app.ins[3], "reshape")
+        flat = g.only_user(op.outs[0])
+        gate = flat and flat.kind == "reshape" and g.only_user(flat.outs[0])
+        if not (kr and vr and gate and gate.kind == "sigmoid_gate" and gate.ins[0] is flat.outs[0]):
+            continue
+        gr = g.prod(gate.ins[1], "reshape")
+        gs = gr and g.prod(gr.ins[0], "slice", axis=1, start=d, stop=2 * d)
+        if not (gs and gs.ins[0] is qg2.outs[0] and app.ins[4] is pos and rq.ins[1] is pos and rk.ins[1] is pos):
+            continue
+        fused = Op("attn_step", [gate.outs[0]],
+                   [qg2.ins[0], kr.ins[0], vr.ins[0], nq.ins[1], nk.ins[1], kc, vc, pos],
+                   {"eps": nq.attrs["eps"], "theta": rq.attrs["theta"], "rotary_dim": rq.attrs["rotary_dim"],
+                    "scale": op.attrs["scale"]})
+        p.ops[p.ops.index(gate)] = fused
+        for dead in (rq, nq, rk, nk, app, op, flat):
+            p.ops.remove(dead)
+
+
+def _fuse_add_rmsnorm(p: Program) -> None:
+    g = _Graph(p)
+    for op in list(p.ops):
+        if op.kind != "rmsnorm":
+            continue
+        add = g.prod(op.ins[0], "add")
+        if add is None or any(u.kind == "rmsnorm" and u is not op and p.ops.index(u) < p.ops.index(op)
+                              for u in g.users[id(add.outs[0])]):
+            continue
+        s, n = Value(add.outs[0].type), op.outs[0]
+        fused = Op("add_rmsnorm", [s, n], [add.ins[0], add.ins[1], op.ins[1]], dict(op.attrs))
+        p.ops[p.ops.index(add)] = fused
+        p.ops.remove(op)
+        _replace_uses(p, add.outs[0], s)
+        g = _Graph(p)
+
+
+def _concat_name(weights: list[Weight]) -> str:
+    names = [w.name for w in weights]
+    prefix = names[0].rsplit(".", 1)[0] + "."
+    if all(n.startswith(prefix) for n in names):
+        return prefix + "+".join(n[len(prefix):] for n in names)
+    return "+".join(names)
+
+
+def _concat_siblings(p: Program) -> None:
+    g = _Graph(p)
+    groups: dict[tuple, list[Op]] = {}
+    for op in p.ops:
+        if op.kind == "matmul" and isinstance(op.ins[1], Weight) and op.ins[1].source is not None:
+            w = op.ins[1]
+            groups.setdefault((id(op.ins[0]), w.type.dtype, w.type.shape[1]), []).append(op)
+    for ops in groups.values():
+        if len(ops) < 2:
+            continue
+        ws = [op.ins[1] for op in ops]
+        rows = sum(w.type.shape[0] for w in ws)
+        name = _concat_name(ws)
+        if name in p.weights:
+            continue
+        cat = p.add_weight(name, ws[0].type.dtype, (rows, ws[0].type.shape[1]),
+                           ["concat", 0] + [w.source for w in ws])
+        out = Value(TensorType("f32", (rows,)))
+        first = min(p.ops.index(op) for op in ops)
+        new_ops, start = [Op("matmul", [out], [ops[0].ins[0], cat])], 0
+        for op in ops:
+            n = op.outs[0].type.shape[0]
+            new_ops.append(Op("slice", [op.outs[0]], [out], {"axis": 0, "start": start, "stop": start + n}))
+            start += n
+        for op in ops:
+            p.ops.remove(op)
+        p.ops[first:first] = new_ops
+    # weights no op reads any more (their rows now live in the concatenation) are dropped
+    used = {x.name for op in p.ops for x in op.ins if isinstance(x, Weight)}
+    for name in [n for n in p.weights if n not in used]:
+        del p.weights[name]
+
+
+def _drop_dead(p: Program) -> None:
+    while True:
+        g = _Graph(p)
+        dead = [op for op in p.ops
+                if not OP_SPECS[op.kind].inout and not OP_SPECS[op.kind].writes_dyn and op.outs
+                and all(isinstance(o, Value) and not g.users.get(id(o)) and id(o) not in g.outputs for o in op.outs)]
+        if not dead:
+            return
+        for op in dead:
+            p.ops.remove(op)
+
+
+def fuse(program: Program) -> Program:
+    p = copy.deepcopy(program)
+    _fuse_swiglu(p)
+    _fuse_gdn(p)
+    _fuse_attention(p)
+    _fuse_add_rmsnorm(p)
+    _concat_siblings(p)
+    _drop_dead(p)
+    return p

@@ -1,0 +1,43 @@
+"""hoist_dynamic: move every per-token value into the device dyn buffer.
+
+Invariant established: no kernel argument changes from one token to the next. Position, KV write
+index, attention length (pos + 1, derived in the kernels from dyn.pos), input token, sampled token
+and sampling settings are dyn slots in device memory, read by the kernels; the step ends with
+``step_end`` (pos += 1; token = sampled), so generation needs no host write per token.
+
+``check_dyn_invariance`` proves it on a program: it materialises the launch list at two different
+token states and requires them identical. Every build runs it on the final program.
+"""
+from __future__ import annotations
+
+import copy
+
+from kestrel.compiler.ir import IRError, Op, Program
+from kestrel.compiler.launch_plan import launch_list
+
+
+def hoist_dynamic(program: Program) -> Program:
+    p = copy.deepcopy(program)
+    for d in p.dyn.values():
+        d.host = False
+    has_end = any(op.kind == "step_end" for op in p.ops)
+    if not has_end and "sampled" in p.dyn and any(op.kind == "sample" for op in p.ops):
+        p.ops.append(Op("step_end", [p.dyn["pos"], p.dyn["token"]], [p.dyn["pos"], p.dyn["sampled"]]))
+    return p
+
+
+STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0, "seed": 1},
+          {"pos": 117, "token": 2, "sampled": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4})
+
+
+def check_dyn_invariance(program: Program) -> int:
+    """Raise IRError unless the launch list is identical at two token states; returns its length."""
+    a, b = (launch_list(program, state) for state in STATES)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            raise IRError(f"launch #{i} ({x['op']}) changes from token to token: {x['args']} vs {y['args']}; "
+                          f"run hoist_dynamic")
+    if not any(op.kind == "step_end" for op in program.ops):
+        raise IRError("the step does not advance pos itself (no step_end): the host would write per token; "
+                      "run hoist_dynamic")
+    return len(a)

@@ -1,0 +1,71 @@
+"""quantize: give every weight the precision ``--quant`` asks for its role.
+
+Invariant established: every weight read as a matrix by ``matmul`` / ``matmul_swiglu`` (all
+projections and lm_head) has the requested precision; the embedding table is f32 (none) or bf16;
+small tensors (norms, A_log, dt_bias, conv taps) stay f32; KV caches are bf16 unless --quant none.
+Weights change only their declared dtype and source recipe: the bytes are made when the plan is
+written, one weight at a time (compiler/weights.py), so a 27B checkpoint converts with bounded memory.
+
+Modes:
+  * ``none``: fp32 everything, for exact comparison with the reference;
+  * ``bf16``: matrices and the embedding table in bf16 (the default for GPU targets);
+  * ``q4``:   weight-only int4 with one f16 scale per group of ``group`` inputs (layout and rounding
+    in kernels/matvec.py). Default group 128: for a memory-bound decode step the bytes are the
+    cost, and 128 halves the scale traffic of 64 (4.125 vs 4.25 bits per weight) at a small
+    accuracy cost (tests/test_numerics.py reports both). When a matrix's input size is not a
+    multiple of the group, the largest of 128 / 64 / 32 that divides it is used; if none does, the
+    matrix stays bf16. With tied embeddings, lm_head gets its own q4 copy and the table stays bf16.
+"""
+from __future__ import annotations
+
+import copy
+
+from kestrel.compiler.ir import Q4_GROUPS, Program, Weight
+
+QUANT_MODES = ("none", "bf16", "q4")
+DEFAULT_Q4_GROUP = 128
+MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2)}
+
+
+def _q4_group_for(k: int, group: int) -> int | None:
+    for g in sorted({group, *Q4_GROUPS}, reverse=True):
+        if g <= group and k % g == 0:
+            return g
+    return None
+
+
+def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP) -> Program:
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quant mode {mode!r}")
+    if group not in Q4_GROUPS:
+        raise ValueError(f"q4 group must be one of {Q4_GROUPS}")
+    p = copy.deepcopy(program)
+    if mode == "none":
+        return p
+    matrices: list[Weight] = []
+    for op in p.ops:
+        for i in MATRIX_OPERANDS.get(op.kind, ()):
+            if op.ins[i] not in matrices:
+                matrices.append(op.ins[i])
+    tables = {id(op.ins[0]) for op in p.ops if op.kind == "embedding"}
+    for w in p.weights.values():
+        if len(w.type.shape) == 2 and (id(w) in tables or w in matrices):
+            w.type, w.source = type(w.type)("bf16", w.type.shape), ["cast", "bf16", w.source]
+    for s in p.states.values():
+        if s.name.endswith(("k_cache", "v_cache")):
+            s.type = type(s.type)("bf16", s.type.shape)
+    if mode == "q4":
+        for w in matrices:
+            g = _q4_group_for(w.type.shape[1], group)
+            if g is None:
+                continue
+            src = w.source[2]  # under the bf16 cast: quantise from the checkpoint's values
+            if id(w) in tables:  # tied: lm_head gets its own quantised copy
+                copy_name = "lm_head" if "lm_head" not in p.weights else w.name + ".q4"
+                q = p.add_weight(copy_name, f"q4g{g}", w.type.shape, ["q4", g, src])
+                for op in p.ops:
+                    if op.kind in MATRIX_OPERANDS:
+                        op.ins = [q if (x is w and i in MATRIX_OPERANDS[op.kind]) else x for i, x in enumerate(op.ins)]
+            else:
+                w.type, w.source = type(w.type)(f"q4g{g}", w.type.shape), ["q4", g, src]
+    return p
