@@ -35,12 +35,15 @@ def default_quant(target: str) -> str:
 
 
 def run_passes(program: Program, target: str, quant: str, q4_group: int = DEFAULT_Q4_GROUP,
-               until: str | None = None, on_pass=None) -> Program:
+               until: str | None = None, on_pass=None, skip_done: bool = False) -> Program:
     """The pass pipeline, each pass followed by the verifier. ``on_pass(name, program)`` sees the
-    program after each pass; ``until`` stops after that pass."""
+    program after each pass; ``until`` stops after that pass; ``skip_done`` skips plan_memory on a
+    program that already has an arena (hand-written golden inputs)."""
     passes = {"fuse": fuse, "quantize": lambda p: quantize(p, quant, q4_group), "hoist_dynamic": hoist_dynamic,
               "plan_memory": plan_memory, "select_kernels": lambda p: select_kernels(p, target)}
     for name in PASS_NAMES:
+        if skip_done and name == "plan_memory" and program.arena:
+            continue
         program = passes[name](program)
         verify(program)
         if on_pass is not None:

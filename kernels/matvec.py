@@ -15,19 +15,34 @@ def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 #            2j+1 in its high nibble, so 16 bytes hold 32 consecutive inputs of one row: a warp
 #            reading a row with 16-byte loads is perfectly coalesced, and a group of 128 is 4 loads;
 #   scales:  then N rows of K/G float16 scales, row-major.
-# Quantisation per group (llama.cpp's Q4_0 rule): m = the value of largest magnitude, d = m / -8,
-# q = clamp(round(w / d) + 8, 0, 15); dequantised w' = (q - 8) * d.
+# Quantisation per group: the scale d is chosen to minimise the group's squared error. Candidates
+# d = m / c, m the value of largest magnitude and c in [-9, -7] (c = -8 is llama.cpp's Q4_0 rule), each
+# with q = clamp(round(w / d) + 8, 0, 15); the best is then refitted by least squares for its q
+# (d = sum(w (q-8)) / sum((q-8)^2)). Dequantised w' = (q - 8) * d, d stored as float16.
+
+Q4_SCALE_CANDIDATES = [-9.0 + 0.2 * i for i in range(11)]
+
 
 def q4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (q uint8 [N, K] in 0..15, scales float16 [N, K/G])."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
-    idx = g.abs().argmax(dim=-1, keepdim=True)
-    d = (torch.gather(g, -1, idx) / -8.0).to(torch.float16)  # the stored scale ...
-    df = d.float()
-    inv = torch.where(df == 0, torch.zeros_like(df), 1.0 / df)  # ... is what quantisation divides by
-    q = torch.clamp(torch.round(g * inv) + 8, 0, 15).to(torch.uint8)
-    return q.reshape(n, k), d.reshape(n, k // group)
+    m = torch.gather(g, -1, g.abs().argmax(dim=-1, keepdim=True))
+    best_q, best_err = None, None
+    for c in Q4_SCALE_CANDIDATES:
+        d = m / c
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = torch.clamp(torch.round(g * inv) + 8, 0, 15)
+        err = ((q - 8) * d - g).pow(2).sum(-1, keepdim=True)
+        if best_q is None:
+            best_q, best_err = q, err
+        else:
+            better = err < best_err
+            best_q, best_err = torch.where(better, q, best_q), torch.minimum(err, best_err)
+    qs = best_q - 8
+    den = qs.pow(2).sum(-1, keepdim=True)
+    d = torch.where(den > 0, (g * qs).sum(-1, keepdim=True) / den.clamp_min(1), torch.zeros_like(den))
+    return best_q.to(torch.uint8).reshape(n, k), d.to(torch.float16).reshape(n, k // group)
 
 
 def q4_pack(w: torch.Tensor, group: int) -> torch.Tensor:

@@ -13,13 +13,27 @@ def tiny_program() -> Program:
     return prog
 
 
+def compiled_program(target="sm_90", quant="q4") -> Program:
+    from kestrel.compiler.pipeline import run_passes
+
+    return run_passes(tiny_program(), target, quant)
+
+
 def test_round_trip_is_exact():
     text = print_program(tiny_program())
     again = print_program(parse_program(text))
     assert again == text
     # every op kind of the model appears, with attributes of every type (float, int, str, list)
     for needle in ("= gated_delta_step", "{scale=", "{act=\"silu\"}", "{shape=[", "kv_append ", "dyn.sampled = sample",
-                   "dyn.pos, dyn.token = step_end", "output logits %"):
+                   "dyn pos:i32 host", '<- ["reshape",[256,4],["ckpt","layers.0.linear_attn.conv1d.weight"]]', "output logits %"):
+        assert needle in text
+
+
+def test_round_trip_after_all_passes():
+    text = print_program(compiled_program())
+    assert print_program(parse_program(text)) == text
+    for needle in ("target sm_90", "arena weights=", "dyn pos:i32 @dyn+0", "q4g128[", '<- ["q4",128,', " @act+",
+                   "dyn.pos, dyn.token = step_end", 'launch{kernel="gdn_step", grid=[4,1,1], num_warps=4, DK=32'):
         assert needle in text
 
 
@@ -78,3 +92,16 @@ def test_verify_rejects_mismatched_matmul():
     with pytest.raises(IRError, match="matmul"):
         p.emit("matmul", x, w)
     verify(p)
+
+
+def test_verify_catches_overlapping_live_activations():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "golden", "plan_memory", "liveness_chain.out.ir")
+    text = open(path).read()
+    parse_program(text)  # the planned program is hazard-free ...
+    bad = text.replace("%3 : f32[64] @act+256", "%3 : f32[64] @act+512")  # ... put %3 over the live %2
+    with pytest.raises(IRError, match="overlap in the arena"):
+        parse_program(bad)
+    with pytest.raises(IRError, match="unaligned"):
+        parse_program(text.replace("%3 : f32[64] @act+256", "%3 : f32[64] @act+260"))

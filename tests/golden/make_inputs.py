@@ -1,0 +1,123 @@
+"""Regenerate the golden *input* files: `python tests/golden/make_inputs.py`.
+
+Each pass's inputs are small programs as they reach that pass (the lowering's output run through the
+passes before it), so each golden pair shows exactly one pass's effect. Expected outputs are written
+by the test runner with KESTREL_UPDATE_GOLDEN=1; review every diff before committing.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from kestrel.compiler.frontend import parse_config
+from kestrel.compiler.ir_text import parse_program, print_program
+from kestrel.compiler.pipeline import PASS_NAMES, run_passes
+from kestrel.compiler.qwen3_5 import lower
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+BASE = dict(model_type="qwen3_5_text", vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1,
+            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64)
+
+MODELS = {
+    "gdn_layer": dict(layer_types=["linear_attention"]),
+    "attn_layer_gqa2": dict(layer_types=["full_attention"]),
+    "attn_layer_mha": dict(layer_types=["full_attention"], num_key_value_heads=2),
+    "attn_layer_gqa4": dict(layer_types=["full_attention"], num_attention_heads=4),
+    "tied_two_layers": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            tie_word_embeddings=True),
+    "hidden48": dict(hidden_size=48, layer_types=["linear_attention"]),
+}
+
+# Hand-written programs (also exercise the parser).
+NOTHING_TO_FUSE = """kestrel.step v1
+dyn pos:i32 host
+dyn token:i32 host
+dyn sampled:i32 host
+dyn temperature:f32 host
+dyn top_p:f32 host
+dyn seed:i32 host
+weight embed_tokens : f32[16,32] <- ["ckpt","embed_tokens.weight"]
+weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
+%0 : f32[32] = embedding embed_tokens, dyn.token
+%1 : f32[16] = matmul %0, lm_head
+dyn.sampled = sample %1, dyn.temperature, dyn.top_p, dyn.seed, dyn.pos
+output hidden %0
+output logits %1
+"""
+
+LIVENESS_CHAIN = """kestrel.step v1
+dyn pos:i32
+dyn token:i32
+dyn sampled:i32
+dyn temperature:f32
+dyn top_p:f32
+dyn seed:i32
+weight embed_tokens : f32[16,32] <- ["ckpt","embed_tokens.weight"]
+weight w1 : f32[64,32] <- ["ckpt","w1"]
+weight w2 : f32[32,64] <- ["ckpt","w2"]
+weight w3 : f32[64,32] <- ["ckpt","w3"]
+weight w4 : f32[32,64] <- ["ckpt","w4"]
+weight norm : f32[32] <- ["ckpt","norm"]
+weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
+%0 : f32[32] = embedding embed_tokens, dyn.token
+%1 : f32[64] = matmul %0, w1
+%2 : f32[32] = matmul %1, w2
+%3 : f32[64] = matmul %2, w3
+%4 : f32[32] = matmul %3, w4
+%5 : f32[32], %6 : f32[32] = add_rmsnorm %0, %4, norm {eps=1e-06}
+%7 : f32[16] = matmul %6, lm_head
+dyn.sampled = sample %7, dyn.temperature, dyn.top_p, dyn.seed, dyn.pos
+dyn.pos, dyn.token = step_end dyn.pos, dyn.sampled
+output hidden %6
+output logits %7
+"""
+
+# pass -> [(case, model or hand-written text, passes' options)]
+CASES = {
+    "fuse": [("gdn_layer", "gdn_layer", {}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
+             ("attn_layer_gqa4", "attn_layer_gqa4", {}), ("tied_two_layers", "tied_two_layers", {}),
+             ("nothing_to_fuse", NOTHING_TO_FUSE, {})],
+    "quantize": [("bf16_gdn_layer", "gdn_layer", {"quant": "bf16"}),
+                 ("q4_g64_attn_layer", "attn_layer_mha", {"quant": "q4", "q4_group": 64}),
+                 ("q4_tied_lm_head_copy", "tied_two_layers", {"quant": "q4"}),
+                 ("q4_group_fallback_hidden48", "hidden48", {"quant": "q4"}),
+                 ("none_is_identity", "gdn_layer", {"quant": "none"})],
+    "hoist_dynamic": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
+                      ("nothing_to_fuse", NOTHING_TO_FUSE, {}), ("already_hoisted", LIVENESS_CHAIN, {})],
+    "plan_memory": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa4", "attn_layer_gqa4", {}),
+                    ("liveness_chain", LIVENESS_CHAIN, {}), ("tied_two_layers_q4", "tied_two_layers", {"quant": "q4"})],
+    "select_kernels": [("sm_90_bf16_tied", "tied_two_layers", {"quant": "bf16", "target": "sm_90"}),
+                       ("sm_80_q4_gdn", "gdn_layer", {"quant": "q4", "target": "sm_80"}),
+                       ("sm_120_attn_mha", "attn_layer_mha", {"quant": "bf16", "target": "sm_120"}),
+                       ("cpu_liveness_chain", LIVENESS_CHAIN, {"target": "cpu"})],
+}
+
+
+def program_for(model: str):
+    if model.startswith("kestrel.step"):
+        return parse_program(model)
+    return lower(parse_config(dict(BASE, **MODELS[model])), max_seq=8)
+
+
+def main():
+    for pass_name, cases in CASES.items():
+        folder = os.path.join(HERE, pass_name)
+        os.makedirs(folder, exist_ok=True)
+        before = PASS_NAMES[PASS_NAMES.index(pass_name) - 1] if pass_name != PASS_NAMES[0] else None
+        for case, model, opts in cases:
+            prog = program_for(model)
+            if before is not None:
+                prog = run_passes(prog, opts.get("target", "cpu"), opts.get("quant", "none"),
+                                  opts.get("q4_group", 128), until=before, skip_done=True)
+            with open(os.path.join(folder, f"{case}.in.ir"), "w") as f:
+                f.write(f"# pass-options: {json.dumps(opts, sort_keys=True)}\n")
+                f.write(print_program(prog))
+            print(f"wrote {pass_name}/{case}.in.ir")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Helpers to run a program at any pipeline stage on the CPU reference path, teacher-forced."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.compiler.ir import Program
+from kestrel.compiler.weights import weight_bytes
+from kestrel.runtime.cpu import CpuStep, weight_tensor
+
+
+def step_for(program: Program, ckpt, max_seq: int) -> CpuStep:
+    weights = {n: weight_tensor(weight_bytes(w, ckpt.read), w) for n, w in program.weights.items()}
+    return CpuStep(program=program, weights=weights, max_seq=max_seq)
+
+
+def forced_logits(step: CpuStep, tokens: list[int]) -> torch.Tensor:
+    """Logits after each token of ``tokens``, feeding exactly those tokens (teacher forcing)."""
+    step.reset()
+    out = []
+    for t in tokens:
+        step.dyn["token"] = t
+        step.run()
+        out.append(torch.from_numpy(step.output("logits").copy()))
+    return torch.stack(out)
