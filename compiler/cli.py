@@ -53,6 +53,9 @@ def plan_summary(plan) -> dict:
             "states": len(prog.states), "state_bytes": prog.state_bytes(),
         },
         "parts": len(m["parts"]),
+        "launch_plan": None if plan.launch_plan is None else {
+            "launches": len(plan.launch_plan["launches"]), "arena": plan.launch_plan["arena"],
+            "kernels": dict(Counter(l["kernel"] for l in plan.launch_plan["launches"]))},
     }
 
 
@@ -90,6 +93,11 @@ def inspect(plan_path, as_json, verify):
         f"{p['states']} states ({p['state_bytes'] / 1e6:.2f} MB), dyn slots {', '.join(p['dyn_slots'])}",
         "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),
     ]
+    lp = s["launch_plan"]
+    if lp:
+        lines.append(f"launches  {lp['launches']} per token; arena " + ", ".join(
+            f"{k} {v / 1e6:.2f} MB" for k, v in lp["arena"].items()))
+        lines.append("kernels   " + ", ".join(f"{k} x{v}" for k, v in sorted(lp["kernels"].items())))
     if verify:
         lines.append(f"verified  {s['verified_bytes']} bytes: every checksum matches")
     click.echo("\n".join(lines))

@@ -78,3 +78,34 @@ def hf_greedy(model, prompt: list[int], n_new: int) -> tuple[list[int], torch.Te
                          return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.stack([l[0] for l in out.logits]).float()
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+HELD_OUT = os.path.join(GOLDEN, "select_kernels", "sm_80_q4_gdn.out.ir")
+
+
+def train_byte_model(folder: str, config: dict, steps: int = 150, seed: int = 0):
+    """A Qwen3.5 model trained by transformers for a few CPU steps, as a byte-level LM on Kestrel's
+    golden IR files (structured text it learns fast: loss ~0.5 nats/byte), so that its predictions
+    are confident the way a trained LLM's are. Random weights are not: their top-1 margins sit
+    below 4-bit noise, and quantisation agreement on them measures nothing. ``HELD_OUT`` is kept
+    out of training for evaluation."""
+    import glob
+
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    files = [f for f in sorted(glob.glob(os.path.join(GOLDEN, "*", "*.out.ir"))) if f != HELD_OUT]
+    data = torch.tensor(list(b"".join(open(f, "rb").read() for f in files)))
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(**config)
+    model = Qwen3_5ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, len(data) - 65, (16,), generator=gen)
+        batch = torch.stack([data[i:i + 65] for i in idx])
+        model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(folder)
+    return model

@@ -2,16 +2,18 @@
 
 * Every pass but quantize keeps the CPU reference's logits bit-identical to the unpassed program
   (quantize with --quant none too).
-* q4: teacher-forced top-1 agreement with fp32 is >= 95%, on tiny and on a transformers-made
-  config; the relative logits error is reported (max |q4 - fp32| / max |fp32| per step, median).
+* q4: teacher-forced top-1 agreement with fp32 is >= 95% on held-out text, for the tiny
+  architecture and for a transformers config of other shapes, both trained briefly by transformers
+  (see hf_checkpoints.train_byte_model for why trained); the relative logits error is reported
+  (max |q4 - fp32| / max |fp32| per step, median). On random weights it is reported only.
 """
 import pytest
 import torch
 
-from hf_checkpoints import make_text_checkpoint
+from hf_checkpoints import BASE, HELD_OUT, train_byte_model
 from kestrel.compiler.frontend import open_checkpoint
 from kestrel.compiler.pipeline import PASS_NAMES, run_passes
-from kestrel.compiler.presets import synthesize
+from kestrel.compiler.presets import PRESETS, synthesize
 from kestrel.compiler.qwen3_5 import lower
 from numerics import forced_logits, step_for
 
@@ -44,25 +46,39 @@ def test_passes_keep_logits_bit_identical(tiny_ckpt, target):
         assert torch.equal(got, ref), f"logits changed after {name}"
 
 
-def agreement(ckpt, group):
-    tokens = reference_tokens(ckpt)
-    base = lower(ckpt.cfg, MAX_SEQ)
-    fp32 = forced_logits(step_for(base, ckpt, MAX_SEQ), tokens)
-    q4 = forced_logits(step_for(run_passes(base, "sm_90", "q4", q4_group=group), ckpt, MAX_SEQ), tokens)
+def agreement(ckpt, group, tokens):
+    base = lower(ckpt.cfg, MAX_SEQ_EVAL)
+    fp32 = forced_logits(step_for(base, ckpt, MAX_SEQ_EVAL), tokens)
+    q4 = forced_logits(step_for(run_passes(base, "sm_90", "q4", q4_group=group), ckpt, MAX_SEQ_EVAL), tokens)
     top1 = (fp32.argmax(1) == q4.argmax(1)).float().mean().item()
     rel = ((q4 - fp32).abs().amax(1) / fp32.abs().amax(1)).median().item()
     return top1, rel
 
 
+MAX_SEQ_EVAL = 512
+TINY_ARCH = {k: v for k, v in PRESETS["tiny"].items() if k not in ("architectures", "model_type", "dtype")}
+TRAINED = {"tiny": TINY_ARCH, "transformers_base": dict(BASE, vocab_size=256)}
+
+
+@pytest.fixture(scope="module", params=sorted(TRAINED))
+def trained(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp(request.param))
+    train_byte_model(folder, TRAINED[request.param])
+    return request.param, open_checkpoint(folder)
+
+
 @pytest.mark.parametrize("group", [128, 64])
-def test_q4_agreement_tiny(tiny_ckpt, group):
-    top1, rel = agreement(tiny_ckpt, group)
-    print(f"tiny q4 group {group}: top-1 agreement {top1:.1%}, median relative logits error {rel:.3f}")
+def test_q4_teacher_forced_agreement(trained, group):
+    name, ckpt = trained
+    tokens = list(open(HELD_OUT, "rb").read()[1500:1900])  # held-out text, 400 steps
+    top1, rel = agreement(ckpt, group, tokens)
+    print(f"{name} (trained) q4 group {group}: top-1 agreement {top1:.1%}, median relative logits error {rel:.3f}")
     assert top1 >= 0.95
 
 
-def test_q4_agreement_transformers_config(tmp_path):
-    make_text_checkpoint(str(tmp_path / "ckpt"), "tied_wide")
-    top1, rel = agreement(open_checkpoint(str(tmp_path / "ckpt")), 128)
-    print(f"transformers tied_wide q4: top-1 agreement {top1:.1%}, median relative logits error {rel:.3f}")
-    assert top1 >= 0.95
+def test_q4_on_random_weights_is_reported(tiny_ckpt):
+    """Random weights: reported, not asserted (their logit margins are below 4-bit noise)."""
+    tokens = reference_tokens(tiny_ckpt)
+    top1, rel = agreement(tiny_ckpt, 128, tokens)
+    print(f"tiny (random weights) q4 group 128: top-1 agreement {top1:.1%}, median relative logits error {rel:.3f}")
+    assert rel < 0.5 and 0.0 < top1 <= 1.0
