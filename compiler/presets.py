@@ -49,6 +49,26 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The published Qwen3.5 text-model shapes (no weights): for shape-level tests, kernels at real
+# shapes, and (later) benchmarking with random weights.
+QWEN35_SHAPES: dict[str, dict] = {
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25},
+                         rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044),
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                         "partial_rotary_factor": 0.25},
+                        rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044),
+}
+
+
 def byte_level_tokenizer_json() -> str:
     """A byte-level tokenizer: one token per byte (id = byte value) plus <|endoftext|> (id 256)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers

@@ -58,8 +58,10 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
     return sigmoid_gate_ref(o, qg[:, d:].reshape(nh * d))
 
 
-def attn_step_launch(n_heads: int, head_dim: int, target) -> dict:
+def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
     """One CTA per query head, walking the cache in BLOCK_S rows."""
     from kestrel.kernels.targets import pow2_at_least
 
-    return {"grid": [n_heads, 1, 1], "num_warps": 4, "constexprs": {"D": pow2_at_least(head_dim), "BLOCK_S": 64}}
+    return {"grid": [n_heads, 1, 1], "num_warps": 4,
+            "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq,
+                           "BLOCK_D": pow2_at_least(head_dim), "BLOCK_S": 64}}

@@ -9,4 +9,4 @@ def embedding_ref(table: torch.Tensor, token: int) -> torch.Tensor:
 
 
 def embedding_launch(hidden: int, target) -> dict:
-    return {"grid": [(hidden + 1023) // 1024, 1, 1], "num_warps": 4, "constexprs": {"BLOCK": 1024}}
+    return {"grid": [(hidden + 1023) // 1024, 1, 1], "num_warps": 4, "constexprs": {"H": hidden, "BLOCK": 1024}}

@@ -57,8 +57,10 @@ def gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec_s
     return gated_rmsnorm_ref(o, z.reshape(hv, dv), norm_w, eps).reshape(hv * dv)
 
 
-def gdn_step_launch(hv: int, dk: int, dv: int, target) -> dict:
+def gdn_step_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
     """One CTA per value head: it needs the head's whole q, k (L2 norms) and v row (gated norm)."""
     from kestrel.kernels.targets import pow2_at_least
 
-    return {"grid": [hv, 1, 1], "num_warps": 4, "constexprs": {"DK": pow2_at_least(dk), "DV": pow2_at_least(dv)}}
+    return {"grid": [hv, 1, 1], "num_warps": 4,
+            "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc,
+                           "BLOCK_DK": pow2_at_least(dk), "BLOCK_DV": pow2_at_least(dv)}}

@@ -67,14 +67,16 @@ def matvec_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
 
 # --- launch rules ------------------------------------------------------------------------------
 
-def matvec_launch(n: int, k: int, target) -> dict:
+def matvec_launch(n: int, k: int, group: int, target) -> dict:
     """Rows per CTA chosen so the grid covers every SM at least twice when there are enough rows;
-    each CTA streams BLOCK_K inputs per iteration with 16-byte loads."""
+    each CTA streams BLOCK_K inputs per iteration with 16-byte loads. GROUP is the q4 group (0: not q4)."""
     from kestrel.kernels.targets import pow2_at_least
 
     block_n = 1
     while block_n < 16 and (n + 2 * block_n - 1) // (2 * block_n) >= 2 * target.sms:
         block_n *= 2
     block_k = min(512, pow2_at_least(k))
+    if group:
+        block_k = max(block_k, group)
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": 4,
-            "constexprs": {"BLOCK_N": block_n, "BLOCK_K": block_k}}
+            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k}}

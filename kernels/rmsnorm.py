@@ -35,4 +35,5 @@ def rmsnorm_launch(shape: tuple, target) -> dict:
     for d in shape[:-1]:
         rows *= d
     n = shape[-1]
-    return {"grid": [rows, 1, 1], "num_warps": 8 if n >= 2048 else 4, "constexprs": {"BLOCK": pow2_at_least(n)}}
+    return {"grid": [rows, 1, 1], "num_warps": 8 if n >= 2048 else 4,
+            "constexprs": {"N": n, "BLOCK": pow2_at_least(n)}}

@@ -38,7 +38,7 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_p: float, seed: int
 
 def sample_launch(vocab: int, target) -> dict:
     """One CTA over the vocabulary (argmax / top-p need a global view of the logits)."""
-    return {"grid": [1, 1, 1], "num_warps": 16, "constexprs": {"BLOCK": 4096}}
+    return {"grid": [1, 1, 1], "num_warps": 16, "constexprs": {"V": vocab, "BLOCK": 4096}}
 
 
 def step_end_launch(target) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import IRError, Program, is_view
+from kestrel.compiler.ir import IRError, Program, is_q4, is_view, q4_group
 from kestrel.kernels.attention import attn_step_launch
 from kestrel.kernels.embedding import embedding_launch
 from kestrel.kernels.gated_delta import gdn_step_launch
@@ -27,18 +27,20 @@ def _gpu_launch(op, t) -> dict:
         w = op.ins[1]
         n, kk = w.type.shape
         name = ("matvec_swiglu_" if k == "matmul_swiglu" else "matvec_") + w.type.dtype
-        return {"kernel": name, **matvec_launch(n, kk, t)}
+        group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+        return {"kernel": name, **matvec_launch(n, kk, group, t)}
     if k == "embedding":
         return {"kernel": f"embedding_{op.ins[0].type.dtype}", **embedding_launch(op.outs[0].type.shape[0], t)}
     if k in ("rmsnorm", "add_rmsnorm"):
         return {"kernel": k, **rmsnorm_launch(op.ins[0].type.shape, t)}
     if k == "gdn_step":
         hv, dk, dv = op.ins[9].type.shape
-        return {"kernel": "gdn_step", **gdn_step_launch(hv, dk, dv, t)}
+        hk = (op.ins[0].type.shape[0] - hv * dv) // (2 * dk)
+        return {"kernel": "gdn_step", **gdn_step_launch(hk, hv, dk, dv, op.ins[5].type.shape[1], t)}
     if k == "attn_step":
         kc = op.ins[5]
-        return {"kernel": f"attn_step_{kc.type.dtype}",
-                **attn_step_launch(op.outs[0].type.shape[0] // kc.type.shape[2], kc.type.shape[2], t)}
+        s, nkv, d = kc.type.shape
+        return {"kernel": f"attn_step_{kc.type.dtype}", **attn_step_launch(op.outs[0].type.shape[0] // d, nkv, d, s, t)}
     if k == "sample":
         return {"kernel": "sample", **sample_launch(op.ins[0].type.shape[0], t)}
     if k == "step_end":
