@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def embedding_ref(table: torch.Tensor, token: int) -> torch.Tensor:
@@ -10,3 +12,13 @@ def embedding_ref(table: torch.Tensor, token: int) -> torch.Tensor:
 
 def embedding_launch(hidden: int, target) -> dict:
     return {"grid": [(hidden + 1023) // 1024, 1, 1], "num_warps": 4, "constexprs": {"H": hidden, "BLOCK": 1024}}
+
+
+@triton.jit
+def embedding_kernel(table_ptr, token_ptr, out_ptr, H: tl.constexpr, BLOCK: tl.constexpr):
+    """out = table[token] as fp32; the token id is read from the dyn buffer. Grid: H / BLOCK."""
+    tok = tl.load(token_ptr).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    row = tl.load(table_ptr + tok * H + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offs, row, mask=mask)

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,3 +39,32 @@ def rmsnorm_launch(shape: tuple, target) -> dict:
     n = shape[-1]
     return {"grid": [rows, 1, 1], "num_warps": 8 if n >= 2048 else 4,
             "constexprs": {"N": n, "BLOCK": pow2_at_least(n)}}
+
+
+@triton.jit
+def _rmsnorm_row(x, w_ptr, cols, mask, eps, N: tl.constexpr):
+    var = tl.sum(x * x, axis=0) / N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x * (1.0 / tl.sqrt(var + eps)) * (1.0 + w)
+
+
+@triton.jit
+def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero-centred RMSNorm of one row of N per program (grid: rows), in fp32."""
+    row = tl.program_id(0).to(tl.int64) * N
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row + cols, _rmsnorm_row(x, w_ptr, cols, mask, eps, N), mask=mask)
+
+
+@triton.jit
+def add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """s = x + y (the residual stream), out = rmsnorm(s): one row of N per program."""
+    row = tl.program_id(0).to(tl.int64) * N
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    s = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32) + \
+        tl.load(y_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + row + cols, s, mask=mask)
+    tl.store(out_ptr + row + cols, _rmsnorm_row(s, w_ptr, cols, mask, eps, N), mask=mask)

@@ -7,6 +7,8 @@ carried between steps.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _M32 = 0xFFFFFFFF
 
@@ -23,17 +25,24 @@ def uniform_from(seed: int, pos: int) -> float:
 
 
 def sample_ref(logits: torch.Tensor, temperature: float, top_p: float, seed: int, pos: int) -> int:
+    """Greedy when temperature <= 0 (first index among equal maxima). Otherwise p = softmax(logits / T);
+    the nucleus is every token with p >= t, t the largest threshold whose tokens hold at least top_p
+    of the mass; the token is drawn by inverse CDF over the nucleus in vocabulary order with
+    u = uniform_from(seed, pos). (Vocabulary order, not sorted order, so a GPU kernel needs no sort:
+    it finds t by bisection and scans prefix sums.)"""
     logits = logits.float()
     if temperature <= 0.0:
-        return int(torch.argmax(logits))  # first index among equal maxima
+        return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)
-    p_sorted, idx = torch.sort(probs, descending=True, stable=True)
-    csum = torch.cumsum(p_sorted, dim=0)
-    keep = (csum - p_sorted) < top_p  # smallest prefix whose mass reaches top_p (always >= 1 token)
-    kept = p_sorted[keep]
+    p_sorted = torch.sort(probs, descending=True).values
+    k = int(torch.searchsorted(torch.cumsum(p_sorted, 0), torch.tensor([top_p]))[0].clamp(max=len(p_sorted) - 1))
+    kept = torch.where(probs >= p_sorted[k], probs, torch.zeros_like(probs))
     target = uniform_from(seed, pos) * float(kept.sum())
-    i = int(torch.searchsorted(torch.cumsum(kept, dim=0), torch.tensor([target]), right=True)[0])
-    return int(idx[min(i, kept.numel() - 1)])
+    i = int(torch.searchsorted(torch.cumsum(kept, 0), torch.tensor([target]), right=True)[0])
+    i = min(i, len(kept) - 1)
+    while kept[i] == 0:  # only reachable through rounding at the very end: step back into the nucleus
+        i -= 1
+    return i
 
 
 def sample_launch(vocab: int, target) -> dict:
@@ -43,3 +52,90 @@ def sample_launch(vocab: int, target) -> dict:
 
 def step_end_launch(target) -> dict:
     return {"grid": [1, 1, 1], "num_warps": 1, "constexprs": {}}
+
+
+@triton.jit
+def _uniform(seed, pos):
+    """uniform_from(seed, pos) in uint32 arithmetic (wrapping multiplies, logical shifts)."""
+    x = seed.to(tl.uint32) * 0x9E3779B1 + pos.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, seed_ptr, pos_ptr, sampled_ptr, V: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """One program over the whole vocabulary (sample_ref's definition): a max/argmax pass; for
+    temperature > 0 a softmax-denominator pass, a bisection on the nucleus threshold (32 passes,
+    each summing the mass above the candidate threshold) and a prefix-sum pass in vocabulary order.
+    Greedy costs one pass over the logits."""
+    temperature = tl.load(temperature_ptr)
+    offs = tl.arange(0, BLOCK)
+    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], V, tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        better = x > best_v  # strict: keeps the first index of equal values within a lane
+        best_i = tl.where(better, idx, best_i)
+        best_v = tl.where(better, x, best_v)
+    m = tl.max(best_v, axis=0)
+    arg = tl.min(tl.where(best_v == m, best_i, V), axis=0)  # first index among lanes holding the max
+    if temperature > 0.0:
+        inv_t = 1.0 / temperature
+        denom = 0.0
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            denom += tl.sum(tl.exp((x - m) * inv_t), axis=0)
+        top_p = tl.load(top_p_ptr)
+        lo = 0.0
+        hi = 1.0 / denom  # the largest probability: its token alone always qualifies
+        for _ in range(32):  # largest t with mass(p >= t) >= top_p
+            mid = 0.5 * (lo + hi)
+            mass = 0.0
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                p = tl.exp((x - m) * inv_t) / denom
+                mass += tl.sum(tl.where(p >= mid, p, 0.0), axis=0)
+            ok = mass >= top_p
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        t = lo
+        total = 0.0
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            p = tl.exp((x - m) * inv_t) / denom
+            total += tl.sum(tl.where(p >= t, p, 0.0), axis=0)
+        target = _uniform(tl.load(seed_ptr), tl.load(pos_ptr)) * total
+        run = 0.0
+        chosen = V
+        last_kept = -1
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            p = tl.exp((x - m) * inv_t) / denom
+            kept = tl.where(p >= t, p, 0.0)
+            csum = run + tl.cumsum(kept, axis=0)
+            hit = (csum > target) & (kept > 0)
+            first = tl.min(tl.where(hit, idx, V), axis=0)
+            chosen = tl.minimum(chosen, first)
+            last_kept = tl.maximum(last_kept, tl.max(tl.where(kept > 0, idx, -1), axis=0))
+            run += tl.sum(kept, axis=0)
+        # rounding can leave target above the final prefix sum: take the last nucleus token then
+        arg = tl.where(chosen < V, chosen, last_kept)
+    tl.store(sampled_ptr, arg)
+
+
+@triton.jit
+def step_end_kernel(pos_ptr, sampled_ptr, pos_out_ptr, token_out_ptr):
+    """pos += 1; token = sampled: the next step reads its input token from the dyn buffer."""
+    pos = tl.load(pos_ptr)
+    tl.store(token_out_ptr, tl.load(sampled_ptr))
+    tl.store(pos_out_ptr, pos + 1)

@@ -2,7 +2,10 @@ import os
 import subprocess
 import sys
 
-import pytest
+# Triton kernels run in the interpreter in this suite; this must precede any import of triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,4 +23,6 @@ def run_cli(*args, env=None):
     """Run a console entry point in a subprocess; returns CompletedProcess (text)."""
     cmd = [sys.executable, "-c", "import sys; from kestrel.{} import main; sys.argv[0]='{}'; main()".format(
         "compiler.cli" if args[0] == "kestrelc" else "runtime.cli", args[0])] + list(args[1:])
+    if env is None:  # the CLIs run as a user runs them: compiled kernels, not the interpreter
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

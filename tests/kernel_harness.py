@@ -1,18 +1,23 @@
-"""Running Triton kernels in Triton's interpreter inside the normal test process, and checking them.
+"""Running Triton kernels in Triton's interpreter inside the test process, and checking them.
 
-``interpret(jitfn)[grid](*args, **constexprs)`` runs a @triton.jit kernel on CPU torch tensors
-(TRITON_INTERPRET=1 would have to be set before import and would break AOT compilation in the
-same process). Pass dyn slots as 1-element torch.int32 / torch.float32 tensors.
+The test suite runs with TRITON_INTERPRET=1 (set by conftest.py before anything imports triton),
+so every @triton.jit kernel is an interpreted function; ``interpret(kernel)[grid](*args, **consts)``
+runs it on CPU torch tensors (pass dyn slots as 1-element torch.int32 / torch.float32 tensors).
+AOT compilation (kestrel.kernels.aot.compile_kernel) notices the mode and compiles in a clean
+subprocess, so both work in one session.
 """
 from __future__ import annotations
 
 import torch
 
 
-def interpret(jitfn):
+def interpret(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
-    return InterpretedFunction(jitfn.fn)
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError("kernels are not interpreted: TRITON_INTERPRET=1 must be set before triton is "
+                           "imported (tests/conftest.py does it)")
+    return kernel
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, what: str = ""):

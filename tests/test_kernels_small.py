@@ -1,0 +1,105 @@
+"""Embedding, RMSNorm, add+RMSNorm, sampling and step-end kernels: Triton's interpreter against the
+torch references (fresh random inputs, bf16 paths included), and AOT compilation for every target."""
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.kernels.aot import compile_kernel
+from kestrel.kernels.embedding import embedding_kernel, embedding_launch, embedding_ref
+from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
+                                     rmsnorm_ref)
+from kestrel.kernels.sample import sample_kernel, sample_launch, sample_ref, step_end_kernel, uniform_from
+from kestrel.kernels.targets import TARGETS
+
+CCS = [t.cc for t in TARGETS.values()]
+
+
+def i32(v):
+    return torch.tensor([v], dtype=torch.int32)
+
+
+def f32(v):
+    return torch.tensor([v], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding(dtype):
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(50, 1500, generator=g).to(dtype)
+    out = torch.full((1500,), float("nan"))
+    c = embedding_launch(1500, TARGETS["sm_90"])
+    interpret(embedding_kernel)[tuple(c["grid"])](table, i32(37), out, **c["constexprs"])
+    assert torch.equal(out, embedding_ref(table, 37))
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (4, 48), (1, 5120), (3, 100)])
+def test_rmsnorm_and_add_rmsnorm(shape):
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    w = 0.1 * torch.randn(shape[-1], generator=g)
+    c = rmsnorm_launch(shape, TARGETS["sm_90"])
+    out = torch.full(shape, float("nan"))
+    interpret(rmsnorm_kernel)[tuple(c["grid"])](x, w, out, 1e-6, **c["constexprs"])
+    assert_close(out, rmsnorm_ref(x, w, 1e-6), 1e-5, 1e-6, "rmsnorm")
+    s, n = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    interpret(add_rmsnorm_kernel)[tuple(c["grid"])](x, y, w, s, n, 1e-6, **c["constexprs"])
+    rs, rn = add_rmsnorm_ref(x, y, w, 1e-6)
+    assert torch.equal(s, rs)
+    assert_close(n, rn, 1e-5, 1e-6, "add_rmsnorm")
+
+
+def run_sample(logits, temperature, top_p, seed, pos):
+    c = sample_launch(logits.numel(), TARGETS["sm_90"])
+    consts = dict(c["constexprs"], BLOCK=256)  # small block: several passes over a small vocabulary
+    out = i32(-1)
+    interpret(sample_kernel)[(1,)](logits, f32(temperature), f32(top_p), i32(seed), i32(pos), out, **consts)
+    return int(out[0])
+
+
+def test_sample_greedy_matches_argmax_first_index():
+    g = torch.Generator().manual_seed(3)
+    for v in (1000, 777):
+        logits = torch.randn(v, generator=g)
+        assert run_sample(logits, 0.0, 1.0, 0, 0) == sample_ref(logits, 0.0, 1.0, 0, 0)
+    tied = torch.zeros(600)
+    tied[[5, 300, 599]] = 3.0
+    assert run_sample(tied, 0.0, 1.0, 0, 0) == 5
+
+
+def test_sample_seeded_matches_reference():
+    g = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(700, generator=g)
+    agree = sum(run_sample(logits, t, p, seed, pos) == sample_ref(logits, t, p, seed, pos)
+                for t, p, seed, pos in [(1.0, 1.0, 1, 5), (0.7, 0.9, 2, 11), (1.3, 0.5, 3, 0), (1.0, 0.95, 7, 99),
+                                        (0.5, 1.0, 9, 3), (2.0, 0.8, 4, 42)])
+    assert agree == 6  # float sums differ in order from torch; a boundary case may flip, none does here
+
+
+def test_uniform_matches_reference_hash():
+    from kestrel.kernels.sample import _uniform  # noqa: F401  (the jit helper used by sample_kernel)
+
+    # the same numbers drive the reference: check the distribution and repeatability of the hash
+    us = [uniform_from(s, p) for s in range(40) for p in range(40)]
+    assert 0.45 < sum(us) / len(us) < 0.55 and len(set(us)) > 1500
+
+
+def test_step_end():
+    pos, sampled, token = i32(41), i32(1234), i32(-1)
+    interpret(step_end_kernel)[(1,)](pos, sampled, pos, token)
+    assert int(pos[0]) == 42 and int(token[0]) == 1234
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_aot_compiles_for_every_target(cc):
+    t = TARGETS["sm_90"]
+    jobs = [
+        ("embedding_bf16", ["*bf16", "*i32", "*fp32"], embedding_launch(5120, t)),
+        ("rmsnorm", ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
+        ("add_rmsnorm", ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
+        ("sample", ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"], sample_launch(248320, t)),
+        ("step_end", ["*i32"] * 4, {"num_warps": 1, "constexprs": {}}),
+    ]
+    for kid, types, launch in jobs:
+        k = compile_kernel(kid, types, launch["constexprs"], launch["num_warps"], cc)
+        assert k.cubin[:4] == b"\x7fELF" and k.name and k.num_warps == launch["num_warps"]
+        assert k.arch == f"sm_{cc}{'a' if cc >= 90 else ''}"
