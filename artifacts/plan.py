@@ -4,8 +4,11 @@ A plan is a single file (see README, "Artifact layout"), a safetensors container
   * the weights, one tensor per program weight, under the program's names;
   * ``__kestrel__/program``: the step program in its text form (UTF-8 bytes);
   * ``__kestrel__/tokenizer``: a tokenizers ``tokenizer.json`` (UTF-8 bytes), when the model has one;
-  * ``__kestrel__/launch_plan``: the launch plan (JSON): arena layout, dyn slot table, and every
-    launch with its kernel, grid, warps, constexprs and arguments as arena offsets or constants;
+  * ``__kestrel__/launch_plan``: the launch plan (JSON): arena layout, dyn slot table, the kernel
+    table (per compiled kernel: cubin part, entry name, parameters in order with types, num_warps,
+    shared memory, scratch sizes, compiler and exact arch), and every launch with its kernel index,
+    grid, warps, constexprs and arguments as arena offsets or constants;
+  * ``__kestrel__/cubin/NNN``: the cubins (GPU targets);
 and, in the header metadata,
   * ``kestrel.manifest``: JSON with the format and producer versions, target, quantization, max_seq,
     the model config, where it came from, and the sha256, dtype and shape of every part;
@@ -52,7 +55,7 @@ class PlanInfo:
 
 def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple[str, str, tuple]],
                produce_weight, tokenizer_json: str | None = None, launch_plan: dict | None = None,
-               progress=None) -> None:
+               extra_parts: dict[str, bytes] | None = None, progress=None) -> None:
     """Write a plan, streaming weights one at a time.
 
     ``weights``: (name, dtype, shape) in the order to store them. ``produce_weight(name)`` returns
@@ -65,6 +68,7 @@ def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple
         extra.append((TOKENIZER_PART, tokenizer_json.encode()))
     if launch_plan is not None:
         extra.append((LAUNCH_PLAN_PART, json.dumps(launch_plan, sort_keys=True).encode()))
+    extra += sorted((extra_parts or {}).items())
     entries = [(n, "u8", (len(b),)) for n, b in extra] + [(n, d, tuple(s)) for n, d, s in weights]
 
     def metadata_fn(checksums: dict[str, str]) -> dict[str, str]:
@@ -131,6 +135,9 @@ class Plan:
         self.program_text = bytes(self.read(PROGRAM_PART)).decode()
         self.tokenizer_json = bytes(self.read(TOKENIZER_PART)).decode() if TOKENIZER_PART in parts else None
         self.launch_plan = json.loads(bytes(self.read(LAUNCH_PLAN_PART))) if LAUNCH_PLAN_PART in parts else None
+
+    def cubin(self, part: str) -> bytes:
+        return bytes(self.read(part))
 
     @property
     def weight_names(self) -> list[str]:

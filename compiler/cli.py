@@ -55,7 +55,12 @@ def plan_summary(plan) -> dict:
         "parts": len(m["parts"]),
         "launch_plan": None if plan.launch_plan is None else {
             "launches": len(plan.launch_plan["launches"]), "arena": plan.launch_plan["arena"],
-            "kernels": dict(Counter(l["kernel"] for l in plan.launch_plan["launches"]))},
+            "kernels": dict(Counter(l["kernel"] for l in plan.launch_plan["launches"])),
+            "compiled": [{"id": k["id"], "entry": k["name"], "arch": k["arch"], "compiler": k["compiler"],
+                          "num_warps": k["num_warps"], "shared": k["shared"],
+                          "global_scratch_size": k["global_scratch_size"],
+                          "cubin_bytes": m["parts"][k["part"]]["shape"][0], "constexprs": k["constexprs"]}
+                         for k in plan.launch_plan.get("kernels", [])]},
     }
 
 
@@ -98,6 +103,10 @@ def inspect(plan_path, as_json, verify):
         lines.append(f"launches  {lp['launches']} per token; arena " + ", ".join(
             f"{k} {v / 1e6:.2f} MB" for k, v in lp["arena"].items()))
         lines.append("kernels   " + ", ".join(f"{k} x{v}" for k, v in sorted(lp["kernels"].items())))
+        for k in lp["compiled"]:
+            tiles = " ".join(f"{n}={v}" for n, v in k["constexprs"].items())
+            lines.append(f"  cubin   {k['id']:<22} {k['arch']:<7} {k['num_warps']:>2} warps  smem {k['shared']:>6}  "
+                         f"{k['cubin_bytes'] / 1e3:6.1f} kB  {tiles}")
     if verify:
         lines.append(f"verified  {s['verified_bytes']} bytes: every checksum matches")
     click.echo("\n".join(lines))

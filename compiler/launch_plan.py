@@ -46,8 +46,20 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
     return out
 
 
-def launch_plan(program: Program) -> dict:
-    """The launch plan stored in the artifact (requires plan_memory and select_kernels)."""
-    return {"target": program.target, "arena": dict(program.arena),
+def launch_plan(program: Program, kernels: list[dict] | None = None,
+                kernel_of_launch: list[int] | None = None) -> dict:
+    """The launch plan stored in the artifact (requires plan_memory and select_kernels). ``kernels``
+    is the compiled-kernel table (GPU targets) and ``kernel_of_launch`` each launch's entry in it;
+    the arena gains a ``scratch`` region sized for the largest global scratch any launch needs."""
+    launches = launch_list(program)
+    arena = dict(program.arena)
+    if kernels is not None:
+        scratch = 0
+        for launch, k in zip(launches, kernel_of_launch):
+            launch["kernel_index"] = k
+            programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
+            scratch = max(scratch, kernels[k]["global_scratch_size"] * programs)
+        arena["scratch"] = scratch
+    return {"target": program.target, "arena": arena, "kernels": kernels or [],
             "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
-            "launches": launch_list(program)}
+            "launches": launches}

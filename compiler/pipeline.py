@@ -114,9 +114,9 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
     log(f"dyn check: the launch list is identical at two token states ({n_launches} launches, no per-token "
         f"kernel argument)")
     log(memory_report(program))
+    kernels, kernel_of_launch, cubins = (None, None, {})
     if target != "cpu":
-        log(f"note: {target} kernels are selected and launch-planned, but not compiled to cubins in this version; "
-            f"run the plan with --device cpu")
+        kernels, kernel_of_launch, cubins = compile_kernels(program, target, log)
 
     tok_path = os.path.join(ck.folder, "tokenizer.json")
     tokenizer_json = None
@@ -137,7 +137,8 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
     bar = _progress_bar(program.weight_bytes(), enabled=progress)
     try:
         write_plan(out, info, print_program(program), weights, produce, tokenizer_json,
-                   launch_plan=launch_plan(program), progress=lambda name, n: bar.update(n))
+                   launch_plan=launch_plan(program, kernels, kernel_of_launch), extra_parts=cubins,
+                   progress=lambda name, n: bar.update(n))
     finally:
         bar.close()
         ck.close()
@@ -146,6 +147,39 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
     log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
         f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {max_seq})")
     return result
+
+
+def compile_kernels(program: Program, target: str, log) -> tuple[list[dict], list[int], dict[str, bytes]]:
+    """AOT-compile every distinct kernel configuration the program launches, for ``target``.
+    Returns the kernel table, each launch's index into it, and the cubin parts."""
+    import json
+
+    from kestrel.compiler.ir import is_view
+    from kestrel.kernels.aot import compile_op, constexprs, param_types, pointer_alignment
+    from kestrel.kernels.targets import TARGETS
+
+    cc = TARGETS[target].cc
+    table, index, of_launch, cubins = [], {}, [], {}
+    for op in program.ops:
+        if is_view(op):
+            continue
+        key = (op.launch["kernel"], json.dumps(constexprs(op.launch), sort_keys=True), op.launch["num_warps"],
+               tuple(param_types(op)), tuple(pointer_alignment(op)))
+        if key not in index:
+            k = compile_op(op, cc)
+            part = f"__kestrel__/cubin/{len(table):03d}"
+            cubins[part] = k.cubin
+            index[key] = len(table)
+            table.append({"id": k.kernel_id, "part": part, "name": k.name, "params": [list(p) for p in k.params],
+                          "num_warps": k.num_warps, "block": 32 * k.num_warps, "shared": k.shared,
+                          "global_scratch_size": k.global_scratch_size,
+                          "global_scratch_align": k.global_scratch_align,
+                          "profile_scratch_size": k.profile_scratch_size, "arch": k.arch, "compiler": k.compiler,
+                          "constexprs": constexprs(op.launch)})
+        of_launch.append(index[key])
+    log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
+        f"{table[0]['compiler'] if table else '-'}) for {len(of_launch)} launches")
+    return table, of_launch, cubins
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -3,11 +3,14 @@
 * ``rope_ref``: NeoX-style rotary embedding on the first ``rotary_dim`` dims of each head at ``pos``
   (partial RoPE), the rest passes through; cos/sin computed in fp32 as the reference model does;
 * ``kv_append_ref``: write k, v into row ``pos`` of the caches;
-* ``attention_ref``: softmax(q K[0..pos]^T * scale) V in fp32, query head h reading kv head h // (H / Hkv).
+* ``attention_ref``: softmax(q K[0..pos]^T * scale) V in fp32, query head h reading kv head h // (H / Hkv);
+* ``attn_step_kernel``: the fused decode step ``attn_step_ref`` as one Triton kernel (launch: ``attn_step_launch``).
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rope_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
@@ -58,10 +61,163 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
     return sigmoid_gate_ref(o, qg[:, d:].reshape(nh * d))
 
 
+# Largest dynamic shared memory a CTA may opt into, per compute capability (bytes).
+SMEM_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+
+
 def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
-    """One CTA per query head, walking the cache in BLOCK_S rows."""
+    """One CTA per query head (8 warps), walking the cache in BLOCK_S-row tiles of 8K elements.
+
+    PIPE_BYTES (added key): shared memory the kernel's software pipeline may fill with K/V tiles in
+    flight, at most 128 KiB (about what one SM can usefully keep in flight), leaving 16 KiB of the
+    target's opt-in limit for the kernel's other scratch; the kernel derives its stage count from it
+    and the cache's element size (which this rule is not told). Kernels above 48 KiB of dynamic
+    shared memory need the opt-in attribute set at load time.
+
+    Bandwidth note: NH CTAs (24 for 27B, 8 for 0.8B) on a 132-SM part, each streaming 2 * S * D cache
+    elements of its kv head, is far from the DRAM roofline at long contexts: one SM streams about
+    0.1 TB/s. A split over the sequence (flash-decoding: fixed split count, partial (m, l, acc) per
+    split, a fixed-order combine) would fill the GPU but needs a scratch buffer the op does not have."""
     from kestrel.kernels.targets import pow2_at_least
 
-    return {"grid": [n_heads, 1, 1], "num_warps": 4,
+    block_d = pow2_at_least(head_dim)
+    block_s = max(16, min(64, 8192 // block_d))
+    pipe = min(128 * 1024, SMEM_OPTIN[target.cc] - 16 * 1024)
+    return {"grid": [n_heads, 1, 1], "num_warps": 8,
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq,
-                           "BLOCK_D": pow2_at_least(head_dim), "BLOCK_S": 64}}
+                           "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe}}
+
+
+@triton.jit
+def _round_bf16(x):
+    """x rounded to the nearest bf16 (ties to even), kept in fp32: the value a bf16 store keeps, so the
+    cast that follows is exact. (The GPU's conversion rounds the same way; Triton's interpreter
+    truncates, hence the explicit rounding.) x is finite."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexpr):
+    """One head of ``rope(rmsnorm(x) * (1 + w))`` in fp32 registers, lane d holding element d.
+
+    NeoX RoPE pairs element i with i +- rotary_dim/2, which lives in another lane; rather than move
+    values between lanes, each lane re-loads its partner from the (read-only) input and normalises it
+    with the same per-head factor, so no lane ever depends on another one."""
+    x = tl.load(x_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * r * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32))
+    half = rotary_dim // 2
+    rot = d < rotary_dim
+    lo = d < half
+    partner = tl.where(lo, d + half, d - half)
+    xp = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    yp = xp * r * (1.0 + tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32))
+    yp = tl.where(lo, -yp, yp)  # rotate_half: [-x2, x1]
+    return tl.where(rot, y * cos + yp * sin, y)
+
+
+@triton.jit
+def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr,
+                     eps, theta, rotary_dim, scale,
+                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr):
+    """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
+
+    For query head h (kv head g = h // (NH / NKV)) at position p = clamp(*pos_ptr, 0, S - 1):
+      q = rope(rmsnorm(qg[h, :D]) * (1 + q_norm)),  k = rope(rmsnorm(k[g]) * (1 + k_norm)),
+      k_cache[p, g] = k,  v_cache[p, g] = v[g]   (stored in the cache dtype),
+      out[h] = softmax(q . K[0..p, g]^T * scale) V[0..p, g] * sigmoid(qg[h, D:]),
+    with every load cast to fp32 and fp32 accumulation. RoPE uses the reference's fp32 angles:
+    inv_freq = 1 / theta^(2i / rotary_dim) (the power evaluated in fp64 and rounded, then an IEEE
+    fp32 division), angle = p * inv_freq, full-range cos/sin (Triton compiles tl.cos/tl.sin to
+    accurate code, not the approximate instructions). Offsets are int32: S * NKV * D < 2^31.
+
+    Work split: grid [NH], one program (8 warps) per query head; lane d of a [BLOCK_D] vector holds
+    head element d (BLOCK_D = D rounded up to a power of two). The program walks cache rows 0..p-1 in
+    BLOCK_S-row tiles [BLOCK_S, BLOCK_D], contiguous along D (16-byte cp.async copies), software-
+    pipelined through shared memory: up to 4 K/V tile pairs in flight, as many as PIPE_BYTES holds
+    for the cache's element size. Each tile row slot j (rows j, j + BLOCK_S, ...) keeps its own online
+    softmax (max m_j, sum l_j, fp32 accumulator acc_j[BLOCK_D]), so the loop needs no reduction across
+    warps; the slots and row p are merged once at the end. No split over the sequence: the ABI gives
+    the op no scratch memory for partial results (see the note in attn_step_launch). Every program
+    reads its kv head's rows itself, so the NH / NKV programs of a group read the same rows (from L2
+    after the first). The summation order is fixed: runs repeat bit for bit.
+
+    Ordering (race-free under any CTA schedule): row p is never read from memory. Every program
+    computes its kv head's roped k and v in registers, rounds them to the cache dtype (what the
+    reference reads back after the append) and seeds the online softmax with them; the tiles cover
+    rows < p only, which no program of this launch writes. Row p of kv head g is stored by exactly
+    one program, the first query head of the group (h % (NH / NKV) == 0); the other programs of the
+    group compute the same values but do not store them.
+    """
+    h = tl.program_id(0)
+    REP: tl.constexpr = NH // NKV
+    g = h // REP
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr), 0), S - 1)
+
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+
+    # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
+    half = rotary_dim // 2
+    fi = tl.where(d < half, d, tl.where(d < rotary_dim, d - half, 0))  # lanes past rotary_dim: unused
+    expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], rotary_dim, tl.int32).to(tl.float32))
+    log2_theta = tl.log2(tl.full([BLOCK_D], theta, tl.float32).to(tl.float64))
+    powr = tl.exp2(expo.to(tl.float64) * log2_theta).to(tl.float32)
+    inv_freq = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powr)
+    angle = pos.to(tl.float32) * inv_freq
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+
+    q = _norm_rope(qg_ptr + h * 2 * D, q_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
+    gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
+    kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
+    vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
+
+    # Append row p (one writer per kv head) and use the cache-rounded values for it.
+    if k_cache_ptr.dtype.element_ty == tl.bfloat16:
+        kr = _round_bf16(kr)
+    if v_cache_ptr.dtype.element_ty == tl.bfloat16:
+        vr = _round_bf16(vr)
+    row = pos * (NKV * D) + g * D
+    writer = (h % REP) == 0
+    tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask & writer)
+    tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask & writer)
+
+    # Row p's score (log2 domain: q pre-scaled by scale * log2(e), so exp2 gives the softmax weights).
+    qs = q * (scale * 1.4426950408889634)
+    s_p = tl.sum(qs * kr, axis=0)
+
+    # Rows 0..p-1: one online softmax per tile row slot j (rows j, j + BLOCK_S, ...), so the loop
+    # needs no reduction across warps; the slots and row p are combined once at the end.
+    s_off = tl.arange(0, BLOCK_S)
+    m_j = tl.full([BLOCK_S], -1.0e30, tl.float32)  # finite: an empty slot has weight exp2(-1e30 - m) = 0
+    l_j = tl.zeros([BLOCK_S], tl.float32)
+    acc_j = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    # K/V tiles in flight: as many as PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
+    ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+    NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
+    STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
+    for start in tl.range(0, pos, BLOCK_S, num_stages=STAGES):
+        rows = start + s_off
+        rmask = rows < pos
+        offs = (rows * (NKV * D) + g * D)[:, None] + d[None, :]
+        tmask = rmask[:, None] & dmask[None, :]
+        kt = tl.load(k_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
+        vt = tl.load(v_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
+        s = tl.where(rmask, tl.sum(kt * qs[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_j, s)
+        alpha = tl.exp2(m_j - m_new)
+        pr = tl.exp2(s - m_new)
+        l_j = l_j * alpha + pr
+        acc_j = acc_j * alpha[:, None] + pr[:, None] * vt
+        m_j = m_new
+
+    m = tl.maximum(tl.max(m_j, axis=0), s_p)
+    w_j = tl.exp2(m_j - m)
+    w_p = tl.exp2(s_p - m)
+    l = tl.sum(l_j * w_j, axis=0) + w_p
+    o = (tl.sum(acc_j * w_j[:, None], axis=0) + vr * w_p) / l
+    tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)

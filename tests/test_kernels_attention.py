@@ -1,0 +1,151 @@
+"""The fused gated-attention decode step (attn_step_kernel): Triton's interpreter against attn_step_ref on
+copies of the caches (fresh random inputs, bf16 and fp32 caches), and AOT compilation for every target at
+a tiny shape and at the real 27B shape with the launch rule's constexprs."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.kernels.attention import SMEM_OPTIN, attn_step_kernel, attn_step_launch, attn_step_ref
+from kestrel.kernels.targets import TARGETS
+
+EPS, THETA = 1e-6, 1e7
+SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (8, 2, 64, 130)]  # (NH, NKV, D, S)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-3}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits (so NaN fillers compare equal to themselves)."""
+    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+
+def make_inputs(nh, nkv, d, s, pos, dtype, seed):
+    """Random q|gate, k, v, norm weights; caches random in rows < pos, NaN from row pos on (the kernel
+    must neither read rows past pos nor read row pos back from memory)."""
+    g = torch.Generator().manual_seed(seed)
+    qg = torch.randn(nh * 2 * d, generator=g)
+    k, v = torch.randn(nkv * d, generator=g), torch.randn(nkv * d, generator=g)
+    qn, kn = 0.1 * torch.randn(d, generator=g), 0.1 * torch.randn(d, generator=g)
+    kc, vc = (torch.full((s, nkv, d), float("nan")).to(dtype) for _ in range(2))
+    kc[:pos] = torch.randn(pos, nkv, d, generator=g).to(dtype)
+    vc[:pos] = torch.randn(pos, nkv, d, generator=g).to(dtype)
+    return qg, k, v, qn, kn, kc, vc
+
+
+def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):
+    out = torch.full((qg.numel() // 2,), float("nan"))
+    d = kc.shape[2]
+    interpret(attn_step_kernel)[tuple(grid)](qg, k, v, qn, kn, kc, vc, torch.tensor([pos], dtype=torch.int32), out,
+                                            EPS, THETA, rotary_dim, d ** -0.5, **consts)
+    return out
+
+
+def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None):
+    inputs = make_inputs(nh, nkv, d, s, pos, dtype, seed)
+    qg, k, v, qn, kn, kc, vc = inputs
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
+    c = attn_step_launch(nh, nkv, d, s, TARGETS["sm_90"])
+    consts = dict(c["constexprs"], **({"BLOCK_S": block_s} if block_s else {}))
+    before_k, before_v = kc.clone(), vc.clone()
+    out = run_kernel(*inputs, pos, rotary_dim, consts, c["grid"])
+    what = f"attn_step {dtype} NH={nh} NKV={nkv} D={d} S={s} pos={pos} rotary_dim={rotary_dim}"
+    assert_close(out, ref, TOL[dtype], 0.0, what)
+    # row pos: v is stored exactly as the reference rounds it; roped k within an ulp of the cache dtype
+    assert torch.equal(vc[pos], vc_ref[pos]), f"{what}: v row"
+    assert_close(kc[pos], kc_ref[pos], 1e-5 if dtype == torch.float32 else 1e-2, 0.0, f"{what}: k row")
+    others = torch.arange(s) != pos
+    assert torch.equal(bits(kc[others]), bits(before_k[others])), f"{what}: k rows other than pos changed"
+    assert torch.equal(bits(vc[others]), bits(before_v[others])), f"{what}: v rows other than pos changed"
+    return (out - ref).abs().max().item() / ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attn_step_matches_reference(shape, dtype):
+    nh, nkv, d, s = shape
+    for rotary_dim in (d // 4, d // 2):
+        for pos in (0, s // 2 + 1, s - 1):
+            check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed=1000 * s + 10 * rotary_dim + pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attn_step_many_tiles(dtype):
+    """Small tiles: many loop iterations, a partial last tile, tile row slots that stay empty."""
+    for pos in (129, 100, 7):
+        check_step(8, 2, 64, 130, pos, 32, dtype, seed=pos, block_s=16)
+
+
+def test_attn_step_clamps_pos():
+    """pos past the cache end behaves as S - 1: nothing outside the cache is read or written."""
+    nh, nkv, d, s = 4, 2, 32, 40
+    qg, k, v, qn, kn, kc, vc = make_inputs(nh, nkv, d, s, s - 1, torch.float32, seed=5)
+    guard = 3  # rows after the cache inside the same allocation, which must stay untouched
+    kbuf, vbuf = torch.full((s + guard, nkv, d), 7.0), torch.full((s + guard, nkv, d), 7.0)
+    kbuf[:s], vbuf[:s] = kc, vc
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, s - 1, EPS, THETA, d // 2, d ** -0.5)
+    c = attn_step_launch(nh, nkv, d, s, TARGETS["sm_90"])
+    out = run_kernel(qg, k, v, qn, kn, kbuf[:s], vbuf[:s], s + 5, d // 2, c["constexprs"], c["grid"])
+    assert_close(out, ref, 1e-4, 0.0, "attn_step pos > S - 1")
+    assert torch.equal(kbuf[:s - 1], kc_ref[:s - 1]) and torch.equal(vbuf[:s], vc_ref)
+    assert_close(kbuf[s - 1], kc_ref[s - 1], 1e-5, 0.0, "attn_step pos > S - 1: k row S - 1")
+    assert (kbuf[s:] == 7.0).all() and (vbuf[s:] == 7.0).all()
+
+
+def test_launch_rule():
+    for t in TARGETS.values():
+        c = attn_step_launch(24, 4, 256, 4096, t)
+        assert c["grid"] == [24, 1, 1]
+        assert {"NH", "NKV", "D", "S", "BLOCK_D", "BLOCK_S"} <= set(c["constexprs"])
+        assert c["constexprs"]["PIPE_BYTES"] + 16 * 1024 <= SMEM_OPTIN[t.cc]
+
+
+# --- AOT compilation: one clean subprocess per cache dtype compiles every (shape, target) job (the test
+# suite runs Triton in interpreter mode; one process instead of one per job keeps this fast).
+_COMPILE_ALL = r"""
+import json, sys
+from kestrel.kernels.aot import compile_kernel
+res = []
+for kid, types, consts, nw, cc in json.loads(sys.stdin.read()):
+    k = compile_kernel(kid, types, consts, nw, cc, aligned=[t.startswith("*") for t in types])
+    res.append({"elf": k.cubin[:4] == b"\x7fELF", "name": k.name, "arch": k.arch, "shared": k.shared,
+                "num_warps": k.num_warps})
+print(json.dumps(res))
+"""
+AOT_SHAPES = [(4, 2, 32, 64), (24, 4, 256, 4096)]
+PTR = {"bf16": "*bf16", "f32": "*fp32"}
+
+
+def aot_jobs(dt):
+    types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
+    return [(f"attn_step_{dt}", types, attn_step_launch(*shape, t)["constexprs"],
+             attn_step_launch(*shape, t)["num_warps"], t.cc) for shape in AOT_SHAPES for t in TARGETS.values()]
+
+
+@pytest.fixture(scope="module")
+def aot_results():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = {dt: subprocess.Popen([sys.executable, "-c", _COMPILE_ALL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for dt in PTR}
+    results = {}
+    for dt, p in procs.items():
+        out, err = p.communicate(json.dumps(aot_jobs(dt)), timeout=600)
+        results[dt] = (p.returncode, out, err)
+    return results
+
+
+@pytest.mark.parametrize("dt", list(PTR))
+def test_aot_compiles_for_every_target(aot_results, dt):
+    rc, out, err = aot_results[dt]
+    assert rc == 0, f"AOT compile of attn_step_{dt} failed:\n{err[-3000:]}"
+    res = json.loads(out.strip().splitlines()[-1])
+    for (kid, types, consts, nw, cc), r in zip(aot_jobs(dt), res):
+        assert r["elf"] and r["name"] and r["num_warps"] == nw, (kid, cc)
+        assert r["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}"
+        assert r["shared"] <= SMEM_OPTIN[cc], f"{kid} D={consts['D']} sm_{cc}: {r['shared']} B of shared memory"

@@ -1,0 +1,249 @@
+"""Matrix-vector kernels (matvec, matvec_swiglu): Triton's interpreter against the torch references for
+f32, bf16 and q4 weights (groups 32, 64, 128), with shapes that are not multiples of the blocks; the
+launch rule at the real Qwen3.5-27B shapes; AOT compilation for every target (one subprocess, since the
+suite runs with TRITON_INTERPRET=1), and a PTX check that aligned weights are read with 16-byte loads."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.kernels.matvec import (matvec_kernel, matvec_launch, matvec_ref, matvec_swiglu_kernel,
+                                    matvec_swiglu_ref, q4_pack, q4_unpack)
+from kestrel.kernels.targets import TARGETS
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+RTOL = 1e-5  # of max |ref|: fp32 accumulation of the same (dequantised) fp32 values in another order
+
+
+def make_weight(kind: str, n: int, k: int, g: torch.Generator):
+    """(the kernel's weight argument, its fp32 values for the reference, GROUP)."""
+    w = torch.randn(n, k, generator=g)
+    if kind == "f32":
+        return w, w, 0
+    if kind == "bf16":
+        wb = w.to(torch.bfloat16)
+        return wb, wb.float(), 0
+    group = int(kind[3:])  # "q4g64"
+    buf = q4_pack(w, group)
+    return buf, q4_unpack(buf, n, k, group), group
+
+
+def consts_for(n: int, k: int, group: int, override: dict | None) -> dict:
+    c = dict(matvec_launch(n, k, group, TARGETS["sm_90"])["constexprs"])
+    c.update(override or {})
+    return c
+
+
+# (weight kind, N, K, constexpr overrides): the launch rule's blocks, and smaller blocks so that the
+# interpreter covers several K tiles, a masked K tail and clamped rows past N in one program.
+MATVEC_CASES = [
+    ("f32", 40, 300, None),                                 # rule: 1 row per CTA, one masked 512 tile
+    ("f32", 37, 1000, {"BLOCK_N": 8, "BLOCK_K": 128}),      # 7 tiles + masked tail, rows 37..39 clamped
+    ("bf16", 30, 300, None),
+    ("bf16", 100, 300, {"BLOCK_N": 16, "BLOCK_K": 128}),
+    ("bf16", 24, 1024, {"BLOCK_N": 16}),                    # two full 512 tiles
+    ("bf16", 5, 4, None),                                   # K below one 16-byte chunk
+    ("f32", 3, 2, None),                                    # K = 2
+    ("q4g32", 24, 256, None),
+    ("q4g32", 21, 96, {"BLOCK_N": 8, "BLOCK_K": 32}),       # three one-group tiles
+    ("q4g64", 37, 192, None),                               # rule: one masked 256 tile
+    ("q4g64", 37, 192, {"BLOCK_N": 8, "BLOCK_K": 64}),
+    ("q4g64", 37, 192, {"BLOCK_N": 16, "BLOCK_K": 128}),    # one tile + masked half tile
+    ("q4g128", 19, 640, {"BLOCK_N": 4, "BLOCK_K": 256}),    # two tiles + masked half tile
+    ("q4g128", 20, 1024, {"BLOCK_N": 16}),                  # rule's 1024 block, one full tile
+]
+
+
+@pytest.mark.parametrize("kind,n,k,override", MATVEC_CASES)
+def test_matvec_interpreter(kind, n, k, override):
+    g = torch.Generator().manual_seed(n * 7919 + k)
+    warg, wref, group = make_weight(kind, n, k, g)
+    x = torch.randn(k, generator=g)
+    c = consts_for(n, k, group, override)
+    y = torch.full((n + 16,), float("nan"))  # 16 sentinels: rows past N must not be stored
+    interpret(matvec_kernel)[(math.ceil(n / c["BLOCK_N"]),)](x, warg, y, **c)
+    assert torch.isnan(y[n:]).all(), "stored past N"
+    assert_close(y[:n], matvec_ref(x, wref), RTOL, 0.0, f"matvec {kind} {n}x{k} {c}")
+
+
+SWIGLU_CASES = [
+    ("f32", 45, 320, {"BLOCK_N": 8, "BLOCK_K": 128}),
+    ("bf16", 100, 300, {"BLOCK_N": 16, "BLOCK_K": 128}),
+    ("bf16", 30, 512, None),
+    ("q4g32", 12, 96, None),
+    ("q4g64", 37, 192, {"BLOCK_N": 8, "BLOCK_K": 128}),
+    ("q4g128", 37, 384, {"BLOCK_N": 8, "BLOCK_K": 256}),
+]
+
+
+@pytest.mark.parametrize("kind,n,k,override", SWIGLU_CASES)
+def test_matvec_swiglu_interpreter(kind, n, k, override):
+    g = torch.Generator().manual_seed(n * 104729 + k)
+    wg, wg_ref, group = make_weight(kind, n, k, g)
+    wu, wu_ref, _ = make_weight(kind, n, k, g)
+    x = torch.randn(k, generator=g)
+    c = consts_for(n, k, group, override)
+    y = torch.full((n + 16,), float("nan"))
+    interpret(matvec_swiglu_kernel)[(math.ceil(n / c["BLOCK_N"]),)](x, wg, wu, y, **c)
+    assert torch.isnan(y[n:]).all(), "stored past N"
+    ref = matvec_swiglu_ref(x, wg_ref, wu_ref)
+    # |silu(g) * u| <= |g| |u|: bound the error by the products' magnitudes, not by max |y| alone
+    scale = (matvec_ref(x, wg_ref).abs() * matvec_ref(x, wu_ref).abs()).max().item()
+    assert_close(y[:n], ref, 0.0, RTOL * scale, f"swiglu {kind} {n}x{k} {c}")
+
+
+# --- launch rule at the real shapes --------------------------------------------------------------
+
+# Qwen3.5-27B: lm_head, down_proj, gate/up (each), fused GDN input projection
+REAL_SHAPES = {"lm_head": (248320, 5120), "down_proj": (5120, 17408), "gate_up": (17408, 5120),
+               "gdn_in_proj": (16640, 5120)}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("group", [0, 128])
+def test_launch_rule_real_shapes(target, group):
+    t = TARGETS[target]
+    for name, (n, k) in REAL_SHAPES.items():
+        c = matvec_launch(n, k, group, t)
+        e = c["constexprs"]
+        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K"}
+        assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
+        assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]
+        assert c["grid"][0] >= 2 * t.sms, f"{name}: {c['grid'][0]} CTAs for {t.sms} SMs"
+        assert e["BLOCK_K"] == (1024 if group else 512) and k % e["BLOCK_K"] == 0  # no masked tail
+        assert c["num_warps"] == max(1, e["BLOCK_N"] // 4)
+        if group:
+            assert e["BLOCK_K"] % group == 0
+
+
+def test_launch_rule_small_and_odd_shapes():
+    t = TARGETS["sm_90"]
+    for n, k, group in [(37, 192, 64), (100, 300, 0), (1024, 3584, 128), (20, 96, 32), (8, 32, 32), (3, 5, 0)]:
+        e = matvec_launch(n, k, group, t)["constexprs"]
+        bk = e["BLOCK_K"]
+        assert bk & (bk - 1) == 0 and e["BLOCK_N"] & (e["BLOCK_N"] - 1) == 0
+        if group:
+            assert bk >= group and bk % group == 0
+    assert matvec_launch(1024, 3584, 128, t)["constexprs"]["BLOCK_K"] == 512  # divides K: no tail
+
+
+# --- AOT compilation -----------------------------------------------------------------------------
+
+def _kernel_id(fused: bool, group: int, wt: str = "*bf16") -> str:
+    dtype = f"q4g{group}" if group else {"*bf16": "bf16", "*fp32": "f32"}[wt]
+    return ("matvec_swiglu_" if fused else "matvec_") + dtype
+
+
+# small shapes whose launch leaves a masked K tile: (weight type, N, K, GROUP)
+ODD_SHAPES = {"q4g64_tail": ("*u8", 37, 192, 64), "bf16_tail": ("*bf16", 100, 300, 0),
+              "f32_loop_tail": ("*fp32", 37, 1000, 0), "bf16_tiny": ("*bf16", 5, 4, 0)}
+
+
+def _aot_jobs():
+    """One compile per (target, kernel, real shape), with that target's launch rule (as select_kernels
+    does; sm_120's 170 SMs give down_proj 4 rows per CTA, the others 8). matvec_swiglu only at the
+    gate/up shape, the only one where the fuse pass creates it. Real shapes have no masked K tail, so
+    the odd shapes (masked tile alone, after the loop, tiny K) go to sm_90."""
+    jobs = []
+    for target in TARGETS:
+        for group in (0, 128):
+            jobs += [(target, False, group, shape) for shape in REAL_SHAPES]
+            jobs.append((target, True, group, "gate_up"))
+    for shape, (_, _, _, group) in ODD_SHAPES.items():
+        jobs += [("sm_90", False, group, shape), ("sm_90", True, group, shape)]
+    return jobs
+
+
+def _compile_job(job):
+    from kestrel.kernels.aot import compile_kernel
+
+    target, fused, group, shape = job
+    wt, n, k, _ = ODD_SHAPES.get(shape, ("*u8" if group else "*bf16",) + REAL_SHAPES.get(shape, ()) + (group,))
+    c = matvec_launch(n, k, group, TARGETS[target])
+    types = ["*fp32"] + [wt] * (2 if fused else 1) + ["*fp32"]
+    ck = compile_kernel(_kernel_id(fused, group, wt), types, c["constexprs"], c["num_warps"], TARGETS[target].cc,
+                        aligned=[True] * len(types))
+    return {"job": list(job), "name": ck.name, "cubin": len(ck.cubin), "shared": ck.shared, "wt": wt,
+            "num_warps": ck.num_warps, "arch": ck.arch, "params": [t for _, t in ck.params]}
+
+
+def _ptx_job(job):
+    """PTX of matvec at the lm_head shape for sm_90, compiled as compile_kernel does."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    group, aligned = job
+    n, k = REAL_SHAPES["lm_head"]
+    c = matvec_launch(n, k, group, TARGETS["sm_90"])
+    names = ["x_ptr", "w_ptr", "y_ptr"]
+    types = ["*fp32", "*u8" if group else "*bf16", "*fp32"]
+    attrs = {(matvec_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in names} if aligned else {}
+    src = ASTSource(fn=matvec_kernel, signature=dict(zip(names, types)) | {a: "constexpr" for a in c["constexprs"]},
+                    constexprs=dict(c["constexprs"]), attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": c["num_warps"]})
+    return {"job": list(job), "ptx": ck.asm["ptx"]}
+
+
+def _aot_main():
+    """Subprocess entry (TRITON_INTERPRET unset): run every job on a small process pool, print JSON."""
+    import multiprocessing
+
+    compiles, ptx = _aot_jobs(), [(0, True), (128, True), (0, False)]
+    with multiprocessing.get_context("fork").Pool(max(1, min(4, len(os.sched_getaffinity(0))))) as pool:
+        a = pool.map_async(_compile_job, compiles, chunksize=1)
+        b = pool.map_async(_ptx_job, ptx, chunksize=1)
+        out = {"compiled": a.get(), "ptx": b.get()}
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def aot():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); "
+                        "import test_kernels_matvec as t; t._aot_main()"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {tuple(d["job"]): d for d in out["compiled"]}, {tuple(d["job"]): d["ptx"] for d in out["ptx"]}
+
+
+def _job_id(job) -> str:
+    target, fused, group, shape = job
+    dtype = "" if shape in ODD_SHAPES else ("-q4g%d" % group if group else "-bf16")
+    return f"{target}-{'matvec_swiglu' if fused else 'matvec'}{dtype}-{shape}"
+
+
+@pytest.mark.parametrize("job", _aot_jobs(), ids=_job_id)
+def test_aot_compile(aot, job):
+    d = aot[0][job]
+    target, fused, group, _ = job
+    assert d["cubin"] > 0 and d["name"].startswith("matvec_swiglu_kernel" if fused else "matvec_kernel")
+    assert d["params"] == ["*fp32"] + [d["wt"]] * (2 if fused else 1) + ["*fp32"]
+    assert d["arch"] == f"sm_{TARGETS[target].cc}" + ("a" if TARGETS[target].cc >= 90 else "")
+    assert d["shared"] <= 99 * 1024, "pipeline buffers must fit the 99 KB of sm_86/89/120 CTAs"
+
+
+def _wide_loads(ptx: str) -> int:
+    """16-byte global reads: ld.global ... .v4 (32-bit lanes) or cp.async of 16 bytes (the software
+    pipeline's global -> shared copies)."""
+    lines = ptx.splitlines()
+    return sum(1 for ln in lines if ("ld.global" in ln and ".v4" in ln and (".b32" in ln or ".f32" in ln))
+               or ("cp.async" in ln and ".global" in ln and ", 0x10," in ln))
+
+
+@pytest.mark.parametrize("group", [0, 128])
+def test_aligned_pointers_give_16_byte_loads(aot, group):
+    ptx = aot[1][(group, True)]
+    assert _wide_loads(ptx) > 0, "no 16-byte global loads in the sm_90 PTX"
+    assert "cp.async.ca.shared.global" not in ptx  # no 4/8-byte copies for the weight or x
+
+
+def test_unaligned_pointers_give_narrow_loads(aot):
+    """The check above is not vacuous: without the 16-byte alignment hint Triton cannot vectorise."""
+    assert _wide_loads(aot[1][(0, False)]) == 0
