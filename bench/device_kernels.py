@@ -129,6 +129,16 @@ def check_one(entry, op, kern) -> dict:
             r, got = refs[j].float(), ktens[j].float()
             errs[op.ins[j].name.split(".")[-1]] = ((got - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
     res = {"max_rel_err": max(errs.values()) if errs else 0.0, "errors": errs}
+    if op.kind == "sample":  # seeded top-p sampling: agreement with the reference over many seeds
+        agree = 0
+        for seed in range(32):
+            step.dyn.update(temperature=0.8, top_p=0.9, seed=seed)
+            _EXEC["sample"](step, op, refs[0], 0.8, 0.9, seed, DYN["pos"])
+            ktens[1].fill_(0.8), ktens[2].fill_(0.9), ktens[3].fill_(seed)
+            kc.launch(kern, entry["grid"], args, stream)
+            torch.cuda.synchronize()
+            agree += int(ktens[5].item()) == step.dyn["sampled"]
+        res["top_p_sampling_agreement"] = agree / 32
     if op.kind in TIMED:
         res.update(time_one(entry, op, kern, ktens, types, scalars))
     return res

@@ -18,7 +18,8 @@ def rope_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
 
 
 def rope_ref(x: torch.Tensor, pos: int, theta: float, rotary_dim: int) -> torch.Tensor:
-    freqs = torch.tensor([float(pos)], dtype=torch.float32)[:, None] * rope_inv_freq(theta, rotary_dim)
+    inv_freq = rope_inv_freq(theta, rotary_dim).to(x.device)
+    freqs = torch.tensor([float(pos)], dtype=torch.float32, device=x.device)[:, None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)[0]  # [rotary_dim]
     cos, sin = emb.cos(), emb.sin()
     rot, rest = x[:, :rotary_dim].float(), x[:, rotary_dim:].float()
