@@ -27,7 +27,7 @@ from kestrel.runtime import cuda as kc
 from kestrel.runtime.cpu import _EXEC
 
 TD = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}
-DYN = {"pos": 1000, "token": 1234, "sampled": 0, "temperature": 0.0, "top_p": 1.0, "seed": 1}
+DYN = {"pos": int(os.environ.get("POS", 1000)), "token": int(os.environ.get("TOKEN", 1234)), "sampled": 0, "temperature": 0.0, "top_p": 1.0, "seed": 1}
 TIMED = ("matmul", "matmul_swiglu", "gdn_step", "attn_step", "embedding", "add_rmsnorm", "sample")
 L2_BYTES = 50 << 20
 
@@ -179,7 +179,10 @@ def main(cubin_dir: str, out_path: str):
     programs = {}
     kernels = {}
     rows = []
+    only = os.environ.get("ONLY_SHAPE")
     for e in index:
+        if only and e["shape"] != only:
+            continue
         prog = programs.get(e["program"]) or programs.setdefault(
             e["program"], parse_program(open(os.path.join(cubin_dir, e["program"])).read()))
         op = prog.ops[e["op_index"]]

@@ -41,7 +41,8 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
             "num_warps": launch.get("num_warps"),
             "constexprs": {k: v for k, v in launch.items() if k not in ("kernel", "grid", "num_warps")},
             "args": [_arg(x, names, state) for x in list(op.ins) + list(op.outs)],
-            "attrs": dict(op.attrs),
+            "scalars": list(op.attrs.values()),  # the kernel's scalar parameters, in ABI order
+            "attrs": dict(op.attrs),  # the same by name, for reading (JSON objects carry no order)
         })
     return out
 

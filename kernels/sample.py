@@ -35,10 +35,12 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_p: float, seed: int
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)
     p_sorted = torch.sort(probs, descending=True).values
-    k = int(torch.searchsorted(torch.cumsum(p_sorted, 0), torch.tensor([top_p]))[0].clamp(max=len(p_sorted) - 1))
+    dev = logits.device
+    k = int(torch.searchsorted(torch.cumsum(p_sorted, 0), torch.tensor([top_p], device=dev))[0]
+            .clamp(max=len(p_sorted) - 1))
     kept = torch.where(probs >= p_sorted[k], probs, torch.zeros_like(probs))
     target = uniform_from(seed, pos) * float(kept.sum())
-    i = int(torch.searchsorted(torch.cumsum(kept, 0), torch.tensor([target]), right=True)[0])
+    i = int(torch.searchsorted(torch.cumsum(kept, 0), torch.tensor([target], device=dev), right=True)[0])
     i = min(i, len(kept) - 1)
     while kept[i] == 0:  # only reachable through rounding at the very end: step back into the nucleus
         i -= 1

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error
+from kestrel.artifacts.errors import InputError, exit_on_error
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -24,12 +24,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
-              help="cpu runs the torch reference path (any plan).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="gpu runs the plan's cubins (auto: gpu for GPU plans); cpu runs the torch reference path (any plan).")
+@click.option("--no-graph", is_flag=True, help="GPU: launch kernel by kernel instead of replaying the CUDA graph "
+              "(same as KESTREL_GRAPH=0).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--dump", "dump_dir", help="Write per-step logits and hidden states (float32) with index.json here.")
 @exit_on_error
-def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, as_json, dump_dir):
+def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
+         dump_dir):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     from kestrel.artifacts.plan import load_plan
     from kestrel.runtime.generate import SamplingParams, generate
@@ -40,16 +43,20 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
     ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids)
-    if device == "auto" and plan.manifest["target"] != "cpu":
-        raise UnsupportedError(f"this plan targets {plan.manifest['target']}, and the GPU runtime is not in this "
-                               f"version: run it with --device cpu (the reference path)")
-    from kestrel.runtime.cpu import CpuStep
-
-    model = plan.manifest["model"]
     from kestrel.runtime.generate import check_lengths
 
+    model = plan.manifest["model"]
     check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
-    step = CpuStep(plan)
+    if device == "auto":
+        device = "cpu" if plan.manifest["target"] == "cpu" else "gpu"
+    if device == "gpu":
+        from kestrel.runtime.gpu import GpuStep, graph_enabled
+
+        step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
+    else:
+        from kestrel.runtime.cpu import CpuStep
+
+        step = CpuStep(plan)
     plan.close()
     eos = plan.manifest.get("tokenizer", {}).get("eos_token_ids") or model.get("eos_token_ids") or []
     gen = generate(step, ids, max_new_tokens, SamplingParams(temperature, top_p, seed), eos_ids=set(eos),
@@ -59,6 +66,7 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
         click.echo(json.dumps({
             "tokens": gen.tokens, "text": text, "mode": step.mode, "ms_per_token": round(gen.ms_per_token, 4),
             "prompt_tokens": len(ids), "prefill_ms": round(gen.prefill_ms, 3), "stopped_by": gen.stopped_by,
+            "graph_fallbacks": getattr(step, "graph_fallbacks", 0),
         }))
     else:
         click.echo(text if text is not None else " ".join(map(str, gen.tokens)))

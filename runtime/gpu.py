@@ -1,0 +1,157 @@
+"""GPU runtime: runs a plan's launch list from its cubins. numpy + cuda.bindings only (no torch).
+
+At load (before any request): check the plan's arch against the GPU, allocate the one arena,
+upload the weights (checksummed as they are read), zero the state, load the cubins, pack every
+launch's arguments once (arena base + offset, or a constant), and — unless KESTREL_GRAPH=0 —
+build the step's CUDA graph from explicit kernel nodes and instantiate it. Per token: one graph
+launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
+feeds the sampled token back, so generation needs no host write per token.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kestrel.artifacts.errors import DeviceError, UnsupportedError
+from kestrel.artifacts.plan import Plan
+from kestrel.compiler.ir_text import parse_program
+from kestrel.runtime import cuda as kc
+
+REGION_ORDER = ("weights", "state", "dyn", "act", "scratch")
+ALIGN = 256
+
+
+def graph_enabled(no_graph_flag: bool = False) -> bool:
+    """The KESTREL_GRAPH gate (M=1 step graph): on unless KESTREL_GRAPH=0 or --no-graph."""
+    return not no_graph_flag and os.environ.get("KESTREL_GRAPH", "1") != "0"
+
+
+class _DynSlots:
+    """dict-like access to the dyn buffer in device memory (4-byte slots)."""
+
+    def __init__(self, step: "GpuStep", table: dict):
+        self.step, self.table = step, table
+
+    def __contains__(self, name):
+        return name in self.table
+
+    def __iter__(self):
+        return iter(self.table)
+
+    def __getitem__(self, name):
+        slot = self.table[name]
+        buf = np.zeros(1, dtype=np.int32 if slot["dtype"] == "i32" else np.float32)
+        self.step.sync()
+        self.step.copy_from_device(buf, self.step.base["dyn"] + slot["offset"])
+        return buf[0].item()
+
+    def __setitem__(self, name, value):
+        slot = self.table[name]
+        buf = np.array([value], dtype=np.int32 if slot["dtype"] == "i32" else np.float32)
+        self.step.copy_to_device(self.step.base["dyn"] + slot["offset"], buf)
+
+
+class GpuStep:
+    def __init__(self, plan: Plan, use_graph: bool = True, log=None):
+        lp = plan.launch_plan
+        target = plan.manifest["target"]
+        if target == "cpu" or not lp or not lp.get("kernels"):
+            raise UnsupportedError(f"this plan was built for {target}: it has no GPU kernels; rebuild with "
+                                   f"--target sm_XX, or run it with --device cpu")
+        cu = kc.driver()
+        self.dev, self.ctx = kc.init(0)
+        cc = kc.compute_capability(self.dev)
+        want = int(target.split("_")[1])
+        if cc != want:
+            raise DeviceError(f"this plan was built for {target}, this GPU is sm_{cc}: rebuild with --target sm_{cc}")
+        self.max_seq = plan.manifest["max_seq"]
+        self.stream = kc.check(cu.cuStreamCreate(0), "cuStreamCreate")
+        # the arena: regions back to back, each 256-byte aligned
+        offsets, total = {}, 0
+        for r in REGION_ORDER:
+            offsets[r] = total
+            total += (lp["arena"].get(r, 0) + ALIGN - 1) // ALIGN * ALIGN
+        self.arena = kc.check(cu.cuMemAlloc(max(total, ALIGN)), "cuMemAlloc (arena)")
+        self.base = {r: int(self.arena) + o for r, o in offsets.items()}
+        kc.check(cu.cuMemsetD8(self.arena, 0, total), "cuMemsetD8")
+        program = parse_program(plan.program_text)
+        self.outputs = {name: (int(self.base[v.loc[0]]) + v.loc[1], v.type.numel) for name, v in program.outputs.items()}
+        for name, w in program.weights.items():  # checksummed as read; one weight in host memory at a time
+            data = np.frombuffer(plan.read(name), dtype=np.uint8)
+            self.copy_to_device(self.base["weights"] + w.loc[1], data)
+        self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
+        self.launches = []
+        for launch in lp["launches"]:
+            k = lp["kernels"][launch["kernel_index"]]
+            values = [self.base[a["region"]] + a["offset"] if "region" in a else a["const"] for a in launch["args"]]
+            values += launch["scalars"]
+            types = [t for _, t in k["params"]]
+            scratch = self.base["scratch"] if k["global_scratch_size"] else 0
+            self.launches.append((self.kernels[launch["kernel_index"]], launch["grid"],
+                                  kc.PackedArgs(types, values, (scratch, 0))))
+        self.dyn = _DynSlots(self, lp["dyn_slots"])
+        self.graph_exec = None
+        self.graph_fallbacks = 0
+        if use_graph:
+            try:
+                self.graph_exec = self._build_graph()
+            except DeviceError as e:
+                self.graph_fallbacks = 1
+                if log:
+                    log(f"warning: CUDA graph build failed ({e}); falling back to streaming launches")
+        self.mode = "gpu-graph" if self.graph_exec is not None else "gpu-stream"
+        self.sync()
+
+    # --- memory ------------------------------------------------------------------------------
+    def copy_to_device(self, dst: int, src: np.ndarray) -> None:
+        cu = kc.driver()
+        kc.check(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, self.stream), "cuMemcpyHtoDAsync")
+        kc.check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def copy_from_device(self, dst: np.ndarray, src: int) -> None:
+        cu = kc.driver()
+        kc.check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        kc.check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def sync(self) -> None:
+        kc.check(kc.driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    # --- the step ----------------------------------------------------------------------------
+    def _build_graph(self):
+        cu = kc.driver()
+        graph = kc.check(cu.cuGraphCreate(0), "cuGraphCreate")
+        prev = None
+        for kernel, grid, args in self.launches:
+            p = cu.CUDA_KERNEL_NODE_PARAMS()
+            p.func = kernel.function
+            p.gridDimX, p.gridDimY, p.gridDimZ = grid
+            p.blockDimX, p.blockDimY, p.blockDimZ = kernel.block, 1, 1
+            p.sharedMemBytes = kernel.shared
+            p.kernelParams = args.address
+            deps = [prev] if prev is not None else []
+            prev = kc.check(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), "cuGraphAddKernelNode")
+        self._graph = graph
+        return kc.check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def reset(self) -> None:
+        cu = kc.driver()
+        self.sync()
+        kc.check(cu.cuMemsetD8(self.base["state"], 0, self.base["dyn"] - self.base["state"]), "cuMemsetD8 (state)")
+        kc.check(cu.cuMemsetD8(self.base["dyn"], 0, self.base["act"] - self.base["dyn"]), "cuMemsetD8 (dyn)")
+        self.sync()
+
+    def run(self) -> None:
+        """One step, asynchronously on the stream (reading a dyn slot or an output waits for it)."""
+        if self.graph_exec is not None:
+            kc.check(kc.driver().cuGraphLaunch(self.graph_exec, self.stream), "cuGraphLaunch")
+            return
+        for kernel, grid, args in self.launches:
+            kc.launch(kernel, grid, args, self.stream)
+
+    def output(self, name: str) -> np.ndarray:
+        addr, n = self.outputs[name]
+        buf = np.empty(n, dtype=np.float32)
+        self.sync()
+        self.copy_from_device(buf, addr)
+        return buf
