@@ -51,6 +51,7 @@ class PlanInfo:
     model: dict
     source: dict
     tokenizer: dict = field(default_factory=dict)  # {"eos_token_ids": [...]} when a tokenizer is stored
+    weights: dict = field(default_factory=lambda: {"kind": "checkpoint"})  # or {"kind": "random", "seed": s}
 
 
 def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple[str, str, tuple]],
@@ -75,7 +76,7 @@ def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "producer": producer_version(),
             "target": info.target, "quant": info.quant, "max_seq": info.max_seq,
-            "model": info.model, "source": info.source, "tokenizer": info.tokenizer,
+            "model": info.model, "source": info.source, "tokenizer": info.tokenizer, "weights": info.weights,
             "parts": {n: {"dtype": d, "shape": list(s), "sha256": checksums[n]} for n, d, s in entries},
         }
         text = json.dumps(manifest, sort_keys=True)
@@ -138,6 +139,12 @@ class Plan:
 
     def cubin(self, part: str) -> bytes:
         return bytes(self.read(part))
+
+    @property
+    def random_weights(self) -> dict | None:
+        """{"kind": "random", "seed": s, ...} for a benchmarking plan that stores no weights."""
+        w = self.manifest.get("weights", {"kind": "checkpoint"})
+        return w if w.get("kind") == "random" else None
 
     @property
     def weight_names(self) -> list[str]:

@@ -26,14 +26,18 @@ def cli():
 @click.option("--max-seq", type=int, default=None, help="KV-cache rows (prompt + generated tokens). Default: min(4096, max_position_embeddings).")
 @click.option("--dump-ir-after", metavar="PASS", default=None,
               help="Print the IR after PASS (lower, fuse, quantize, hoist_dynamic, plan_memory, select_kernels) or 'all'.")
+@click.option("--weights", "weights", type=click.Choice(["checkpoint", "random"]), default="checkpoint",
+              show_default=True, help="random: store a seed, not weights; the runtime fills them (benchmarking only).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --weights random.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, quiet):
+def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, quiet):
     """Compile MODEL (a checkpoint folder or a preset: tiny) into a .plan."""
     from kestrel.compiler.pipeline import build as do_build
 
     log = (lambda msg: click.echo(msg, err=True))
     exit_on_error(do_build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
-                            q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo)
+                            q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
+                            seed=seed)
 
 
 def plan_summary(plan) -> dict:
@@ -46,6 +50,7 @@ def plan_summary(plan) -> dict:
         "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
+        "weights": m.get("weights", {"kind": "checkpoint"}),
         "program": {
             "ops": len(prog.ops), "op_counts": dict(Counter(op.kind for op in prog.ops)),
             "dyn_slots": {d.name: d.dtype for d in prog.dyn.values()},
@@ -94,6 +99,8 @@ def inspect(plan_path, as_json, verify):
         f"gdn {m['linear_num_key_heads']}/{m['linear_num_value_heads']} heads of "
         f"{m['linear_key_head_dim']}/{m['linear_value_head_dim']}; tied embeddings: {m['tie_word_embeddings']}",
         f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
+        f"weights   " + ("RANDOM (benchmarking plan: seed %d, filled by the runtime)" % s["weights"]["seed"]
+                         if s["weights"]["kind"] == "random" else "from the checkpoint"),
         f"program   {p['ops']} ops, {p['weights']} weights ({p['weight_bytes'] / 1e6:.2f} MB), "
         f"{p['states']} states ({p['state_bytes'] / 1e6:.2f} MB), dyn slots {', '.join(p['dyn_slots'])}",
         "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),

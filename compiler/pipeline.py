@@ -16,7 +16,8 @@ from kestrel.compiler.frontend import Checkpoint, open_checkpoint
 from kestrel.compiler.ir import Program, verify
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import launch_plan
-from kestrel.compiler.presets import PRESETS, synthesize
+from kestrel.compiler.frontend import read_config
+from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES, byte_level_tokenizer_json, synthesize
 from kestrel.compiler.qwen3_5 import lower
 from kestrel.compiler.weights import storage, weight_bytes
 from kestrel.kernels.targets import ALL_TARGETS
@@ -72,15 +73,41 @@ def _check_options(target: str, quant: str, dump_ir_after: str | None):
         raise InputError(f"--dump-ir-after {dump_ir_after}: choose one of lower, {', '.join(PASS_NAMES)}, all")
 
 
+class ShapesOnly:
+    """A model known by its config alone (``--weights random``): no tensors are read."""
+
+    def __init__(self, cfg, folder=None):
+        self.cfg, self.folder, self.notices = cfg, folder, []
+
+    def close(self):
+        pass
+
+
 def build(model: str, out: str, target: str = "cpu", quant: str | None = None, max_seq: int | None = None,
           log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
-          dump=print) -> BuildResult:
+          dump=print, weights: str = "checkpoint", seed: int = 0) -> BuildResult:
     quant = quant or default_quant(target)
     _check_options(target, quant, dump_ir_after)
-    opts = dict(q4_group=q4_group, dump_ir_after=dump_ir_after, dump=dump)
+    if weights not in ("checkpoint", "random"):
+        raise InputError(f"--weights {weights}: choose checkpoint or random")
+    opts = dict(q4_group=q4_group, dump_ir_after=dump_ir_after, dump=dump,
+                random_seed=seed if weights == "random" else None)
     out_dir = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(out_dir):
         raise InputError(f"-o {out}: folder {out_dir} does not exist")
+    if weights == "random":
+        from kestrel.compiler.frontend import parse_config
+
+        if model in PRESETS or model in QWEN35_SHAPES:
+            cfg = parse_config((PRESETS | QWEN35_SHAPES)[model], f"preset {model}")
+            source = {"kind": "preset", "name": model}
+        else:
+            source = {"kind": "checkpoint-config", "path": os.path.abspath(model)}
+            cfg = read_config(model)[1]
+        return _build(ShapesOnly(cfg), source, out, target, quant, max_seq, log, progress, **opts)
+    if model in QWEN35_SHAPES:
+        raise InputError(f"preset {model} has shapes but no weights: add --weights random (for benchmarking), "
+                         f"or give a checkpoint folder")
     if model in PRESETS:
         with tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-") as tmp:
             ck = open_checkpoint(synthesize(model, tmp))
@@ -91,7 +118,7 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
 
 
 def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_seq: int | None, log,
-           progress: bool, q4_group: int, dump_ir_after: str | None, dump) -> BuildResult:
+           progress: bool, q4_group: int, dump_ir_after: str | None, dump, random_seed: int | None) -> BuildResult:
     cfg = ck.cfg
     if max_seq is None:
         max_seq = min(DEFAULT_MAX_SEQ, cfg.max_position_embeddings)
@@ -115,17 +142,27 @@ def _build(ck: Checkpoint, source: dict, out: str, target: str, quant: str, max_
         f"kernel argument)")
     log(memory_report(program))
     kernels, kernel_of_launch, cubins = (None, None, {})
+    weights_info = {"kind": "checkpoint"}
+    if random_seed is not None:
+        weights_info = {"kind": "random", "seed": random_seed}
+        log(f"note: --weights random: the plan records seed {random_seed}; the runtime fills the weights "
+            f"(benchmarking only, never the default)")
     if target != "cpu":
         kernels, kernel_of_launch, cubins = compile_kernels(program, target, log)
+        if random_seed is not None:
+            weights_info["fill_kernel"] = add_fill_kernel(kernels, cubins, target)
 
-    tok_path = os.path.join(ck.folder, "tokenizer.json")
     tokenizer_json = None
-    if os.path.exists(tok_path):
+    tok_path = os.path.join(ck.folder, "tokenizer.json") if ck.folder else None
+    if tok_path and os.path.exists(tok_path):
         with open(tok_path, encoding="utf-8") as f:
             tokenizer_json = f.read()
+    elif source["kind"] == "preset":
+        tokenizer_json = byte_level_tokenizer_json()
     info = PlanInfo(target=target, quant=quant, max_seq=max_seq, model=cfg.to_json(), source=source,
-                    tokenizer={"eos_token_ids": list(cfg.eos_token_ids)} if tokenizer_json else {})
-    weights = [(w.name, *storage(w)) for w in program.weights.values()]
+                    tokenizer={"eos_token_ids": list(cfg.eos_token_ids)} if tokenizer_json else {},
+                    weights=weights_info)
+    weights = [] if random_seed is not None else [(w.name, *storage(w)) for w in program.weights.values()]
 
     def produce(name: str):
         return weight_bytes(program.weights[name], ck.read)
@@ -180,6 +217,23 @@ def compile_kernels(program: Program, target: str, log) -> tuple[list[dict], lis
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
         f"{table[0]['compiler'] if table else '-'}) for {len(of_launch)} launches")
     return table, of_launch, cubins
+
+
+def add_fill_kernel(kernels: list[dict], cubins: dict, target: str) -> int:
+    """Compile the random-weights fill kernel into the kernel table; returns its index."""
+    from kestrel.kernels.aot import compile_kernel
+    from kestrel.kernels.fill import FILL_BLOCK, FILL_TYPES
+    from kestrel.kernels.targets import TARGETS
+
+    k = compile_kernel("fill_random", FILL_TYPES, {"BLOCK": FILL_BLOCK}, 4, TARGETS[target].cc)
+    part = f"__kestrel__/cubin/{len(kernels):03d}"
+    cubins[part] = k.cubin
+    kernels.append({"id": k.kernel_id, "part": part, "name": k.name, "params": [list(p) for p in k.params],
+                    "num_warps": k.num_warps, "block": 32 * k.num_warps, "shared": k.shared,
+                    "global_scratch_size": k.global_scratch_size, "global_scratch_align": k.global_scratch_align,
+                    "profile_scratch_size": k.profile_scratch_size, "arch": k.arch, "compiler": k.compiler,
+                    "constexprs": {"BLOCK": FILL_BLOCK}})
+    return len(kernels) - 1
 
 
 def _progress_bar(total: int, enabled: bool):

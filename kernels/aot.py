@@ -28,6 +28,7 @@ REGISTRY = {
     "attn_step_": ("attention", "attn_step_kernel"),
     "sample": ("sample", "sample_kernel"),
     "step_end": ("sample", "step_end_kernel"),
+    "fill_random": ("fill", "fill_random_kernel"),
 }
 PTR_TYPES = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32"}
 

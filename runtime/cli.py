@@ -30,9 +30,13 @@ def _parse_ids(text: str) -> list[int]:
               "(same as KESTREL_GRAPH=0).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--dump", "dump_dir", help="Write per-step logits and hidden states (float32) with index.json here.")
+@click.option("--bench", "bench_out", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
+              help="GPU: interleaved graph off/on rounds; prints a table and the JSON (to FILE if given).")
+@click.option("--rounds", type=int, default=3, show_default=True, help="--bench rounds (at least 3).")
+@click.option("--verify", is_flag=True, help="GPU: run graph and streaming, byte-compare every step's dumps.")
 @exit_on_error
 def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
-         dump_dir):
+         dump_dir, bench_out, rounds, verify):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     from kestrel.artifacts.plan import load_plan
     from kestrel.runtime.generate import SamplingParams, generate
@@ -49,6 +53,31 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
     check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
     if device == "auto":
         device = "cpu" if plan.manifest["target"] == "cpu" else "gpu"
+    if bench_out is not None or verify:
+        if device != "gpu":
+            raise InputError("--bench and --verify run on the GPU: use a plan built with --target sm_XX")
+        from kestrel.runtime import bench as gpu_bench
+
+        if verify:
+            r = gpu_bench.verify(plan, ids, max_new_tokens)
+            click.echo(json.dumps(r) if as_json else f"verified: graph and streaming byte-identical over "
+                       f"{r['steps']} steps ({r['files_compared']} files)")
+            return
+        r = gpu_bench.bench(plan, ids, max_new_tokens, max(3, rounds), log=lambda m: click.echo(m, err=True))
+        text = json.dumps(r, indent=1)
+        if bench_out != "-":
+            with open(bench_out, "w") as f:
+                f.write(text)
+        click.echo(text if as_json else
+                   f"ms/token  graph {r['ms_per_token']['graph']:.3f}  streaming {r['ms_per_token']['stream']:.3f}"
+                   f"  (x{r['graph_speedup']:.2f}; saving {r['paired_saving_ms']:.3f} ms, paired range "
+                   f"{r['paired_range_ms']:.3f}: {'claimed' if r['gain_claimed'] else 'not claimed'})\n"
+                   f"p50/p99 graph {r['latency_ms']['graph']['p50']:.3f}/{r['latency_ms']['graph']['p99']:.3f} ms; "
+                   f"first request graph {r['first_request_ms']['graph']:.1f} ms vs streaming "
+                   f"{r['first_request_ms']['stream']:.1f} ms (graph built at load in {r['graph_build_ms_at_load']:.0f} ms)\n"
+                   f"bytes/token {r['bytes_per_token'] / 1e6:.1f} MB; copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; "
+                   f"roofline {r['roofline_ms']:.3f} ms; graph at {r['fraction_of_roofline']:.1%} of it")
+        return
     if device == "gpu":
         from kestrel.runtime.gpu import GpuStep, graph_enabled
 
@@ -67,6 +96,7 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
             "tokens": gen.tokens, "text": text, "mode": step.mode, "ms_per_token": round(gen.ms_per_token, 4),
             "prompt_tokens": len(ids), "prefill_ms": round(gen.prefill_ms, 3), "stopped_by": gen.stopped_by,
             "graph_fallbacks": getattr(step, "graph_fallbacks", 0),
+            "weights": "random" if plan.random_weights else "checkpoint",
         }))
     else:
         click.echo(text if text is not None else " ".join(map(str, gen.tokens)))

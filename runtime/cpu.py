@@ -45,7 +45,14 @@ class CpuStep:
         if plan is not None:
             program = parse_program(plan.program_text)
             max_seq = plan.manifest["max_seq"]
-            weights = {name: weight_tensor(plan.read(name), w) for name, w in program.weights.items()}
+            if plan.random_weights is not None:  # the same words the GPU's fill kernel writes
+                from kestrel.kernels.fill import fill_random_ref
+
+                words = fill_random_ref(program.arena["weights"] // 4, plan.random_weights["seed"]).view(np.uint8)
+                weights = {name: weight_tensor(words[w.loc[1]:w.loc[1] + w.type.nbytes], w)
+                           for name, w in program.weights.items()}
+            else:
+                weights = {name: weight_tensor(plan.read(name), w) for name, w in program.weights.items()}
         self.program = prog = program
         self.max_seq = max_seq
         self.weights = weights

@@ -59,7 +59,9 @@ def check_lengths(n_prompt: int, max_new: int, max_seq: int) -> None:
 
 
 def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, eos_ids=(),
-             max_seq: int | None = None, vocab_size: int | None = None, dump_dir: str | None = None) -> Generation:
+             max_seq: int | None = None, vocab_size: int | None = None, dump_dir: str | None = None,
+             token_times: list | None = None) -> Generation:
+    """``token_times``, if given, receives time.perf_counter() as each generated token reaches the host."""
     sampling.check()
     check_lengths(len(prompt), max_new_tokens, max_seq if max_seq is not None else step.max_seq)
     if vocab_size is not None:
@@ -80,6 +82,8 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
             dumper.add(step, "prefill", pos, tok)
     gen.tokens.append(int(step.dyn["sampled"]))
     t1 = time.perf_counter()
+    if token_times is not None:
+        token_times.append(t1)
     gen.prefill_ms = (t1 - t0) * 1e3
     while len(gen.tokens) < max_new_tokens:
         if gen.tokens[-1] in eos_ids:
@@ -90,6 +94,8 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
         if dumper:
             dumper.add(step, "decode", pos, tok)
         gen.tokens.append(int(step.dyn["sampled"]))
+        if token_times is not None:
+            token_times.append(time.perf_counter())
     else:
         if gen.tokens[-1] in eos_ids:
             gen.stopped_by = "eos"

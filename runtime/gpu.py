@@ -77,10 +77,18 @@ class GpuStep:
         kc.check(cu.cuMemsetD8(self.arena, 0, total), "cuMemsetD8")
         program = parse_program(plan.program_text)
         self.outputs = {name: (int(self.base[v.loc[0]]) + v.loc[1], v.type.numel) for name, v in program.outputs.items()}
-        for name, w in program.weights.items():  # checksummed as read; one weight in host memory at a time
-            data = np.frombuffer(plan.read(name), dtype=np.uint8)
-            self.copy_to_device(self.base["weights"] + w.loc[1], data)
         self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
+        rnd = plan.random_weights
+        if rnd is not None:  # benchmarking plan: fill the weights region on the device from the seed
+            n_words = lp["arena"]["weights"] // 4
+            fill = self.kernels[rnd["fill_kernel"]]
+            block = lp["kernels"][rnd["fill_kernel"]]["constexprs"]["BLOCK"]
+            self._fill_args = kc.PackedArgs(["*i32", "i32", "i32"], [self.base["weights"], rnd["seed"], n_words])
+            kc.launch(fill, [(n_words + block - 1) // block, 1, 1], self._fill_args, self.stream)
+        else:
+            for name, w in program.weights.items():  # checksummed as read; one weight in host memory at a time
+                data = np.frombuffer(plan.read(name), dtype=np.uint8)
+                self.copy_to_device(self.base["weights"] + w.loc[1], data)
         self.launches = []
         for launch in lp["launches"]:
             k = lp["kernels"][launch["kernel_index"]]
@@ -100,8 +108,19 @@ class GpuStep:
                 self.graph_fallbacks = 1
                 if log:
                     log(f"warning: CUDA graph build failed ({e}); falling back to streaming launches")
-        self.mode = "gpu-graph" if self.graph_exec is not None else "gpu-stream"
+        self.use_graph = self.graph_exec is not None
         self.sync()
+
+    @property
+    def mode(self) -> str:
+        return "gpu-graph" if self.use_graph else "gpu-stream"
+
+    def set_graph(self, on: bool) -> None:
+        """Switch between replaying the graph and streaming the same launches (same arena)."""
+        if on and self.graph_exec is None:
+            raise DeviceError("the CUDA graph was not built for this step")
+        self.sync()
+        self.use_graph = on
 
     # --- memory ------------------------------------------------------------------------------
     def copy_to_device(self, dst: int, src: np.ndarray) -> None:
@@ -143,7 +162,7 @@ class GpuStep:
 
     def run(self) -> None:
         """One step, asynchronously on the stream (reading a dyn slot or an output waits for it)."""
-        if self.graph_exec is not None:
+        if self.use_graph:
             kc.check(kc.driver().cuGraphLaunch(self.graph_exec, self.stream), "cuGraphLaunch")
             return
         for kernel, grid, args in self.launches:

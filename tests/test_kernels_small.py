@@ -103,3 +103,16 @@ def test_aot_compiles_for_every_target(cc):
         k = compile_kernel(kid, types, launch["constexprs"], launch["num_warps"], cc)
         assert k.cubin[:4] == b"\x7fELF" and k.name and k.num_warps == launch["num_warps"]
         assert k.arch == f"sm_{cc}{'a' if cc >= 90 else ''}"
+
+
+def test_fill_random_matches_numpy_twin():
+    from kestrel.kernels.fill import FILL_BLOCK, fill_random_kernel, fill_random_ref
+
+    out = torch.zeros(3000, dtype=torch.int32)
+    interpret(fill_random_kernel)[(3,)](out, 12345, 2500, BLOCK=FILL_BLOCK)
+    ref = fill_random_ref(2500, 12345)
+    assert (out[:2500].numpy().view("u4") == ref).all() and (out[2500:] == 0).all()
+    as_bf16 = torch.from_numpy(ref.copy()).view(torch.int32).view(torch.bfloat16).float()
+    assert torch.isfinite(as_bf16).all() and as_bf16.abs().max() < 0.02 and as_bf16.abs().min() >= 2 ** -7
+    k = compile_kernel("fill_random", ["*i32", "i32", "i32"], {"BLOCK": FILL_BLOCK}, 4, 90)
+    assert k.cubin[:4] == b"\x7fELF"

@@ -1,0 +1,46 @@
+"""Random weights for benchmarking (``kestrelc build ... --weights random``): the plan records a seed,
+and the runtime fills the whole weights region on the device with this kernel (the CPU path with
+the numpy twin), like vLLM's dummy load format. Never the default.
+
+Word i of the region (uint32) is h = fmix32(seed * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1), then
+(h & 0x807F807F) | 0x3C003C00: read as two bf16 (or one f32) that is a random sign and mantissa
+with exponent 2^-7, so every weight is finite and about +-0.01 whatever its dtype; q4 nibbles are
+uniform and q4 scales (as f16) about +-1.
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+MASK, BITS = 0x807F807F, 0x3C003C00
+
+
+def fill_random_ref(n_words: int, seed: int) -> np.ndarray:
+    i = np.arange(n_words, dtype=np.uint64)
+    x = ((np.uint64(seed) * np.uint64(0x9E3779B1) + i * np.uint64(0x85EBCA77) + np.uint64(0x165667B1))
+         & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x85EBCA6B)
+    x ^= x >> np.uint32(13)
+    x *= np.uint32(0xC2B2AE35)
+    x ^= x >> np.uint32(16)
+    return (x & np.uint32(MASK)) | np.uint32(BITS)
+
+
+@triton.jit
+def fill_random_kernel(out_ptr, seed, n_words, BLOCK: tl.constexpr):
+    """out[i] = the word above, for i < n_words (grid: n_words / BLOCK)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = seed.to(tl.uint32) * 0x9E3779B1 + i.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    x = x ^ (x >> 16)
+    x = (x & 0x807F807F) | 0x3C003C00
+    tl.store(out_ptr + i, x.to(tl.int32, bitcast=True), mask=i < n_words)
+
+
+FILL_BLOCK = 1024
+FILL_TYPES = ["*i32", "i32", "i32"]
