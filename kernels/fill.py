@@ -2,7 +2,8 @@
 and the runtime fills the whole weights region on the device with this kernel (the CPU path with
 the numpy twin), like vLLM's dummy load format. Never the default.
 
-Word i of the region (uint32) is h = fmix32(seed * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1), then
+The region is filled in chunks of CHUNK_WORDS words (kernel arguments are 32-bit); word i of chunk
+c is h = fmix32(s * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1) with s = seed + c * 0x632BE5AB, then
 (h & 0x807F807F) | 0x3C003C00: read as two bf16 (or one f32) that is a random sign and mantissa
 with exponent 2^-7, so every weight is finite and about +-0.01 whatever its dtype; q4 nibbles are
 uniform and q4 scales (as f16) about +-1.
@@ -16,7 +17,20 @@ import triton.language as tl
 MASK, BITS = 0x807F807F, 0x3C003C00
 
 
+CHUNK_WORDS = 1 << 28
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    return (seed + chunk * 0x632BE5AB) & 0x7FFFFFFF
+
+
 def fill_random_ref(n_words: int, seed: int) -> np.ndarray:
+    """The whole region, chunk by chunk, as the runtime fills it."""
+    return np.concatenate([_fill_chunk(min(CHUNK_WORDS, n_words - lo), chunk_seed(seed, c))
+                           for c, lo in enumerate(range(0, max(n_words, 1), CHUNK_WORDS))])[:n_words]
+
+
+def _fill_chunk(n_words: int, seed: int) -> np.ndarray:
     i = np.arange(n_words, dtype=np.uint64)
     x = ((np.uint64(seed) * np.uint64(0x9E3779B1) + i * np.uint64(0x85EBCA77) + np.uint64(0x165667B1))
          & np.uint64(0xFFFFFFFF)).astype(np.uint32)

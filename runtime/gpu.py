@@ -80,11 +80,16 @@ class GpuStep:
         self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
         rnd = plan.random_weights
         if rnd is not None:  # benchmarking plan: fill the weights region on the device from the seed
+            from kestrel.kernels.fill import CHUNK_WORDS, chunk_seed
+
             n_words = lp["arena"]["weights"] // 4
             fill = self.kernels[rnd["fill_kernel"]]
             block = lp["kernels"][rnd["fill_kernel"]]["constexprs"]["BLOCK"]
-            self._fill_args = kc.PackedArgs(["*i32", "i32", "i32"], [self.base["weights"], rnd["seed"], n_words])
-            kc.launch(fill, [(n_words + block - 1) // block, 1, 1], self._fill_args, self.stream)
+            for c, lo in enumerate(range(0, n_words, CHUNK_WORDS)):
+                n = min(CHUNK_WORDS, n_words - lo)
+                args = kc.PackedArgs(["*i32", "i32", "i32"], [self.base["weights"] + 4 * lo, chunk_seed(rnd["seed"], c), n])
+                kc.launch(fill, [(n + block - 1) // block, 1, 1], args, self.stream)
+                self.sync()  # args live until the launch has been made
         else:
             for name, w in program.weights.items():  # checksummed as read; one weight in host memory at a time
                 data = np.frombuffer(plan.read(name), dtype=np.uint8)
