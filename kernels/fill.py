@@ -14,6 +14,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from kestrel.kernels.sample import counter_hash
+
 MASK, BITS = 0x807F807F, 0x3C003C00
 
 
@@ -46,13 +48,7 @@ def _fill_chunk(n_words: int, seed: int) -> np.ndarray:
 def fill_random_kernel(out_ptr, seed, n_words, BLOCK: tl.constexpr):
     """out[i] = the word above, for i < n_words (grid: n_words / BLOCK)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = seed.to(tl.uint32) * 0x9E3779B1 + i.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    x = x ^ (x >> 16)
-    x = (x & 0x807F807F) | 0x3C003C00
+    x = (counter_hash(seed, i) & 0x807F807F) | 0x3C003C00
     tl.store(out_ptr + i, x.to(tl.int32, bitcast=True), mask=i < n_words)
 
 

@@ -57,15 +57,21 @@ def step_end_launch(target) -> dict:
 
 
 @triton.jit
-def _uniform(seed, pos):
-    """uniform_from(seed, pos) in uint32 arithmetic (wrapping multiplies, logical shifts)."""
-    x = seed.to(tl.uint32) * 0x9E3779B1 + pos.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
+def counter_hash(seed, i):
+    """fmix32(seed * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1) in uint32 arithmetic (wrapping
+    multiplies, logical shifts): the counter-based hash of uniform_from (and of kernels/fill.py)."""
+    x = seed.to(tl.uint32) * 0x9E3779B1 + i.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
     x = x * 0xC2B2AE35
-    x = x ^ (x >> 16)
-    return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform(seed, pos):
+    """uniform_from(seed, pos) on the device."""
+    return (counter_hash(seed, pos) >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
 @triton.jit
