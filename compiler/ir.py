@@ -344,6 +344,33 @@ def _infer_gdn_step(ins, a):
     return [_f32((hv * dv,))]
 
 
+def _infer_gdn_delta(ins, a):
+    qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec = ins
+    hv, dk, dv = _t(rec).shape
+    (c,) = _t(qkv).shape
+    _need(_t(rec).dtype == "f32", "recurrent state must be f32")
+    _need(_t(b).shape == (hv,) and _t(av).shape == (hv,), f"a and b must be [{hv}]")
+    _need((c - hv * dv) > 0 and (c - hv * dv) % (2 * dk) == 0, f"qkv [{c}] does not split into q, k, v heads")
+    hk = (c - hv * dv) // (2 * dk)
+    _need(hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}")
+    kk = _t(conv_w).shape[1] if len(_t(conv_w).shape) == 2 else 0
+    _need(_t(conv_w).shape == (c, kk) and _t(conv_state).shape == (c, kk - 1), "conv weight/state do not match qkv")
+    _need(_t(a_log).shape == (hv,) and _t(dt_bias).shape == (hv,), "A_log, dt_bias must be [Hv]")
+    return [_f32((hv * dv,))]
+
+
+def _infer_gdn_norm(ins, a):
+    o, z, qkv, norm_w, conv_state = ins
+    (n,) = _t(o).shape
+    (c,) = _t(qkv).shape
+    _need(len(_t(norm_w).shape) == 1 and n % _t(norm_w).shape[0] == 0,
+          f"norm weight {_t(norm_w).shape} must be [Dv] with Dv dividing {n}")
+    _need(_t(z).shape == (n,), f"z must be [{n}]")
+    _need(c > n and len(_t(conv_state).shape) == 2 and _t(conv_state).shape[0] == c,
+          f"conv state {_t(conv_state).shape} does not match qkv [{c}]")
+    return [_f32((n,))]
+
+
 def _infer_attn_step(ins, a):
     qg, k, v, qn, kn, kc, vc, pos = ins
     s, hkv, d = _t(kc).shape
@@ -384,6 +411,10 @@ OP_SPECS: dict[str, OpSpec] = {
     "matmul_swiglu": OpSpec("vww", (), _infer_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),
     "gdn_step": OpSpec("vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, inout=(4, 9),
                        doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm"),
+    "gdn_delta": OpSpec("vvvswwws", ("l2_eps", "scale"), _infer_gdn_delta, inout=(7,),
+                        doc="conv1d+silu (state only read), split q|k|v, l2norm q and k, gates, gated_delta_step"),
+    "gdn_norm": OpSpec("vvvws", ("eps",), _infer_gdn_norm, inout=(4,),
+                       doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
     "attn_step": OpSpec("vvvwwssd", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, inout=(5, 6),
                         doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention, sigmoid gate"),
 }

@@ -5,6 +5,13 @@
 * ``gdn_gates_ref``: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b);
 * ``gated_delta_step_ref``: per value head j (reading key head j // (Hv / Hk)):
   S = S * exp(g); S += k (outer) beta * (v - S^T k); o = S^T (q * scale).
+
+Fused forms (made by passes/fuse.py), each composing the references above in the same order:
+* ``gdn_delta``: conv (reading, not shifting, the conv state) + SiLU, split q|k|v, L2 norms, gates,
+  delta rule -> o_raw [Hv * Dv]; one program per (value head, column block of Dv);
+* ``gdn_norm``: gated RMSNorm of o_raw per value head, and the conv-state shift (x appended);
+* ``gdn_step``: both in one kernel, one program per key head (no longer emitted by fuse: too few
+  programs to fill a GPU; kept as valid IR with its kernel).
 """
 from __future__ import annotations
 
@@ -14,12 +21,26 @@ import triton
 import triton.language as tl
 
 
+def _conv_window_ref(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    return torch.cat([state, x[:, None].to(state.dtype)], dim=1)  # [C, K], oldest first
+
+
+def conv1d_ref(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor, act: str) -> torch.Tensor:
+    """The conv output of ``conv1d_step_ref`` without touching the state."""
+    out = (_conv_window_ref(x, state) * w.float()).sum(dim=1)
+    return F.silu(out) if act == "silu" else out
+
+
+def conv_shift_ref(x: torch.Tensor, state: torch.Tensor) -> None:
+    """The state update of ``conv1d_step_ref``: shift left by one, append x as the newest column."""
+    state.copy_(_conv_window_ref(x, state)[:, 1:])
+
+
 def conv1d_step_ref(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor, act: str) -> torch.Tensor:
     """x [C], state [C, K-1] (updated in place), w [C, K]."""
-    window = torch.cat([state, x[:, None].to(state.dtype)], dim=1)  # [C, K], oldest first
-    out = (window * w.float()).sum(dim=1)
-    state.copy_(window[:, 1:])
-    return F.silu(out) if act == "silu" else out
+    out = conv1d_ref(x, state, w, act)
+    conv_shift_ref(x, state)
+    return out
 
 
 def gdn_gates_ref(a, b, a_log, dt_bias):
@@ -57,6 +78,57 @@ def gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec_s
     g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
     o = gated_delta_step_ref(q, k, v, g, beta, rec_state, scale)
     return gated_rmsnorm_ref(o, z.reshape(hv, dv), norm_w, eps).reshape(hv * dv)
+
+
+def gdn_delta_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, l2_eps: float,
+                  scale: float) -> torch.Tensor:
+    """First half of ``gdn_step_ref``: conv + SiLU (conv_state only read), split q|k|v, L2 norms,
+    gates, delta rule (rec_state updated in place). Returns o_raw [Hv * Dv], before the norm."""
+    from kestrel.kernels.elementwise import l2norm_ref
+
+    hv, dk, dv = rec_state.shape
+    hk = (qkv.shape[0] - hv * dv) // (2 * dk)
+    mixed = conv1d_ref(qkv, conv_state, conv_w, "silu")
+    q = l2norm_ref(mixed[: hk * dk].reshape(hk, dk), l2_eps)
+    k = l2norm_ref(mixed[hk * dk: 2 * hk * dk].reshape(hk, dk), l2_eps)
+    v = mixed[2 * hk * dk:].reshape(hv, dv)
+    g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
+    return gated_delta_step_ref(q, k, v, g, beta, rec_state, scale).reshape(hv * dv)
+
+
+def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
+    """Second half of ``gdn_step_ref``: gated RMSNorm per value head, then the conv-state shift."""
+    from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
+
+    dv = norm_w.shape[0]
+    hv = o_raw.shape[0] // dv
+    out = gated_rmsnorm_ref(o_raw.reshape(hv, dv), z.reshape(hv, dv), norm_w, eps).reshape(hv * dv)
+    conv_shift_ref(qkv, conv_state)
+    return out
+
+
+def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
+    """Grid [Hv, Dv / BLOCK_V]: one program per (value head, block of BLOCK_V state columns); the
+    delta rule is independent per column of S. 32 columns (128 bytes of a state row) at Dv >= 128:
+    192 programs at Hv = 48, Dv = 128; smaller blocks for small heads. The [BLOCK_DK, BLOCK_V] tile
+    is 32 fp32 per thread with 4 warps at Dk = 128."""
+    from kestrel.kernels.targets import pow2_at_least
+
+    bdk = pow2_at_least(dk)
+    block_v = min(32, max(8, pow2_at_least(dv) // 4))
+    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": 4,
+            "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "BLOCK_DK": bdk, "BLOCK_V": block_v}}
+
+
+def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
+    """Grid [Hv]: program j normalises value head j and shifts conv-state channels
+    [j * CH_PER_PROG, (j + 1) * CH_PER_PROG) of all ``channels`` (q, k and v alike)."""
+    from kestrel.kernels.targets import pow2_at_least
+
+    per = -(-channels // hv)
+    return {"grid": [hv, 1, 1], "num_warps": 4,
+            "constexprs": {"HV": hv, "DV": dv, "C": channels, "KC": kc, "BLOCK_DV": pow2_at_least(dv),
+                           "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 
 
 def gdn_step_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
@@ -193,3 +265,89 @@ def gdn_step_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_
             _store_window(conv_state_ptr, q_win, q_ch, mk, KC)
             _store_window(conv_state_ptr, k_win, k_ch, mk, KC)
         tl.store(out_ptr + j * DV + offs_v, out, mask=mv)
+
+
+@triton.jit
+def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr,
+                     o_raw_ptr, l2_eps, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
+                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``gdn_delta_ref``: conv1d + SiLU over [conv state | x] (the state is only read), L2 norms of q
+    and k, gates, delta rule on the fp32 state [HV, DK, DV] (in place); writes o_raw = S^T q.
+
+    Work split: grid [HV, cdiv(DV, BLOCK_V)]; program (j, c) owns columns c*BLOCK_V .. +BLOCK_V of
+    value head j's state S_j [DK, DV] (row-major, so each row of the tile is BLOCK_V contiguous
+    fp32: 16-byte vector loads and stores) and the same columns of o_raw. The delta rule is
+    independent per column (kv_mem[v] = sum_k S[k, v] k[k]), so no program reads what another
+    writes. Each program recomputes q and k of its key head j // (HV / HK) (2 * DK channels x KC
+    taps, L2 hits) and the BLOCK_V channels of v it needs. The conv state is shifted later by
+    ``gdn_norm_kernel``. Fixed reduction order: results do not depend on scheduling."""
+    R: tl.constexpr = HV // HK
+    QKD: tl.constexpr = HK * DK
+    j = tl.program_id(0)
+    h = j // R
+
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = cols < DV
+    tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
+    tile_mask = mk[:, None] & mv[None, :]
+    s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0)
+
+    q, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, h * DK + offs_k, mk, KC)
+    k, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, QKD + h * DK + offs_k, mk, KC)
+    v, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, 2 * QKD + j * DV + cols, mv, KC)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps)) * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps))
+
+    # gates: g = -exp(A_log) * softplus(a + dt_bias) (torch threshold 20), beta = sigmoid(b)
+    x = tl.load(a_ptr + j).to(tl.float32) + tl.load(dt_bias_ptr + j).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32)) * softplus
+    beta = tl.sigmoid(tl.load(b_ptr + j).to(tl.float32))
+
+    # delta rule on the column block: S = S * exp(g); S += k (outer) beta * (v - S^T k); o = S^T q
+    s = s * tl.exp(g)
+    kv_mem = tl.sum(s * k[:, None], axis=0)
+    delta = (v - kv_mem) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+
+    tl.debug_barrier()  # every old state value this CTA reads has been read
+    tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask)
+    tl.store(o_raw_ptr + j * DV + cols, o, mask=mv)
+
+
+@triton.jit
+def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_ptr, eps,
+                    HV: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr):
+    """``gdn_norm_ref``: out = norm_w * o * rsqrt(mean(o^2) + eps) * silu(z) per value head, and the
+    conv-state update (shift left, append the raw input x) of all C channels.
+
+    Work split: grid [HV]; program j normalises value head j (its whole row of o_raw) and shifts
+    the conv-state rows of channels [j * CH_PER_PROG, (j + 1) * CH_PER_PROG): every channel has one
+    owner, so the in-place update is race-free. It runs after ``gdn_delta_kernel`` (same stream),
+    the last reader of the old conv state."""
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    tl.static_assert(KC <= 16)
+    j = tl.program_id(0)
+
+    offs_v = tl.arange(0, BLOCK_DV)
+    mv = offs_v < DV
+    o = tl.load(o_raw_ptr + j * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+    zz = tl.load(z_ptr + j * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
+    y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps))
+    tl.store(out_ptr + j * DV + offs_v, norm_w * y * (zz * tl.sigmoid(zz)), mask=mv)
+
+    # conv state of this program's channels: window [state | x], stored shifted left by one
+    ch = j * CH_PER_PROG + tl.arange(0, BLOCK_CH)
+    mc = (tl.arange(0, BLOCK_CH) < CH_PER_PROG) & (ch < C)
+    i = tl.arange(0, KCP)[None, :]
+    x = tl.load(qkv_ptr + ch, mask=mc, other=0.0).to(tl.float32)
+    st = tl.load(conv_state_ptr + ch[:, None] * (KC - 1) + i, mask=mc[:, None] & (i < KC - 1), other=0.0)
+    window = tl.where(i == KC - 1, x[:, None], st.to(tl.float32))
+    tl.debug_barrier()  # every old state value this CTA reads has been read
+    _store_window(conv_state_ptr, window, ch, mc, KC)

@@ -5,8 +5,11 @@ unchanged op for op (each fused op's reference composes the single-op references
 order, so the CPU path gives bit-identical logits before and after). Rewrites, in this order:
 
   1. ``swiglu(matmul(x, Wg), matmul(x, Wu))``          -> ``matmul_swiglu(x, Wg, Wu)``
-  2. the Gated DeltaNet chain after its projections    -> ``gdn_step`` (conv1d_step, slices, l2norms,
-     gdn_gates, gated_delta_step, gated_rmsnorm)
+  2. the Gated DeltaNet chain after its projections    -> ``gdn_delta`` (conv1d_step reading the conv
+     state, slices, l2norms, gdn_gates, gated_delta_step) then ``gdn_norm`` (gated_rmsnorm, and the
+     conv-state shift): two launches, so that the delta rule can run one program per column block
+     of each value head's state (the conv state's q/k rows are shared by a key head's value heads
+     and can only be shifted once all of them have read it; the norm needs a head's whole row)
   3. the gated attention chain after its projections   -> ``attn_step`` (q|gate split, q/k rmsnorm,
      rope, kv_append, attention, sigmoid_gate)
   4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
@@ -108,10 +111,13 @@ def _fuse_gdn(p: Program) -> None:
             continue
         qkv, conv_state, conv_w = conv.ins
         a, b, a_log, dt_bias = gates.ins
-        fused = Op("gdn_step", [flat.outs[0]],
-                   [qkv, zr.ins[0], b, a, conv_state, conv_w, a_log, dt_bias, norm.ins[2], rec],
-                   {"eps": norm.attrs["eps"], "l2_eps": lq.attrs["eps"], "scale": op.attrs["scale"]})
-        p.ops[p.ops.index(flat)] = fused  # where the result was defined; all operands are defined earlier
+        o_raw = Value(TensorType("f32", (hv * dv,)))
+        delta = Op("gdn_delta", [o_raw], [qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec],
+                   {"l2_eps": lq.attrs["eps"], "scale": op.attrs["scale"]})
+        gnorm = Op("gdn_norm", [flat.outs[0]], [o_raw, zr.ins[0], qkv, norm.ins[2], conv_state],
+                   {"eps": norm.attrs["eps"]})
+        i = p.ops.index(flat)  # where the result was defined; all operands are defined earlier
+        p.ops[i:i + 1] = [delta, gnorm]
         for dead in (conv, lq, lk, gates, op, norm):
             p.ops.remove(dead)
 

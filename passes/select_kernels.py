@@ -14,7 +14,7 @@ import copy
 from kestrel.compiler.ir import IRError, Program, is_q4, is_view, q4_group
 from kestrel.kernels.attention import attn_step_launch
 from kestrel.kernels.embedding import embedding_launch
-from kestrel.kernels.gated_delta import gdn_step_launch
+from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch, gdn_step_launch
 from kestrel.kernels.matvec import matvec_launch
 from kestrel.kernels.rmsnorm import rmsnorm_launch
 from kestrel.kernels.sample import sample_launch, step_end_launch
@@ -37,6 +37,14 @@ def _gpu_launch(op, t) -> dict:
         hv, dk, dv = op.ins[9].type.shape
         hk = (op.ins[0].type.shape[0] - hv * dv) // (2 * dk)
         return {"kernel": "gdn_step", **gdn_step_launch(hk, hv, dk, dv, op.ins[5].type.shape[1], t)}
+    if k == "gdn_delta":
+        hv, dk, dv = op.ins[7].type.shape
+        hk = (op.ins[0].type.shape[0] - hv * dv) // (2 * dk)
+        return {"kernel": "gdn_delta", **gdn_delta_launch(hk, hv, dk, dv, op.ins[4].type.shape[1], t)}
+    if k == "gdn_norm":
+        dv = op.ins[3].type.shape[0]
+        c, kc1 = op.ins[4].type.shape
+        return {"kernel": "gdn_norm", **gdn_norm_launch(op.ins[0].type.shape[0] // dv, dv, c, kc1 + 1, t)}
     if k == "attn_step":
         kc = op.ins[5]
         s, nkv, d = kc.type.shape
@@ -46,7 +54,7 @@ def _gpu_launch(op, t) -> dict:
     if k == "step_end":
         return {"kernel": "step_end", **step_end_launch(t)}
     raise IRError(f"op {k!r} has no GPU kernel for {t.name}: the fuse pass folds it into a fused kernel "
-                  f"(gdn_step, attn_step, add_rmsnorm, matmul_swiglu)")
+                  f"(gdn_delta + gdn_norm, attn_step, add_rmsnorm, matmul_swiglu)")
 
 
 def select_kernels(program: Program, target: str) -> Program:

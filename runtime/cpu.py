@@ -14,7 +14,8 @@ from kestrel.compiler.ir_text import parse_program
 from kestrel.kernels.attention import attention_ref, attn_step_ref, kv_append_ref, rope_ref
 from kestrel.kernels.elementwise import add_ref, l2norm_ref, sigmoid_gate_ref, swiglu_ref
 from kestrel.kernels.embedding import embedding_ref
-from kestrel.kernels.gated_delta import conv1d_step_ref, gated_delta_step_ref, gdn_gates_ref, gdn_step_ref
+from kestrel.kernels.gated_delta import (conv1d_step_ref, gated_delta_step_ref, gdn_delta_ref, gdn_gates_ref,
+                                          gdn_norm_ref, gdn_step_ref)
 from kestrel.kernels.matvec import matvec_ref, matvec_swiglu_ref, q4_unpack
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, rmsnorm_ref
 from kestrel.kernels.sample import sample_ref
@@ -134,6 +135,8 @@ _EXEC = {
     "add_rmsnorm": lambda s, op, x, y, w: add_rmsnorm_ref(x, y, w, op.attrs["eps"]),
     "matmul_swiglu": lambda s, op, x, wg, wu: matvec_swiglu_ref(x, wg, wu),
     "gdn_step": lambda s, op, *a: gdn_step_ref(*a, **op.attrs),
+    "gdn_delta": lambda s, op, *a: gdn_delta_ref(*a, **op.attrs),
+    "gdn_norm": lambda s, op, *a: gdn_norm_ref(*a, **op.attrs),
     "attn_step": lambda s, op, qg, k, v, qn, kn, kc, vc, pos: attn_step_ref(qg, k, v, qn, kn, kc, vc, int(pos),
                                                                             **op.attrs),
 }

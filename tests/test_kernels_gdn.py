@@ -1,10 +1,14 @@
-"""Fused Gated DeltaNet decode step (gdn_step_kernel): interpreter runs against gdn_step_ref over
-several consecutive steps (state carried in place), and AOT compilation for every GPU target."""
+"""Fused Gated DeltaNet decode step: gdn_delta_kernel then gdn_norm_kernel (what fuse emits) and the
+single-kernel gdn_step_kernel, in the interpreter against gdn_step_ref over several consecutive
+steps (state carried in place), each op against its own reference, and AOT compilation of all
+three for every GPU target."""
 import pytest
 import torch
 
 from kernel_harness import assert_close, interpret
-from kestrel.kernels.gated_delta import gdn_step_kernel, gdn_step_launch, gdn_step_ref
+from kestrel.kernels.gated_delta import (gdn_delta_kernel, gdn_delta_launch, gdn_delta_ref, gdn_norm_kernel,
+                                         gdn_norm_launch, gdn_norm_ref, gdn_step_kernel, gdn_step_launch,
+                                         gdn_step_ref)
 from kestrel.kernels.targets import TARGETS
 
 EPS, L2_EPS = 1e-6, 1e-6
@@ -23,7 +27,72 @@ def make_token(hk, hv, dk, dv, gen):
     return {"qkv": r(c), "z": r(hv * dv), "b": r(hv), "a": r(hv)}
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,kc", [(2, 4, 16, 16, 4), (2, 2, 8, 16, 4), (1, 3, 32, 32, 4), (1, 2, 12, 24, 3)])
+GDN_SHAPES = [(2, 4, 16, 16, 4), (2, 2, 8, 16, 4), (1, 3, 32, 32, 4), (1, 2, 12, 24, 3)]
+
+
+def run_split_step(tok, layer, hk, hv, dk, dv, kc, scale):
+    """gdn_delta then gdn_norm in the interpreter (as a plan launches them); returns (o_raw, out)."""
+    c = 2 * hk * dk + hv * dv
+    dl, nl = gdn_delta_launch(hk, hv, dk, dv, kc, TARGETS["sm_90"]), gdn_norm_launch(hv, dv, c, kc, TARGETS["sm_90"])
+    o_raw, out = torch.full((hv * dv,), float("nan")), torch.full((hv * dv,), float("nan"))
+    interpret(gdn_delta_kernel)[tuple(dl["grid"])](
+        tok["qkv"], tok["b"], tok["a"], layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"],
+        layer["rec_state"], o_raw, L2_EPS, scale, **dl["constexprs"])
+    interpret(gdn_norm_kernel)[tuple(nl["grid"])](
+        o_raw, tok["z"], tok["qkv"], layer["norm_w"], layer["conv_state"], out, EPS, **nl["constexprs"])
+    return o_raw, out
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,kc", GDN_SHAPES)
+def test_gdn_delta_then_norm_match_gdn_step_ref_over_steps(hk, hv, dk, dv, kc):
+    gen = torch.Generator().manual_seed(1000 * hk + 100 * hv + dk + dv + kc + 7)
+    layer = make_layer(hk, hv, dk, dv, kc, gen)
+    ref_state = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    scale = dk ** -0.5
+    for step in range(3):
+        tok = make_token(hk, hv, dk, dv, gen)
+        ref = gdn_step_ref(tok["qkv"], tok["z"], tok["b"], tok["a"], ref_state["conv_state"], layer["conv_w"],
+                           layer["a_log"], layer["dt_bias"], layer["norm_w"], ref_state["rec_state"], EPS, L2_EPS,
+                           scale)
+        _, out = run_split_step(tok, layer, hk, hv, dk, dv, kc, scale)
+        what = f"step {step} hk={hk} hv={hv} dk={dk} dv={dv}"
+        assert_close(out, ref, 1e-5, 0.0, f"{what}: out")
+        assert torch.equal(layer["conv_state"], ref_state["conv_state"]), f"{what}: conv_state"
+        assert_close(layer["rec_state"], ref_state["rec_state"], 1e-5, 0.0, f"{what}: rec_state")
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,kc", GDN_SHAPES[::2])
+def test_gdn_delta_and_norm_match_their_references(hk, hv, dk, dv, kc):
+    """Each op against its own reference, from the same inputs; the split refs compose to
+    gdn_step_ref bit for bit (the CPU path of a fused program)."""
+    gen = torch.Generator().manual_seed(31 * hk + 7 * hv + dk + dv + kc)
+    layer = make_layer(hk, hv, dk, dv, kc, gen)
+    tok = make_token(hk, hv, dk, dv, gen)
+    scale = dk ** -0.5
+    ref = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    o_ref = gdn_delta_ref(tok["qkv"], tok["b"], tok["a"], ref["conv_state"], layer["conv_w"], layer["a_log"],
+                          layer["dt_bias"], ref["rec_state"], L2_EPS, scale)
+    assert torch.equal(ref["conv_state"], layer["conv_state"])  # gdn_delta only reads the conv state
+    out_ref = gdn_norm_ref(o_ref, tok["z"], tok["qkv"], layer["norm_w"], ref["conv_state"], EPS)
+    step = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    whole = gdn_step_ref(tok["qkv"], tok["z"], tok["b"], tok["a"], step["conv_state"], layer["conv_w"],
+                         layer["a_log"], layer["dt_bias"], layer["norm_w"], step["rec_state"], EPS, L2_EPS, scale)
+    assert torch.equal(out_ref, whole) and all(torch.equal(ref[k], step[k]) for k in ref)
+    o_raw, out = run_split_step(tok, layer, hk, hv, dk, dv, kc, scale)
+    what = f"hk={hk} hv={hv} dk={dk} dv={dv}"
+    assert_close(o_raw, o_ref, 1e-5, 0.0, f"{what}: o_raw")
+    assert_close(out, out_ref, 1e-5, 0.0, f"{what}: out")
+    assert torch.equal(layer["conv_state"], ref["conv_state"]), f"{what}: conv_state"
+    assert_close(layer["rec_state"], ref["rec_state"], 1e-5, 0.0, f"{what}: rec_state")
+
+
+def test_launch_grids_at_27b():
+    t = TARGETS["sm_90"]
+    assert gdn_delta_launch(16, 48, 128, 128, 4, t)["grid"] == [48, 4, 1]  # 192 programs
+    assert gdn_norm_launch(48, 128, 2 * 16 * 128 + 48 * 128, 4, t)["grid"] == [48, 1, 1]
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,kc", GDN_SHAPES)
 def test_gdn_step_matches_reference_over_steps(hk, hv, dk, dv, kc):
     gen = torch.Generator().manual_seed(1000 * hk + 100 * hv + dk + dv + kc)
     layer = make_layer(hk, hv, dk, dv, kc, gen)
@@ -47,36 +116,50 @@ def test_gdn_step_matches_reference_over_steps(hk, hv, dk, dv, kc):
 
 
 SHAPES = {"tiny": (2, 4, 16, 16, 4), "qwen3.5-27b": (16, 48, 128, 128, 4)}
-TYPES = ["*fp32"] * 11 + ["fp32"] * 3
+KERNELS = ("gdn_step", "gdn_delta", "gdn_norm")
+
+
+def launch_of(kernel, dims, t):
+    hk, hv, dk, dv, kc = dims
+    if kernel == "gdn_norm":
+        return gdn_norm_launch(hv, dv, 2 * hk * dk + hv * dv, kc, t)
+    return (gdn_step_launch if kernel == "gdn_step" else gdn_delta_launch)(*dims, t)
+
+
+# runtime parameters: (pointers, scalars) in ABI order
+PARAMS = {"gdn_step": (11, 3), "gdn_delta": (9, 2), "gdn_norm": (6, 1)}
 
 _COMPILE_ALL = """
 import json, sys
 from kestrel.kernels.aot import compile_kernel
 res = {}
-for key, consts, num_warps, cc in json.loads(sys.stdin.read()):
+for key, kernel, (n_ptr, n_scalar), consts, num_warps, cc in json.loads(sys.stdin.read()):
     try:
-        ck = compile_kernel("gdn_step", %r, consts, num_warps, cc, [True] * 11 + [False] * 3)
+        ck = compile_kernel(kernel, ["*fp32"] * n_ptr + ["fp32"] * n_scalar, consts, num_warps, cc,
+                            [True] * n_ptr + [False] * n_scalar)
         res[key] = [len(ck.cubin), ck.num_warps, ck.arch]
-    except Exception as e:  # reported per (shape, target) by the test
+    except Exception as e:  # reported per (kernel, shape, target) by the test
         res[key] = repr(e)[-2000:]
 print(json.dumps(res))
-""" % (TYPES,)
+"""
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """All (shape, target) AOT compiles in ONE clean subprocess (no interpreter): a process per
-    compile would spend most of the time importing torch and triton."""
+    """All (kernel, shape, target) AOT compiles in ONE clean subprocess (no interpreter): a process
+    per compile would spend most of the time importing torch and triton."""
     import json
     import os
     import subprocess
     import sys
 
     jobs = []
-    for shape, dims in SHAPES.items():
-        for name, t in TARGETS.items():
-            launch = gdn_step_launch(*dims, t)
-            jobs.append([f"{shape}/{name}", launch["constexprs"], launch["num_warps"], t.cc])
+    for kernel in KERNELS:
+        for shape, dims in SHAPES.items():
+            for name, t in TARGETS.items():
+                launch = launch_of(kernel, dims, t)
+                jobs.append([f"{kernel}/{shape}/{name}", kernel, PARAMS[kernel], launch["constexprs"],
+                             launch["num_warps"], t.cc])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(jobs), capture_output=True, text=True,
                        env=env, timeout=900)
@@ -86,9 +169,10 @@ def compiled():
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_gdn_step_aot_compiles(compiled, shape, target):
-    res = compiled[f"{shape}/{target}"]
-    assert isinstance(res, list), f"{shape} for {target}: {res}"
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gdn_kernels_aot_compile(compiled, kernel, shape, target):
+    res = compiled[f"{kernel}/{shape}/{target}"]
+    assert isinstance(res, list), f"{kernel} {shape} for {target}: {res}"
     size, num_warps, arch = res
-    assert size > 0 and num_warps == gdn_step_launch(*SHAPES[shape], TARGETS[target])["num_warps"]
+    assert size > 0 and num_warps == launch_of(kernel, SHAPES[shape], TARGETS[target])["num_warps"]
     assert arch.startswith(f"sm_{TARGETS[target].cc}")

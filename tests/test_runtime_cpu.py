@@ -109,5 +109,5 @@ def test_inspect(tiny_plan):
     r = run_cli("kestrelc", "inspect", tiny_plan)
     assert r.returncode == 0 and "qwen3_5_text: 4 layers (3 gated-deltanet, 1 attention)" in r.stdout
     s = json.loads(run_cli("kestrelc", "inspect", tiny_plan, "--json").stdout)
-    assert s["program"]["op_counts"]["gdn_step"] == 3 and s["max_seq"] == 256
+    assert s["program"]["op_counts"]["gdn_delta"] == 3 and s["program"]["op_counts"]["gdn_norm"] == 3 and s["max_seq"] == 256
     assert s["program"]["dyn_slots"]["pos"] == "i32"
