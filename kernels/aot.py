@@ -24,7 +24,6 @@ REGISTRY = {
     "add_rmsnorm": ("rmsnorm", "add_rmsnorm_kernel"),
     "matvec_swiglu_": ("matvec", "matvec_swiglu_kernel"),
     "matvec_": ("matvec", "matvec_kernel"),
-    "gdn_step": ("gated_delta", "gdn_step_kernel"),
     "gdn_delta": ("gated_delta", "gdn_delta_kernel"),
     "gdn_norm": ("gated_delta", "gdn_norm_kernel"),
     "attn_step_": ("attention", "attn_step_kernel"),

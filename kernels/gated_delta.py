@@ -10,8 +10,9 @@ Fused forms (made by passes/fuse.py), each composing the references above in the
 * ``gdn_delta``: conv (reading, not shifting, the conv state) + SiLU, split q|k|v, L2 norms, gates,
   delta rule -> o_raw [Hv * Dv]; one program per (value head, column block of Dv);
 * ``gdn_norm``: gated RMSNorm of o_raw per value head, and the conv-state shift (x appended);
-* ``gdn_step``: both in one kernel, one program per key head (no longer emitted by fuse: too few
-  programs to fill a GPU; kept as valid IR with its kernel).
+* ``gdn_step``: both as one op (valid IR with a CPU reference; no GPU kernel: one kernel doing both
+  needs one program per key head to update the conv state race-free — 16 programs at 27B, 6.8% of
+  bandwidth measured — so fuse emits the pair instead).
 """
 from __future__ import annotations
 
@@ -131,20 +132,6 @@ def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
                            "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 
 
-def gdn_step_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
-    """One CTA per KEY head, looping over its hv / hk value heads: the q/k conv-state rows of a key
-    head are shared by its value heads and must be read (old values) and shifted by a single CTA
-    to be race-free (see ``gdn_step_kernel``). Warps scale with the state tile so that two tiles
-    (current + prefetched) take about 64 registers per thread: 16 warps at Dk = Dv = 128."""
-    from kestrel.kernels.targets import pow2_at_least
-
-    bdk, bdv = pow2_at_least(dk), pow2_at_least(dv)
-    num_warps = max(4, min(16, bdk * bdv // 1024))
-    return {"grid": [hk, 1, 1], "num_warps": num_warps,
-            "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc,
-                           "BLOCK_DK": bdk, "BLOCK_DV": bdv}}
-
-
 # ---------------------------------------------------------------------------------------------
 # Triton kernel
 # ---------------------------------------------------------------------------------------------
@@ -177,94 +164,6 @@ def _store_window(conv_state_ptr, window, ch, ch_mask, KC: tl.constexpr):
     i = tl.arange(0, KCP)[None, :]
     tl.store(conv_state_ptr + ch[:, None] * (KC - 1) + (i - 1), window,
              mask=ch_mask[:, None] & (i >= 1) & (i < KC))
-
-
-@triton.jit
-def gdn_step_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                    rec_state_ptr, out_ptr, eps, l2_eps, scale,
-                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
-                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One Gated DeltaNet decode step (``gdn_step_ref``), fused: conv1d + SiLU, L2 norms of q and
-    k, gates, delta rule on the fp32 state [HV, DK, DV] (in place), gated RMSNorm.
-
-    Work split: grid [HK], one program per KEY head h, looping over its R = HV / HK value heads
-    j = h * R + r. Why not one program per value head: the q/k conv-state rows of key head h are
-    read (old values) by every value head of the group and must be shifted once. Any program
-    that writes them can do so before a sibling program has read them, and no ordering between
-    CTAs exists without a persistent counter or a spin-wait (neither is in the ABI; a spin-wait
-    also deadlocks when CTAs run one after another, as in the interpreter). So every byte of
-    state here has exactly one owner program, which reads it and later writes it:
-      * conv-state rows of q and k of key head h, and of v of value heads h*R .. h*R + R - 1;
-      * rec_state[j] for those value heads; out[j * DV : (j + 1) * DV].
-    The result is independent of CTA scheduling, and bit-reproducible (fixed reduction order).
-    Inside the program, a thread that holds a replicated element could load it after another
-    thread of the CTA stored the new value, so each in-place store follows a CTA barrier.
-
-    Per value head the whole S tile [BLOCK_DK, BLOCK_DV] is held in registers (DV contiguous, so
-    loads and stores are 16-byte vectors); the tile of the next value head is loaded before the
-    current one is processed, so two tiles are in flight per CTA.
-    Bandwidth: the step reads and writes HV * DK * DV * 4 bytes of state (3 MB each way at
-    HK=16, HV=48, DK=DV=128), plus ~0.3 MB of conv state/weights. With only HK = 16 CTAs (16 of
-    132 SMs, one CTA each: 16 warps x 128 registers fill the register file) it is bounded by what
-    one SM can keep in flight (<= 128 KB), not by HBM: expect roughly 1-1.5 TB/s, i.e. 25-35 % of
-    the H200's 4.24 TB/s (~4-6 us per layer instead of ~1.5 us), short of the 60 % target. Going
-    past that needs >= ~100 CTAs (grid [HV, DV / 32]), which needs the q/k conv outside this
-    kernel (its own op writing the conv output) or a persistent per-layer counter buffer."""
-    R: tl.constexpr = HV // HK
-    QKD: tl.constexpr = HK * DK  # channels of q (and of k)
-    h = tl.program_id(0)
-
-    offs_k = tl.arange(0, BLOCK_DK)
-    mk = offs_k < DK
-    offs_v = tl.arange(0, BLOCK_DV)
-    mv = offs_v < DV
-    tile_offs = offs_k[:, None] * DV + offs_v[None, :]
-    tile_mask = mk[:, None] & mv[None, :]
-
-    # q and k of key head h: conv + SiLU from the old state, L2 norm; q scaled.
-    q_ch = h * DK + offs_k
-    k_ch = QKD + h * DK + offs_k
-    q, q_win = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, q_ch, mk, KC)
-    k, k_win = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, k_ch, mk, KC)
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps)) * scale
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps))
-
-    norm_w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
-    s_next = tl.load(rec_state_ptr + (h * R) * DK * DV + tile_offs, mask=tile_mask, other=0.0)
-    for r in tl.static_range(R):
-        j = h * R + r
-        s = s_next
-        if r + 1 < R:  # prefetch the next value head's state tile
-            s_next = tl.load(rec_state_ptr + (j + 1) * DK * DV + tile_offs, mask=tile_mask, other=0.0)
-
-        v_ch = 2 * QKD + j * DV + offs_v
-        v, v_win = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, v_ch, mv, KC)
-
-        # gates: g = -exp(A_log) * softplus(a + dt_bias) (torch threshold 20), beta = sigmoid(b)
-        x = tl.load(a_ptr + j).to(tl.float32) + tl.load(dt_bias_ptr + j).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32)) * softplus
-        beta = tl.sigmoid(tl.load(b_ptr + j).to(tl.float32))
-
-        # delta rule: S = S * exp(g); S += k (outer) beta * (v - S^T k); o = S^T q
-        s = s * tl.exp(g)
-        kv_mem = tl.sum(s * k[:, None], axis=0)
-        delta = (v - kv_mem) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
-
-        # gated RMSNorm of the head: norm_w * o * rsqrt(mean(o^2) + eps) * silu(z)
-        zz = tl.load(z_ptr + j * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
-        y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps))
-        out = norm_w * y * (zz * tl.sigmoid(zz))
-
-        tl.debug_barrier()  # every old state value this CTA reads has been read
-        tl.store(rec_state_ptr + j * DK * DV + tile_offs, s, mask=tile_mask)
-        _store_window(conv_state_ptr, v_win, v_ch, mv, KC)
-        if r == 0:
-            _store_window(conv_state_ptr, q_win, q_ch, mk, KC)
-            _store_window(conv_state_ptr, k_win, k_ch, mk, KC)
-        tl.store(out_ptr + j * DV + offs_v, out, mask=mv)
 
 
 @triton.jit

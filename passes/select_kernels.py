@@ -14,7 +14,7 @@ import copy
 from kestrel.compiler.ir import IRError, Program, is_q4, is_view, q4_group
 from kestrel.kernels.attention import attn_step_launch
 from kestrel.kernels.embedding import embedding_launch
-from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch, gdn_step_launch
+from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch
 from kestrel.kernels.matvec import matvec_launch
 from kestrel.kernels.rmsnorm import rmsnorm_launch
 from kestrel.kernels.sample import sample_launch, step_end_launch
@@ -33,10 +33,6 @@ def _gpu_launch(op, t) -> dict:
         return {"kernel": f"embedding_{op.ins[0].type.dtype}", **embedding_launch(op.outs[0].type.shape[0], t)}
     if k in ("rmsnorm", "add_rmsnorm"):
         return {"kernel": k, **rmsnorm_launch(op.ins[0].type.shape, t)}
-    if k == "gdn_step":
-        hv, dk, dv = op.ins[9].type.shape
-        hk = (op.ins[0].type.shape[0] - hv * dv) // (2 * dk)
-        return {"kernel": "gdn_step", **gdn_step_launch(hk, hv, dk, dv, op.ins[5].type.shape[1], t)}
     if k == "gdn_delta":
         hv, dk, dv = op.ins[7].type.shape
         hk = (op.ins[0].type.shape[0] - hv * dv) // (2 * dk)

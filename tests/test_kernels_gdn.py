@@ -1,13 +1,12 @@
-"""Fused Gated DeltaNet decode step: gdn_delta_kernel then gdn_norm_kernel (what fuse emits) and the
-single-kernel gdn_step_kernel, in the interpreter against gdn_step_ref over several consecutive
-steps (state carried in place), each op against its own reference, and AOT compilation of all
-three for every GPU target."""
+"""Fused Gated DeltaNet decode step: gdn_delta_kernel then gdn_norm_kernel (what fuse emits), in the
+interpreter against gdn_step_ref over several consecutive steps (state carried in place), each op
+against its own reference, and AOT compilation of both for every GPU target."""
 import pytest
 import torch
 
 from kernel_harness import assert_close, interpret
 from kestrel.kernels.gated_delta import (gdn_delta_kernel, gdn_delta_launch, gdn_delta_ref, gdn_norm_kernel,
-                                         gdn_norm_launch, gdn_norm_ref, gdn_step_kernel, gdn_step_launch,
+                                         gdn_norm_launch, gdn_norm_ref,
                                          gdn_step_ref)
 from kestrel.kernels.targets import TARGETS
 
@@ -92,42 +91,19 @@ def test_launch_grids_at_27b():
     assert gdn_norm_launch(48, 128, 2 * 16 * 128 + 48 * 128, 4, t)["grid"] == [48, 1, 1]
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,kc", GDN_SHAPES)
-def test_gdn_step_matches_reference_over_steps(hk, hv, dk, dv, kc):
-    gen = torch.Generator().manual_seed(1000 * hk + 100 * hv + dk + dv + kc)
-    layer = make_layer(hk, hv, dk, dv, kc, gen)
-    ref_state = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
-    launch = gdn_step_launch(hk, hv, dk, dv, kc, TARGETS["sm_90"])
-    assert launch["grid"] == [hk, 1, 1]
-    scale = dk ** -0.5
-    for step in range(3):
-        tok = make_token(hk, hv, dk, dv, gen)
-        ref = gdn_step_ref(tok["qkv"], tok["z"], tok["b"], tok["a"], ref_state["conv_state"], layer["conv_w"],
-                           layer["a_log"], layer["dt_bias"], layer["norm_w"], ref_state["rec_state"], EPS, L2_EPS,
-                           scale)
-        out = torch.full((hv * dv,), float("nan"))
-        interpret(gdn_step_kernel)[tuple(launch["grid"])](
-            tok["qkv"], tok["z"], tok["b"], tok["a"], layer["conv_state"], layer["conv_w"], layer["a_log"],
-            layer["dt_bias"], layer["norm_w"], layer["rec_state"], out, EPS, L2_EPS, scale, **launch["constexprs"])
-        what = f"step {step} hk={hk} hv={hv} dk={dk} dv={dv}"
-        assert_close(out, ref, 1e-5, 0.0, f"{what}: out")
-        assert torch.equal(layer["conv_state"], ref_state["conv_state"]), f"{what}: conv_state"
-        assert_close(layer["rec_state"], ref_state["rec_state"], 1e-5, 0.0, f"{what}: rec_state")
-
-
 SHAPES = {"tiny": (2, 4, 16, 16, 4), "qwen3.5-27b": (16, 48, 128, 128, 4)}
-KERNELS = ("gdn_step", "gdn_delta", "gdn_norm")
+KERNELS = ("gdn_delta", "gdn_norm")
 
 
 def launch_of(kernel, dims, t):
     hk, hv, dk, dv, kc = dims
     if kernel == "gdn_norm":
         return gdn_norm_launch(hv, dv, 2 * hk * dk + hv * dv, kc, t)
-    return (gdn_step_launch if kernel == "gdn_step" else gdn_delta_launch)(*dims, t)
+    return gdn_delta_launch(*dims, t)
 
 
 # runtime parameters: (pointers, scalars) in ABI order
-PARAMS = {"gdn_step": (11, 3), "gdn_delta": (9, 2), "gdn_norm": (6, 1)}
+PARAMS = {"gdn_delta": (9, 2), "gdn_norm": (6, 1)}
 
 _COMPILE_ALL = """
 import json, sys
