@@ -51,6 +51,9 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
 
     model = plan.manifest["model"]
     check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
+    bad = [t for t in ids if not 0 <= t < model["vocab_size"]]
+    if bad:  # checked here too, so no path (--bench, --verify) lets a kernel read outside the table
+        raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model['vocab_size']})")
     if device == "auto":
         device = "cpu" if plan.manifest["target"] == "cpu" else "gpu"
     if bench_out is not None or verify:
