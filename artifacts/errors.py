@@ -52,8 +52,15 @@ class DeviceError(KestrelError):
     exit_code = 8
 
 
+class BackendMissingError(KestrelError):
+    """An optional backend's library is not installed here (TensorRT for --backend tensorrt)."""
+
+    exit_code = 9
+
+
 EXIT_CODES = {cls.__name__: cls.exit_code for cls in
-              (ConfigError, CheckpointError, ArtifactError, InputError, UnsupportedError, DeviceError)}
+              (ConfigError, CheckpointError, ArtifactError, InputError, UnsupportedError, DeviceError,
+               BackendMissingError)}
 
 
 def exit_on_error(fn):

@@ -52,6 +52,7 @@ class PlanInfo:
     source: dict
     tokenizer: dict = field(default_factory=dict)  # {"eos_token_ids": [...]} when a tokenizer is stored
     weights: dict = field(default_factory=lambda: {"kind": "checkpoint"})  # or {"kind": "random", "seed": s}
+    extra: dict = field(default_factory=dict)  # further manifest keys, e.g. an engine plan's backend fields
 
 
 def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple[str, str, tuple]],
@@ -74,6 +75,7 @@ def write_plan(path: str, info: PlanInfo, program_text: str, weights: list[tuple
 
     def metadata_fn(checksums: dict[str, str]) -> dict[str, str]:
         manifest = {
+            **info.extra,
             "format": FORMAT, "format_version": FORMAT_VERSION, "producer": producer_version(),
             "target": info.target, "quant": info.quant, "max_seq": info.max_seq,
             "model": info.model, "source": info.source, "tokenizer": info.tokenizer, "weights": info.weights,
@@ -145,6 +147,11 @@ class Plan:
         """{"kind": "random", "seed": s, ...} for a benchmarking plan that stores no weights."""
         w = self.manifest.get("weights", {"kind": "checkpoint"})
         return w if w.get("kind") == "random" else None
+
+    @property
+    def backend(self) -> str:
+        """``kernels`` (launch plan + cubins, or the CPU path), or ``tensorrt`` (an engine part)."""
+        return self.manifest.get("backend", "kernels")
 
     @property
     def weight_names(self) -> list[str]:

@@ -29,15 +29,43 @@ def cli():
 @click.option("--weights", "weights", type=click.Choice(["checkpoint", "random"]), default="checkpoint",
               show_default=True, help="random: store a seed, not weights; the runtime fills them (benchmarking only).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --weights random.")
+@click.option("--backend", type=click.Choice(["kernels", "tensorrt"]), default="kernels", show_default=True,
+              help="tensorrt: write the step as OUT.onnx, then (where TensorRT and the target GPU are present) a "
+                   "TensorRT engine inside the .plan.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, quiet):
+def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, quiet):
     """Compile MODEL (a checkpoint folder or a preset: tiny) into a .plan."""
     from kestrel.compiler.pipeline import build as do_build
 
     log = (lambda msg: click.echo(msg, err=True))
+    if backend == "tensorrt":
+        from kestrel.compiler.onnx_export import build_tensorrt
+
+        exit_on_error(build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
+                                      log=log, dump_ir_after=dump_ir_after, dump=click.echo, weights=weights)
+        return
     exit_on_error(do_build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
                             seed=seed)
+
+
+@cli.command("export-onnx")
+@click.argument("model")
+@click.option("-o", "--output", "out", required=True, help="Path of the .onnx file to write.")
+@click.option("--quant", type=click.Choice(["none", "bf16", "q4"]), default="none", show_default=True,
+              help="Weight precision: none (fp32), bf16 (bf16 initializers, fp32 math) or q4 (dequantized to fp32).")
+@click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
+@click.option("--max-seq", type=int, default=None, help="KV-cache rows. Default: min(4096, max_position_embeddings).")
+@click.option("--external-data/--inline-data", "external", default=None,
+              help="Weights in OUT.data next to the model (default: when they exceed 1 GiB).")
+@click.option("--dump-ir-after", metavar="PASS", default=None, help="Print the IR after lower, fuse, quantize or all.")
+@exit_on_error
+def export_onnx(model, out, quant, q4_group, max_seq, external, dump_ir_after):
+    """Write one decode step of MODEL as an ONNX graph (checked with onnx.checker)."""
+    from kestrel.compiler.onnx_export import export
+
+    export(model, out, quant=quant, q4_group=int(q4_group), max_seq=max_seq, external=external,
+           log=lambda msg: click.echo(msg, err=True), dump_ir_after=dump_ir_after, dump=click.echo)
 
 
 def plan_summary(plan) -> dict:
@@ -51,6 +79,8 @@ def plan_summary(plan) -> dict:
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
         "weights": m.get("weights", {"kind": "checkpoint"}),
+        "backend": {k: m[k] for k in ("backend", "tensorrt_version", "compute_capability") if k in m} or
+                   {"backend": "kernels"},
         "program": {
             "ops": len(prog.ops), "op_counts": dict(Counter(op.kind for op in prog.ops)),
             "dyn_slots": {d.name: d.dtype for d in prog.dyn.values()},
@@ -99,6 +129,8 @@ def inspect(plan_path, as_json, verify):
         f"gdn {m['linear_num_key_heads']}/{m['linear_num_value_heads']} heads of "
         f"{m['linear_key_head_dim']}/{m['linear_value_head_dim']}; tied embeddings: {m['tie_word_embeddings']}",
         f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
+        *([f"backend   TensorRT {s['backend']['tensorrt_version']} engine for compute capability "
+           f"{s['backend']['compute_capability']}"] if s["backend"]["backend"] == "tensorrt" else []),
         f"weights   " + ("RANDOM (benchmarking plan: seed %d, filled by the runtime)" % s["weights"]["seed"]
                          if s["weights"]["kind"] == "random" else "from the checkpoint"),
         f"program   {p['ops']} ops, {p['weights']} weights ({p['weight_bytes'] / 1e6:.2f} MB), "
