@@ -28,7 +28,7 @@ from kestrel.artifacts.container import Container, StreamWriter
 from kestrel.artifacts.errors import ArtifactError
 
 FORMAT = "kestrel.plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the step feeds itself from a device token sequence (state "tokens", dyn n_prompt)
 PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
 LAUNCH_PLAN_PART = "__kestrel__/launch_plan"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 DTYPES = ("f32", "bf16", "f16", "i32")
+TOKENS_STATE = "tokens"  # the state holding a request's token sequence, i32[max_seq] (see step_end)
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 Q4_GROUPS = (32, 64, 128)  # weight-only int4 with one f16 scale per group of this many inputs: dtype "q4g128"
 ALIGN = 256  # every arena buffer starts on this boundary
@@ -311,6 +312,8 @@ def _infer_sample(ins, a):
 
 
 def _infer_step_end(ins, a):
+    pos, sampled, n_prompt, tokens = ins
+    _need(_t(tokens).dtype == "i32" and len(_t(tokens).shape) == 1, "step_end's token sequence must be i32[max_seq]")
     return []
 
 
@@ -396,7 +399,8 @@ OP_SPECS: dict[str, OpSpec] = {
     "swiglu": OpSpec("vv", (), _infer_same, doc="silu(gate) * up"),
     "sample": OpSpec("vdddd", (), _infer_sample, writes_dyn=True,
                      doc="argmax if temperature == 0, else seeded top-p sampling; writes dyn.sampled"),
-    "step_end": OpSpec("dd", (), _infer_step_end, writes_dyn=True, doc="pos += 1; token = sampled"),
+    "step_end": OpSpec("ddds", (), _infer_step_end, inout=(3,), writes_dyn=True,
+                       doc="tokens[pos+1] = sampled unless still inside the prompt; token = tokens[pos+1]; pos += 1"),
     # --- fused ops (made by passes/fuse.py) ---
     "add_rmsnorm": OpSpec("vvw", ("eps",), _infer_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
     "matmul_swiglu": OpSpec("vww", (), _infer_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),

@@ -57,7 +57,6 @@ IR_VERSION = 8  # the ONNX IR version of opset 17 (onnx 1.12): readable by older
 EXTERNAL_THRESHOLD = 1 << 30  # weights above this many bytes go to an external data file
 EXTERNAL_ALIGN = 4096
 STATE_OUT_SUFFIX = ".out"
-IGNORED_SAMPLE_OPERANDS = (1, 2, 3, 4)  # temperature, top_p, seed, pos: the graph samples greedily
 
 
 def _onnx():
@@ -119,12 +118,12 @@ class _Graph:
         self.nodes, self.initializers, self.consts = [], [], {}
         self.scope, self.count = "", 0
 
-    def node(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs):
+    def node(self, op_type: str, inputs: list[str], **attrs) -> str:
+        """One node with one output, named after the IR op it belongs to (``op12.attn_step/MatMul_345``)."""
         self.count += 1
-        outs = [f"{self.scope}/{op_type}_{self.count}" + (f":{i}" if n_out > 1 else "") for i in range(n_out)]
-        self.nodes.append(self.helper.make_node(op_type, inputs, outs, name=f"{self.scope}/{op_type}_{self.count}",
-                                                **attrs))
-        return outs[0] if n_out == 1 else outs
+        name = f"{self.scope}/{op_type}_{self.count}"
+        self.nodes.append(self.helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
 
     def const(self, array: np.ndarray) -> str:
         """A small constant initializer (shapes, indices, scalars), shared by value."""
@@ -232,13 +231,12 @@ class _Exporter:
     def conv_window(self, x: str, conv_state: State) -> str:  # [state | x]: [C, K], oldest first
         return self.g.node("Concat", [self.f32(conv_state), self.unsqueeze(x, [1])], axis=1)
 
-    def conv1d(self, x: str, conv_state: State, w: Weight, act: str) -> str:  # conv1d_ref (state only read)
-        out = self.reduce_sum(self.g.node("Mul", [self.conv_window(x, conv_state), self.f32(w)]), 1, 0)
+    def conv1d(self, window: str, w: Weight, act: str) -> str:  # conv1d_ref: sum(window * w, 1), then act
+        out = self.reduce_sum(self.g.node("Mul", [window, self.f32(w)]), 1, 0)
         return self.silu(out) if act == "silu" else out
 
-    def conv_shift(self, x: str, conv_state: State) -> None:  # conv_shift_ref: drop the oldest column
-        k = conv_state.type.shape[1] + 1
-        self.write_state(conv_state, self.slice(self.conv_window(x, conv_state), 1, 1, k))
+    def conv_shift(self, window: str, conv_state: State) -> None:  # conv_shift_ref: drop the oldest column
+        self.write_state(conv_state, self.slice(window, 1, 1, conv_state.type.shape[1] + 1))
 
     def gates(self, a: str, b: str, a_log: Weight, dt_bias: Weight):  # gdn_gates_ref
         g = self.g
@@ -351,8 +349,9 @@ class _Exporter:
         return self.slice(self.f32(x), op.attrs["axis"], op.attrs["start"], op.attrs["stop"])
 
     def op_conv1d_step(self, op, x, st, w):  # conv1d_step_ref: output, then the shift
-        out = self.conv1d(self.f32(x), st, w, op.attrs["act"])
-        self.conv_shift(self.f32(x), st)
+        window = self.conv_window(self.f32(x), st)
+        out = self.conv1d(window, w, op.attrs["act"])
+        self.conv_shift(window, st)
         return out
 
     def op_l2norm(self, op, x):
@@ -407,8 +406,7 @@ class _Exporter:
 
     def op_gdn_delta(self, op, qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec):
         hv, _, dv = rec.type.shape
-        x = self.f32(qkv)
-        mixed = self.conv1d(x, conv_state, conv_w, "silu")
+        mixed = self.conv1d(self.conv_window(self.f32(qkv), conv_state), conv_w, "silu")  # state only read
         o = self._gdn_core(qkv.type.shape[0], self.f32(b), self.f32(a), mixed, a_log, dt_bias, rec,
                            op.attrs["l2_eps"], op.attrs["scale"])
         return self.reshape(o, [hv * dv])
@@ -417,14 +415,14 @@ class _Exporter:
         (dv,), (n,) = norm_w.type.shape, o_raw.type.shape
         out = self.gated_rmsnorm(self.reshape(self.f32(o_raw), [n // dv, dv]), self.reshape(self.f32(z), [n // dv, dv]),
                                  self.f32(norm_w), op.attrs["eps"])
-        self.conv_shift(self.f32(qkv), conv_state)
+        self.conv_shift(self.conv_window(self.f32(qkv), conv_state), conv_state)
         return self.reshape(out, [n])
 
     def op_gdn_step(self, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec):
         hv, _, dv = rec.type.shape
-        x = self.f32(qkv)
-        mixed = self.conv1d(x, conv_state, conv_w, "silu")
-        self.conv_shift(x, conv_state)
+        window = self.conv_window(self.f32(qkv), conv_state)
+        mixed = self.conv1d(window, conv_w, "silu")
+        self.conv_shift(window, conv_state)
         o = self._gdn_core(qkv.type.shape[0], self.f32(b), self.f32(a), mixed, a_log, dt_bias, rec,
                            op.attrs["l2_eps"], op.attrs["scale"])
         out = self.gated_rmsnorm(o, self.reshape(self.f32(z), [hv, dv]), self.f32(norm_w), op.attrs["eps"])
@@ -717,8 +715,8 @@ def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, 
     try:
         trt = rt.import_tensorrt()
     except BackendMissingError as e:
-        raise BackendMissingError(f"--backend tensorrt: {e.message}; {wrote} (build the engine where TensorRT >= 10 "
-                                  f"and an {target} GPU are present, or run the ONNX elsewhere)") from None
+        raise BackendMissingError(f"--backend tensorrt: {e.message}; {wrote}: build the engine where TensorRT >= 10 "
+                                  f"and an {target} GPU are present") from None
     cc = rt.gpu_compute_capability(f"--backend tensorrt: TensorRT builds the engine on the GPU that runs it; {wrote}")
     if cc != TARGETS[target].cc:
         raise DeviceError(f"--backend tensorrt --target {target}: this GPU is sm_{cc} and TensorRT builds for the GPU "

@@ -8,16 +8,18 @@ Weights are named after the checkpoint, relative to the text model and without `
 (``layers.3.self_attn.q_proj``), declared f32 with their checkpoint tensor as source.
 
 Straight out of the lowering, the dyn slots are *host* slots (passed with every launch, as an eager
-framework would) and the host advances pos and feeds the sampled token back; hoist_dynamic moves
-them into the device dyn buffer and adds the step_end op.
+framework would) and the host advances pos and feeds the next token in; hoist_dynamic moves them
+into the device dyn buffer and adds the step_end op, which feeds the next token from the ``tokens``
+state: the request's sequence (prompt ids written once by the host, then the sampled tokens, which
+the host copies back every few steps) of ``n_prompt`` prompt tokens.
 """
 from __future__ import annotations
 
 from kestrel.compiler.frontend import ModelConfig
-from kestrel.compiler.ir import Program
+from kestrel.compiler.ir import TOKENS_STATE, Program
 
 DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
-             ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"))
+             ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"), ("n_prompt", "i32"))
 
 
 def plan_weight_name(rel: str) -> str:
@@ -28,6 +30,7 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> Program:
     """Build the step program with every weight in its checkpoint layout, declared f32."""
     p = Program()
     dyn = {name: p.add_dyn(name, dt, host=True) for name, dt in DYN_SLOTS}
+    p.add_state(TOKENS_STATE, "i32", (max_seq,))
 
     def weight(rel: str, shape):
         src = ["ckpt", rel]

@@ -52,8 +52,21 @@ def sample_launch(vocab: int, target) -> dict:
     return {"grid": [1, 1, 1], "num_warps": 16, "constexprs": {"V": vocab, "BLOCK": 4096}}
 
 
-def step_end_launch(target) -> dict:
-    return {"grid": [1, 1, 1], "num_warps": 1, "constexprs": {}}
+def step_end_launch(max_seq: int, target) -> dict:
+    return {"grid": [1, 1, 1], "num_warps": 1, "constexprs": {"S": max_seq}}
+
+
+def step_end_ref(pos: int, sampled: int, n_prompt: int, tokens: torch.Tensor) -> tuple[int, int]:
+    """The end of a step at position ``pos``: the token for pos + 1 is the next prompt id while
+    pos + 1 < n_prompt, else the sampled token, which is appended to ``tokens`` (updated in place).
+    Returns (pos + 1, next token). The write index is clamped to the last row, so a step past
+    max_seq never writes outside the sequence."""
+    nxt = pos + 1
+    i = min(max(nxt, 0), tokens.numel() - 1)
+    if nxt >= n_prompt:
+        tokens[i] = sampled
+        return nxt, int(sampled)
+    return nxt, int(tokens[i])
 
 
 @triton.jit
@@ -142,8 +155,14 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, seed_ptr, pos_ptr, sam
 
 
 @triton.jit
-def step_end_kernel(pos_ptr, sampled_ptr, pos_out_ptr, token_out_ptr):
-    """pos += 1; token = sampled: the next step reads its input token from the dyn buffer."""
-    pos = tl.load(pos_ptr)
-    tl.store(token_out_ptr, tl.load(sampled_ptr))
-    tl.store(pos_out_ptr, pos + 1)
+def step_end_kernel(pos_ptr, sampled_ptr, n_prompt_ptr, tokens_ptr, pos_out_ptr, token_out_ptr, S: tl.constexpr):
+    """step_end_ref on the device: the next step reads its input token from the dyn buffer, and the
+    host reads the sampled tokens from ``tokens`` every few steps."""
+    nxt = tl.load(pos_ptr) + 1
+    i = tl.minimum(tl.maximum(nxt, 0), S - 1)
+    sampled = tl.load(sampled_ptr)
+    n_prompt = tl.load(n_prompt_ptr)
+    tl.store(tokens_ptr + i, sampled, mask=nxt >= n_prompt)
+    prompt_id = tl.load(tokens_ptr + i, mask=nxt < n_prompt, other=0)
+    tl.store(token_out_ptr, tl.where(nxt < n_prompt, prompt_id, sampled))
+    tl.store(pos_out_ptr, nxt)

@@ -3,7 +3,10 @@
 Invariant established: no kernel argument changes from one token to the next. Position, KV write
 index, attention length (pos + 1, derived in the kernels from dyn.pos), input token, sampled token
 and sampling settings are dyn slots in device memory, read by the kernels; the step ends with
-``step_end`` (pos += 1; token = sampled), so generation needs no host write per token.
+``step_end``, which appends the sampled token to the request's token sequence (the ``tokens``
+state) once past the prompt, feeds the next token in from it (the next prompt id during prefill)
+and advances pos. So a request needs one host write (prompt ids and settings) before its first
+step and none per token.
 
 ``check_dyn_invariance`` proves it on a program: it materialises the launch list at two different
 token states and requires them identical. Every build runs it on the final program.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import IRError, Op, Program
+from kestrel.compiler.ir import TOKENS_STATE, IRError, Op, Program
 from kestrel.compiler.launch_plan import launch_list
 
 
@@ -22,12 +25,18 @@ def hoist_dynamic(program: Program) -> Program:
         d.host = False
     has_end = any(op.kind == "step_end" for op in p.ops)
     if not has_end and "sampled" in p.dyn and any(op.kind == "sample" for op in p.ops):
-        p.ops.append(Op("step_end", [p.dyn["pos"], p.dyn["token"]], [p.dyn["pos"], p.dyn["sampled"]]))
+        missing = [what for what, ok in (("dyn n_prompt", "n_prompt" in p.dyn), (f"state {TOKENS_STATE}",
+                   TOKENS_STATE in p.states)) if not ok]
+        if missing:
+            raise IRError(f"the step has no token sequence to feed itself from ({', '.join(missing)} not declared)")
+        d = p.dyn
+        p.ops.append(Op("step_end", outs=[d["pos"], d["token"]],
+                        ins=[d["pos"], d["sampled"], d["n_prompt"], p.states[TOKENS_STATE]]))
     return p
 
 
-STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0, "seed": 1},
-          {"pos": 117, "token": 2, "sampled": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4})
+STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 2},
+          {"pos": 117, "token": 2, "sampled": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4, "n_prompt": 200})
 
 
 def check_dyn_invariance(program: Program) -> int:

@@ -48,7 +48,7 @@ def _gpu_launch(op, t) -> dict:
     if k == "sample":
         return {"kernel": "sample", **sample_launch(op.ins[0].type.shape[0], t)}
     if k == "step_end":
-        return {"kernel": "step_end", **step_end_launch(t)}
+        return {"kernel": "step_end", **step_end_launch(op.ins[3].type.shape[0], t)}
     raise IRError(f"op {k!r} has no GPU kernel for {t.name}: the fuse pass folds it into a fused kernel "
                   f"(gdn_delta + gdn_norm, attn_step, add_rmsnorm, matmul_swiglu)")
 

@@ -5,11 +5,13 @@ states (fp32) and the KV caches between steps. It is the oracle the GPU paths ar
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from kestrel.artifacts.plan import Plan
-from kestrel.compiler.ir import Dyn, Program, State, Value, Weight, is_q4, q4_group
+from kestrel.compiler.ir import TOKENS_STATE, Dyn, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
 from kestrel.kernels.attention import attention_ref, attn_step_ref, kv_append_ref, rope_ref
 from kestrel.kernels.elementwise import add_ref, l2norm_ref, sigmoid_gate_ref, swiglu_ref
@@ -18,7 +20,7 @@ from kestrel.kernels.gated_delta import (conv1d_step_ref, gated_delta_step_ref, 
                                           gdn_norm_ref, gdn_step_ref)
 from kestrel.kernels.matvec import matvec_ref, matvec_swiglu_ref, q4_unpack
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, rmsnorm_ref
-from kestrel.kernels.sample import sample_ref
+from kestrel.kernels.sample import sample_ref, step_end_ref
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 
@@ -36,7 +38,8 @@ class CpuStep:
     """The step program bound to weights and states. ``dyn`` holds the dyn slots (python numbers).
 
     Runs the program at any stage of the pipeline: if it has no step_end op (dyn slots still on the
-    host, before hoist_dynamic), ``run`` advances pos and feeds the sampled token back itself.
+    host, before hoist_dynamic), ``run`` does step_end's work itself. The step protocol (``begin``,
+    ``run``, ``read_tokens``, ``mark_ms``) is the one runtime/generate.py drives; see there.
     """
 
     mode = "cpu-reference"
@@ -69,8 +72,28 @@ class CpuStep:
         for k in self.dyn:
             self.dyn[k] = 0
 
-    def run(self) -> None:
-        """One decode step: reads dyn.token at dyn.pos, leaves dyn.sampled and advances dyn.pos."""
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int) -> None:
+        """Start a request: zeroed states, the prompt ids in the token sequence, dyn slots set."""
+        self.reset()
+        self.states[TOKENS_STATE][:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+        self.dyn.update(pos=0, token=prompt[0], n_prompt=len(prompt), temperature=temperature, top_p=top_p, seed=seed)
+
+    def run(self, n: int = 1, marks: list | None = None) -> None:
+        """``n`` decode steps; each reads dyn.token at dyn.pos, leaves dyn.sampled, feeds the next
+        token in and advances dyn.pos. ``marks`` receives a timestamp after each step."""
+        for _ in range(n):
+            self._step()
+            if marks is not None:
+                marks.append(time.perf_counter())
+
+    def read_tokens(self, lo: int, hi: int) -> "_Ready":
+        return _Ready([int(t) for t in self.states[TOKENS_STATE][lo:hi]])
+
+    @staticmethod
+    def mark_ms(marks: list) -> list[float]:
+        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+
+    def _step(self) -> None:
         env: dict[int, torch.Tensor] = {}
 
         def get(x):
@@ -95,21 +118,34 @@ class CpuStep:
                 env[id(v)] = r
         self.outputs = {name: env[id(v)] for name, v in self.program.outputs.items()}
         if self.host_step_end:
-            self.dyn["pos"] += 1
-            self.dyn["token"] = self.dyn["sampled"]
+            d = self.dyn
+            if TOKENS_STATE in self.states:
+                d["pos"], d["token"] = step_end_ref(d["pos"], d["sampled"], d.get("n_prompt", 0),
+                                                    self.states[TOKENS_STATE])
+            else:  # a hand-written program without a token sequence
+                d["pos"], d["token"] = d["pos"] + 1, d["sampled"]
 
     def output(self, name: str) -> np.ndarray:
         return self.outputs[name].detach().float().numpy()
+
+
+class _Ready:
+    """The CPU path's answer to read_tokens: already there."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def wait(self) -> list[int]:
+        return self.tokens
 
 
 def _sample(step, op, logits, temperature, top_p, seed, pos):
     step.dyn[op.outs[0].name] = sample_ref(logits, float(temperature), float(top_p), int(seed), int(pos))
 
 
-def _step_end(step, op, pos, sampled):
+def _step_end(step, op, pos, sampled, n_prompt, tokens):
     pos_slot, token_slot = op.outs
-    step.dyn[pos_slot.name] = int(pos) + 1
-    step.dyn[token_slot.name] = int(sampled)
+    step.dyn[pos_slot.name], step.dyn[token_slot.name] = step_end_ref(int(pos), int(sampled), int(n_prompt), tokens)
 
 
 _EXEC = {

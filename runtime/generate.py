@@ -1,9 +1,15 @@
 """The token loop shared by every execution path (CPU reference now, GPU graph/streaming later).
 
-A *step* object exposes ``dyn`` (the dyn slots), ``reset()``, ``run()`` (one M=1 step: consumes
-dyn.token at dyn.pos, leaves dyn.sampled, advances dyn.pos and feeds sampled back into dyn.token)
-and ``output(name)`` (``hidden`` / ``logits`` of the last step as float32 numpy arrays).
-Prefill runs the same step once per prompt token, the host writing dyn.token each time.
+A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
+  * ``begin(prompt, temperature, top_p, seed)``: a new request: zeroed states, the prompt ids in the
+    ``tokens`` state, the dyn slots set (pos 0, token = prompt[0], n_prompt) — the one host write;
+  * ``run(n, marks=None)``: enqueue n M=1 steps; each consumes dyn.token at dyn.pos, leaves
+    dyn.sampled, and its step_end feeds the next token in (the next prompt id during prefill, else
+    the sampled one, appended to ``tokens``) and advances dyn.pos; ``marks`` collects timing marks;
+  * ``read_tokens(lo, hi)``: a handle whose ``wait()`` returns tokens[lo:hi] (asynchronous on the GPU);
+  * ``mark_ms(marks)``, ``output(name)`` (``hidden`` / ``logits`` of the last step, float32),
+    ``dyn`` (the slots, dict-like), ``reset()``, ``max_seq``, ``mode``.
+Prefill runs the same step once per prompt token.
 """
 from __future__ import annotations
 
@@ -58,48 +64,83 @@ def check_lengths(n_prompt: int, max_new: int, max_seq: int) -> None:
                          f"with a larger --max-seq")
 
 
+READBACK_EVERY = 8  # k: sampled tokens reach the host every k/2 steps, two batches in flight
+
+
 def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, eos_ids=(),
              max_seq: int | None = None, vocab_size: int | None = None, dump_dir: str | None = None,
-             token_times: list | None = None) -> Generation:
-    """``token_times``, if given, receives time.perf_counter() as each generated token reaches the host."""
+             on_step=None, step_ms: list | None = None, readback_every: int = READBACK_EVERY) -> Generation:
+    """Prefill ``prompt`` and generate up to ``max_new_tokens`` tokens (stopping after an EOS id).
+
+    The prompt ids and sampling settings are written once (``step.begin``); from then on the step
+    feeds itself. Steps are enqueued in batches of k/2 (k = ``readback_every``); after each batch
+    the token sequence rows it produced are copied back asynchronously, and the host waits for a
+    batch only once the next one is enqueued, so the device never waits on the host. An EOS is
+    therefore seen at most k - 1 steps late; those overrun steps are discarded, and no step is ever
+    enqueued beyond prompt + max_new_tokens - 1, which check_lengths keeps within max_seq.
+
+    ``on_step(step, phase, pos, token_in)`` (and ``dump_dir``, which is one) runs after every step:
+    that mode runs one step at a time. ``step_ms``, if given, receives each decode step's duration
+    (device-side timing marks on the GPU).
+    """
     sampling.check()
     check_lengths(len(prompt), max_new_tokens, max_seq if max_seq is not None else step.max_seq)
     if vocab_size is not None:
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    hooks = [on_step] if on_step else []
     dumper = _Dumper(dump_dir) if dump_dir else None
-    step.reset()
-    step.dyn["temperature"], step.dyn["top_p"], step.dyn["seed"] = sampling.temperature, sampling.top_p, sampling.seed
-    gen = Generation(prompt_tokens=list(prompt))
+    if dumper:
+        hooks.append(dumper.add)
+    n, gen = len(prompt), Generation(prompt_tokens=list(prompt))
+    end = n + max_new_tokens  # tokens[n:end] are the generated tokens; the step at pos p writes tokens[p + 1]
+    marks = [] if step_ms is not None else None
 
     t0 = time.perf_counter()
-    for tok in prompt:
-        step.dyn["token"] = tok
-        pos = step.dyn["pos"]
-        step.run()
-        if dumper:
-            dumper.add(step, "prefill", pos, tok)
-    gen.tokens.append(int(step.dyn["sampled"]))
-    t1 = time.perf_counter()
-    if token_times is not None:
-        token_times.append(t1)
-    gen.prefill_ms = (t1 - t0) * 1e3
-    while len(gen.tokens) < max_new_tokens:
-        if gen.tokens[-1] in eos_ids:
-            gen.stopped_by = "eos"
-            break
-        pos, tok = step.dyn["pos"], step.dyn["token"]  # step_end fed the sampled token back
-        step.run()
-        if dumper:
-            dumper.add(step, "decode", pos, tok)
-        gen.tokens.append(int(step.dyn["sampled"]))
-        if token_times is not None:
-            token_times.append(time.perf_counter())
+    step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed)
+    if hooks:  # one step at a time, the outputs of each read back
+        seq = list(prompt)
+        for pos in range(end - 1):
+            step.run(1, marks if pos >= n - 1 else None)
+            for hook in hooks:
+                hook(step, "prefill" if pos < n else "decode", pos, seq[pos])
+            if pos >= n - 1:
+                seq.append(int(step.dyn["sampled"]))
+                if pos == n - 1:
+                    gen.prefill_ms = (time.perf_counter() - t0) * 1e3
+                    t1 = time.perf_counter()
+                if seq[-1] in eos_ids:
+                    gen.stopped_by = "eos"
+                    break
+        gen.tokens = seq[n:]
     else:
-        if gen.tokens[-1] in eos_ids:
-            gen.stopped_by = "eos"
+        batch = max(1, readback_every // 2)
+        step.run(n, marks)  # prefill: the last prompt step samples tokens[n]
+        if marks is not None:
+            del marks[:-1]  # time decode steps only, from the end of prefill
+        inflight, hi = [step.read_tokens(n, n + 1)], n + 1
+        first = True
+        while inflight:
+            if hi < end and len(inflight) < 2:
+                m = min(batch, end - hi)
+                step.run(m, marks)
+                inflight.append(step.read_tokens(hi, hi + m))
+                hi += m
+                continue
+            got = inflight.pop(0).wait()
+            if first:
+                gen.prefill_ms = (time.perf_counter() - t0) * 1e3
+                t1, first = time.perf_counter(), False
+            for t in got:
+                gen.tokens.append(t)
+                if t in eos_ids:
+                    gen.stopped_by = "eos"
+                    inflight = []  # the steps still in flight are overrun: discarded
+                    break
     gen.decode_ms = (time.perf_counter() - t1) * 1e3
+    if marks is not None:
+        step_ms.extend(step.mark_ms(marks))
     if dumper:
         dumper.close(step)
     return gen

@@ -5,16 +5,20 @@ upload the weights (checksummed as they are read), zero the state, load the cubi
 launch's arguments once (arena base + offset, or a constant), and — unless KESTREL_GRAPH=0 —
 build the step's CUDA graph from explicit kernel nodes and instantiate it. Per token: one graph
 launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
-feeds the sampled token back, so generation needs no host write per token.
+feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
+sampled tokens), so generation needs no host write per token; sampled tokens come back to pinned
+host memory by asynchronous copies every few steps (see runtime/generate.py).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
 
-from kestrel.artifacts.errors import DeviceError, UnsupportedError
+from kestrel.artifacts.errors import ArtifactError, DeviceError, UnsupportedError
 from kestrel.artifacts.plan import Plan
+from kestrel.compiler.ir import TOKENS_STATE
 from kestrel.compiler.ir_text import parse_program
 from kestrel.runtime import cuda as kc
 
@@ -77,6 +81,18 @@ class GpuStep:
         kc.check(cu.cuMemsetD8(self.arena, 0, total), "cuMemsetD8")
         program = parse_program(plan.program_text)
         self.outputs = {name: (int(self.base[v.loc[0]]) + v.loc[1], v.type.numel) for name, v in program.outputs.items()}
+        tokens = program.states.get(TOKENS_STATE)
+        if tokens is None or "n_prompt" not in lp["dyn_slots"]:
+            raise ArtifactError("this plan has no device token sequence (made by an older Kestrel): rebuild it")
+        self.tokens_addr = self.base["state"] + tokens.loc[1]
+        # pinned host mirror of the token sequence: the asynchronous copies land here
+        self._host_ptr = kc.check(cu.cuMemAllocHost(4 * self.max_seq), "cuMemAllocHost")
+        self.host_tokens = np.ctypeslib.as_array((ctypes.c_int32 * self.max_seq).from_address(int(self._host_ptr)))
+        self._timing_events: list = []  # reused timing marks (run(..., marks))
+        self._n_marks = 0
+        self._copy_events = [kc.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                             for _ in range(4)]
+        self._n_copies = 0
         self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
         rnd = plan.random_weights
         if rnd is not None:  # benchmarking plan: fill the weights region on the device from the seed
@@ -165,13 +181,58 @@ class GpuStep:
         kc.check(cu.cuMemsetD8(self.base["dyn"], 0, self.base["act"] - self.base["dyn"]), "cuMemsetD8 (dyn)")
         self.sync()
 
-    def run(self) -> None:
-        """One step, asynchronously on the stream (reading a dyn slot or an output waits for it)."""
-        if self.use_graph:
-            kc.check(kc.driver().cuGraphLaunch(self.graph_exec, self.stream), "cuGraphLaunch")
-            return
-        for kernel, grid, args in self.launches:
-            kc.launch(kernel, grid, args, self.stream)
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int) -> None:
+        """Start a request: zero the states, upload the prompt ids and the dyn slots (the request's
+        one host write; generate checked the lengths, and the kernels clamp anyway)."""
+        self.reset()
+        slots = self.dyn.table
+        image = np.zeros(max(s["offset"] for s in slots.values()) // 4 + 1, dtype=np.int32)
+        values = dict(pos=0, token=prompt[0], n_prompt=len(prompt), temperature=temperature, top_p=top_p, seed=seed)
+        for name, v in values.items():
+            if name in slots:
+                arr = image.view(np.float32) if slots[name]["dtype"] == "f32" else image
+                arr[slots[name]["offset"] // 4] = v
+        self.copy_to_device(self.base["dyn"], image)
+        self.copy_to_device(self.tokens_addr, np.asarray(prompt[:self.max_seq], dtype=np.int32))
+        self._n_marks = 0
+
+    def run(self, n: int = 1, marks: list | None = None) -> None:
+        """``n`` steps, asynchronously on the stream (reading a dyn slot or an output waits for them);
+        ``marks`` receives a timing event recorded after each step."""
+        cu = kc.driver()
+        for _ in range(n):
+            if self.use_graph:
+                kc.check(cu.cuGraphLaunch(self.graph_exec, self.stream), "cuGraphLaunch")
+            else:
+                for kernel, grid, args in self.launches:
+                    kc.launch(kernel, grid, args, self.stream)
+            if marks is not None:
+                if self._n_marks == len(self._timing_events):
+                    self._timing_events.append(kc.check(cu.cuEventCreate(0), "cuEventCreate"))
+                ev = self._timing_events[self._n_marks]
+                self._n_marks += 1
+                kc.check(cu.cuEventRecord(ev, self.stream), "cuEventRecord")
+                marks.append(ev)
+
+    def mark_ms(self, marks: list) -> list[float]:
+        """Device time between consecutive marks, in ms."""
+        cu = kc.driver()
+        if marks:
+            kc.check(cu.cuEventSynchronize(marks[-1]), "cuEventSynchronize")
+        return [kc.check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") for a, b in zip(marks, marks[1:])]
+
+    def read_tokens(self, lo: int, hi: int) -> "_TokenCopy":
+        """Copy tokens[lo:hi] to pinned host memory behind the steps enqueued so far; ``wait()`` on
+        the handle returns them."""
+        cu = kc.driver()
+        kc.check(cu.cuMemcpyDtoHAsync(int(self._host_ptr) + 4 * lo, self.tokens_addr + 4 * lo, 4 * (hi - lo),
+                                      self.stream), "cuMemcpyDtoHAsync (tokens)")
+        # generate keeps at most two copies in flight and begin() drains the stream, so a ring of
+        # four events is never re-recorded while someone still waits on it
+        ev = self._copy_events[self._n_copies % len(self._copy_events)]
+        self._n_copies += 1
+        kc.check(cu.cuEventRecord(ev, self.stream), "cuEventRecord")
+        return _TokenCopy(self, ev, lo, hi)
 
     def output(self, name: str) -> np.ndarray:
         addr, n = self.outputs[name]
@@ -179,3 +240,15 @@ class GpuStep:
         self.sync()
         self.copy_from_device(buf, addr)
         return buf
+
+
+class _TokenCopy:
+    """An asynchronous copy of token sequence rows to the host (see GpuStep.read_tokens)."""
+
+    def __init__(self, step: GpuStep, event, lo: int, hi: int):
+        self.step, self.event, self.lo, self.hi = step, event, lo, hi
+
+    def wait(self) -> list[int]:
+        cu = kc.driver()
+        kc.check(cu.cuEventSynchronize(self.event), "cuEventSynchronize")
+        return [int(t) for t in self.step.host_tokens[self.lo:self.hi]]

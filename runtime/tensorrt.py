@@ -41,8 +41,7 @@ def import_tensorrt():
     try:
         import tensorrt
     except ImportError as e:
-        raise BackendMissingError(f"TensorRT is not installed here (`import tensorrt` failed: {e}); it needs the "
-                                  f"tensorrt Python package (>= 10) and its libraries") from None
+        raise BackendMissingError(f"TensorRT is not installed here (`import tensorrt`: {e})") from None
     return tensorrt
 
 

@@ -14,11 +14,11 @@ def step_for(program: Program, ckpt, max_seq: int) -> CpuStep:
 
 
 def forced_logits(step: CpuStep, tokens: list[int]) -> torch.Tensor:
-    """Logits after each token of ``tokens``, feeding exactly those tokens (teacher forcing)."""
-    step.reset()
+    """Logits after each token of ``tokens``, feeding exactly those tokens (teacher forcing: all of
+    them are the prompt, which the step feeds itself from its token sequence)."""
+    step.begin(tokens, 0.0, 1.0, 0)
     out = []
-    for t in tokens:
-        step.dyn["token"] = t
+    for _ in tokens:
         step.run()
         out.append(torch.from_numpy(step.output("logits").copy()))
     return torch.stack(out)

@@ -8,7 +8,8 @@ from kestrel.kernels.aot import compile_kernel
 from kestrel.kernels.embedding import embedding_kernel, embedding_launch, embedding_ref
 from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
                                      rmsnorm_ref)
-from kestrel.kernels.sample import sample_kernel, sample_launch, sample_ref, step_end_kernel, uniform_from
+from kestrel.kernels.sample import (sample_kernel, sample_launch, sample_ref, step_end_kernel, step_end_launch,
+                                    step_end_ref, uniform_from)
 from kestrel.kernels.targets import TARGETS
 
 CCS = [t.cc for t in TARGETS.values()]
@@ -83,10 +84,17 @@ def test_uniform_matches_reference_hash():
     assert 0.45 < sum(us) / len(us) < 0.55 and len(set(us)) > 1500
 
 
-def test_step_end():
-    pos, sampled, token = i32(41), i32(1234), i32(-1)
-    interpret(step_end_kernel)[(1,)](pos, sampled, pos, token)
-    assert int(pos[0]) == 42 and int(token[0]) == 1234
+@pytest.mark.parametrize("pos,n_prompt", [(0, 3), (1, 3), (2, 3), (5, 3), (7, 0), (8, 0), (-1, 1)])
+def test_step_end(pos, n_prompt):
+    """Inside the prompt: the next prompt id, sequence untouched; past it: the sampled token, appended;
+    at the last row (and beyond): the write index is clamped."""
+    seq = torch.arange(100, 108, dtype=torch.int32)
+    p, sampled, n, token = i32(pos), i32(1234), i32(n_prompt), i32(-1)
+    interpret(step_end_kernel)[(1,)](p, sampled, n, seq, p, token, S=8)
+    ref_seq = torch.arange(100, 108, dtype=torch.int32)
+    ref_pos, ref_token = step_end_ref(pos, 1234, n_prompt, ref_seq)
+    assert (int(p[0]), int(token[0])) == (ref_pos, ref_token) and torch.equal(seq, ref_seq)
+    assert ref_pos == pos + 1 and ref_token == (100 + pos + 1 if pos + 1 < n_prompt else 1234)
 
 
 @pytest.mark.parametrize("cc", CCS)
@@ -97,7 +105,7 @@ def test_aot_compiles_for_every_target(cc):
         ("rmsnorm", ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
         ("add_rmsnorm", ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
         ("sample", ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"], sample_launch(248320, t)),
-        ("step_end", ["*i32"] * 4, {"num_warps": 1, "constexprs": {}}),
+        ("step_end", ["*i32"] * 6, step_end_launch(4096, t)),
     ]
     for kid, types, launch in jobs:
         k = compile_kernel(kid, types, launch["constexprs"], launch["num_warps"], cc)

@@ -97,15 +97,16 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
-    cpu.reset()
-    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0)):
+    prompt = [5, 9]
+    cpu.begin(prompt, 0.0, 1.0, 0)
+    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", 5), ("n_prompt", 2)):
         gpu.dyn(name, v)
-        cpu.dyn[name] = v
-    gpu.dyn("token", 5)
-    cpu.dyn["token"] = 5
-    for step in range(3):  # prompt token, then the kernels feed the sampled token back themselves
+    tokens = gpu.view(gpu.base["state"] + gpu.program.states["tokens"].loc[1], "*i32")[:16]
+    tokens[:2] = torch.tensor(prompt, dtype=torch.int32)
+    for step in range(4):  # two prompt tokens, then the kernels feed the sampled tokens back themselves
         gpu.run()
         cpu.run()
+        assert torch.equal(tokens, cpu.states["tokens"]), f"step {step}: token sequence"
         g, c = gpu.output("logits"), cpu.outputs["logits"]
         rel = ((g - c).abs().max() / c.abs().max()).item()
         assert rel < 1e-4, f"step {step}: logits differ by {rel:.2e}"

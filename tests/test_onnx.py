@@ -116,6 +116,47 @@ def test_onnx_step_passes_checker_and_strict_shape_inference(exported):
     assert any(w.type.dtype.startswith("q4") for w in prog.weights.values()) == (quant == "q4")
 
 
+def _with_gdn_step(prog):
+    """The fused program with each gdn_delta + gdn_norm pair merged into one gdn_step (valid IR that
+    fuse does not emit; its CPU reference composes the same single-op references)."""
+    from kestrel.compiler.ir import Op, verify
+
+    ops = list(prog.ops)
+    for delta in [op for op in ops if op.kind == "gdn_delta"]:
+        norm = next(op for op in ops if op.kind == "gdn_norm" and op.ins[0] is delta.outs[0])
+        qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec = delta.ins
+        _, z, _, norm_w, _ = norm.ins
+        ops[ops.index(norm)] = Op("gdn_step", norm.outs, [qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w,
+                                                          rec], {"eps": norm.attrs["eps"], **delta.attrs})
+        ops.remove(delta)
+    prog.ops = ops
+    verify(prog)
+    return prog
+
+
+def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
+    """The unfused lowering (quantize only) and a program with gdn_step cover every op kind but step_end."""
+    from kestrel.compiler.ir import OP_SPECS
+    from kestrel.compiler.onnx_export import export_program, open_model
+    from kestrel.compiler.qwen3_5 import lower
+    from kestrel.compiler.weights import weight_bytes
+    from kestrel.passes.quantize import quantize
+
+    with open_model("tiny") as (ck, _, _):
+        unfused = quantize(lower(ck.cfg, MAX_SEQ), "none")
+        raw = {n: bytes(weight_bytes(w, ck.read)) for n, w in unfused.weights.items()}
+    fused, fused_raw, _, _ = _tiny("none")
+    kinds = set()
+    for prog, weights in ((unfused, raw), (_with_gdn_step(fused), fused_raw)):
+        kinds |= {op.kind for op in prog.ops}
+        model, sig = export_program(prog, lambda n: weights[n])
+        got, want = ort_decode(session(model), sig, PROMPT, 8), cpu_decode(prog, weights, PROMPT, 8)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert max(float(np.abs(a - b).max() / np.abs(b).max()) for (_, a), (_, b) in zip(got, want)) <= TOL
+    # gdn_delta / gdn_norm: the fused program of test_onnx_step_matches_cpu_reference; step_end: after hoist_dynamic
+    assert kinds | {"gdn_delta", "gdn_norm", "step_end"} == set(OP_SPECS)
+
+
 def test_unused_states_and_dyn_slots_stay_out_of_the_graph():
     """A state no op touches (like the runtime's token sequence) and a dyn slot no op reads are ignored."""
     from kestrel.compiler.onnx_export import export_program

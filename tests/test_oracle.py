@@ -16,32 +16,23 @@ N_NEW = 32
 PROMPT = [5, 17, 42, 99, 3, 150, 7]
 
 
-class RecordingStep:
-    """Wraps a step and keeps the logits of every step."""
-
-    def __init__(self, step):
-        self.step, self.logits = step, []
-        self.dyn, self.max_seq, self.mode = step.dyn, step.max_seq, step.mode
-
-    def reset(self):
-        self.step.reset()
-
-    def run(self):
-        self.step.run()
-        self.logits.append(torch.from_numpy(self.step.output("logits").copy()))
-
-    def output(self, name):
-        return self.step.output(name)
-
-
 def kestrel_greedy(ckpt: str, plan_path: str):
+    """Tokens from the plain (batched read-back) token loop; logits from the one-step-at-a-time loop,
+    whose tokens must be the same."""
     build(ckpt, plan_path, max_seq=64, log=lambda m: None, progress=False)
     plan = load_plan(plan_path)
-    step = RecordingStep(CpuStep(plan))
+    step = CpuStep(plan)
     plan.close()
     gen = generate(step, PROMPT, N_NEW, SamplingParams())
-    # logits that produced each generated token: last prefill step, then each decode step
-    return gen.tokens, torch.stack(step.logits[len(PROMPT) - 1:])
+    logits = []
+
+    def record(step, phase, pos, token_in):
+        if pos >= len(PROMPT) - 1:  # the steps that produced a generated token
+            logits.append(torch.from_numpy(step.output("logits").copy()))
+
+    stepwise = generate(step, PROMPT, N_NEW, SamplingParams(), on_step=record)
+    assert stepwise.tokens == gen.tokens
+    return gen.tokens, torch.stack(logits)
 
 
 def check_against_hf(model, ckpt, tmp_path):

@@ -11,7 +11,7 @@ from kestrel.artifacts.errors import InputError
 from kestrel.artifacts.plan import load_plan
 from kestrel.kernels.sample import sample_ref, uniform_from
 from kestrel.runtime.cpu import CpuStep
-from kestrel.runtime.generate import SamplingParams, generate
+from kestrel.runtime.generate import READBACK_EVERY, SamplingParams, generate
 
 
 def run_json(*args):
@@ -66,15 +66,69 @@ def test_sample_ref_distribution():
     assert all(0 <= uniform_from(s, p) < 1 for s in range(50) for p in range(50))
 
 
+class TracedStep:
+    """A step that logs the token loop's calls: runs, read-backs issued, read-backs waited on."""
+
+    def __init__(self, step):
+        self.step, self.log = step, []
+        self.dyn, self.max_seq, self.mode = step.dyn, step.max_seq, step.mode
+
+    def begin(self, *a):
+        self.log.append(("begin",))
+        self.step.begin(*a)
+
+    def run(self, n=1, marks=None):
+        self.log.append(("run", n))
+        self.step.run(n, marks)
+
+    def read_tokens(self, lo, hi):
+        self.log.append(("read", lo, hi))
+        handle, log = self.step.read_tokens(lo, hi), self.log
+
+        class Handle:
+            def wait(self):
+                log.append(("wait", lo, hi))
+                return handle.wait()
+        return Handle()
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+    def steps(self):
+        return sum(e[1] for e in self.log if e[0] == "run")
+
+
+def test_token_loop_feeds_itself_and_reads_back_in_batches(tiny_plan):
+    plan = load_plan(tiny_plan)
+    step = TracedStep(CpuStep(plan))
+    plan.close()
+    prompt, n_new, k = [1, 2, 3, 4, 5], 21, READBACK_EVERY
+    gen = generate(step, prompt, n_new, SamplingParams())
+    assert step.steps() == len(prompt) + n_new - 1  # never a step beyond the last token asked for
+    assert step.log[0] == ("begin",) and step.log[1] == ("run", len(prompt))  # the prompt in one go
+    assert all(e[1] <= k // 2 for e in step.log[2:] if e[0] == "run")
+    # the host waits on a batch only once the next one is enqueued (the device never waits on the host)
+    for i, e in enumerate(step.log):
+        if e[0] == "wait" and e[2] < len(prompt) + n_new:
+            assert ("read", e[2], min(e[2] + k // 2, len(prompt) + n_new)) in step.log[:i]
+    # the token sequence on the "device" holds the prompt, then every generated token
+    assert step.step.states["tokens"][:len(prompt) + n_new].tolist() == prompt + gen.tokens
+    stepwise = generate(CpuStep(load_plan(tiny_plan)), prompt, n_new, SamplingParams(), on_step=lambda *a: None)
+    assert stepwise.tokens == gen.tokens
+
+
 def test_eos_stops(tiny_plan):
     plan = load_plan(tiny_plan)
-    step = CpuStep(plan)
+    step = TracedStep(CpuStep(plan))
     plan.close()
-    free = generate(step, [1, 2, 3], 12, SamplingParams())
+    free = generate(step, [1, 2, 3], 40, SamplingParams())
     eos = free.tokens[4]
-    stopped = generate(step, [1, 2, 3], 12, SamplingParams(), eos_ids={eos})
     k = free.tokens.index(eos)
+    step.log.clear()
+    stopped = generate(step, [1, 2, 3], 40, SamplingParams(), eos_ids={eos})
     assert stopped.tokens == free.tokens[:k + 1] and stopped.stopped_by == "eos"
+    overrun = step.steps() - (3 + k)  # steps enqueued after the one that sampled the EOS
+    assert 0 <= overrun <= READBACK_EVERY - 1
 
 
 @pytest.mark.parametrize("args, message", [

@@ -40,8 +40,10 @@ dyn sampled:i32 host
 dyn temperature:f32 host
 dyn top_p:f32 host
 dyn seed:i32 host
+dyn n_prompt:i32 host
 weight embed_tokens : f32[16,32] <- ["ckpt","embed_tokens.weight"]
 weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
+state tokens : i32[8]
 %0 : f32[32] = embedding embed_tokens, dyn.token
 %1 : f32[16] = matmul %0, lm_head
 dyn.sampled = sample %1, dyn.temperature, dyn.top_p, dyn.seed, dyn.pos
@@ -56,6 +58,7 @@ dyn sampled:i32
 dyn temperature:f32
 dyn top_p:f32
 dyn seed:i32
+dyn n_prompt:i32
 weight embed_tokens : f32[16,32] <- ["ckpt","embed_tokens.weight"]
 weight w1 : f32[64,32] <- ["ckpt","w1"]
 weight w2 : f32[32,64] <- ["ckpt","w2"]
@@ -63,6 +66,7 @@ weight w3 : f32[64,32] <- ["ckpt","w3"]
 weight w4 : f32[32,64] <- ["ckpt","w4"]
 weight norm : f32[32] <- ["ckpt","norm"]
 weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
+state tokens : i32[8]
 %0 : f32[32] = embedding embed_tokens, dyn.token
 %1 : f32[64] = matmul %0, w1
 %2 : f32[32] = matmul %1, w2
@@ -71,7 +75,7 @@ weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
 %5 : f32[32], %6 : f32[32] = add_rmsnorm %0, %4, norm {eps=1e-06}
 %7 : f32[16] = matmul %6, lm_head
 dyn.sampled = sample %7, dyn.temperature, dyn.top_p, dyn.seed, dyn.pos
-dyn.pos, dyn.token = step_end dyn.pos, dyn.sampled
+dyn.pos, dyn.token = step_end dyn.pos, dyn.sampled, dyn.n_prompt, tokens
 output hidden %6
 output logits %7
 """
