@@ -1,6 +1,8 @@
 """On the GPU: whole plans end to end. For each plan: greedy tokens on the GPU (graph and streaming)
 against the CPU reference path, every step's dumped logits and hidden states byte-compared between
-graph and streaming, and ms/token in both modes (interleaved rounds).
+graph and streaming, the plain token loop (device-fed prompt, batched asynchronous read-back) against
+the one-step-at-a-time loop with the driver calls of one request counted (no host-to-device copy
+after the request's first write; the EOS overrun), and ms/token in both modes (interleaved rounds).
 
     python bench/device_e2e.py $OUT/e2e.json bench/plans/*.plan
 """
@@ -16,7 +18,8 @@ import time
 import numpy as np
 
 from kestrel.artifacts.plan import load_plan
-from kestrel.runtime.generate import SamplingParams, generate
+from kestrel.runtime import cuda as kc
+from kestrel.runtime.generate import READBACK_EVERY, SamplingParams, generate
 from kestrel.runtime.gpu import GpuStep
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 107, 101, 115, 116, 114, 101, 108]
@@ -26,6 +29,51 @@ N_NEW = 32
 def dump_bytes(folder):
     index = json.load(open(os.path.join(folder, "index.json")))
     return [open(os.path.join(folder, s[k]), "rb").read() for s in index["steps"] for k in ("logits", "hidden")]
+
+
+class CountingDriver:
+    """cuda.bindings' driver module with every cu* call counted by name."""
+
+    def __init__(self, cu):
+        self.cu, self.calls = cu, {}
+
+    def __getattr__(self, name):
+        f = getattr(self.cu, name)
+        if not (name.startswith("cu") and callable(f)):
+            return f
+
+        def counted(*a):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return f(*a)
+        return counted
+
+
+def counted_generate(step, *args, **kw):
+    """generate() with the driver calls it makes counted (kestrel.runtime.cuda.driver patched)."""
+    real = kc.driver
+    counter = CountingDriver(real())
+    kc.driver = lambda: counter
+    try:
+        g = generate(step, *args, **kw)
+    finally:
+        kc.driver = real
+    return g, counter.calls
+
+
+def token_loop_checks(graph: GpuStep, stepwise_tokens: list[int]) -> dict:
+    n_new = len(stepwise_tokens)
+    g, calls = counted_generate(graph, PROMPT, n_new, SamplingParams())
+    res = {"plain_loop_tokens_equal_stepwise": g.tokens == stepwise_tokens, "driver_calls_per_request": calls,
+           "host_to_device_copies_per_request": calls.get("cuMemcpyHtoDAsync", 0),
+           "graph_launches": calls.get("cuGraphLaunch", 0),
+           "expected_graph_launches": len(PROMPT) + n_new - 1}
+    eos_at = 5
+    e, calls = counted_generate(graph, PROMPT, n_new, SamplingParams(), eos_ids={stepwise_tokens[eos_at]})
+    first = stepwise_tokens.index(stepwise_tokens[eos_at])
+    res["eos_tokens_ok"] = e.tokens == stepwise_tokens[:first + 1] and e.stopped_by == "eos"
+    res["eos_overrun_steps"] = calls.get("cuGraphLaunch", 0) - (len(PROMPT) + first)
+    res["eos_overrun_bound"] = READBACK_EVERY - 1
+    return res
 
 
 def run_plan(path: str) -> dict:
@@ -47,6 +95,7 @@ def run_plan(path: str) -> dict:
     res["graph_equals_stream_tokens"] = outs["graph"] == outs["stream"]
     a, b = dump_bytes(dumps["graph"]), dump_bytes(dumps["stream"])
     res["graph_vs_stream_dump_bytes_identical"] = a == b
+    res.update(token_loop_checks(graph, outs["graph"]))
     res["dump_files_compared"] = len(a)
     first = next((i for i, (x, y) in enumerate(zip(outs["graph"], outs["cpu"])) if x != y), None)
     res["gpu_vs_cpu_first_divergence"] = first
