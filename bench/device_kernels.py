@@ -27,7 +27,7 @@ from kestrel.runtime import cuda as kc
 from kestrel.runtime.cpu import _EXEC
 
 TD = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}
-DYN = {"pos": int(os.environ.get("POS", 1000)), "token": int(os.environ.get("TOKEN", 1234)), "sampled": 0, "temperature": 0.0, "top_p": 1.0, "seed": 1}
+DYN = {"pos": int(os.environ.get("POS", 1000)), "token": int(os.environ.get("TOKEN", 1234)), "sampled": 0, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 3}
 TIMED = ("matmul", "matmul_swiglu", "gdn_delta", "gdn_norm", "attn_step", "embedding", "add_rmsnorm", "sample")
 L2_BYTES = 50 << 20
 
