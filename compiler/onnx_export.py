@@ -713,7 +713,7 @@ def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, 
     from kestrel.runtime import tensorrt as rt
 
     try:
-        trt = rt.import_tensorrt()
+        rt.import_tensorrt()
     except BackendMissingError as e:
         raise BackendMissingError(f"--backend tensorrt: {e.message}; {wrote}: build the engine where TensorRT >= 10 "
                                   f"and an {target} GPU are present") from None
@@ -724,8 +724,7 @@ def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, 
     engine, version = rt.build_engine(onnx_path, log=log)
     extra = {"backend": "tensorrt", "tensorrt_version": version, "compute_capability": f"{cc // 10}.{cc % 10}",
              "tensorrt": {"engine_part": rt.ENGINE_PART, "onnx": os.path.basename(onnx_path),
-                          "signature": res.signature.to_json(), "network": "strongly typed, fixed shapes",
-                          "trt_module": trt.__name__}}
+                          "signature": res.signature.to_json(), "network": "strongly typed, fixed shapes"}}
     info = PlanInfo(target=target, quant=quant, max_seq=res.max_seq, model=res.cfg.to_json(), source=res.source,
                     tokenizer={"eos_token_ids": list(res.cfg.eos_token_ids)} if res.tokenizer_json else {},
                     extra=extra)

@@ -16,14 +16,13 @@ works). What is checked here is the ONNX graph it builds from (onnxruntime again
   name (``set_tensor_address``), each state two (ping-pong: a step reads ``<state>`` from one and
   writes ``<state>.out`` to the other; the next step swaps them). Per step, the token and pos inputs
   are device-to-device copies (from the device token sequence and a table of positions), then
-  ``execute_async_v3`` — or, with the KESTREL_GRAPH gate on (the default), one of two CUDA graphs
-  captured around it at load (one per ping-pong parity) — then ``next_token`` is copied into the
-  token sequence. Nothing waits for the host between steps. Greedy only (the ONNX step's argmax).
+  ``execute_async_v3`` — or, with ``use_graph`` (the caller passes the KESTREL_GRAPH gate,
+  runtime/gpu.graph_enabled), one of two CUDA graphs captured around it at load (one per ping-pong
+  parity) — then ``next_token`` is copied into the token sequence. Nothing waits for the host between steps. Greedy only (the ONNX step's argmax).
 """
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import numpy as np
@@ -32,7 +31,7 @@ from kestrel.artifacts.errors import ArtifactError, BackendMissingError, DeviceE
 from kestrel.runtime import cuda as kc
 
 ENGINE_PART = "__kestrel__/tensorrt_engine"
-STATE_OUT_SUFFIX = ".out"
+STATE_OUT_SUFFIX = ".out"  # <state> in, <state>.out out: the ONNX step's naming (compiler/onnx_export.py)
 WORKSPACE_BYTES = 1 << 30
 
 
@@ -325,8 +324,3 @@ class TrtStep:
         buf = np.empty(nbytes // 4, dtype=np.float32)
         self.copy_from_device(buf, self.buf[name][0])
         return buf.reshape(shape)
-
-
-def graph_gate_on(no_graph_flag: bool = False) -> bool:
-    """The KESTREL_GRAPH gate, as runtime/gpu.py reads it: the M=1 step graph (here: around the engine)."""
-    return not no_graph_flag and os.environ.get("KESTREL_GRAPH", "1") != "0"

@@ -257,3 +257,48 @@ def test_tensorrt_engine_plan_matches_cpu_reference(tmp_path):
             got.append((tok, step.output("logits")))
         assert [t for t, _ in got] == [t for t, _ in want]
         assert max(float(np.abs(a - b).max() / np.abs(b).max()) for (_, a), (_, b) in zip(got, want)) <= TOL
+
+
+def _engine_plan(path: str, tensorrt_version: str) -> str:
+    """A plan laid out as build --backend tensorrt writes it, with placeholder engine bytes."""
+    from kestrel.artifacts.plan import PlanInfo, write_plan
+    from kestrel.compiler.ir_text import print_program
+    from kestrel.runtime.tensorrt import ENGINE_PART
+
+    prog, _, _, sig = _tiny("none")
+    info = PlanInfo(target="sm_90", quant="none", max_seq=MAX_SEQ, model={}, source={"kind": "preset", "name": "tiny"},
+                    extra={"backend": "tensorrt", "tensorrt_version": tensorrt_version, "compute_capability": "9.0",
+                           "tensorrt": {"engine_part": ENGINE_PART, "signature": sig.to_json()}})
+    write_plan(path, info, print_program(prog), [], None, extra_parts={ENGINE_PART: b"not an engine"})
+    return path
+
+
+def test_engine_plan_errors_are_one_line(tmp_path, monkeypatch):
+    """Without TensorRT, with another TensorRT version, and without a GPU: each a clear one-line error."""
+    import sys
+    import types
+
+    from kestrel.artifacts.errors import ArtifactError, BackendMissingError, DeviceError
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.runtime.tensorrt import TrtStep
+
+    plan = load_plan(_engine_plan(str(tmp_path / "e.plan"), "10.9.0"))
+    assert plan.backend == "tensorrt" and plan.manifest["compute_capability"] == "9.0"
+    if not HAVE_TRT:
+        with pytest.raises(BackendMissingError, match="TensorRT is not installed"):
+            TrtStep(plan)
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.3.0"))
+    with pytest.raises(ArtifactError, match=r"built by TensorRT 10\.9\.0, this machine has 10\.3\.0") as e:
+        TrtStep(plan)
+    assert "\n" not in str(e.value)
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.9.0"))
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return
+    try:
+        TrtStep(plan)
+    except DeviceError as e:  # no driver here; on a GPU machine other than sm_90: built for compute capability 9.0
+        assert "\n" not in str(e) and ("no usable GPU" in str(e) or "compute capability 9.0" in str(e))
+    except AttributeError:  # a GPU of cc 9.0 and the stub module: past every check this test is about
+        pass
