@@ -49,23 +49,27 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# The published Qwen3.5 text-model shapes (no weights): for shape-level tests, kernels at real
-# shapes, and (later) benchmarking with random weights.
+def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:
+    """A published Qwen3.5 dense text model's shape. Shared by all sizes: head_dim 256, 16 GDN key
+    heads, GDN head dims 128, conv kernel 4, a full-attention layer every 4th, vocab 248320, RoPE
+    theta 1e7 on a quarter of the head dims, eps 1e-6, 262144 positions, eos 248044."""
+    return dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden, intermediate_size=mlp,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256,
+                linear_num_key_heads=16, linear_num_value_heads=gdn_value_heads, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=tied,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044)
+
+
+# The published Qwen3.5 text-model shapes (no weights), for kernels at real shapes and for benchmarking
+# with --weights random. 0.8B and 27B as in DESIGN.md; 2B, 4B and 9B from copies of their
+# config.json text_config and training-framework shape scripts, agreeing across sources.
 QWEN35_SHAPES: dict[str, dict] = {
-    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
-                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                         linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                                          "partial_rotary_factor": 0.25},
-                         rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044),
-    "qwen3.5-27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                                         "partial_rotary_factor": 0.25},
-                        rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044),
+    "qwen3.5-0.8b": _qwen35(1024, 3584, 24, 8, 2, 16, tied=True),
+    "qwen3.5-2b": _qwen35(2048, 6144, 24, 8, 2, 16, tied=True),
+    "qwen3.5-4b": _qwen35(2560, 9216, 32, 16, 4, 32, tied=True),
+    "qwen3.5-9b": _qwen35(4096, 12288, 32, 16, 4, 32, tied=False),
+    "qwen3.5-27b": _qwen35(5120, 17408, 64, 24, 4, 48, tied=False),
 }
 
 
