@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kestrel.artifacts.errors import InputError, exit_on_error
+from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -54,6 +54,11 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
     bad = [t for t in ids if not 0 <= t < model["vocab_size"]]
     if bad:  # checked here too, so no path (--bench, --verify) lets a kernel read outside the table
         raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model['vocab_size']})")
+    if plan.backend == "tensorrt":  # the engine holds the weights: no CPU path, no launch list to bench
+        if device == "cpu" or bench_out is not None or verify:
+            raise UnsupportedError("this plan holds a TensorRT engine: run it on its GPU (without --device cpu, "
+                                   "--bench or --verify), or rebuild with --backend kernels")
+        device = "tensorrt"
     if device == "auto":
         device = "cpu" if plan.manifest["target"] == "cpu" else "gpu"
     if bench_out is not None or verify:
@@ -81,7 +86,12 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
                    f"bytes/token {r['bytes_per_token'] / 1e6:.1f} MB; copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; "
                    f"roofline {r['roofline_ms']:.3f} ms; graph at {r['fraction_of_roofline']:.1%} of it")
         return
-    if device == "gpu":
+    if device == "tensorrt":
+        from kestrel.runtime.gpu import graph_enabled
+        from kestrel.runtime.tensorrt import TrtStep
+
+        step = TrtStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
+    elif device == "gpu":
         from kestrel.runtime.gpu import GpuStep, graph_enabled
 
         step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
