@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from kernel_harness import assert_close, interpret
-from kestrel.kernels.gated_delta import (gdn_delta_kernel, gdn_delta_launch, gdn_delta_ref, gdn_norm_kernel,
-                                         gdn_norm_launch, gdn_norm_ref,
+from kestrel.kernels.elementwise import l2norm_ref
+from kestrel.kernels.gated_delta import (conv1d_step_ref, gated_delta_step_ref, gdn_delta_kernel, gdn_delta_launch,
+                                         gdn_delta_ref, gdn_gates_ref, gdn_norm_kernel, gdn_norm_launch, gdn_norm_ref,
                                          gdn_step_ref)
+from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
 from kestrel.kernels.targets import TARGETS
 
 EPS, L2_EPS = 1e-6, 1e-6
@@ -62,8 +64,8 @@ def test_gdn_delta_then_norm_match_gdn_step_ref_over_steps(hk, hv, dk, dv, kc):
 
 @pytest.mark.parametrize("hk,hv,dk,dv,kc", GDN_SHAPES[::2])
 def test_gdn_delta_and_norm_match_their_references(hk, hv, dk, dv, kc):
-    """Each op against its own reference, from the same inputs; the split refs compose to
-    gdn_step_ref bit for bit (the CPU path of a fused program)."""
+    """Each op against its own reference, from the same inputs; the split refs equal the unfused
+    single-op references in sequence bit for bit (so the fused program's CPU path is the model's)."""
     gen = torch.Generator().manual_seed(31 * hk + 7 * hv + dk + dv + kc)
     layer = make_layer(hk, hv, dk, dv, kc, gen)
     tok = make_token(hk, hv, dk, dv, gen)
@@ -74,8 +76,12 @@ def test_gdn_delta_and_norm_match_their_references(hk, hv, dk, dv, kc):
     assert torch.equal(ref["conv_state"], layer["conv_state"])  # gdn_delta only reads the conv state
     out_ref = gdn_norm_ref(o_ref, tok["z"], tok["qkv"], layer["norm_w"], ref["conv_state"], EPS)
     step = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
-    whole = gdn_step_ref(tok["qkv"], tok["z"], tok["b"], tok["a"], step["conv_state"], layer["conv_w"],
-                         layer["a_log"], layer["dt_bias"], layer["norm_w"], step["rec_state"], EPS, L2_EPS, scale)
+    mixed = conv1d_step_ref(tok["qkv"], step["conv_state"], layer["conv_w"], "silu")
+    q = l2norm_ref(mixed[: hk * dk].reshape(hk, dk), L2_EPS)
+    k = l2norm_ref(mixed[hk * dk: 2 * hk * dk].reshape(hk, dk), L2_EPS)
+    g, beta = gdn_gates_ref(tok["a"], tok["b"], layer["a_log"], layer["dt_bias"])
+    o = gated_delta_step_ref(q, k, mixed[2 * hk * dk:].reshape(hv, dv), g, beta, step["rec_state"], scale)
+    whole = gated_rmsnorm_ref(o, tok["z"].reshape(hv, dv), layer["norm_w"], EPS).reshape(hv * dv)
     assert torch.equal(out_ref, whole) and all(torch.equal(ref[k], step[k]) for k in ref)
     o_raw, out = run_split_step(tok, layer, hk, hv, dk, dv, kc, scale)
     what = f"hk={hk} hv={hv} dk={dk} dv={dv}"
