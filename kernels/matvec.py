@@ -71,21 +71,29 @@ def matvec_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
 
 def matvec_launch(n: int, k: int, group: int, target) -> dict:
     """Rows per CTA (BLOCK_N, at most 16) chosen so the grid has at least 4 CTAs per SM when there are
-    enough rows (down_proj's 5120 rows: 640 CTAs of 8 rows on sm_90; lm_head: 15520 of 16), with one
-    warp per 4 rows. BLOCK_K inputs per iteration: 1024 for q4 (a warp's 32 threads x 16 bytes of
-    nibbles), 512 for bf16 / f32 (at most the power of two >= K), halved while it does not divide K,
-    down to 256 (q4) / 128: a masked tail iteration remains only for odd K.
+    enough rows (down_proj's 5120 rows: 640 CTAs of 8 rows on sm_90; lm_head: 15520 of 16). bf16 / f32:
+    one warp per 4 rows, BLOCK_K 512 (at most the power of two >= K), halved while it does not divide
+    K, down to 128: a masked tail iteration remains only for odd K. q4: BLOCK_K = 16384 / BLOCK_N
+    (8 KB of nibbles per tile; at most the power of two >= K), at most 2 warps, a masked tail tile
+    where BLOCK_K does not divide K.
     GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it."""
     from kestrel.kernels.targets import pow2_at_least
 
     block_n = 1
     while block_n < 16 and (n + 2 * block_n - 1) // (2 * block_n) >= 4 * target.sms:
         block_n *= 2
-    block_k = min(1024 if group else 512, pow2_at_least(k))
-    while block_k > max(group, 256 if group else 128) and block_k <= k and k % block_k:
-        block_k //= 2
-    block_k = max(block_k, group)
-    return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": max(1, min(4, block_n // 4)),
+    # q4: tiles of 8 KB of nibbles (16 x 1024, 8 x 2048) and at most 2 warps, so each thread keeps
+    # several rows' 16-byte chunks in flight; at the 27B shapes this is the fastest configuration of
+    # the 47 measured (bench/results/tuning/q4-sweep-h200.json), 1.1-1.6x the 4-warp 4 KB tiles
+    if group:  # a K that BLOCK_K does not divide ends with one masked tile (down_proj: 8 x 2048 measured best)
+        block_k = max(group, min(16384 // block_n, pow2_at_least(k)))
+        num_warps = max(1, min(2, block_n * block_k // 1024))
+    else:
+        block_k = min(512, pow2_at_least(k))
+        while block_k > 128 and block_k <= k and k % block_k:
+            block_k //= 2
+        num_warps = max(1, min(4, block_n // 4))
+    return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k}}
 
 

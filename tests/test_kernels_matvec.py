@@ -56,6 +56,8 @@ MATVEC_CASES = [
     ("q4g64", 37, 192, {"BLOCK_N": 16, "BLOCK_K": 128}),    # one tile + masked half tile
     ("q4g128", 19, 640, {"BLOCK_N": 4, "BLOCK_K": 256}),    # two tiles + masked half tile
     ("q4g128", 20, 1024, {"BLOCK_N": 16}),                  # rule's 1024 block, one full tile
+    ("q4g128", 6, 384, None),                               # rule: one masked 512 tile, 1 row per CTA
+    ("q4g128", 10, 1152, {"BLOCK_N": 8, "BLOCK_K": 512}),   # two tiles + a masked quarter tile
 ]
 
 
@@ -115,10 +117,11 @@ def test_launch_rule_real_shapes(target, group):
         assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
         assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]
         assert c["grid"][0] >= 2 * t.sms, f"{name}: {c['grid'][0]} CTAs for {t.sms} SMs"
-        assert e["BLOCK_K"] == (1024 if group else 512) and k % e["BLOCK_K"] == 0  # no masked tail
-        assert c["num_warps"] == max(1, e["BLOCK_N"] // 4)
-        if group:
-            assert e["BLOCK_K"] % group == 0
+        if group:  # 8 KB tiles of nibbles, 2 warps (the measured best at these shapes)
+            assert e["BLOCK_N"] * e["BLOCK_K"] == 16384 and c["num_warps"] == 2 and e["BLOCK_K"] % group == 0
+        else:
+            assert e["BLOCK_K"] == 512 and k % e["BLOCK_K"] == 0  # no masked tail
+            assert c["num_warps"] == max(1, e["BLOCK_N"] // 4)
 
 
 def test_launch_rule_small_and_odd_shapes():
@@ -129,7 +132,8 @@ def test_launch_rule_small_and_odd_shapes():
         assert bk & (bk - 1) == 0 and e["BLOCK_N"] & (e["BLOCK_N"] - 1) == 0
         if group:
             assert bk >= group and bk % group == 0
-    assert matvec_launch(1024, 3584, 128, t)["constexprs"]["BLOCK_K"] == 512  # divides K: no tail
+    assert matvec_launch(1024, 3584, 0, t)["constexprs"]["BLOCK_K"] == 512  # bf16: divides K, no tail
+    assert matvec_launch(5120, 17408, 128, t)["constexprs"]["BLOCK_K"] == 2048  # q4: 8 full tiles + a masked one
 
 
 # --- AOT compilation -----------------------------------------------------------------------------
