@@ -8,6 +8,7 @@ graph of many launches rotating over copies of its large operands (more bytes th
 the graph is replayed several times, and the median time per launch is reported.
 
     python bench/device_kernels.py bench/cubins $OUT/kernels.json
+    (ONLY_SHAPE=qwen3.5-27b, ONLY_OP=attn_step, POS=1000: a subset / the position the kernels see)
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from kestrel.compiler.ir import Dyn, State, Value, Weight, is_q4, q4_group
+from kestrel.compiler.ir import SCRATCH_PREFIX, Dyn, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
 from kestrel.kernels.matvec import q4_pack, q4_unpack
 from kestrel.runtime import cuda as kc
@@ -57,6 +58,9 @@ def make(x, gen):
         w = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
         buf = q4_pack(w, q4_group(dtype))
         return buf, q4_unpack(buf, *shape, q4_group(dtype))
+    if name.startswith(SCRATCH_PREFIX):  # attention partials / tickets: zero, as the runtime leaves them
+        t = torch.zeros(shape, dtype=TD[dtype], device="cuda")
+        return t, t.clone()
     if name.endswith("A_log"):
         t = torch.rand(shape, generator=gen, device="cuda").mul(15).add(1).log()
     elif name.endswith("dt_bias") or "conv" in name:
@@ -125,7 +129,11 @@ def check_one(entry, op, kern) -> dict:
             errs[f"out{i}"] = ((got - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
         from kestrel.compiler.ir import OP_SPECS
 
-        for j in OP_SPECS[op.kind].inout:  # states updated in place
+        for j in OP_SPECS[op.kind].inout:  # states updated in place (scratch: only the tickets' reset)
+            if op.ins[j].name.startswith(SCRATCH_PREFIX):
+                if op.ins[j].type.dtype == "i32":
+                    errs["tickets_reset"] = float(bool(ktens[j].any()))
+                continue
             r, got = refs[j].float(), ktens[j].float()
             errs[op.ins[j].name.split(".")[-1]] = ((got - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
     res = {"max_rel_err": max(errs.values()) if errs else 0.0, "errors": errs}
@@ -180,8 +188,9 @@ def main(cubin_dir: str, out_path: str):
     kernels = {}
     rows = []
     only = os.environ.get("ONLY_SHAPE")
+    only_op = os.environ.get("ONLY_OP")
     for e in index:
-        if only and e["shape"] != only:
+        if (only and e["shape"] != only) or (only_op and e["op"] != only_op):
             continue
         prog = programs.get(e["program"]) or programs.setdefault(
             e["program"], parse_program(open(os.path.join(cubin_dir, e["program"])).read()))

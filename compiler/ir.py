@@ -4,7 +4,9 @@ A ``Program`` holds
   * ``dyn``     named 4-byte slots of the device dyn buffer (pos, token, sampled, ...): every value
                 that changes from token to token lives here, never in an op's attributes;
   * ``weights`` read-only tensors stored in the artifact, by name;
-  * ``states``  persistent buffers that live across steps (conv windows, recurrent states, KV caches);
+  * ``states``  persistent buffers that live across steps (conv windows, recurrent states, KV caches,
+                the token sequence), and ``scratch.*`` buffers a fused kernel needs within one launch
+                (attention partials and tickets: zeroed at reset, left zeroed by every launch);
   * ``ops``     in execution order; each op reads operands (values, weights, states, dyn slots),
                 defines new SSA ``Value``s, and may update states or dyn slots in place;
   * ``outputs`` named values the runtime may read back (``hidden``, ``logits``).
@@ -21,6 +23,7 @@ from typing import Callable
 
 DTYPES = ("f32", "bf16", "f16", "i32")
 TOKENS_STATE = "tokens"  # the state holding a request's token sequence, i32[max_seq] (see step_end)
+SCRATCH_PREFIX = "scratch."  # states a fused kernel uses within one launch (zero between launches), not model state
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 Q4_GROUPS = (32, 64, 128)  # weight-only int4 with one f16 scale per group of this many inputs: dtype "q4g128"
 ALIGN = 256  # every arena buffer starts on this boundary
@@ -366,7 +369,7 @@ def _infer_gdn_norm(ins, a):
 
 
 def _infer_attn_step(ins, a):
-    qg, k, v, qn, kn, kc, vc, pos = ins
+    qg, k, v, qn, kn, kc, vc, pos, part, ticket = ins
     s, hkv, d = _t(kc).shape
     (n2,) = _t(qg).shape
     _need(n2 % (2 * d) == 0 and (n2 // (2 * d)) % hkv == 0, f"q|gate [{n2}] does not split into heads of {d}")
@@ -374,6 +377,11 @@ def _infer_attn_step(ins, a):
     _need(_t(qn).shape == (d,) and _t(kn).shape == (d,), "q/k norm weights must be [head_dim]")
     _need(_t(vc).shape == _t(kc).shape, "k and v caches differ")
     _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
+    nh = n2 // (2 * d)
+    splits = _t(part).shape[1] if len(_t(part).shape) == 3 else 0
+    _need(_t(part).dtype == "f32" and _t(part).shape == (nh, splits, d + 2) and splits & (splits - 1) == 0
+          and splits > 0, f"attention partials must be f32[{nh}, SPLITS (a power of two), {d + 2}]")
+    _need(_t(ticket).dtype == "i32" and _t(ticket).shape == (nh,), f"attention tickets must be i32[{nh}]")
     return [_f32((n2 // 2,))]
 
 
@@ -410,8 +418,9 @@ OP_SPECS: dict[str, OpSpec] = {
                         doc="conv1d+silu (state only read), split q|k|v, l2norm q and k, gates, gated_delta_step"),
     "gdn_norm": OpSpec("vvvws", ("eps",), _infer_gdn_norm, inout=(4,),
                        doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
-    "attn_step": OpSpec("vvvwwssd", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, inout=(5, 6),
-                        doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention, sigmoid gate"),
+    "attn_step": OpSpec("vvvwwssdss", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step,
+                        inout=(5, 6, 8, 9), doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention "
+                        "(split over the sequence: partials and tickets in scratch states), sigmoid gate"),
 }
 
 VIEW_OPS = ("reshape", "slice")

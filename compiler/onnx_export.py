@@ -428,7 +428,7 @@ class _Exporter:
         out = self.gated_rmsnorm(o, self.reshape(self.f32(z), [hv, dv]), self.f32(norm_w), op.attrs["eps"])
         return self.reshape(out, [hv * dv])
 
-    def op_attn_step(self, op, qg, k, v, qn, kn, kc, vc, pos):  # attn_step_ref
+    def op_attn_step(self, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_step_ref (the split: a GPU detail)
         _, hkv, d = kc.type.shape
         nh = qg.type.shape[0] // (2 * d)
         a, p = op.attrs, self.dyn(pos)

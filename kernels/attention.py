@@ -66,26 +66,29 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
 SMEM_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 
 
-def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
-    """One CTA per query head (8 warps), walking the cache in BLOCK_S-row tiles of 8K elements.
+def attn_splits(n_heads: int, max_seq: int) -> int:
+    """Sequence splits per query head (a power of two): about 256 programs in all, at most 64, and at
+    least 128 cache rows per split at max_seq. 27B (24 heads): 8; 0.8B (8 heads): 32; 4B/9B: 16."""
+    cap = min(64, max(1, 256 // n_heads), max(1, max_seq // 128))
+    return 1 << (cap.bit_length() - 1)
+
+
+def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, splits: int, target) -> dict:
+    """Grid [NH, SPLITS]: one CTA (8 warps) per query head and split of the sequence, walking its rows
+    in BLOCK_S-row tiles of 8K elements (flash-decoding; see attn_step_kernel for the combine).
 
     PIPE_BYTES (added key): shared memory the kernel's software pipeline may fill with K/V tiles in
     flight, at most 128 KiB (about what one SM can usefully keep in flight), leaving 16 KiB of the
     target's opt-in limit for the kernel's other scratch; the kernel derives its stage count from it
     and the cache's element size (which this rule is not told). Kernels above 48 KiB of dynamic
-    shared memory need the opt-in attribute set at load time.
-
-    Bandwidth note: NH CTAs (24 for 27B, 8 for 0.8B) on a 132-SM part, each streaming 2 * S * D cache
-    elements of its kv head, is far from the DRAM roofline at long contexts: one SM streams about
-    0.1 TB/s. A split over the sequence (flash-decoding: fixed split count, partial (m, l, acc) per
-    split, a fixed-order combine) would fill the GPU but needs a scratch buffer the op does not have."""
+    shared memory need the opt-in attribute set at load time."""
     from kestrel.kernels.targets import pow2_at_least
 
     block_d = pow2_at_least(head_dim)
     block_s = max(16, min(64, 8192 // block_d))
     pipe = min(128 * 1024, SMEM_OPTIN[target.cc] - 16 * 1024)
-    return {"grid": [n_heads, 1, 1], "num_warps": 8,
-            "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq,
+    return {"grid": [n_heads, splits, 1], "num_warps": 8,
+            "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe}}
 
 
@@ -120,9 +123,9 @@ def _norm_rope(x_ptr, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexp
 
 
 @triton.jit
-def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, out_ptr,
-                     eps, theta, rotary_dim, scale,
-                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_ptr,
+                     ticket_ptr, out_ptr, eps, theta, rotary_dim, scale,
+                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, SPLITS: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
@@ -135,25 +138,32 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     fp32 division), angle = p * inv_freq, full-range cos/sin (Triton compiles tl.cos/tl.sin to
     accurate code, not the approximate instructions). Offsets are int32: S * NKV * D < 2^31.
 
-    Work split: grid [NH], one program (8 warps) per query head; lane d of a [BLOCK_D] vector holds
-    head element d (BLOCK_D = D rounded up to a power of two). The program walks cache rows 0..p-1 in
-    BLOCK_S-row tiles [BLOCK_S, BLOCK_D], contiguous along D (16-byte cp.async copies), software-
-    pipelined through shared memory: up to 4 K/V tile pairs in flight, as many as PIPE_BYTES holds
-    for the cache's element size. Each tile row slot j (rows j, j + BLOCK_S, ...) keeps its own online
-    softmax (max m_j, sum l_j, fp32 accumulator acc_j[BLOCK_D]), so the loop needs no reduction across
-    warps; the slots and row p are merged once at the end. No split over the sequence: the ABI gives
-    the op no scratch memory for partial results (see the note in attn_step_launch). Every program
-    reads its kv head's rows itself, so the NH / NKV programs of a group read the same rows (from L2
-    after the first). The summation order is fixed: runs repeat bit for bit.
+    Work split: grid [NH, SPLITS], program (h, j) for query head h and split j of rows 0..p-1: rows
+    [j * C, min((j + 1) * C, p)) with C = ceil(ceil(p / SPLITS) / BLOCK_S) * BLOCK_S, so every split
+    fills the GPU at long contexts and the split is fixed by p alone. Lane d of a [BLOCK_D] vector holds
+    head element d (BLOCK_D = D rounded up to a power of two). A program walks its rows in BLOCK_S-row
+    tiles [BLOCK_S, BLOCK_D], contiguous along D (16-byte cp.async copies), software-pipelined through
+    shared memory: up to 4 K/V tile pairs in flight, as many as PIPE_BYTES holds for the cache's element
+    size. Each tile row slot keeps its own online softmax (max, sum, fp32 accumulator), so the loop
+    needs no reduction across warps; the slots are merged once at the end into the split's partial
+    (m, l, acc[D]), stored in ``part`` [NH, SPLITS, D + 2] (a scratch state of the plan).
+
+    Combine (deterministic, no floating-point atomics): after storing its partial, a program takes a
+    ticket from ``ticket[h]`` (an integer atomic, acquire-release at GPU scope, after a CTA barrier);
+    the program that draws the last ticket reads all SPLITS partials of head h back from L2 in split
+    order, merges them with row p's score, applies the output gate, stores out[h] and resets the
+    ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
+    partial is read from memory, in a fixed order), so runs repeat bit for bit.
 
     Ordering (race-free under any CTA schedule): row p is never read from memory. Every program
     computes its kv head's roped k and v in registers, rounds them to the cache dtype (what the
     reference reads back after the append) and seeds the online softmax with them; the tiles cover
     rows < p only, which no program of this launch writes. Row p of kv head g is stored by exactly
-    one program, the first query head of the group (h % (NH / NKV) == 0); the other programs of the
+    one program, split 0 of the first query head of the group (h % (NH / NKV) == 0); the others of the
     group compute the same values but do not store them.
     """
     h = tl.program_id(0)
+    sp = tl.program_id(1)
     REP: tl.constexpr = NH // NKV
     g = h // REP
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr), 0), S - 1)
@@ -183,7 +193,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     if v_cache_ptr.dtype.element_ty == tl.bfloat16:
         vr = _round_bf16(vr)
     row = pos * (NKV * D) + g * D
-    writer = (h % REP) == 0
+    writer = ((h % REP) == 0) & (sp == 0)
     tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask & writer)
     tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask & writer)
 
@@ -191,8 +201,11 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     qs = q * (scale * 1.4426950408889634)
     s_p = tl.sum(qs * kr, axis=0)
 
-    # Rows 0..p-1: one online softmax per tile row slot j (rows j, j + BLOCK_S, ...), so the loop
-    # needs no reduction across warps; the slots and row p are combined once at the end.
+    # This split's rows of 0..p-1: one online softmax per tile row slot j (rows j, j + BLOCK_S, ...),
+    # so the loop needs no reduction across warps; the slots are combined once at the end.
+    chunk = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S) * BLOCK_S
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, pos)
     s_off = tl.arange(0, BLOCK_S)
     m_j = tl.full([BLOCK_S], -1.0e30, tl.float32)  # finite: an empty slot has weight exp2(-1e30 - m) = 0
     l_j = tl.zeros([BLOCK_S], tl.float32)
@@ -201,9 +214,9 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
     NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
     STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
-    for start in tl.range(0, pos, BLOCK_S, num_stages=STAGES):
+    for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         rows = start + s_off
-        rmask = rows < pos
+        rmask = rows < hi
         offs = (rows * (NKV * D) + g * D)[:, None] + d[None, :]
         tmask = rmask[:, None] & dmask[None, :]
         kt = tl.load(k_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
@@ -216,9 +229,25 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
         acc_j = acc_j * alpha[:, None] + pr[:, None] * vt
         m_j = m_new
 
-    m = tl.maximum(tl.max(m_j, axis=0), s_p)
-    w_j = tl.exp2(m_j - m)
-    w_p = tl.exp2(s_p - m)
-    l = tl.sum(l_j * w_j, axis=0) + w_p
-    o = (tl.sum(acc_j * w_j[:, None], axis=0) + vr * w_p) / l
-    tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
+    # the split's partial (an empty split: m = -1e30, l = 0, acc = 0)
+    m_s = tl.max(m_j, axis=0)
+    w_j = tl.exp2(m_j - m_s)
+    part = part_ptr + (h * SPLITS + sp) * (D + 2)
+    tl.store(part + d, tl.sum(acc_j * w_j[:, None], axis=0), mask=dmask)
+    tl.store(part + D, m_s)
+    tl.store(part + D + 1, tl.sum(l_j * w_j, axis=0))
+    tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
+    ticket = tl.atomic_add(ticket_ptr + h, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLITS - 1:  # the last split of head h to finish merges all of them, in split order
+        j = tl.arange(0, SPLITS)
+        rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
+        m_all = tl.load(rows_p + D, cache_modifier=".cg")
+        l_all = tl.load(rows_p + D + 1, cache_modifier=".cg")
+        acc_all = tl.load(rows_p[:, None] + d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=".cg")
+        m = tl.maximum(tl.max(m_all, axis=0), s_p)
+        w = tl.exp2(m_all - m)
+        w_p = tl.exp2(s_p - m)
+        l = tl.sum(l_all * w, axis=0) + w_p
+        o = (tl.sum(acc_all * w[:, None], axis=0) + vr * w_p) / l
+        tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
+        tl.atomic_xchg(ticket_ptr + h, 0, sem="relaxed", scope="gpu")  # ready for the next launch

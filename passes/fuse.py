@@ -11,7 +11,8 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      of each value head's state (the conv state's q/k rows are shared by a key head's value heads
      and can only be shifted once all of them have read it; the norm needs a head's whole row)
   3. the gated attention chain after its projections   -> ``attn_step`` (q|gate split, q/k rmsnorm,
-     rope, kv_append, attention, sigmoid_gate)
+     rope, kv_append, attention split over the sequence, sigmoid_gate), with the scratch states its
+     split needs (``scratch.attn_partials``, ``scratch.attn_tickets``, shared by all its layers)
   4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
      row-concatenated weight, its result sliced back (slices of a vector are free views)
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import OP_SPECS, Op, Program, TensorType, Value, Weight
+from kestrel.compiler.ir import OP_SPECS, SCRATCH_PREFIX, Op, Program, TensorType, Value, Weight
+from kestrel.kernels.attention import attn_splits
 
 
 class _Graph:
@@ -148,13 +150,26 @@ def _fuse_attention(p: Program) -> None:
         gs = gr and g.prod(gr.ins[0], "slice", axis=1, start=d, stop=2 * d)
         if not (gs and gs.ins[0] is qg2.outs[0] and app.ins[4] is pos and rq.ins[1] is pos and rk.ins[1] is pos):
             continue
+        part, ticket = _attention_scratch(p, kc.type.shape, qg2.ins[0].type.shape[0])
         fused = Op("attn_step", [gate.outs[0]],
-                   [qg2.ins[0], kr.ins[0], vr.ins[0], nq.ins[1], nk.ins[1], kc, vc, pos],
+                   [qg2.ins[0], kr.ins[0], vr.ins[0], nq.ins[1], nk.ins[1], kc, vc, pos, part, ticket],
                    {"eps": nq.attrs["eps"], "theta": rq.attrs["theta"], "rotary_dim": rq.attrs["rotary_dim"],
                     "scale": op.attrs["scale"]})
         p.ops[p.ops.index(gate)] = fused
         for dead in (rq, nq, rk, nk, app, op, flat):
             p.ops.remove(dead)
+
+
+def _attention_scratch(p: Program, cache_shape, qg_size: int):
+    """The scratch states every attn_step of the program shares (attention layers run one after the
+    other): per query head and sequence split a partial (m, l, acc[D]), and one ticket per head."""
+    max_seq, _, d = cache_shape
+    nh = qg_size // (2 * d)
+    part_name, ticket_name = SCRATCH_PREFIX + "attn_partials", SCRATCH_PREFIX + "attn_tickets"
+    if part_name not in p.states:
+        p.add_state(part_name, "f32", (nh, attn_splits(nh, max_seq), d + 2))
+        p.add_state(ticket_name, "i32", (nh,))
+    return p.states[part_name], p.states[ticket_name]
 
 
 def _fuse_add_rmsnorm(p: Program) -> None:

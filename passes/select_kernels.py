@@ -44,7 +44,9 @@ def _gpu_launch(op, t) -> dict:
     if k == "attn_step":
         kc = op.ins[5]
         s, nkv, d = kc.type.shape
-        return {"kernel": f"attn_step_{kc.type.dtype}", **attn_step_launch(op.outs[0].type.shape[0] // d, nkv, d, s, t)}
+        splits = op.ins[8].type.shape[1]
+        return {"kernel": f"attn_step_{kc.type.dtype}",
+                **attn_step_launch(op.outs[0].type.shape[0] // d, nkv, d, s, splits, t)}
     if k == "sample":
         return {"kernel": "sample", **sample_launch(op.ins[0].type.shape[0], t)}
     if k == "step_end":

@@ -173,6 +173,6 @@ _EXEC = {
     "gdn_step": lambda s, op, *a: gdn_step_ref(*a, **op.attrs),
     "gdn_delta": lambda s, op, *a: gdn_delta_ref(*a, **op.attrs),
     "gdn_norm": lambda s, op, *a: gdn_norm_ref(*a, **op.attrs),
-    "attn_step": lambda s, op, qg, k, v, qn, kn, kc, vc, pos: attn_step_ref(qg, k, v, qn, kn, kc, vc, int(pos),
+    "attn_step": lambda s, op, qg, k, v, qn, kn, kc, vc, pos, *scratch: attn_step_ref(qg, k, v, qn, kn, kc, vc, int(pos),
                                                                             **op.attrs),
 }

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernel_harness import assert_close, interpret
-from kestrel.kernels.attention import SMEM_OPTIN, attn_step_kernel, attn_step_launch, attn_step_ref
+from kestrel.kernels.attention import SMEM_OPTIN, attn_splits, attn_step_kernel, attn_step_launch, attn_step_ref
 from kestrel.kernels.targets import TARGETS
 
 EPS, THETA = 1e-6, 1e7
@@ -36,19 +36,25 @@ def make_inputs(nh, nkv, d, s, pos, dtype, seed):
 
 
 def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):
+    """One launch; the scratch (partials NaN-filled: every one read must have been written this launch,
+    tickets zero) must come back with every ticket reset to zero."""
     out = torch.full((qg.numel() // 2,), float("nan"))
     d = kc.shape[2]
-    interpret(attn_step_kernel)[tuple(grid)](qg, k, v, qn, kn, kc, vc, torch.tensor([pos], dtype=torch.int32), out,
-                                            EPS, THETA, rotary_dim, d ** -0.5, **consts)
+    nh, splits = consts["NH"], consts["SPLITS"]
+    part = torch.full((nh, splits, d + 2), float("nan"))
+    ticket = torch.zeros(nh, dtype=torch.int32)
+    interpret(attn_step_kernel)[tuple(grid)](qg, k, v, qn, kn, kc, vc, torch.tensor([pos], dtype=torch.int32), part,
+                                            ticket, out, EPS, THETA, rotary_dim, d ** -0.5, **consts)
+    assert (ticket == 0).all(), "tickets not reset"
     return out
 
 
-def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None):
+def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None):
     inputs = make_inputs(nh, nkv, d, s, pos, dtype, seed)
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
-    c = attn_step_launch(nh, nkv, d, s, TARGETS["sm_90"])
+    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nh, s), TARGETS["sm_90"])
     consts = dict(c["constexprs"], **({"BLOCK_S": block_s} if block_s else {}))
     before_k, before_v = kc.clone(), vc.clone()
     out = run_kernel(*inputs, pos, rotary_dim, consts, c["grid"])
@@ -74,9 +80,11 @@ def test_attn_step_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_attn_step_many_tiles(dtype):
-    """Small tiles: many loop iterations, a partial last tile, tile row slots that stay empty."""
+    """Small tiles: many loop iterations, a partial last tile, tile row slots that stay empty; with
+    splits: several tiles per split, splits that stay empty at small pos, a single split."""
     for pos in (129, 100, 7):
-        check_step(8, 2, 64, 130, pos, 32, dtype, seed=pos, block_s=16)
+        for splits in (1, 4):
+            check_step(8, 2, 64, 130, pos, 32, dtype, seed=pos, block_s=16, splits=splits)
 
 
 def test_attn_step_clamps_pos():
@@ -88,7 +96,7 @@ def test_attn_step_clamps_pos():
     kbuf[:s], vbuf[:s] = kc, vc
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, s - 1, EPS, THETA, d // 2, d ** -0.5)
-    c = attn_step_launch(nh, nkv, d, s, TARGETS["sm_90"])
+    c = attn_step_launch(nh, nkv, d, s, 2, TARGETS["sm_90"])
     out = run_kernel(qg, k, v, qn, kn, kbuf[:s], vbuf[:s], s + 5, d // 2, c["constexprs"], c["grid"])
     assert_close(out, ref, 1e-4, 0.0, "attn_step pos > S - 1")
     assert torch.equal(kbuf[:s - 1], kc_ref[:s - 1]) and torch.equal(vbuf[:s], vc_ref)
@@ -98,9 +106,9 @@ def test_attn_step_clamps_pos():
 
 def test_launch_rule():
     for t in TARGETS.values():
-        c = attn_step_launch(24, 4, 256, 4096, t)
-        assert c["grid"] == [24, 1, 1]
-        assert {"NH", "NKV", "D", "S", "BLOCK_D", "BLOCK_S"} <= set(c["constexprs"])
+        c = attn_step_launch(24, 4, 256, 4096, attn_splits(24, 4096), t)
+        assert c["grid"] == [24, 8, 1]  # 192 programs at 27B
+        assert {"NH", "NKV", "D", "S", "SPLITS", "BLOCK_D", "BLOCK_S"} <= set(c["constexprs"])
         assert c["constexprs"]["PIPE_BYTES"] + 16 * 1024 <= SMEM_OPTIN[t.cc]
 
 
@@ -121,9 +129,11 @@ PTR = {"bf16": "*bf16", "f32": "*fp32"}
 
 
 def aot_jobs(dt):
-    types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
-    return [(f"attn_step_{dt}", types, attn_step_launch(*shape, t)["constexprs"],
-             attn_step_launch(*shape, t)["num_warps"], t.cc) for shape in AOT_SHAPES for t in TARGETS.values()]
+    types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
+    launches = [attn_step_launch(*shape, attn_splits(shape[0], shape[3]), t) for shape in AOT_SHAPES
+                for t in TARGETS.values()]
+    ccs = [t.cc for _ in AOT_SHAPES for t in TARGETS.values()]
+    return [(f"attn_step_{dt}", types, c["constexprs"], c["num_warps"], cc) for c, cc in zip(launches, ccs)]
 
 
 @pytest.fixture(scope="module")
