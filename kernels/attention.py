@@ -138,9 +138,10 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     fp32 division), angle = p * inv_freq, full-range cos/sin (Triton compiles tl.cos/tl.sin to
     accurate code, not the approximate instructions). Offsets are int32: S * NKV * D < 2^31.
 
-    Work split: grid [NH, SPLITS], program (h, j) for query head h and split j of rows 0..p-1: rows
-    [j * C, min((j + 1) * C, p)) with C = ceil(ceil(p / SPLITS) / BLOCK_S) * BLOCK_S, so every split
-    fills the GPU at long contexts and the split is fixed by p alone. Lane d of a [BLOCK_D] vector holds
+    Work split: grid [NH, SPLITS], program (h, j) for query head h and split j of rows 0..p-1. The
+    splits with work are A = clamp(ceil(p / BLOCK_S), 1, SPLITS) (at least one tile each, so a short
+    context runs on few programs), split j < A taking rows [j * C, min((j + 1) * C, p)) with
+    C = ceil(ceil(p / A) / BLOCK_S) * BLOCK_S; all fixed by p alone. Split 0 also holds row p. Lane d of a [BLOCK_D] vector holds
     head element d (BLOCK_D = D rounded up to a power of two). A program walks its rows in BLOCK_S-row
     tiles [BLOCK_S, BLOCK_D], contiguous along D (16-byte cp.async copies), software-pipelined through
     shared memory: up to 4 K/V tile pairs in flight, as many as PIPE_BYTES holds for the cache's element
@@ -171,83 +172,89 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
 
-    # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
-    half = rotary_dim // 2
-    fi = tl.where(d < half, d, tl.where(d < rotary_dim, d - half, 0))  # lanes past rotary_dim: unused
-    expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], rotary_dim, tl.int32).to(tl.float32))
-    log2_theta = tl.log2(tl.full([BLOCK_D], theta, tl.float32).to(tl.float64))
-    powr = tl.exp2(expo.to(tl.float64) * log2_theta).to(tl.float32)
-    inv_freq = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powr)
-    angle = pos.to(tl.float32) * inv_freq
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    # Splits with work: at least one BLOCK_S tile each, so a short context runs on few programs; the
+    # others only take their ticket. Every program derives the same count from pos.
+    active = tl.maximum(tl.minimum(tl.cdiv(pos, BLOCK_S), SPLITS), 1)
+    if sp < active:
+        # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
+        half = rotary_dim // 2
+        fi = tl.where(d < half, d, tl.where(d < rotary_dim, d - half, 0))  # lanes past rotary_dim: unused
+        expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], rotary_dim, tl.int32).to(tl.float32))
+        log2_theta = tl.log2(tl.full([BLOCK_D], theta, tl.float32).to(tl.float64))
+        powr = tl.exp2(expo.to(tl.float64) * log2_theta).to(tl.float32)
+        inv_freq = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powr)
+        angle = pos.to(tl.float32) * inv_freq
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
 
-    q = _norm_rope(qg_ptr + h * 2 * D, q_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
-    gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
-    kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
-    vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
+        q = _norm_rope(qg_ptr + h * 2 * D, q_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
+        kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
+        vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
 
-    # Append row p (one writer per kv head) and use the cache-rounded values for it.
-    if k_cache_ptr.dtype.element_ty == tl.bfloat16:
-        kr = _round_bf16(kr)
-    if v_cache_ptr.dtype.element_ty == tl.bfloat16:
-        vr = _round_bf16(vr)
-    row = pos * (NKV * D) + g * D
-    writer = ((h % REP) == 0) & (sp == 0)
-    tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask & writer)
-    tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask & writer)
+        # Append row p (one writer per kv head) and use the cache-rounded values for it.
+        if k_cache_ptr.dtype.element_ty == tl.bfloat16:
+            kr = _round_bf16(kr)
+        if v_cache_ptr.dtype.element_ty == tl.bfloat16:
+            vr = _round_bf16(vr)
+        row = pos * (NKV * D) + g * D
+        writer = ((h % REP) == 0) & (sp == 0)
+        tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask & writer)
+        tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask & writer)
 
-    # Row p's score (log2 domain: q pre-scaled by scale * log2(e), so exp2 gives the softmax weights).
-    qs = q * (scale * 1.4426950408889634)
-    s_p = tl.sum(qs * kr, axis=0)
+        # Row p's score (log2 domain: q pre-scaled by scale * log2(e), so exp2 gives the softmax weights).
+        qs = q * (scale * 1.4426950408889634)
+        s_p = tl.sum(qs * kr, axis=0)
 
-    # This split's rows of 0..p-1: one online softmax per tile row slot j (rows j, j + BLOCK_S, ...),
-    # so the loop needs no reduction across warps; the slots are combined once at the end.
-    chunk = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S) * BLOCK_S
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, pos)
-    s_off = tl.arange(0, BLOCK_S)
-    m_j = tl.full([BLOCK_S], -1.0e30, tl.float32)  # finite: an empty slot has weight exp2(-1e30 - m) = 0
-    l_j = tl.zeros([BLOCK_S], tl.float32)
-    acc_j = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-    # K/V tiles in flight: as many as PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
-    ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-    NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
-    STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
-    for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
-        rows = start + s_off
-        rmask = rows < hi
-        offs = (rows * (NKV * D) + g * D)[:, None] + d[None, :]
-        tmask = rmask[:, None] & dmask[None, :]
-        kt = tl.load(k_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
-        vt = tl.load(v_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
-        s = tl.where(rmask, tl.sum(kt * qs[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m_j, s)
-        alpha = tl.exp2(m_j - m_new)
-        pr = tl.exp2(s - m_new)
-        l_j = l_j * alpha + pr
-        acc_j = acc_j * alpha[:, None] + pr[:, None] * vt
-        m_j = m_new
+        # This split's rows of 0..p-1: one online softmax per tile row slot j (rows j, j + BLOCK_S, ...),
+        # so the loop needs no reduction across warps; the slots are combined once at the end.
+        chunk = tl.cdiv(tl.cdiv(pos, active), BLOCK_S) * BLOCK_S
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, pos)
+        s_off = tl.arange(0, BLOCK_S)
+        m_j = tl.full([BLOCK_S], -1.0e30, tl.float32)  # finite: an empty slot has weight exp2(-1e30 - m) = 0
+        l_j = tl.zeros([BLOCK_S], tl.float32)
+        acc_j = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        # K/V tiles in flight: as many as PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
+        ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+        NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
+        STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
+        for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
+            rows = start + s_off
+            rmask = rows < hi
+            offs = (rows * (NKV * D) + g * D)[:, None] + d[None, :]
+            tmask = rmask[:, None] & dmask[None, :]
+            kt = tl.load(k_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
+            vt = tl.load(v_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
+            s = tl.where(rmask, tl.sum(kt * qs[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_j, s)
+            alpha = tl.exp2(m_j - m_new)
+            pr = tl.exp2(s - m_new)
+            l_j = l_j * alpha + pr
+            acc_j = acc_j * alpha[:, None] + pr[:, None] * vt
+            m_j = m_new
 
-    # the split's partial (an empty split: m = -1e30, l = 0, acc = 0)
-    m_s = tl.max(m_j, axis=0)
-    w_j = tl.exp2(m_j - m_s)
-    part = part_ptr + (h * SPLITS + sp) * (D + 2)
-    tl.store(part + d, tl.sum(acc_j * w_j[:, None], axis=0), mask=dmask)
-    tl.store(part + D, m_s)
-    tl.store(part + D + 1, tl.sum(l_j * w_j, axis=0))
+        # The split's partial (m, l, acc); split 0 also holds row p (an empty split: -1e30, 0, 0).
+        s_p = tl.where(sp == 0, s_p, -1.0e30)
+        m_s = tl.maximum(tl.max(m_j, axis=0), s_p)
+        w_j = tl.exp2(m_j - m_s)
+        w_p = tl.where(sp == 0, tl.exp2(s_p - m_s), 0.0)
+        part = part_ptr + (h * SPLITS + sp) * (D + 2)
+        tl.store(part + d, tl.sum(acc_j * w_j[:, None], axis=0) + vr * w_p, mask=dmask)
+        tl.store(part + D, m_s)
+        tl.store(part + D + 1, tl.sum(l_j * w_j, axis=0) + w_p)
     tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
     ticket = tl.atomic_add(ticket_ptr + h, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLITS - 1:  # the last split of head h to finish merges all of them, in split order
+    if ticket == SPLITS - 1:  # the last program of head h merges the active splits' partials, in order
         j = tl.arange(0, SPLITS)
+        jm = j < active
         rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
-        m_all = tl.load(rows_p + D, cache_modifier=".cg")
-        l_all = tl.load(rows_p + D + 1, cache_modifier=".cg")
-        acc_all = tl.load(rows_p[:, None] + d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=".cg")
-        m = tl.maximum(tl.max(m_all, axis=0), s_p)
+        m_all = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
+        l_all = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+        acc_all = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
+                          cache_modifier=".cg")
+        m = tl.max(m_all, axis=0)  # finite: split 0 holds row p
         w = tl.exp2(m_all - m)
-        w_p = tl.exp2(s_p - m)
-        l = tl.sum(l_all * w, axis=0) + w_p
-        o = (tl.sum(acc_all * w[:, None], axis=0) + vr * w_p) / l
+        o = tl.sum(acc_all * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
+        gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
         tl.atomic_xchg(ticket_ptr + h, 0, sem="relaxed", scope="gpu")  # ready for the next launch

@@ -85,6 +85,8 @@ def test_attn_step_many_tiles(dtype):
     for pos in (129, 100, 7):
         for splits in (1, 4):
             check_step(8, 2, 64, 130, pos, 32, dtype, seed=pos, block_s=16, splits=splits)
+    # 8 splits of 2 tiles at pos 520: the last split has no rows left (its partial is empty)
+    check_step(2, 1, 16, 600, 520, 8, dtype, seed=3, splits=8)
 
 
 def test_attn_step_clamps_pos():
