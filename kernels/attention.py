@@ -149,10 +149,10 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     needs no reduction across warps; the slots are merged once at the end into the split's partial
     (m, l, acc[D]), stored in ``part`` [NH, SPLITS, D + 2] (a scratch state of the plan).
 
-    Combine (deterministic, no floating-point atomics): after storing its partial, a program takes a
-    ticket from ``ticket[h]`` (an integer atomic, acquire-release at GPU scope, after a CTA barrier);
-    the program that draws the last ticket reads all SPLITS partials of head h back from L2 in split
-    order, merges them with row p's score, applies the output gate, stores out[h] and resets the
+    Combine (deterministic, no floating-point atomics): after storing its partial, an active program
+    takes a ticket from ``ticket[h]`` (an integer atomic, acquire-release at GPU scope, after a CTA
+    barrier); the program that draws ticket A - 1 reads the A partials of head h back from L2 in split
+    order (split 0 holds row p), merges them, applies the output gate, stores out[h] and resets the
     ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
     partial is read from memory, in a fixed order), so runs repeat bit for bit.
 
@@ -172,8 +172,8 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
 
-    # Splits with work: at least one BLOCK_S tile each, so a short context runs on few programs; the
-    # others only take their ticket. Every program derives the same count from pos.
+    # Splits with work: at least one BLOCK_S tile each, so a short context runs on few programs (and
+    # few ticket atomics); the others exit at once. Every program derives the same count from pos.
     active = tl.maximum(tl.minimum(tl.cdiv(pos, BLOCK_S), SPLITS), 1)
     if sp < active:
         # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
@@ -242,19 +242,19 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
         tl.store(part + d, tl.sum(acc_j * w_j[:, None], axis=0) + vr * w_p, mask=dmask)
         tl.store(part + D, m_s)
         tl.store(part + D + 1, tl.sum(l_j * w_j, axis=0) + w_p)
-    tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
-    ticket = tl.atomic_add(ticket_ptr + h, 1, sem="acq_rel", scope="gpu")
-    if ticket == SPLITS - 1:  # the last program of head h merges the active splits' partials, in order
-        j = tl.arange(0, SPLITS)
-        jm = j < active
-        rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
-        m_all = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
-        l_all = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
-        acc_all = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
-                          cache_modifier=".cg")
-        m = tl.max(m_all, axis=0)  # finite: split 0 holds row p
-        w = tl.exp2(m_all - m)
-        o = tl.sum(acc_all * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
-        gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
-        tl.atomic_xchg(ticket_ptr + h, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
+        ticket = tl.atomic_add(ticket_ptr + h, 1, sem="acq_rel", scope="gpu")
+        if ticket == active - 1:  # the last active split of head h merges their partials, in order
+            j = tl.arange(0, SPLITS)
+            jm = j < active
+            rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
+            m_all = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
+            l_all = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+            acc_all = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
+                              cache_modifier=".cg")
+            m = tl.max(m_all, axis=0)  # finite: split 0 holds row p
+            w = tl.exp2(m_all - m)
+            o = tl.sum(acc_all * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
+            gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
+            tl.atomic_xchg(ticket_ptr + h, 0, sem="relaxed", scope="gpu")  # ready for the next launch
