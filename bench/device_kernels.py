@@ -190,7 +190,7 @@ def main(cubin_dir: str, out_path: str):
     only = os.environ.get("ONLY_SHAPE")
     only_op = os.environ.get("ONLY_OP")
     for e in index:
-        if (only and e["shape"] != only) or (only_op and e["op"] != only_op):
+        if (only and e["shape"] != only) or (only_op and e["op"] not in only_op.split(",")):
             continue
         prog = programs.get(e["program"]) or programs.setdefault(
             e["program"], parse_program(open(os.path.join(cubin_dir, e["program"])).read()))

@@ -10,6 +10,9 @@ bash bench/device_all.sh "$w" 'nothing' 2>&1 | grep -v "^round"
 for shape in qwen3.5-27b qwen3.5-0.8b; do for pos in 80 1000 4000; do
   ONLY_SHAPE=$shape ONLY_OP=attn_step POS=$pos python3 bench/device_kernels.py bench/cubins "$w/attn-$shape-pos$pos.json" | tail -3
 done; done
+for shape in qwen3.5-27b qwen3.5-0.8b; do
+  ONLY_SHAPE=$shape ONLY_OP=matmul,matmul_swiglu python3 bench/device_kernels.py bench/cubins "$w/matvec-$shape.json" | tail -14
+done
 run() { python3 -c "import sys; from kestrel.runtime.cli import main; sys.argv = ['kestrel-run'] + sys.argv[1:]; main()" "$@"; }
 long=$(seq -s, 1 1500)
 for p in bench/plans/before-*.plan bench/plans/qwen3.5-0.8b-sm90-bf16.plan; do
