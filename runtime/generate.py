@@ -1,4 +1,4 @@
-"""The token loop shared by every execution path (CPU reference now, GPU graph/streaming later).
+"""The token loop shared by every execution path (CPU reference, GPU graph and streaming, TensorRT engine).
 
 A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
   * ``begin(prompt, temperature, top_p, seed)``: a new request: zeroed states, the prompt ids in the
