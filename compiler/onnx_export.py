@@ -29,7 +29,7 @@ at ``pos + 1`` decodes. The KV caches hold all max_seq rows: k and v are written
 ScatterND, and attention scores every row, with rows after pos masked to -inf before the softmax
 (the mask is built from pos), which equals the reference's softmax over rows 0..pos. States no op
 touches and dyn slots no op reads are not part of the graph (e.g. the token sequence the runtime's
-step_end uses); the ``sample`` op's temperature, top_p and seed are ignored: the graph is greedy.
+step_end uses), nor is the GPU kernels' attention scratch (``scratch.*``); the ``sample`` op's temperature, top_p and seed are ignored: the graph is greedy.
 
 Precision (``--quant``): ``none``: FLOAT initializers. ``bf16``: matrices and the embedding table as
 BFLOAT16 initializers, each followed by a Cast to float (the math stays fp32, as in Kestrel's
