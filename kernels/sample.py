@@ -49,9 +49,13 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_p: float, seed: int
 
 def sample_launch(vocab: int, target) -> dict:
     """One CTA over the vocabulary (argmax / top-p need a global view of the logits), 16 warps over
-    16384-logit tiles: greedy at the 248320-token vocabulary takes 13.0 us on the H200, the best of 22
-    configurations measured (4096-logit tiles: 19.4 us; bench/results/tuning/sample-sweep-h200.json)."""
-    return {"grid": [1, 1, 1], "num_warps": 16, "constexprs": {"V": vocab, "BLOCK": 16384}}
+    16384-logit tiles (smaller vocabularies: one tile, at least 512): greedy at the 248320-token
+    vocabulary takes 13.0 us on the H200, the best of 22 configurations measured (4096-logit tiles:
+    19.4 us; bench/results/tuning/sample-sweep-h200.json)."""
+    from kestrel.kernels.targets import pow2_at_least
+
+    return {"grid": [1, 1, 1], "num_warps": 16,
+            "constexprs": {"V": vocab, "BLOCK": max(512, min(16384, pow2_at_least(vocab)))}}
 
 
 def step_end_launch(max_seq: int, target) -> dict:
