@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call: whole-plan checks on tiny, compute-sanitizer on tiny, then --verify and --bench for
-# the plans matching NAME_GLOB. Writes everything under OUTDIR.
+# On the device: whole-plan checks on tiny (bench/device_e2e.py) and compute-sanitizer on tiny; with
+# NAME_GLOB, then --verify and --bench for the plans matching it. Writes everything under OUTDIR.
 #   bash bench/device_all.sh OUTDIR [NAME_GLOB]   (kestrel importable; bench/plans carried)
 set -u
 out=$1
@@ -11,4 +11,4 @@ for q in bf16 q4; do
   echo "sanitizer tiny-$q: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer-tiny-$q.txt") clean summaries)"
   tail -2 "$out/sanitizer-tiny-$q.txt"
 done
-bash bench/device_models.sh "$out" "${2:-*}"
+if [ -n "${2:-}" ]; then bash bench/device_models.sh "$out" "$2"; fi

@@ -21,11 +21,13 @@ import time
 
 import torch
 
-from kestrel.compiler.ir import SCRATCH_PREFIX, Dyn, State, Value, Weight, is_q4, q4_group
+from kestrel.compiler.ir import SCRATCH_PREFIX, Dyn, State, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
 from kestrel.kernels.matvec import q4_pack, q4_unpack
 from kestrel.runtime import cuda as kc
 from kestrel.runtime.cpu import _EXEC
+
+from graph_timing import launch_times_us  # bench/, next to this script
 
 TD = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}
 DYN = {"pos": int(os.environ.get("POS", 1000)), "token": int(os.environ.get("TOKEN", 1234)), "sampled": 0, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 3}
@@ -158,25 +160,9 @@ def time_one(entry, op, kern, ktens, types, scalars) -> dict:
     big = [i for i, t in enumerate(ktens) if nbytes(t) >= 1 << 16]
     sets = [ktens] + [[t.clone() if i in big else t for i, t in enumerate(ktens)] for _ in range(copies - 1)]
     packed = [kc.PackedArgs(types, [t.data_ptr() for t in s] + scalars) for s in sets]
-    reps = max(1, 64 // copies)
-    stream = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(reps):
-            for a in packed:
-                kc.launch(kern, entry["grid"], a, stream.cuda_stream)
-    n = reps * len(packed)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / n)
-    t = statistics.median(times)
-    return {"us": t * 1e6, "us_min": min(times) * 1e6, "bytes": moved, "GBps": moved / t / 1e9, "copies": copies}
+    times = launch_times_us(kern, entry["grid"], packed, replays=12)
+    us = statistics.median(times)
+    return {"us": us, "us_min": min(times), "bytes": moved, "GBps": moved / us / 1e3, "copies": copies}
 
 
 def main(cubin_dir: str, out_path: str):

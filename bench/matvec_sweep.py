@@ -85,6 +85,7 @@ def time_all(folder, out):
 
     import torch
 
+    from graph_timing import launch_times_us
     from kestrel.kernels.matvec import q4_pack, q4_unpack
     from kestrel.runtime import cuda as kc
 
@@ -99,7 +100,7 @@ def time_all(folder, out):
         if key not in data:
             n, k = e["N"], e["K"]
             ws = [torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k) for _ in range(2 if e["kind"] != "matvec" else 1)]
-            if e.get("dtype", "q4") == "q4":
+            if e["dtype"] == "q4":
                 bufs = [q4_pack(w, GROUP) for w in ws]
                 deq = [q4_unpack(b, n, k, GROUP) for b in bufs]
             else:
@@ -115,27 +116,13 @@ def time_all(folder, out):
         kern = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["name"], e["num_warps"], e["shared"])
         y = torch.empty(e["N"], device="cuda")
         grid = [(e["N"] + e["BLOCK_N"] - 1) // e["BLOCK_N"], 1, 1]
-        types = ["*fp32"] + ["*u8" if e.get("dtype", "q4") == "q4" else "*bf16"] * len(sets[0]) + ["*fp32"]
+        types = ["*fp32"] + ["*u8" if e["dtype"] == "q4" else "*bf16"] * len(sets[0]) + ["*fp32"]
         packed = [kc.PackedArgs(types, [x.data_ptr()] + [b.data_ptr() for b in s] + [y.data_ptr()]) for s in sets]
-        stream = torch.cuda.Stream()
-        kc.launch(kern, grid, packed[0], stream.cuda_stream)
+        kc.launch(kern, grid, packed[0], 0)
         torch.cuda.synchronize()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
-        reps = max(1, 64 // len(packed))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(reps):
-                for a in packed:
-                    kc.launch(kern, grid, a, stream.cuda_stream)
-        times = []
-        for _ in range(8):
-            s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            t.record()
-            t.synchronize()
-            times.append(s.elapsed_time(t) / 1e3 / (reps * len(packed)))
-        us = statistics.median(times) * 1e6
+        times = launch_times_us(kern, grid, packed, replays=8)
+        us = statistics.median(times)
         r = dict(e, us=us, GBps=nbytes / us / 1e3, err=err)
         rows.append(r)
         print(f"{key:22} BN={e['BLOCK_N']:2} BK={e['BLOCK_K']:4} nw={e['num_warps']} {us:9.2f} us {r['GBps']:7.0f} GB/s "

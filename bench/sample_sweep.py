@@ -35,6 +35,7 @@ def compile_all(folder):
 def time_all(folder, out):
     import torch
 
+    from graph_timing import launch_times_us
     from kestrel.runtime import cuda as kc
 
     torch.zeros(1, device="cuda")
@@ -48,22 +49,10 @@ def time_all(folder, out):
     for e in json.load(open(os.path.join(folder, "index.json"))):
         k = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["name"], e["num_warps"], e["shared"])
         args = kc.PackedArgs(TYPES, [x.data_ptr() for x in (logits, t, p, sd, ps, res)])
-        stream = torch.cuda.Stream()
-        kc.launch(k, [1, 1, 1], args, stream.cuda_stream)
+        kc.launch(k, [1, 1, 1], args, 0)
         torch.cuda.synchronize()
         ok = int(res.item()) == want
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(64):
-                kc.launch(k, [1, 1, 1], args, stream.cuda_stream)
-        times = []
-        for _ in range(8):
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s0.record()
-            g.replay()
-            s1.record()
-            s1.synchronize()
-            times.append(s0.elapsed_time(s1) * 1e3 / 64)
+        times = launch_times_us(k, [1, 1, 1], [args], replays=8)
         rows.append(dict(e, us=statistics.median(times), correct=ok))
         print(f"BLOCK={e['BLOCK']:5} warps={e['num_warps']:2} {rows[-1]['us']:7.2f} us ok={ok}")
     json.dump(rows, open(out, "w"), indent=1)

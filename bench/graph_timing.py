@@ -1,0 +1,33 @@
+"""Per-launch kernel time on the device, as the bench scripts measure it (torch there for buffers,
+CUDA graphs and events; kernels launched from their cubins through kestrel.runtime.cuda).
+
+A CUDA graph of at least ``launches`` launches of one kernel cycles over the given packed argument
+sets (copies of the operands larger than L2, so each launch reads from DRAM); the graph is replayed
+``replays`` times and each replay's time is divided by its launch count.
+"""
+from __future__ import annotations
+
+import torch
+
+from kestrel.runtime import cuda as kc
+
+
+def launch_times_us(kernel, grid, packed_sets: list, replays: int, launches: int = 64) -> list[float]:
+    reps = max(1, launches // len(packed_sets))
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(reps):
+            for args in packed_sets:
+                kc.launch(kernel, grid, args, stream.cuda_stream)
+    n = reps * len(packed_sets)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return times
