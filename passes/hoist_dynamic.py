@@ -25,10 +25,9 @@ def hoist_dynamic(program: Program) -> Program:
         d.host = False
     has_end = any(op.kind == "step_end" for op in p.ops)
     if not has_end and "sampled" in p.dyn and any(op.kind == "sample" for op in p.ops):
-        missing = [what for what, ok in (("dyn n_prompt", "n_prompt" in p.dyn), (f"state {TOKENS_STATE}",
-                   TOKENS_STATE in p.states)) if not ok]
-        if missing:
-            raise IRError(f"the step has no token sequence to feed itself from ({', '.join(missing)} not declared)")
+        if TOKENS_STATE not in p.states or "n_prompt" not in p.dyn:
+            raise IRError(f"the step has no token sequence to feed itself from (state {TOKENS_STATE} and dyn "
+                          f"n_prompt, which the lowering declares)")
         d = p.dyn
         p.ops.append(Op("step_end", outs=[d["pos"], d["token"]],
                         ins=[d["pos"], d["sampled"], d["n_prompt"], p.states[TOKENS_STATE]]))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kestrel.artifacts.plan import Plan
-from kestrel.compiler.ir import TOKENS_STATE, Dyn, Program, State, Value, Weight, is_q4, q4_group
+from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
 from kestrel.kernels.attention import attention_ref, attn_step_ref, kv_append_ref, rope_ref
 from kestrel.kernels.elementwise import add_ref, l2norm_ref, sigmoid_gate_ref, swiglu_ref
@@ -61,6 +61,8 @@ class CpuStep:
         self.max_seq = max_seq
         self.weights = weights
         self.host_step_end = not any(op.kind == "step_end" for op in prog.ops)
+        if TOKENS_STATE not in prog.states or "n_prompt" not in prog.dyn:
+            raise IRError(f"the program declares no token sequence (state {TOKENS_STATE}, dyn n_prompt) to run from")
         self.states = {name: torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype])
                        for name, s in prog.states.items()}
         self.dyn: dict[str, int | float] = {name: 0 for name in prog.dyn}
@@ -119,11 +121,7 @@ class CpuStep:
         self.outputs = {name: env[id(v)] for name, v in self.program.outputs.items()}
         if self.host_step_end:
             d = self.dyn
-            if TOKENS_STATE in self.states:
-                d["pos"], d["token"] = step_end_ref(d["pos"], d["sampled"], d.get("n_prompt", 0),
-                                                    self.states[TOKENS_STATE])
-            else:  # a hand-written program without a token sequence
-                d["pos"], d["token"] = d["pos"] + 1, d["sampled"]
+            d["pos"], d["token"] = step_end_ref(d["pos"], d["sampled"], d["n_prompt"], self.states[TOKENS_STATE])
 
     def output(self, name: str) -> np.ndarray:
         return self.outputs[name].detach().float().numpy()

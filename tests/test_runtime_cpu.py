@@ -71,7 +71,6 @@ class TracedStep:
 
     def __init__(self, step):
         self.step, self.log = step, []
-        self.dyn, self.max_seq, self.mode = step.dyn, step.max_seq, step.mode
 
     def begin(self, *a):
         self.log.append(("begin",))
