@@ -5,6 +5,10 @@ never needs to import the compiler to report a problem.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+
 
 class KestrelError(Exception):
     """Base class: ``str(err)`` is the one line shown to the user; ``exit_code`` is distinct per kind."""
@@ -58,15 +62,18 @@ class BackendMissingError(KestrelError):
     exit_code = 9
 
 
-EXIT_CODES = {cls.__name__: cls.exit_code for cls in
-              (ConfigError, CheckpointError, ArtifactError, InputError, UnsupportedError, DeviceError,
-               BackendMissingError)}
+def import_optional(module: str, missing: str):
+    """An optional backend's module (onnx, tensorrt), or BackendMissingError with ``missing``
+    (``{error}`` in it is replaced by the ImportError)."""
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise BackendMissingError(missing.format(error=e)) from None
 
 
 def exit_on_error(fn):
     """Wrap a CLI entry point: a KestrelError becomes one line on stderr and its exit code."""
-    import functools
-    import sys
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

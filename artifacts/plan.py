@@ -1,13 +1,17 @@
-"""The .plan artifact (format version 1): the one contract between compiler and runtime.
+"""The .plan artifact: the one contract between compiler and runtime (format version: FORMAT_VERSION).
 
 A plan is a single file (see README, "Artifact layout"), a safetensors container holding
   * the weights, one tensor per program weight, under the program's names;
   * ``__kestrel__/program``: the step program in its text form (UTF-8 bytes);
   * ``__kestrel__/tokenizer``: a tokenizers ``tokenizer.json`` (UTF-8 bytes), when the model has one;
-  * ``__kestrel__/launch_plan``: the launch plan (JSON): arena layout, dyn slot table, the kernel
+  * ``__kestrel__/launch_plan``: the launch plan (JSON; compiler/launch_plan.py says every key), the
+    GPU runtime's only input: arena regions, dyn slot table, weight placements (or the launches that
+    fill random weights), output and token-sequence placements, the bytes a step moves, the kernel
     table (per compiled kernel: cubin part, entry name, parameters in order with types, num_warps,
     shared memory, scratch sizes, compiler and exact arch), and every launch with its kernel index,
     grid, warps, constexprs and arguments as arena offsets or constants;
+  * ``__kestrel__/tensorrt_engine``: a TensorRT engine (``--backend tensorrt`` plans, which have no
+    launch plan), its ONNX inputs ``<state>`` fed back from outputs ``<state>.out``;
   * ``__kestrel__/cubin/NNN``: the cubins (GPU targets);
 and, in the header metadata,
   * ``kestrel.manifest``: JSON with the format and producer versions, target, quantization, max_seq,
@@ -28,10 +32,15 @@ from kestrel.artifacts.container import Container, StreamWriter
 from kestrel.artifacts.errors import ArtifactError
 
 FORMAT = "kestrel.plan"
-FORMAT_VERSION = 2  # 2: the step feeds itself from a device token sequence (state "tokens", dyn n_prompt)
+# 2: the step feeds itself from a device token sequence (state "tokens", dyn n_prompt)
+# 3: the launch plan carries everything the runtime needs (regions, weights, outputs, tokens, fill, step bytes)
+FORMAT_VERSION = 3
 PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
 LAUNCH_PLAN_PART = "__kestrel__/launch_plan"
+ENGINE_PART = "__kestrel__/tensorrt_engine"
+STATE_OUT_SUFFIX = ".out"  # an engine's state <name> is fed back from its output <name>.out
+TENSORRT_MISSING = "TensorRT is not installed here (`import tensorrt`: {error})"
 
 
 def producer_version() -> str:

@@ -23,9 +23,9 @@ import torch
 
 from kestrel.compiler.ir import SCRATCH_PREFIX, Dyn, State, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
+from kestrel.compiler.ops import OPS
 from kestrel.kernels.matvec import q4_pack, q4_unpack
 from kestrel.runtime import cuda as kc
-from kestrel.runtime.cpu import _EXEC
 
 from graph_timing import launch_times_us  # bench/, next to this script
 
@@ -79,11 +79,6 @@ def make(x, gen):
     return t, t.clone()
 
 
-class _Step:
-    def __init__(self):
-        self.dyn = dict(DYN)
-
-
 def nbytes(t) -> int:
     return t.numel() * t.element_size()
 
@@ -111,8 +106,8 @@ def check_one(entry, op, kern) -> dict:
     made = [make(x, gen) for x in op.ins + op.outs]
     ktens = [m[0] for m in made]
     refs = [m[1] for m in made]
-    step = _Step()
-    ref_out = _EXEC[op.kind](step, op, *refs[:len(op.ins)])
+    ref_out = OPS[op.kind].reference(*refs[:len(op.ins)], **op.attrs)
+    ref_outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
     types = [p[1] for p in entry["params"]]
     scalars = list(op.attrs.values())
     args = kc.PackedArgs(types, [t.data_ptr() for t in ktens] + scalars)
@@ -121,17 +116,14 @@ def check_one(entry, op, kern) -> dict:
     torch.cuda.synchronize()
     errs = {}
     n_in = len(op.ins)
-    if op.kind in ("sample", "step_end"):
-        for o, t in zip(op.outs, ktens[n_in:]):
-            errs[o.name] = float(int(t.item()) != int(step.dyn[o.name]))
+    if OPS[op.kind].writes_dyn:  # sample, step_end: their results are dyn slots
+        for o, t, r in zip(op.outs, ktens[n_in:], ref_outs):
+            errs[o.name] = float(int(t.item()) != int(r))
     else:
-        outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
-        for i, (o, r) in enumerate(zip(op.outs, outs)):
+        for i, (o, r) in enumerate(zip(op.outs, ref_outs)):
             got = ktens[n_in + i].float()
             errs[f"out{i}"] = ((got - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
-        from kestrel.compiler.ir import OP_SPECS
-
-        for j in OP_SPECS[op.kind].inout:  # states updated in place (scratch: only the tickets' reset)
+        for j in OPS[op.kind].inout:  # states updated in place (scratch: only the tickets' reset)
             if op.ins[j].name.startswith(SCRATCH_PREFIX):
                 if op.ins[j].type.dtype == "i32":
                     errs["tickets_reset"] = float(bool(ktens[j].any()))
@@ -142,12 +134,11 @@ def check_one(entry, op, kern) -> dict:
     if op.kind == "sample":  # seeded top-p sampling: agreement with the reference over many seeds
         agree = 0
         for seed in range(32):
-            step.dyn.update(temperature=0.8, top_p=0.9, seed=seed)
-            _EXEC["sample"](step, op, refs[0], 0.8, 0.9, seed, DYN["pos"])
+            want = OPS["sample"].reference(refs[0], 0.8, 0.9, seed, DYN["pos"])
             ktens[1].fill_(0.8), ktens[2].fill_(0.9), ktens[3].fill_(seed)
             kc.launch(kern, entry["grid"], args, stream)
             torch.cuda.synchronize()
-            agree += int(ktens[5].item()) == step.dyn["sampled"]
+            agree += int(ktens[5].item()) == want
         res["top_p_sampling_agreement"] = agree / 32
     if op.kind in TIMED:
         res.update(time_one(entry, op, kern, ktens, types, scalars))

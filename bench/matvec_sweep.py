@@ -39,7 +39,8 @@ def variants(dt):
 
 
 def _compile(job):
-    from kestrel.kernels.aot import compile_kernel
+    from kestrel.compiler.codegen import compile_kernel
+    from kestrel.kernels.matvec import matvec_kernel, matvec_swiglu_kernel
 
     name, kind, n, k, dt, bn, bk, nw = job
     wt = "*u8" if dt == "q4" else "*bf16"
@@ -48,7 +49,7 @@ def _compile(job):
     consts = {"N": n, "K": k, "GROUP": group, "BLOCK_N": bn, "BLOCK_K": bk}
     kid = f"{kind}_q4g{GROUP}" if dt == "q4" else f"{kind}_bf16"
     try:
-        c = compile_kernel(kid, types, consts, nw, 90, [True] * len(types))
+        c = compile_kernel(kid, matvec_kernel if kind == "matvec" else matvec_swiglu_kernel, types, consts, nw, 90, [True] * len(types))
     except Exception as e:  # noqa: BLE001 - a variant that does not compile is just skipped
         return None, f"{job}: {type(e).__name__}"
     return (name, kind, n, k, dt, bn, bk, nw, c.name, c.cubin, c.shared, c.global_scratch_size), None

@@ -11,12 +11,13 @@ import os
 import sys
 
 from kestrel.compiler.frontend import parse_config
-from kestrel.compiler.ir import Dyn, State, Value, Weight, is_view
+from kestrel.compiler.codegen import compile_op, constexprs, param_types
+from kestrel.compiler.ir import Dyn, State, Value, Weight
 from kestrel.compiler.ir_text import print_program
-from kestrel.compiler.pipeline import run_passes
+from kestrel.compiler.ops import is_view
 from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES
 from kestrel.compiler.qwen3_5 import lower
-from kestrel.kernels.aot import compile_op, constexprs, param_types
+from kestrel.passes.pipeline import PassOptions, run_passes
 
 MAX_SEQ = 4096
 PROGRAMS = [("qwen3.5-27b", "bf16"), ("qwen3.5-27b", "q4"), ("qwen3.5-0.8b", "bf16"), ("qwen3.5-0.8b", "q4"),
@@ -35,7 +36,7 @@ def main(out_dir: str):
     index, compiled = [], {}
     for shape, quant in PROGRAMS:
         config = PRESETS["tiny"] if shape == "tiny" else QWEN35_SHAPES[shape]
-        prog = run_passes(lower(parse_config(config), 256 if shape == "tiny" else MAX_SEQ), "sm_90", quant)
+        prog = run_passes(lower(parse_config(config), 256 if shape == "tiny" else MAX_SEQ), PassOptions("sm_90", quant))
         ir_name = f"{shape}-{quant}.ir"
         with open(os.path.join(out_dir, ir_name), "w") as f:
             f.write(print_program(prog))

@@ -19,12 +19,13 @@ VARIANTS = [(bk, nw) for bk in (2048, 4096, 8192, 16384) for nw in (8, 16, 32) i
 
 
 def compile_all(folder):
-    from kestrel.kernels.aot import compile_kernel
+    from kestrel.compiler.codegen import compile_kernel
+    from kestrel.kernels.sample import sample_kernel
 
     os.makedirs(folder, exist_ok=True)
     index = []
     for bk, nw in VARIANTS:
-        c = compile_kernel("sample", TYPES, {"V": V, "BLOCK": bk}, nw, 90, [True] * 6)
+        c = compile_kernel("sample", sample_kernel, TYPES, {"V": V, "BLOCK": bk}, nw, 90, [True] * 6)
         f = f"sample-{bk}-{nw}.cubin"
         open(os.path.join(folder, f), "wb").write(c.cubin)
         index.append(dict(BLOCK=bk, num_warps=nw, name=c.name, cubin=f, shared=c.shared))

@@ -9,6 +9,9 @@ from collections import Counter
 import click
 
 from kestrel.artifacts.errors import exit_on_error
+from kestrel.artifacts.plan import load_plan
+from kestrel.compiler import build as driver
+from kestrel.compiler.ir_text import parse_program
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,16 +38,12 @@ def cli():
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, quiet):
     """Compile MODEL (a checkpoint folder or a preset: tiny) into a .plan."""
-    from kestrel.compiler.pipeline import build as do_build
-
     log = (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
-        from kestrel.compiler.onnx_export import build_tensorrt
-
-        exit_on_error(build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
+        exit_on_error(driver.build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
                                       log=log, dump_ir_after=dump_ir_after, dump=click.echo, weights=weights)
         return
-    exit_on_error(do_build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
+    exit_on_error(driver.build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
                             seed=seed)
 
@@ -62,15 +61,11 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
 @exit_on_error
 def export_onnx(model, out, quant, q4_group, max_seq, external, dump_ir_after):
     """Write one decode step of MODEL as an ONNX graph (checked with onnx.checker)."""
-    from kestrel.compiler.onnx_export import export
-
-    export(model, out, quant=quant, q4_group=int(q4_group), max_seq=max_seq, external=external,
+    driver.export_onnx(model, out, quant=quant, q4_group=int(q4_group), max_seq=max_seq, external=external,
            log=lambda msg: click.echo(msg, err=True), dump_ir_after=dump_ir_after, dump=click.echo)
 
 
 def plan_summary(plan) -> dict:
-    from kestrel.compiler.ir_text import parse_program
-
     m = plan.manifest
     prog = parse_program(plan.program_text)
     return {
@@ -106,8 +101,6 @@ def plan_summary(plan) -> dict:
 @exit_on_error
 def inspect(plan_path, as_json, verify):
     """Summarize a .plan: versions, target, model, program, sizes."""
-    from kestrel.artifacts.plan import load_plan
-
     plan = load_plan(plan_path)
     s = plan_summary(plan)
     if verify:

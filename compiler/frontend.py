@@ -17,6 +17,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from safetensors import SafetensorError, safe_open
+
 from kestrel.artifacts.errors import CheckpointError, ConfigError, UnsupportedError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -210,8 +212,8 @@ def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 class Checkpoint:
     """A validated checkpoint: ``tensors`` maps plan-relative names to (file, hf name, dtype, shape)."""
 
-    def __init__(self, folder: str, raw_config: dict, cfg: ModelConfig):
-        self.folder, self.raw_config, self.cfg = folder, raw_config, cfg
+    def __init__(self, folder: str, cfg: ModelConfig):
+        self.folder, self.cfg = folder, cfg
         self.prefix = "model.language_model." if cfg.model_type == "qwen3_5" else "model."
         self.notices: list[str] = []
         self._handles: dict = {}
@@ -250,7 +252,6 @@ class Checkpoint:
             self.notices.append(f"skipping the {what} ({n} tensors): Kestrel compiles the text model")
 
     def _index(self) -> dict[str, tuple[str, str, tuple]]:
-        from safetensors import SafetensorError, safe_open
 
         idx_path = os.path.join(self.folder, "model.safetensors.index.json")
         single = os.path.join(self.folder, "model.safetensors")
@@ -285,7 +286,6 @@ class Checkpoint:
 
     def read(self, rel: str):
         """Load one tensor (as stored) from its shard; only that tensor is in memory."""
-        from safetensors import safe_open
 
         fname, hf_name, _, _ = self.tensors[rel]
         if fname not in self._handles:
@@ -297,5 +297,4 @@ class Checkpoint:
 
 
 def open_checkpoint(folder: str) -> Checkpoint:
-    raw, cfg = read_config(folder)
-    return Checkpoint(folder, raw, cfg)
+    return Checkpoint(folder, read_config(folder)[1])

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import re
 
-from kestrel.compiler.ir import (OP_SPECS, Dyn, IRError, Op, Program, State, TensorType, Value, Weight,
-                                 verify)
+from kestrel.compiler.ir import Dyn, IRError, Op, Program, TensorType, Value
+from kestrel.compiler.ops import OPS, verify
 
 HEADER = "kestrel.step v1"
 
@@ -219,8 +219,7 @@ def parse_program(text: str) -> Program:
             rhs, _, attr_text = rhs.partition(" {")
             attrs = _parse_attrs(attr_text[:-1], where)
         kind, _, args = rhs.strip().partition(" ")
-        spec = OP_SPECS.get(kind)
-        if spec is None:
+        if kind not in OPS:
             raise IRError(f"{where}: unknown op {kind!r}")
         ins = [operand(a, where) for a in args.split(",")] if args.strip() else []
         outs = []

@@ -1,14 +1,30 @@
-"""The launch list of a step program: what a runtime launches, in order, with concrete arguments.
+"""The launch plan: everything a runtime needs to run a step program, and the runtime's only input.
 
-Every op that moves data is one launch (views — reshape, leading slices — are none). Its arguments
-are its operands then its results, each as an arena placement ``{"region", "offset"}`` once
-plan_memory has run (a symbolic ``{"buffer": name}`` before), a host dyn slot as its value at the
-given token state ``{"const": v}``, and its attributes as constants. ``launch_list`` is what the
-dyn-invariance check compares; ``launch_plan`` is what the artifact stores.
+``launch_list`` is the ordered list of launches: every op that moves data is one launch (views —
+reshape, leading slices — are none). Its arguments are its operands then its results, each as an
+arena placement ``{"region", "offset"}`` once plan_memory has run (a symbolic ``{"buffer": name}``
+before), a host dyn slot as its value at the given token state ``{"const": v}``, and its attributes
+as constants. The dyn-invariance check compares two of these lists.
+
+``launch_plan`` is what the artifact stores (JSON), on top of the launches:
+  * ``regions``: the arena layout: each region's byte offset and size (``REGIONS`` order, every
+    region ``ALIGN``-aligned), ``arena_bytes`` in all, and ``reset``: the regions a request zeroes;
+  * ``kernels``: the compiled-kernel table (compiler/codegen.py), each launch's ``kernel_index``;
+  * ``dyn_slots``: name -> dtype and offset in the dyn region;
+  * ``weights``: the uploads, each weight's placement in the weights region; or, for a plan that
+    stores no weights (``--weights random``), none and ``fill``: the launches that make them on the
+    device, made once at load;
+  * ``outputs`` (hidden, logits) and ``tokens`` (the request's token sequence): placements, dtype, size;
+  * ``step_bytes``: the bytes one step moves, as a fixed part and the bytes per KV-cache row read.
+runtime/launch_binding.py turns it into device addresses; the runtime reads nothing else.
 """
 from __future__ import annotations
 
-from kestrel.compiler.ir import Dyn, Program, State, Value, Weight, is_view
+from kestrel.compiler.ir import ALIGN, TOKENS_STATE, Dyn, Program, State, Value, Weight
+from kestrel.compiler.ops import is_view
+
+REGIONS = ("weights", "state", "dyn", "act", "scratch")  # arena order
+RESET_REGIONS = ("state", "dyn")  # zeroed at the start of every request
 
 
 def _arg(x, names: dict, state: dict | None):
@@ -47,20 +63,61 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
     return out
 
 
-def launch_plan(program: Program, kernels: list[dict] | None = None,
-                kernel_of_launch: list[int] | None = None) -> dict:
-    """The launch plan stored in the artifact (requires plan_memory and select_kernels). ``kernels``
-    is the compiled-kernel table (GPU targets) and ``kernel_of_launch`` each launch's entry in it;
-    the arena gains a ``scratch`` region sized for the largest global scratch any launch needs."""
+def step_bytes(program: Program) -> dict:
+    """Bytes one decode step must move, as ``fixed + sum(row * rows read)`` over ``kv_row_bytes``:
+    every weight a kernel reads (one row of an embedding table), recurrent and conv states read and
+    written, one row of the token sequence read and written, and per KV cache its rows 0..pos."""
+    fixed, rows, seen = 0, [], set()
+    for op in program.ops:
+        if is_view(op):
+            continue
+        for i, x in enumerate(op.ins):
+            if id(x) in seen or not isinstance(x, (Weight, State)):
+                continue
+            seen.add(id(x))
+            if op.kind == "embedding" and i == 0:
+                fixed += x.type.nbytes // x.type.shape[0]
+            elif isinstance(x, State) and x.name == TOKENS_STATE:
+                fixed += 8
+            elif isinstance(x, State) and x.name.endswith(("k_cache", "v_cache")):
+                rows.append(x.type.nbytes // x.type.shape[0])
+            elif isinstance(x, State):
+                fixed += 2 * x.type.nbytes
+            else:
+                fixed += x.type.nbytes
+    return {"fixed": fixed, "kv_row_bytes": rows}
+
+
+def _placement(v) -> dict:
+    return {"region": v.loc[0], "offset": v.loc[1], "dtype": v.type.dtype, "numel": v.type.numel}
+
+
+def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_launch: list[int] | None = None,
+                fill: list[dict] | None = None) -> dict:
+    """The launch plan stored in the artifact (requires select_kernels and plan_memory). ``kernels`` is
+    the compiled-kernel table (GPU targets) and ``kernel_of_launch`` each launch's entry in it; the
+    ``scratch`` region is sized for the largest global scratch any launch needs."""
     launches = launch_list(program)
-    arena = dict(program.arena)
+    sizes = dict(program.arena)
+    sizes["scratch"] = 0
     if kernels is not None:
-        scratch = 0
         for launch, k in zip(launches, kernel_of_launch):
             launch["kernel_index"] = k
             programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
-            scratch = max(scratch, kernels[k]["global_scratch_size"] * programs)
-        arena["scratch"] = scratch
-    return {"target": program.target, "arena": arena, "kernels": kernels or [],
+            sizes["scratch"] = max(sizes["scratch"], kernels[k]["global_scratch_size"] * programs)
+    regions, offset = {}, 0
+    for r in REGIONS:
+        size = (sizes.get(r, 0) + ALIGN - 1) // ALIGN * ALIGN
+        regions[r] = {"offset": offset, "size": size}
+        offset += size
+    tokens = program.states.get(TOKENS_STATE)
+    return {"target": program.target, "arena": sizes, "regions": regions, "arena_bytes": max(offset, ALIGN),
+            "reset": list(RESET_REGIONS), "kernels": kernels or [],
             "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
+            "weights": [] if fill else [{"name": w.name, "offset": w.loc[1], "nbytes": w.type.nbytes}
+                                        for w in program.weights.values()],
+            "fill": fill or [],
+            "outputs": {name: _placement(v) for name, v in program.outputs.items()},
+            "tokens": _placement(tokens) if tokens is not None else None,
+            "step_bytes": step_bytes(program),
             "launches": launches}

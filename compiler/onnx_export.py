@@ -1,11 +1,11 @@
 """The step program as an ONNX graph, emitted from Kestrel's own IR with ``onnx.helper`` (no tracing).
 
-This file holds the exporter (``export_program``: Program + weight bytes -> ModelProto), the command
-behind ``kestrelc export-onnx`` (``export``) and the compiler half of ``kestrelc build --backend
-tensorrt`` (``build_tensorrt``: ONNX next to the plan, then, where TensorRT and a GPU are present, an
-engine stored in the .plan container; the TensorRT calls live in runtime/tensorrt.py).
+This file is the emitter: ``export_program`` (Program + weight bytes -> ModelProto), ``write_onnx``
+(the same, written to files). Each op kind's lowering is its record's ``onnx`` in compiler/ops.py,
+built from the primitives of ``_Exporter`` here; ``kestrelc export-onnx`` and ``build --backend
+tensorrt`` are compiler/build.py's.
 
-Which program: the lowering followed by ``fuse`` and ``quantize`` (``step_program``), i.e. before
+Which program: the lowering followed by ``fuse`` and ``quantize`` (build.step_program), i.e. before
 ``hoist_dynamic``: dyn slots are still host values and there is no ``step_end``; the host (or the
 engine runner) advances pos and feeds the next token. Every op kind that can appear there, fused or
 not, is exported as the ONNX sequence that computes what its torch reference in kernels/*.py computes,
@@ -40,32 +40,32 @@ file next to the model, written one tensor at a time, so memory stays bounded.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, UnsupportedError
-from kestrel.compiler.ir import OP_SPECS, Dyn, Op, Program, State, Value, Weight, is_q4, q4_group
+from kestrel.artifacts.errors import UnsupportedError, import_optional
+from kestrel.artifacts.plan import STATE_OUT_SUFFIX, producer_version
+from kestrel.compiler.ir import Dyn, Op, Program, State, Value, Weight, is_q4, q4_group
+from kestrel.compiler.ops import OPS, NotApplicable
+from kestrel.kernels.attention import rope_inv_freq
+from kestrel.kernels.matvec import q4_unpack
 
 OPSET = 17  # ReduceMean takes axes as an attribute here; widely supported by TensorRT's ONNX parser
 IR_VERSION = 8  # the ONNX IR version of opset 17 (onnx 1.12): readable by older consumers
 EXTERNAL_THRESHOLD = 1 << 30  # weights above this many bytes go to an external data file
 EXTERNAL_ALIGN = 4096
-STATE_OUT_SUFFIX = ".out"
 
 
-def _onnx():
-    try:
-        import onnx
-    except ImportError:
-        raise BackendMissingError("the onnx package is not installed: pip install 'kestrel[onnx]' "
-                                  "(onnx==1.23.2)") from None
-    return onnx
+ONNX_MISSING = "the onnx package is not installed: pip install 'kestrel[onnx]' (onnx==1.23.2)"
+
+
+def import_onnx():
+    return import_optional("onnx", ONNX_MISSING)
 
 
 def _elem(dtype: str) -> int:
@@ -87,10 +87,6 @@ def onnx_weight_data(w: Weight, raw) -> bytes | memoryview:
     """``raw``: the weight's bytes as the plan stores them (compiler/weights.weight_bytes). Returns the
     little-endian bytes of the ONNX initializer: the same bytes, or for q4 the dequantized floats."""
     if is_q4(w.type.dtype):
-        import torch
-
-        from kestrel.kernels.matvec import q4_unpack
-
         buf = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
         return memoryview(q4_unpack(buf, *w.type.shape, q4_group(w.type.dtype)).contiguous().numpy()).cast("B")
     return raw
@@ -190,6 +186,10 @@ class _Exporter:
     def cast(self, t: str, dtype: str) -> str:
         return self.g.node("Cast", [t], to=_elem(dtype))
 
+    @staticmethod
+    def weight_dtype(w: Weight) -> str:
+        return onnx_weight_dtype(w)
+
     # --- primitives: each mirrors one torch reference ------------------------------------------
     def reshape(self, x: str, shape) -> str:
         return self.g.node("Reshape", [x, self.g.i64(list(shape))])
@@ -269,8 +269,6 @@ class _Exporter:
         """cos, sin [rotary_dim] at pos: the reference's fp32 inverse frequencies (as constants) times pos."""
         key = ("rope", theta, rotary_dim)
         if key not in self.cache:
-            from kestrel.kernels.attention import rope_inv_freq
-
             g = self.g
             inv = g.const(rope_inv_freq(theta, rotary_dim).numpy().astype(np.float32))
             freqs = g.node("Mul", [self.cast(pos, "f32"), inv])
@@ -316,132 +314,28 @@ class _Exporter:
         return self.reshape(g.node("MatMul", [p, vt]), [h, d])
 
     # --- ops ---------------------------------------------------------------------------------
-    def export_op(self, i: int, op: Op) -> None:
-        self.g.scope = f"op{i}.{op.kind}"
-        fn = getattr(self, "op_" + op.kind, None)
-        if fn is None:
-            raise UnsupportedError(f"ONNX export: op #{i} ({op.kind}) has no ONNX form; export the program before "
-                                   f"hoist_dynamic (lower + fuse + quantize)")
-        res = fn(op, *op.ins)
-        if OP_SPECS[op.kind].writes_dyn or res is None:
-            return
-        for v, t in zip(op.outs, res if isinstance(res, tuple) else (res,)):
-            self.env[id(v)] = t
-
-    def op_embedding(self, op, table: Weight, tok: Dyn):  # embedding_ref: row token, as fp32
-        t = self.weight_init(table)
-        row = self.reshape(self.g.node("Gather", [t, self.dyn(tok)], axis=0), [table.type.shape[1]])
-        return row if onnx_weight_dtype(table) == "f32" else self.cast(row, "f32")
-
-    def op_rmsnorm(self, op, x, w):
-        return self.rmsnorm(self.f32(x), self.f32(w), op.attrs["eps"])
-
-    def op_matmul(self, op, x, w):
-        return self.matmul(self.f32(x), w)
-
-    def op_add(self, op, a, b):
-        return self.g.node("Add", [self.f32(a), self.f32(b)])
-
-    def op_reshape(self, op, x):
-        return self.reshape(self.f32(x), op.attrs["shape"])
-
-    def op_slice(self, op, x):
-        return self.slice(self.f32(x), op.attrs["axis"], op.attrs["start"], op.attrs["stop"])
-
-    def op_conv1d_step(self, op, x, st, w):  # conv1d_step_ref: output, then the shift
-        window = self.conv_window(self.f32(x), st)
-        out = self.conv1d(window, w, op.attrs["act"])
-        self.conv_shift(window, st)
-        return out
-
-    def op_l2norm(self, op, x):
-        return self.l2norm(self.f32(x), op.attrs["eps"])
-
-    def op_gdn_gates(self, op, a, b, a_log, dt_bias):
-        return self.gates(self.f32(a), self.f32(b), a_log, dt_bias)
-
-    def op_gated_delta_step(self, op, q, k, v, g_, beta, st):
-        return self.delta_rule(self.f32(q), self.f32(k), self.f32(v), self.f32(g_), self.f32(beta), st,
-                               q.type.shape[0], op.attrs["scale"])
-
-    def op_gated_rmsnorm(self, op, x, z, w):
-        return self.gated_rmsnorm(self.f32(x), self.f32(z), self.f32(w), op.attrs["eps"])
-
-    def op_rope(self, op, x, pos):
-        return self.rope(self.f32(x), x.type.shape[1], self.dyn(pos), op.attrs["theta"], op.attrs["rotary_dim"])
-
-    def op_kv_append(self, op, kc, vc, k, v, pos):
-        self.kv_append(kc, vc, self.f32(k), self.f32(v), self.dyn(pos))
-
-    def op_attention(self, op, q, kc, vc, pos):
-        return self.attention(self.f32(q), q.type.shape[0], kc, vc, self.dyn(pos), op.attrs["scale"])
-
-    def op_sigmoid_gate(self, op, x, gate):
-        return self.g.node("Mul", [self.f32(x), self.g.node("Sigmoid", [self.f32(gate)])])
-
-    def op_swiglu(self, op, gate, up):
-        return self.g.node("Mul", [self.silu(self.f32(gate)), self.f32(up)])
-
-    def op_sample(self, op, logits, *ignored):  # greedy: sample_ref at temperature 0
-        self.next_token = self.g.node("ArgMax", [self.f32(logits)], axis=0, keepdims=1, select_last_index=0)
-
-    def op_add_rmsnorm(self, op, x, y, w):
-        s = self.g.node("Add", [self.f32(x), self.f32(y)])
-        return s, self.rmsnorm(s, self.f32(w), op.attrs["eps"])
-
-    def op_matmul_swiglu(self, op, x, wg, wu):
-        x = self.f32(x)
-        return self.g.node("Mul", [self.silu(self.matmul(x, wg)), self.matmul(x, wu)])
-
-    def _gdn_core(self, c: int, b: str, a: str, mixed: str, a_log, dt_bias, rec: State, l2_eps: float,
-                  scale: float) -> str:
+    def gdn_core(self, hk: int, b: str, a: str, mixed: str, a_log, dt_bias, rec: State, l2_eps: float,
+                 scale: float) -> str:
         """The middle of gdn_step_ref / gdn_delta_ref: split q|k|v, L2 norms, gates, delta rule."""
         hv, dk, dv = rec.type.shape
-        hk = (c - hv * dv) // (2 * dk)
         q = self.l2norm(self.reshape(self.slice(mixed, 0, 0, hk * dk), [hk, dk]), l2_eps)
         k = self.l2norm(self.reshape(self.slice(mixed, 0, hk * dk, 2 * hk * dk), [hk, dk]), l2_eps)
-        v = self.reshape(self.slice(mixed, 0, 2 * hk * dk, c), [hv, dv])
+        v = self.reshape(self.slice(mixed, 0, 2 * hk * dk, 2 * hk * dk + hv * dv), [hv, dv])
         g_, beta = self.gates(a, b, a_log, dt_bias)
         return self.delta_rule(q, k, v, g_, beta, rec, hk, scale)
 
-    def op_gdn_delta(self, op, qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec):
-        hv, _, dv = rec.type.shape
-        mixed = self.conv1d(self.conv_window(self.f32(qkv), conv_state), conv_w, "silu")  # state only read
-        o = self._gdn_core(qkv.type.shape[0], self.f32(b), self.f32(a), mixed, a_log, dt_bias, rec,
-                           op.attrs["l2_eps"], op.attrs["scale"])
-        return self.reshape(o, [hv * dv])
-
-    def op_gdn_norm(self, op, o_raw, z, qkv, norm_w, conv_state):
-        (dv,), (n,) = norm_w.type.shape, o_raw.type.shape
-        out = self.gated_rmsnorm(self.reshape(self.f32(o_raw), [n // dv, dv]), self.reshape(self.f32(z), [n // dv, dv]),
-                                 self.f32(norm_w), op.attrs["eps"])
-        self.conv_shift(self.conv_window(self.f32(qkv), conv_state), conv_state)
-        return self.reshape(out, [n])
-
-    def op_gdn_step(self, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec):
-        hv, _, dv = rec.type.shape
-        window = self.conv_window(self.f32(qkv), conv_state)
-        mixed = self.conv1d(window, conv_w, "silu")
-        self.conv_shift(window, conv_state)
-        o = self._gdn_core(qkv.type.shape[0], self.f32(b), self.f32(a), mixed, a_log, dt_bias, rec,
-                           op.attrs["l2_eps"], op.attrs["scale"])
-        out = self.gated_rmsnorm(o, self.reshape(self.f32(z), [hv, dv]), self.f32(norm_w), op.attrs["eps"])
-        return self.reshape(out, [hv * dv])
-
-    def op_attn_step(self, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_step_ref (the split: a GPU detail)
-        _, hkv, d = kc.type.shape
-        nh = qg.type.shape[0] // (2 * d)
-        a, p = op.attrs, self.dyn(pos)
-        qg2 = self.reshape(self.f32(qg), [nh, 2 * d])
-        q = self.rope(self.rmsnorm(self.slice(qg2, 1, 0, d), self.f32(qn), a["eps"]), d, p, a["theta"],
-                      a["rotary_dim"])
-        kr = self.rope(self.rmsnorm(self.reshape(self.f32(k), [hkv, d]), self.f32(kn), a["eps"]), d, p, a["theta"],
-                       a["rotary_dim"])
-        self.kv_append(kc, vc, kr, self.reshape(self.f32(v), [hkv, d]), p)
-        o = self.reshape(self.attention(q, nh, kc, vc, p, a["scale"]), [nh * d])
-        gate = self.reshape(self.slice(qg2, 1, d, 2 * d), [nh * d])
-        return self.g.node("Mul", [o, self.g.node("Sigmoid", [gate])])
-
+    # --- ops: each op kind's lowering is its record's ``onnx`` (compiler/ops.py) --------------------
+    def export_op(self, i: int, op: Op) -> None:
+        self.g.scope = f"op{i}.{op.kind}"
+        d = OPS[op.kind]
+        if isinstance(d.onnx, NotApplicable):
+            raise UnsupportedError(f"ONNX export: op #{i} ({op.kind}) has no ONNX form ({d.onnx.why}); export the "
+                                   f"program before hoist_dynamic (lower + fuse + quantize)")
+        res = d.onnx(self, op, *op.ins)
+        if d.writes_dyn or res is None:
+            return
+        for v, t in zip(op.outs, res if isinstance(res, tuple) else (res,)):
+            self.env[id(v)] = t
 
 # --- the model ------------------------------------------------------------------------------------
 
@@ -473,7 +367,7 @@ def export_program(program: Program, produce, *, external: _ExternalData | None 
     it is called once per weight an op uses, one at a time. With ``external``, initializer bytes are
     appended to that file as they are produced (bounded memory) and the model only refers to them.
     """
-    _onnx()
+    import_onnx()
     from onnx import TensorProto, helper
 
     initializers: list = []
@@ -529,8 +423,6 @@ def export_program(program: Program, produce, *, external: _ExternalData | None 
     graph = helper.make_graph(g.nodes, "kestrel_step", inputs, outputs, initializer=initializers + g.initializers,
                               doc_string="One Kestrel decode step (see compiler/onnx_export.py): feed <state>.out "
                                          "back as <state>, next_token as token at pos + 1.")
-    from kestrel.artifacts.plan import producer_version
-
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
                               producer_name="kestrel", producer_version=producer_version(),
                               doc_string="Kestrel step IR exported to ONNX")
@@ -540,195 +432,31 @@ def export_program(program: Program, produce, *, external: _ExternalData | None 
     return model, sig
 
 
-def step_program(cfg, max_seq: int, quant: str = "none", q4_group: int | None = None, on_pass=None) -> Program:
-    """The program the ONNX graph is made from: lower, then fuse and quantize (before hoist_dynamic)."""
-    from kestrel.compiler.ir import verify
-    from kestrel.compiler.pipeline import run_passes
-    from kestrel.compiler.qwen3_5 import lower
-    from kestrel.passes.quantize import DEFAULT_Q4_GROUP
-
-    program = lower(cfg, max_seq)
-    verify(program)
-    if on_pass is not None:
-        on_pass("lower", program)
-    return run_passes(program, "cpu", quant, q4_group or DEFAULT_Q4_GROUP, until="quantize", on_pass=on_pass)
-
-
-@contextlib.contextmanager
-def open_model(model: str):
-    """A checkpoint folder or a preset (synthesized into a temporary folder) as an open Checkpoint.
-    Yields (checkpoint, source, tokenizer_json or None)."""
-    from kestrel.compiler.frontend import open_checkpoint
-    from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES, byte_level_tokenizer_json, synthesize
-
-    if model in QWEN35_SHAPES:
-        raise InputError(f"preset {model} has shapes but no weights: ONNX export needs weights; give a checkpoint "
-                         f"folder")
-    with contextlib.ExitStack() as stack:
-        if model in PRESETS:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-"))
-            ck, source = open_checkpoint(synthesize(model, tmp)), {"kind": "preset", "name": model}
-        else:
-            ck, source = open_checkpoint(model), {"kind": "checkpoint", "path": os.path.abspath(model)}
-        stack.callback(ck.close)
-        tok_path = os.path.join(ck.folder, "tokenizer.json") if ck.folder else None
-        tokenizer_json = None
-        if tok_path and os.path.exists(tok_path):
-            with open(tok_path, encoding="utf-8") as f:
-                tokenizer_json = f.read()
-        elif source["kind"] == "preset":
-            tokenizer_json = byte_level_tokenizer_json()
-        yield ck, source, tokenizer_json
-
-
-@dataclass
-class ExportResult:
-    path: str
-    data_path: str | None  # the external data file, if any
-    nbytes: int  # model file + external data
-    n_nodes: int
-    signature: StepSignature
-    program_text: str
-    cfg: object
-    source: dict
-    tokenizer_json: str | None
-    max_seq: int
-    quant: str
-
-
-def _resolve_max_seq(cfg, max_seq: int | None) -> int:
-    from kestrel.compiler.pipeline import DEFAULT_MAX_SEQ
-
-    if max_seq is None:
-        max_seq = min(DEFAULT_MAX_SEQ, cfg.max_position_embeddings)
-    if not 1 <= max_seq <= cfg.max_position_embeddings:
-        raise InputError(f"--max-seq {max_seq}: must be between 1 and the model's max_position_embeddings "
-                         f"({cfg.max_position_embeddings})")
-    return max_seq
-
-
-def export(model: str, out: str, quant: str = "none", q4_group: int | None = None, max_seq: int | None = None,
-           external: bool | None = None, log=print, dump_ir_after: str | None = None, dump=print,
-           check: bool = True) -> ExportResult:
-    """``kestrelc export-onnx``: checkpoint or preset -> step.onnx (+ step.onnx.data for large models).
-
-    ``external``: None decides by size (weights above 1 GiB go to ``OUT.data``), True / False force it.
-    Options and the checkpoint are validated before anything is written; files appear under their
-    names only when complete. With ``check``, the written model passes onnx.checker (full check)."""
-    from kestrel.compiler.ir_text import print_program
-    from kestrel.compiler.pipeline import PASS_NAMES
-    from kestrel.compiler.weights import weight_bytes
-    from kestrel.passes.quantize import QUANT_MODES
-
-    if quant not in QUANT_MODES:
-        raise UnsupportedError(f"--quant {quant}: unknown precision; choose one of {', '.join(QUANT_MODES)}")
-    if dump_ir_after not in (None, "all", "lower") + PASS_NAMES[:2]:
-        raise InputError(f"--dump-ir-after {dump_ir_after}: the ONNX step is made after quantize: choose lower, "
-                         f"fuse, quantize or all")
-    out_dir = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(out_dir):
-        raise InputError(f"-o {out}: folder {out_dir} does not exist")
-    onnx = _onnx()
-
-    def on_pass(name, prog):
-        if dump_ir_after in (name, "all"):
-            dump(f"# IR after {name}\n" + print_program(prog))
-
-    with open_model(model) as (ck, source, tokenizer_json):
-        cfg = ck.cfg
-        max_seq = _resolve_max_seq(cfg, max_seq)
-        for notice in ck.notices:
-            log(f"note: {notice}")
-        program = step_program(cfg, max_seq, quant, q4_group, on_pass=on_pass)
-        total = sum(onnx_weight_bytes(w) for w in program.weights.values())
-        if external is None:
-            external = total > EXTERNAL_THRESHOLD
-        data_path = out + ".data" if external else None
-        tmp = out + ".tmp"
-        sink = _ExternalData(data_path + ".tmp", os.path.basename(data_path)) if external else None
-        try:
-            model_proto, sig = export_program(
-                program, lambda name: weight_bytes(program.weights[name], ck.read), external=sink,
-                metadata={"kestrel.quant": quant, "kestrel.max_seq": max_seq, "kestrel.source": source,
-                          "kestrel.model": cfg.to_json()})
-            if sink is not None:
-                sink.close()
-            with open(tmp, "wb") as f:
-                f.write(model_proto.SerializeToString())
-            if sink is not None:
-                os.replace(sink.path, data_path)
-            os.replace(tmp, out)
-        except BaseException:
-            for p in (tmp, sink.path if sink else None):
-                if p and os.path.exists(p):
-                    os.remove(p)
-            if sink is not None:
-                sink.f.close()
-            raise
-    if check:
-        onnx.checker.check_model(out, full_check=True)
-    nbytes = os.path.getsize(out) + (os.path.getsize(data_path) if data_path else 0)
-    n_nodes = len(model_proto.graph.node)
-    log(f"kestrelc: wrote {out}{' + ' + os.path.basename(data_path) if data_path else ''}: {nbytes / 1e6:.1f} MB "
-        f"({n_nodes} ONNX nodes, opset {OPSET}, quant {quant}, max_seq {max_seq}; inputs "
-        f"{', '.join(list(sig.inputs)[:2])} + {len(sig.states)} states){'; onnx.checker: ok' if check else ''}")
-    return ExportResult(out, data_path, nbytes, n_nodes, sig, print_program(program), cfg, source, tokenizer_json,
-                        max_seq, quant)
-
-
-# --- kestrelc build --backend tensorrt ------------------------------------------------------------
-
-def onnx_path_for(plan_path: str) -> str:
-    """Where ``build --backend tensorrt`` writes the ONNX step: next to the plan, as NAME.onnx."""
-    return os.path.splitext(plan_path)[0] + ".onnx"
-
-
-def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, q4_group: int | None = None,
-                   max_seq: int | None = None, log=print, dump_ir_after: str | None = None, dump=print,
-                   weights: str = "checkpoint"):
-    """The ONNX step next to the plan (OUT.onnx); then, where TensorRT and the target GPU are present, a
-    TensorRT engine built from it (fixed shapes, strongly typed: the precision is the graph's) and
-    stored in the .plan container with its TensorRT version and compute capability. Without TensorRT
-    it stops after the ONNX with BackendMissingError (exit 9); without a matching GPU, DeviceError."""
-    from kestrel.artifacts.plan import PlanInfo, write_plan
-    from kestrel.compiler.pipeline import _check_options, default_quant
-    from kestrel.kernels.targets import TARGETS
-
-    quant = quant or default_quant(target)
-    _check_options(target, quant, None)
-    if target == "cpu":
-        raise UnsupportedError("--backend tensorrt: a TensorRT engine runs on a GPU: give --target sm_XX (the GPU "
-                               "that builds and runs the engine)")
-    if weights != "checkpoint":
-        raise UnsupportedError("--backend tensorrt: --weights random is for the kernels backend (the engine "
-                               "holds its weights)")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise InputError(f"-o {out}: folder {os.path.dirname(os.path.abspath(out))} does not exist")
-    onnx_path = onnx_path_for(out)
-    if os.path.abspath(onnx_path) == os.path.abspath(out):
-        raise InputError(f"-o {out}: the plan needs its own name (the ONNX step is written to NAME.onnx next to it)")
-    res = export(model, onnx_path, quant, q4_group, max_seq, log=log, dump_ir_after=dump_ir_after, dump=dump)
-    wrote = f"wrote the ONNX step to {onnx_path}"
-
-    from kestrel.runtime import tensorrt as rt
-
+def write_onnx(program: Program, produce, out: str, external: bool | None = None,
+               metadata: dict | None = None):
+    """Export ``program`` and write it to ``out`` (+ ``out.data`` with external data: decided by size
+    when ``external`` is None). Files appear under their names only when complete. Returns
+    (ModelProto, StepSignature, data path or None)."""
+    total = sum(onnx_weight_bytes(w) for w in program.weights.values())
+    if external is None:
+        external = total > EXTERNAL_THRESHOLD
+    data_path = out + ".data" if external else None
+    tmp = out + ".tmp"
+    sink = _ExternalData(data_path + ".tmp", os.path.basename(data_path)) if external else None
     try:
-        rt.import_tensorrt()
-    except BackendMissingError as e:
-        raise BackendMissingError(f"--backend tensorrt: {e.message}; {wrote}: build the engine where TensorRT >= 10 "
-                                  f"and an {target} GPU are present") from None
-    cc = rt.gpu_compute_capability(f"--backend tensorrt: TensorRT builds the engine on the GPU that runs it; {wrote}")
-    if cc != TARGETS[target].cc:
-        raise DeviceError(f"--backend tensorrt --target {target}: this GPU is sm_{cc} and TensorRT builds for the GPU "
-                          f"it runs on: use --target sm_{cc} or build on an {target} GPU; {wrote}")
-    engine, version = rt.build_engine(onnx_path, log=log)
-    extra = {"backend": "tensorrt", "tensorrt_version": version, "compute_capability": f"{cc // 10}.{cc % 10}",
-             "tensorrt": {"engine_part": rt.ENGINE_PART, "onnx": os.path.basename(onnx_path),
-                          "signature": res.signature.to_json(), "network": "strongly typed, fixed shapes"}}
-    info = PlanInfo(target=target, quant=quant, max_seq=res.max_seq, model=res.cfg.to_json(), source=res.source,
-                    tokenizer={"eos_token_ids": list(res.cfg.eos_token_ids)} if res.tokenizer_json else {},
-                    extra=extra)
-    write_plan(out, info, res.program_text, [], None, res.tokenizer_json, extra_parts={rt.ENGINE_PART: engine})
-    log(f"kestrelc: wrote {out}: {os.path.getsize(out) / 1e6:.1f} MB (TensorRT {version} engine for sm_{cc}, "
-        f"{len(engine) / 1e6:.1f} MB)")
-    return out
+        model_proto, sig = export_program(program, produce, external=sink, metadata=metadata)
+        if sink is not None:
+            sink.close()
+        with open(tmp, "wb") as f:
+            f.write(model_proto.SerializeToString())
+        if sink is not None:
+            os.replace(sink.path, data_path)
+        os.replace(tmp, out)
+    except BaseException:
+        for path in (tmp, sink.path if sink else None):
+            if path and os.path.exists(path):
+                os.remove(path)
+        if sink is not None:
+            sink.f.close()
+        raise
+    return model_proto, sig, data_path

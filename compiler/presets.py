@@ -15,6 +15,10 @@ import json
 import os
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from kestrel.compiler.frontend import expected_tensors, parse_config
 
 TINY_SEED = 20261129
 EOS_TEXT = "<|endoftext|>"
@@ -75,7 +79,6 @@ QWEN35_SHAPES: dict[str, dict] = {
 
 def byte_level_tokenizer_json() -> str:
     """A byte-level tokenizer: one token per byte (id = byte value) plus <|endoftext|> (id 256)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -121,9 +124,7 @@ def random_weights(shapes: dict[str, tuple], seed: int) -> dict[str, np.ndarray]
 
 def synthesize(name: str, folder: str) -> str:
     """Write preset ``name`` as a Hugging Face checkpoint into ``folder``; returns the folder."""
-    from safetensors.numpy import save_file
 
-    from kestrel.compiler.frontend import expected_tensors, parse_config
 
     raw = PRESETS[name]
     cfg = parse_config(raw, f"preset {name}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from kestrel.compiler.frontend import ModelConfig
 from kestrel.compiler.ir import TOKENS_STATE, Program
+from kestrel.compiler.ops import emit
 
 DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
              ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"), ("n_prompt", "i32"))
@@ -40,25 +41,25 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> Program:
 
     eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
     embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
-    h = p.emit("embedding", embed, dyn["token"])
+    h = emit(p, "embedding", embed, dyn["token"])
     for i, kind in enumerate(cfg.layer_types):
         pre = f"layers.{i}."
-        x = p.emit("rmsnorm", h, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
+        x = emit(p, "rmsnorm", h, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
         if kind == "linear_attention":
             y = _gated_deltanet(p, cfg, pre + "linear_attn.", x, weight)
         else:
             y = _gated_attention(p, cfg, pre + "self_attn.", x, weight, dyn["pos"], max_seq, kv_dtype)
-        h = p.emit("add", h, y)
-        x = p.emit("rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=eps)
+        h = emit(p, "add", h, y)
+        x = emit(p, "rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=eps)
         inter = cfg.intermediate_size
-        gate = p.emit("matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
-        up = p.emit("matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
-        y = p.emit("matmul", p.emit("swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
-        h = p.emit("add", h, y)
-    hidden = p.emit("rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
+        gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
+        up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
+        y = emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
+        h = emit(p, "add", h, y)
+    hidden = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
-    logits = p.emit("matmul", hidden, head)
-    p.emit("sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["pos"], out=dyn["sampled"])
+    logits = emit(p, "matmul", hidden, head)
+    emit(p, "sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["pos"], out=dyn["sampled"])
     p.outputs["hidden"] = hidden
     p.outputs["logits"] = logits
     return p
@@ -72,23 +73,23 @@ def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight):
     conv_state = p.add_state(f"layers.{layer}.conv_state", "f32", (c, kk - 1))
     rec_state = p.add_state(f"layers.{layer}.recurrent_state", "f32", (hv, dk, dv))
 
-    qkv = p.emit("matmul", x, weight(pre + "in_proj_qkv.weight", (c, h_dim)))
-    z = p.emit("matmul", x, weight(pre + "in_proj_z.weight", (hv * dv, h_dim)))
-    b = p.emit("matmul", x, weight(pre + "in_proj_b.weight", (hv, h_dim)))
-    a = p.emit("matmul", x, weight(pre + "in_proj_a.weight", (hv, h_dim)))
-    mixed = p.emit("conv1d_step", qkv, conv_state, weight(pre + "conv1d.weight", (c, kk)), act="silu")
+    qkv = emit(p, "matmul", x, weight(pre + "in_proj_qkv.weight", (c, h_dim)))
+    z = emit(p, "matmul", x, weight(pre + "in_proj_z.weight", (hv * dv, h_dim)))
+    b = emit(p, "matmul", x, weight(pre + "in_proj_b.weight", (hv, h_dim)))
+    a = emit(p, "matmul", x, weight(pre + "in_proj_a.weight", (hv, h_dim)))
+    mixed = emit(p, "conv1d_step", qkv, conv_state, weight(pre + "conv1d.weight", (c, kk)), act="silu")
 
     def part(lo, hi, shape):
-        return p.emit("reshape", p.emit("slice", mixed, axis=0, start=lo, stop=hi), shape=list(shape))
+        return emit(p, "reshape", emit(p, "slice", mixed, axis=0, start=lo, stop=hi), shape=list(shape))
 
-    q = p.emit("l2norm", part(0, hk * dk, (hk, dk)), eps=1e-6)
-    k = p.emit("l2norm", part(hk * dk, 2 * hk * dk, (hk, dk)), eps=1e-6)
+    q = emit(p, "l2norm", part(0, hk * dk, (hk, dk)), eps=1e-6)
+    k = emit(p, "l2norm", part(hk * dk, 2 * hk * dk, (hk, dk)), eps=1e-6)
     v = part(2 * hk * dk, c, (hv, dv))
-    g, beta = p.emit("gdn_gates", a, b, weight(pre + "A_log", (hv,)), weight(pre + "dt_bias", (hv,)))
-    o = p.emit("gated_delta_step", q, k, v, g, beta, rec_state, scale=dk ** -0.5)
-    o = p.emit("gated_rmsnorm", o, p.emit("reshape", z, shape=[hv, dv]), weight(pre + "norm.weight", (dv,)),
+    g, beta = emit(p, "gdn_gates", a, b, weight(pre + "A_log", (hv,)), weight(pre + "dt_bias", (hv,)))
+    o = emit(p, "gated_delta_step", q, k, v, g, beta, rec_state, scale=dk ** -0.5)
+    o = emit(p, "gated_rmsnorm", o, emit(p, "reshape", z, shape=[hv, dv]), weight(pre + "norm.weight", (dv,)),
                eps=cfg.rms_norm_eps)
-    return p.emit("matmul", p.emit("reshape", o, shape=[hv * dv]), weight(pre + "out_proj.weight", (h_dim, hv * dv)))
+    return emit(p, "matmul", emit(p, "reshape", o, shape=[hv * dv]), weight(pre + "out_proj.weight", (h_dim, hv * dv)))
 
 
 def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, pos, max_seq: int, kv_dtype: str):
@@ -98,16 +99,16 @@ def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, pos, max
     k_cache = p.add_state(f"layers.{layer}.k_cache", kv_dtype, (max_seq, nkv, hd))
     v_cache = p.add_state(f"layers.{layer}.v_cache", kv_dtype, (max_seq, nkv, hd))
 
-    qg = p.emit("reshape", p.emit("matmul", x, weight(pre + "q_proj.weight", (nh * hd * 2, h_dim))),
+    qg = emit(p, "reshape", emit(p, "matmul", x, weight(pre + "q_proj.weight", (nh * hd * 2, h_dim))),
                 shape=[nh, 2 * hd])
-    q = p.emit("slice", qg, axis=1, start=0, stop=hd)
-    gate = p.emit("reshape", p.emit("slice", qg, axis=1, start=hd, stop=2 * hd), shape=[nh * hd])
-    k = p.emit("reshape", p.emit("matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
-    v = p.emit("reshape", p.emit("matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
+    q = emit(p, "slice", qg, axis=1, start=0, stop=hd)
+    gate = emit(p, "reshape", emit(p, "slice", qg, axis=1, start=hd, stop=2 * hd), shape=[nh * hd])
+    k = emit(p, "reshape", emit(p, "matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
+    v = emit(p, "reshape", emit(p, "matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
     rope = dict(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
-    q = p.emit("rope", p.emit("rmsnorm", q, weight(pre + "q_norm.weight", (hd,)), eps=eps), pos, **rope)
-    k = p.emit("rope", p.emit("rmsnorm", k, weight(pre + "k_norm.weight", (hd,)), eps=eps), pos, **rope)
-    p.emit("kv_append", k_cache, v_cache, k, v, pos)
-    o = p.emit("attention", q, k_cache, v_cache, pos, scale=hd ** -0.5)
-    o = p.emit("sigmoid_gate", p.emit("reshape", o, shape=[nh * hd]), gate)
-    return p.emit("matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))
+    q = emit(p, "rope", emit(p, "rmsnorm", q, weight(pre + "q_norm.weight", (hd,)), eps=eps), pos, **rope)
+    k = emit(p, "rope", emit(p, "rmsnorm", k, weight(pre + "k_norm.weight", (hd,)), eps=eps), pos, **rope)
+    emit(p, "kv_append", k_cache, v_cache, k, v, pos)
+    o = emit(p, "attention", q, k_cache, v_cache, pos, scale=hd ** -0.5)
+    o = emit(p, "sigmoid_gate", emit(p, "reshape", o, shape=[nh * hd]), gate)
+    return emit(p, "matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))

@@ -36,12 +36,6 @@ def evaluate(recipe: list, read) -> torch.Tensor:
     raise ValueError(f"unknown weight recipe {op!r}")
 
 
-def checkpoint_names(recipe: list) -> list[str]:
-    if recipe[0] == "ckpt":
-        return [recipe[1]]
-    return [n for r in recipe[2:] for n in checkpoint_names(r)]
-
-
 def weight_bytes(w: Weight, read) -> memoryview:
     """The bytes the plan stores for ``w``: its type's layout, checked against its declared size."""
     t = evaluate(w.source, read)

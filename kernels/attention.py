@@ -12,6 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.elementwise import sigmoid_gate_ref
+from kestrel.kernels.rmsnorm import rmsnorm_ref
+from kestrel.kernels.targets import TARGETS, pow2_at_least
+
 
 def rope_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
@@ -49,8 +53,6 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
     """The gated attention token mixer after its input projections, as one step: split q|gate per
     head, q/k RMSNorm, partial RoPE at pos, KV append at pos, GQA attention over 0..pos, sigmoid gate.
     Composed from the single-op references in the same order, so it matches them bit for bit."""
-    from kestrel.kernels.elementwise import sigmoid_gate_ref
-    from kestrel.kernels.rmsnorm import rmsnorm_ref
 
     _, hkv, d = k_cache.shape
     nh = qg.shape[0] // (2 * d)
@@ -62,32 +64,37 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
     return sigmoid_gate_ref(o, qg[:, d:].reshape(nh * d))
 
 
-# Largest dynamic shared memory a CTA may opt into, per compute capability (bytes).
-SMEM_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+# Largest dynamic shared memory a CTA may opt into, per compute capability (bytes): the targets'
+# smem_optin (kernels/targets.py), keyed by cc for existing callers.
+SMEM_OPTIN = {t.cc: t.smem_optin for t in TARGETS.values()}
 
 
-def attn_splits(n_heads: int, max_seq: int) -> int:
-    """Sequence splits per query head (a power of two): about 256 programs in all, at most 64, and at
-    least 128 cache rows per split at max_seq. 27B (24 heads): 8; 0.8B (8 heads): 32; 4B/9B: 16."""
-    cap = min(64, max(1, 256 // n_heads), max(1, max_seq // 128))
+def attn_splits(n_heads: int, max_seq: int, target) -> int:
+    """Sequence splits per query head (a power of two), from ``target.rules["attention"]`` (sm_90:
+    about 256 programs in all, at most 64, and at least 128 cache rows per split at max_seq).
+    27B (24 heads): 8; 0.8B (8 heads): 32; 4B/9B: 16."""
+    r = target.rules["attention"]
+    cap = min(r.max_splits, max(1, r.split_programs // n_heads), max(1, max_seq // r.min_rows_per_split))
     return 1 << (cap.bit_length() - 1)
 
 
 def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, splits: int, target) -> dict:
-    """Grid [NH, SPLITS]: one CTA (8 warps) per query head and split of the sequence, walking its rows
-    in BLOCK_S-row tiles of 8K elements (flash-decoding; see attn_step_kernel for the combine).
+    """Grid [NH, SPLITS]: one CTA per query head and split of the sequence, walking its rows in
+    BLOCK_S-row tiles (flash-decoding; see attn_step_kernel for the combine). Constants from
+    ``target.rules["attention"]`` (kernels/targets.py); on sm_90: 8 warps, tiles of 8K elements,
+    BLOCK_S in [16, 64].
 
     PIPE_BYTES (added key): shared memory the kernel's software pipeline may fill with K/V tiles in
-    flight, at most 128 KiB (about what one SM can usefully keep in flight), leaving 16 KiB of the
-    target's opt-in limit for the kernel's other scratch; the kernel derives its stage count from it
-    and the cache's element size (which this rule is not told). Kernels above 48 KiB of dynamic
-    shared memory need the opt-in attribute set at load time."""
-    from kestrel.kernels.targets import pow2_at_least
+    flight, at most pipe_bytes_max (128 KiB on sm_90: about what one SM can usefully keep in flight),
+    leaving smem_reserve (16 KiB) of the target's ``smem_optin`` for the kernel's other scratch; the
+    kernel derives its stage count from it and the cache's element size (which this rule is not
+    told). Kernels above 48 KiB of dynamic shared memory need the opt-in attribute set at load time."""
 
+    r = target.rules["attention"]
     block_d = pow2_at_least(head_dim)
-    block_s = max(16, min(64, 8192 // block_d))
-    pipe = min(128 * 1024, SMEM_OPTIN[target.cc] - 16 * 1024)
-    return {"grid": [n_heads, splits, 1], "num_warps": 8,
+    block_s = max(r.min_block_s, min(r.max_block_s, r.tile_elems // block_d))
+    pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve)
+    return {"grid": [n_heads, splits, 1], "num_warps": r.num_warps,
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe}}
 

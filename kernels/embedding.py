@@ -11,7 +11,10 @@ def embedding_ref(table: torch.Tensor, token: int) -> torch.Tensor:
 
 
 def embedding_launch(hidden: int, target) -> dict:
-    return {"grid": [(hidden + 1023) // 1024, 1, 1], "num_warps": 4, "constexprs": {"H": hidden, "BLOCK": 1024}}
+    """H / BLOCK programs; BLOCK and num_warps from ``target.rules["embedding"]`` (sm_90: 1024, 4)."""
+    r = target.rules["embedding"]
+    return {"grid": [(hidden + r.block - 1) // r.block, 1, 1], "num_warps": r.num_warps,
+            "constexprs": {"H": hidden, "BLOCK": r.block}}
 
 
 @triton.jit

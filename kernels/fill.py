@@ -5,8 +5,9 @@ the numpy twin), like vLLM's dummy load format. Never the default.
 The region is filled in chunks of CHUNK_WORDS words (kernel arguments are 32-bit); word i of chunk
 c is h = fmix32(s * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1) with s = seed + c * 0x632BE5AB, then
 (h & 0x807F807F) | 0x3C003C00: read as two bf16 (or one f32) that is a random sign and mantissa
-with exponent 2^-7, so every weight is finite and about +-0.01 whatever its dtype; q4 nibbles are
-uniform and q4 scales (as f16) about +-1.
+with exponent 2^-7, so every weight is finite and about +-0.01 whatever its dtype. The mask keeps
+fixed bits in every nibble, so q4 nibbles are not uniform (bits 0x3C003C00 set: nibble 0xC is about
+a quarter of them); q4 scales (as f16) are about +-1. Benchmarks only need finite, fixed weights.
 """
 from __future__ import annotations
 
@@ -26,10 +27,16 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return (seed + chunk * 0x632BE5AB) & 0x7FFFFFFF
 
 
+def chunks(n_words: int) -> list[tuple[int, int, int]]:
+    """(chunk index, first word, words) of each chunk of an ``n_words`` region."""
+    return [(c, lo, min(CHUNK_WORDS, n_words - lo)) for c, lo in enumerate(range(0, n_words, CHUNK_WORDS))]
+
+
 def fill_random_ref(n_words: int, seed: int) -> np.ndarray:
-    """The whole region, chunk by chunk, as the runtime fills it."""
-    return np.concatenate([_fill_chunk(min(CHUNK_WORDS, n_words - lo), chunk_seed(seed, c))
-                           for c, lo in enumerate(range(0, max(n_words, 1), CHUNK_WORDS))])[:n_words]
+    """The whole region, chunk by chunk, as the runtime fills it (one fill launch per chunk)."""
+    if n_words == 0:
+        return np.zeros(0, dtype=np.uint32)
+    return np.concatenate([_fill_chunk(n, chunk_seed(seed, c)) for c, _, n in chunks(n_words)])
 
 
 def _fill_chunk(n_words: int, seed: int) -> np.ndarray:

@@ -21,6 +21,19 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kestrel.kernels.elementwise import l2norm_ref
+from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
+from kestrel.kernels.targets import pow2_at_least
+
+
+def gdn_key_heads(channels: int, hv: int, dk: int, dv: int) -> int:
+    """Key heads of a Gated DeltaNet layer from its conv channels (q | k | v = 2 * Hk * Dk + Hv * Dv).
+    Not an integer split (or not a divisor of Hv) means the shapes are wrong: returns 0 then."""
+    qk = channels - hv * dv
+    if qk <= 0 or qk % (2 * dk) or hv % (qk // (2 * dk)):
+        return 0
+    return qk // (2 * dk)
+
 
 def _conv_window_ref(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     return torch.cat([state, x[:, None].to(state.dtype)], dim=1)  # [C, K], oldest first
@@ -75,10 +88,9 @@ def gdn_delta_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, l2_e
                   scale: float) -> torch.Tensor:
     """First half of ``gdn_step_ref``: conv + SiLU (conv_state only read), split q|k|v, L2 norms,
     gates, delta rule (rec_state updated in place). Returns o_raw [Hv * Dv], before the norm."""
-    from kestrel.kernels.elementwise import l2norm_ref
 
     hv, dk, dv = rec_state.shape
-    hk = (qkv.shape[0] - hv * dv) // (2 * dk)
+    hk = gdn_key_heads(qkv.shape[0], hv, dk, dv)
     mixed = conv1d_ref(qkv, conv_state, conv_w, "silu")
     q = l2norm_ref(mixed[: hk * dk].reshape(hk, dk), l2_eps)
     k = l2norm_ref(mixed[hk * dk: 2 * hk * dk].reshape(hk, dk), l2_eps)
@@ -89,7 +101,6 @@ def gdn_delta_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, l2_e
 
 def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
     """Second half of ``gdn_step_ref``: gated RMSNorm per value head, then the conv-state shift."""
-    from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
 
     dv = norm_w.shape[0]
     hv = o_raw.shape[0] // dv
@@ -100,24 +111,25 @@ def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
 
 def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
     """Grid [Hv, Dv / BLOCK_V]: one program per (value head, block of BLOCK_V state columns); the
-    delta rule is independent per column of S. 32 columns (128 bytes of a state row) at Dv >= 128:
-    192 programs at Hv = 48, Dv = 128; smaller blocks for small heads. The [BLOCK_DK, BLOCK_V] tile
-    is 32 fp32 per thread with 4 warps at Dk = 128."""
-    from kestrel.kernels.targets import pow2_at_least
+    delta rule is independent per column of S. Constants from ``target.rules["gdn_delta"]``
+    (kernels/targets.py); on sm_90: 32 columns (128 bytes of a state row) at Dv >= 128: 192 programs
+    at Hv = 48, Dv = 128; smaller blocks (Dv / 4, at least 8) for small heads. The [BLOCK_DK, BLOCK_V]
+    tile is 32 fp32 per thread with 4 warps at Dk = 128."""
 
+    r = target.rules["gdn_delta"]
     bdk = pow2_at_least(dk)
-    block_v = min(32, max(8, pow2_at_least(dv) // 4))
-    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": 4,
+    block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
+    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": r.num_warps,
             "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "BLOCK_DK": bdk, "BLOCK_V": block_v}}
 
 
 def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
     """Grid [Hv]: program j normalises value head j and shifts conv-state channels
-    [j * CH_PER_PROG, (j + 1) * CH_PER_PROG) of all ``channels`` (q, k and v alike)."""
-    from kestrel.kernels.targets import pow2_at_least
+    [j * CH_PER_PROG, (j + 1) * CH_PER_PROG) of all ``channels`` (q, k and v alike).
+    num_warps: ``target.rules["gdn_norm"]`` (4 on sm_90)."""
 
     per = -(-channels // hv)
-    return {"grid": [hv, 1, 1], "num_warps": 4,
+    return {"grid": [hv, 1, 1], "num_warps": target.rules["gdn_norm"].num_warps,
             "constexprs": {"HV": hv, "DV": dv, "C": channels, "KC": kc, "BLOCK_DV": pow2_at_least(dv),
                            "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.targets import pow2_at_least
+
 
 def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mv(w.float(), x.float())
@@ -69,42 +71,42 @@ def matvec_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
 
 # --- launch rules ------------------------------------------------------------------------------
 
-SMALL_MATRIX_BYTES = 32 << 20  # below this (bf16), a matvec is bound by latency more than by bandwidth
-
 
 def matvec_launch(n: int, k: int, group: int, target) -> dict:
-    """Rows per CTA (BLOCK_N, at most 16) chosen so the grid has at least 4 CTAs per SM when there are
+    """Constants: ``target.rules["matvec"]`` (kernels/targets.py; the sm_90 values in brackets).
+    Rows per CTA (BLOCK_N, at most [16]) chosen so the grid has at least [4] CTAs per SM when there are
     enough rows (down_proj's 5120 rows: 640 CTAs of 8 rows on sm_90; lm_head: 15520 of 16). bf16 / f32:
-    one warp per 4 rows, BLOCK_K 512 (at most the power of two >= K), halved while it does not divide
-    K, down to 128: a masked tail iteration remains only for odd K. Below SMALL_MATRIX_BYTES (the
-    0.8B-2B projections) BLOCK_K up to 2048, at most 4096 / BLOCK_K rows per CTA, 4 warps. q4: at
-    least 4 rows per CTA, BLOCK_K = 16384 / BLOCK_N up to 2048 (8 KB of nibbles per tile), at most 2
-    warps, a masked tail tile where BLOCK_K does not divide K. Measured on the H200 over 47-69
-    configurations per shape at the 0.8B, 4B and 27B shapes (bench/results/tuning/): the rule's pick
-    is within 1.13x of the best configuration at every measured shape but one (bf16 4B in_proj: 1.05x
-    kept over 1.13x), 1.1-1.7x faster than the previous rule where it changed.
+    one warp per [4] rows, BLOCK_K [512] (at most the power of two >= K), halved while it does not
+    divide K, down to [128]: a masked tail iteration remains only for odd K. Below small_matrix_bytes
+    ([32 MiB] of bf16: the 0.8B-2B projections) BLOCK_K up to [2048], at most [4096] / BLOCK_K rows per
+    CTA, [4] warps. q4: at least [4] rows per CTA, BLOCK_K = [16384] / BLOCK_N up to [2048] (8 KB of
+    nibbles per tile), at most [2] warps, a masked tail tile where BLOCK_K does not divide K. The sm_90
+    values were measured on the H200 over 47-69 configurations per shape at the 0.8B, 4B and 27B shapes
+    (the row's provenance: bench/results/tuning/): the rule's pick is within 1.13x of the best
+    configuration at every measured shape but one (bf16 4B in_proj: 1.05x kept over 1.13x), 1.1-1.7x
+    faster than the previous rule where it changed.
     GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it."""
-    from kestrel.kernels.targets import pow2_at_least
 
+    r = target.rules["matvec"]
     block_n = 1
-    while block_n < 16 and (n + 2 * block_n - 1) // (2 * block_n) >= 4 * target.sms:
+    while block_n < r.max_block_n and (n + 2 * block_n - 1) // (2 * block_n) >= r.ctas_per_sm * target.sms:
         block_n *= 2
     # q4: tiles of 8 KB of nibbles (16 x 1024, 8 x 2048) and at most 2 warps, so each thread keeps
     # several rows' 16-byte chunks in flight; at the 27B shapes this is the fastest configuration of
     # the 47 measured (bench/results/tuning/q4-sweep-h200.json), 1.1-1.6x the 4-warp 4 KB tiles
     if group:  # a K that BLOCK_K does not divide ends with one masked tile (down_proj: 8 x 2048 measured best)
-        block_n = max(block_n, 4)
-        block_k = max(group, min(16384 // block_n, 2048, pow2_at_least(k)))
-        num_warps = max(1, min(2, block_n * block_k // 1024))
-    elif n * k * 2 < SMALL_MATRIX_BYTES:  # latency-bound: few rows per CTA, long K tiles, 4 warps
-        block_k = min(2048, pow2_at_least(k))
-        block_n = max(1, min(block_n, 4096 // block_k))
-        num_warps = max(1, min(4, block_n * block_k // 256))
+        block_n = max(block_n, r.q4_min_block_n)
+        block_k = max(group, min(r.q4_tile_nibbles // block_n, r.q4_max_block_k, pow2_at_least(k)))
+        num_warps = max(1, min(r.q4_max_warps, block_n * block_k // r.q4_nibbles_per_warp))
+    elif n * k * 2 < r.small_matrix_bytes:  # latency-bound: few rows per CTA, long K tiles, 4 warps
+        block_k = min(r.small_max_block_k, pow2_at_least(k))
+        block_n = max(1, min(block_n, r.small_tile_elems // block_k))
+        num_warps = max(1, min(r.small_max_warps, block_n * block_k // r.small_elems_per_warp))
     else:
-        block_k = min(512, pow2_at_least(k))
-        while block_k > 128 and block_k <= k and k % block_k:
+        block_k = min(r.block_k, pow2_at_least(k))
+        while block_k > r.min_block_k and block_k <= k and k % block_k:
             block_k //= 2
-        num_warps = max(1, min(4, block_n // 4))
+        num_warps = max(1, min(r.max_warps, block_n // r.rows_per_warp))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k}}
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.targets import pow2_at_least
+
 
 def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
@@ -30,14 +32,15 @@ def add_rmsnorm_ref(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: floa
 
 
 def rmsnorm_launch(shape: tuple, target) -> dict:
-    """One CTA per row (a single row at M = 1; per-head norms have one row per head)."""
-    from kestrel.kernels.targets import pow2_at_least
+    """One CTA per row (a single row at M = 1; per-head norms have one row per head). num_warps from
+    ``target.rules["rmsnorm"]`` (kernels/targets.py; sm_90: 8 for rows of >= 2048, else 4)."""
 
+    r = target.rules["rmsnorm"]
     rows = 1
     for d in shape[:-1]:
         rows *= d
     n = shape[-1]
-    return {"grid": [rows, 1, 1], "num_warps": 8 if n >= 2048 else 4,
+    return {"grid": [rows, 1, 1], "num_warps": r.wide_warps if n >= r.wide_n else r.num_warps,
             "constexprs": {"N": n, "BLOCK": pow2_at_least(n)}}
 
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.targets import pow2_at_least
+
 _M32 = 0xFFFFFFFF
 
 
@@ -48,18 +50,20 @@ def sample_ref(logits: torch.Tensor, temperature: float, top_p: float, seed: int
 
 
 def sample_launch(vocab: int, target) -> dict:
-    """One CTA over the vocabulary (argmax / top-p need a global view of the logits), 16 warps over
-    16384-logit tiles (smaller vocabularies: one tile, at least 512): greedy at the 248320-token
-    vocabulary takes 13.0 us on the H200, the best of 22 configurations measured (4096-logit tiles:
-    19.4 us; bench/results/tuning/sample-sweep-h200.json)."""
-    from kestrel.kernels.targets import pow2_at_least
+    """One CTA over the vocabulary (argmax / top-p need a global view of the logits). Constants from
+    ``target.rules["sample"]`` (kernels/targets.py); on sm_90: 16 warps over 16384-logit tiles
+    (smaller vocabularies: one tile, at least 512): greedy at the 248320-token vocabulary takes
+    13.0 us on the H200, the best of 22 configurations measured (4096-logit tiles: 19.4 us;
+    bench/results/tuning/sample-sweep-h200.json)."""
 
-    return {"grid": [1, 1, 1], "num_warps": 16,
-            "constexprs": {"V": vocab, "BLOCK": max(512, min(16384, pow2_at_least(vocab)))}}
+    r = target.rules["sample"]
+    return {"grid": [1, 1, 1], "num_warps": r.num_warps,
+            "constexprs": {"V": vocab, "BLOCK": max(r.min_block, min(r.max_block, pow2_at_least(vocab)))}}
 
 
 def step_end_launch(max_seq: int, target) -> dict:
-    return {"grid": [1, 1, 1], "num_warps": 1, "constexprs": {"S": max_seq}}
+    """One program; num_warps from ``target.rules["step_end"]`` (1 on sm_90)."""
+    return {"grid": [1, 1, 1], "num_warps": target.rules["step_end"].num_warps, "constexprs": {"S": max_seq}}
 
 
 def step_end_ref(pos: int, sampled: int, n_prompt: int, tokens: torch.Tensor) -> tuple[int, int]:

@@ -1,25 +1,163 @@
-"""GPU targets Kestrel compiles for. A target names an architecture, not a part: where launch rules
-need the number of SMs, they use the flagship part of that architecture (listed here)."""
+"""GPU targets Kestrel compiles for, with the facts and launch-rule tables the launch rules read.
+
+A target names an architecture, not a part: its facts (``sms``, ``smem_optin``) are those of the
+flagship part of that architecture (``part``). ``rules`` maps each kernel family to a frozen row of
+that family's tunable constants; the launch functions in kernels/<family>.py read them from there.
+Each row carries its ``provenance``: the bench/results files its values were read from (sweeps) or
+checked against (reports of the rule's pick), and ``RULE_OF_THUMB`` where a value was not swept.
+The sm_90 rows were tuned on the H200; every other target reuses them with ``tuned=False``
+(``untuned_note`` says so, for the compiler to log).
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+RULE_OF_THUMB = "rule of thumb"
+UNTUNED = "untuned: sm_90 (H200) values"
+TUNED_ON = "sm_90"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """One family's launch constants. provenance: paths under bench/results and/or RULE_OF_THUMB
+    (tuned rows), or (UNTUNED,) on targets that borrow the sm_90 row."""
+    provenance: tuple[str, ...]
+    tuned: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatvecRule(Rule):
+    ctas_per_sm: int            # BLOCK_N doubles while the grid keeps >= ctas_per_sm CTAs per SM ...
+    max_block_n: int            # ... up to this many rows per CTA
+    q4_min_block_n: int         # q4: at least this many rows per CTA
+    q4_tile_nibbles: int        # q4: BLOCK_N * BLOCK_K (16384 nibbles = 8 KiB)
+    q4_max_block_k: int
+    q4_max_warps: int
+    q4_nibbles_per_warp: int    # q4: one warp per this many nibbles of the tile
+    small_matrix_bytes: int     # bf16 / f32 with N * K * 2 below this: latency-bound rule
+    small_max_block_k: int
+    small_tile_elems: int       # small: BLOCK_N <= small_tile_elems / BLOCK_K
+    small_max_warps: int
+    small_elems_per_warp: int   # small: one warp per this many tile elements
+    block_k: int                # large bf16 / f32: BLOCK_K, halved while it does not divide K ...
+    min_block_k: int            # ... down to this
+    rows_per_warp: int          # large: one warp per this many rows
+    max_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionRule(Rule):
+    split_programs: int         # attn_splits: about this many programs in all
+    max_splits: int
+    min_rows_per_split: int     # cache rows per split at max_seq, at least
+    tile_elems: int             # BLOCK_S * BLOCK_D
+    min_block_s: int
+    max_block_s: int
+    pipe_bytes_max: int         # PIPE_BYTES cap ...
+    smem_reserve: int           # ... and the opt-in shared memory left for other scratch
+    num_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GdnDeltaRule(Rule):
+    min_block_v: int
+    max_block_v: int
+    block_v_div: int            # BLOCK_V = pow2(Dv) / block_v_div, within the bounds
+    num_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarpsRule(Rule):
+    num_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RmsnormRule(Rule):
+    wide_n: int                 # rows of at least wide_n elements get wide_warps, others num_warps
+    wide_warps: int
+    num_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockRule(Rule):
+    block: int
+    num_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleRule(Rule):
+    max_block: int
+    min_block: int
+    num_warps: int
+
+
+_TUNING = "bench/results/tuning/"
+_ATTN_REPORTS = tuple(f"bench/results/kernels/attn-qwen3.5-{m}-pos{p}-h200.json"
+                      for m in ("0.8b", "27b") for p in (80, 1000, 4000))
+
+# The sm_90 (H200) rows: every number the launch rules use.
+SM90_RULES: Mapping[str, Rule] = MappingProxyType({
+    "matvec": MatvecRule(
+        ctas_per_sm=4, max_block_n=16,
+        q4_min_block_n=4, q4_tile_nibbles=16384, q4_max_block_k=2048, q4_max_warps=2, q4_nibbles_per_warp=1024,
+        small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
+        small_elems_per_warp=256,
+        block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4,
+        provenance=(_TUNING + "q4-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
+    "attention": AttentionRule(
+        split_programs=256, max_splits=64, min_rows_per_split=128,
+        tile_elems=8192, min_block_s=16, max_block_s=64,
+        pipe_bytes_max=128 * 1024, smem_reserve=16 * 1024, num_warps=8,
+        provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS),
+    "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=32, block_v_div=4, num_warps=4,
+                              provenance=(RULE_OF_THUMB,)),
+    "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "rmsnorm": RmsnormRule(wide_n=2048, wide_warps=8, num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "embedding": BlockRule(block=1024, num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "sample": SampleRule(max_block=16384, min_block=512, num_warps=16,
+                         provenance=(_TUNING + "sample-sweep-h200.json",)),
+    "step_end": WarpsRule(num_warps=1, provenance=(RULE_OF_THUMB,)),
+})
+FAMILIES = tuple(SM90_RULES)
+
+
+def untuned_rules() -> Mapping[str, Rule]:
+    """The sm_90 rows, marked untuned: what a target without its own sweeps uses."""
+    return MappingProxyType({f: dataclasses.replace(r, tuned=False, provenance=(UNTUNED,))
+                             for f, r in SM90_RULES.items()})
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
     cc: int  # compute capability as Triton's GPUTarget takes it (90 for sm_90)
-    sms: int
+    sms: int  # SMs of ``part``
+    smem_optin: int  # largest dynamic shared memory a CTA may opt into (bytes)
     part: str
+    rules: Mapping[str, Rule] = dataclasses.field(default_factory=untuned_rules, hash=False, compare=False,
+                                                  repr=False)
+
+    @property
+    def tuned(self) -> bool:
+        """True when every family's launch rule was tuned on this target."""
+        return all(r.tuned for r in self.rules.values())
+
+
+def untuned_note(target: Target) -> str | None:
+    """'launch rules for sm_120 are untuned (H200 sm_90 values)', or None for a tuned target."""
+    return None if target.tuned else f"launch rules for {target.name} are untuned (H200 sm_90 values)"
 
 
 TARGETS = {t.name: t for t in (
-    Target("sm_80", 80, 108, "A100"),
-    Target("sm_86", 86, 84, "RTX A6000"),
-    Target("sm_89", 89, 142, "L40S"),
-    Target("sm_90", 90, 132, "H100 / H200 SXM"),
-    Target("sm_100", 100, 148, "B200"),
-    Target("sm_120", 120, 170, "RTX 5090"),
+    Target("sm_80", 80, 108, 163 * 1024, "A100"),
+    Target("sm_86", 86, 84, 99 * 1024, "RTX A6000"),
+    Target("sm_89", 89, 142, 99 * 1024, "L40S"),
+    Target("sm_90", 90, 132, 227 * 1024, "H100 / H200 SXM", SM90_RULES),
+    Target("sm_100", 100, 148, 227 * 1024, "B200"),
+    Target("sm_120", 120, 170, 99 * 1024, "RTX 5090"),
 )}
 GPU_TARGETS = tuple(TARGETS)
 ALL_TARGETS = ("cpu",) + GPU_TARGETS

@@ -1,0 +1,2 @@
+"""Compiler passes, one file each (Program -> Program, one invariant, a ``check`` that proves it);
+pipeline.py holds the list that runs them."""

@@ -12,20 +12,24 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      and can only be shifted once all of them have read it; the norm needs a head's whole row)
   3. the gated attention chain after its projections   -> ``attn_step`` (q|gate split, q/k rmsnorm,
      rope, kv_append, attention split over the sequence, sigmoid_gate), with the scratch states its
-     split needs (``scratch.attn_partials``, ``scratch.attn_tickets``, shared by all its layers)
+     split needs (``scratch.attn_partials``, ``scratch.attn_tickets``, shared by all its layers), made
+     with one split: the target's split count is select_kernels' decision
   4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
      row-concatenated weight, its result sliced back (slices of a vector are free views)
   6. ops whose results nobody reads, and that write no state, are dropped.
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
+``check`` proves the invariant: every rewrite, run again on the result, finds nothing to do.
 """
 from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import OP_SPECS, SCRATCH_PREFIX, Op, Program, TensorType, Value, Weight
-from kestrel.kernels.attention import attn_splits
+from kestrel.compiler.ir import SCRATCH_PREFIX, IRError, Op, Program, TensorType, Value, Weight
+from kestrel.compiler.ops import OPS
+
+ATTN_PARTIALS, ATTN_TICKETS = SCRATCH_PREFIX + "attn_partials", SCRATCH_PREFIX + "attn_tickets"
 
 
 class _Graph:
@@ -64,8 +68,8 @@ def _replace_uses(p: Program, old: Value, new: Value) -> None:
             p.outputs[k] = new
 
 
-def _fuse_swiglu(p: Program) -> None:
-    g = _Graph(p)
+def _fuse_swiglu(p: Program) -> int:
+    g, n = _Graph(p), 0
     for op in list(p.ops):
         if op.kind != "swiglu":
             continue
@@ -77,6 +81,8 @@ def _fuse_swiglu(p: Program) -> None:
         p.ops[p.ops.index(op)] = fused
         p.ops.remove(mg)
         p.ops.remove(mu)
+        n += 1
+    return n
 
 
 def _slice_reshape(g: _Graph, v, src, start: int, stop: int):
@@ -86,8 +92,8 @@ def _slice_reshape(g: _Graph, v, src, start: int, stop: int):
     return bool(s) and s.ins[0] is src
 
 
-def _fuse_gdn(p: Program) -> None:
-    g = _Graph(p)
+def _fuse_gdn(p: Program) -> int:
+    g, n = _Graph(p), 0
     for op in list(p.ops):
         if op.kind != "gated_delta_step":
             continue
@@ -122,10 +128,12 @@ def _fuse_gdn(p: Program) -> None:
         p.ops[i:i + 1] = [delta, gnorm]
         for dead in (conv, lq, lk, gates, op, norm):
             p.ops.remove(dead)
+        n += 1
+    return n
 
 
-def _fuse_attention(p: Program) -> None:
-    g = _Graph(p)
+def _fuse_attention(p: Program) -> int:
+    g, n = _Graph(p), 0
     for op in list(p.ops):
         if op.kind != "attention":
             continue
@@ -158,22 +166,24 @@ def _fuse_attention(p: Program) -> None:
         p.ops[p.ops.index(gate)] = fused
         for dead in (rq, nq, rk, nk, app, op, flat):
             p.ops.remove(dead)
+        n += 1
+    return n
 
 
 def _attention_scratch(p: Program, cache_shape, qg_size: int):
     """The scratch states every attn_step of the program shares (attention layers run one after the
-    other): per query head and sequence split a partial (m, l, acc[D]), and one ticket per head."""
-    max_seq, _, d = cache_shape
+    other): per query head and sequence split a partial (m, l, acc[D]), and one ticket per head. Made
+    with one split: how many the target's kernel uses is select_kernels' decision (it resizes them)."""
+    _, _, d = cache_shape
     nh = qg_size // (2 * d)
-    part_name, ticket_name = SCRATCH_PREFIX + "attn_partials", SCRATCH_PREFIX + "attn_tickets"
-    if part_name not in p.states:
-        p.add_state(part_name, "f32", (nh, attn_splits(nh, max_seq), d + 2))
-        p.add_state(ticket_name, "i32", (nh,))
-    return p.states[part_name], p.states[ticket_name]
+    if ATTN_PARTIALS not in p.states:
+        p.add_state(ATTN_PARTIALS, "f32", (nh, 1, d + 2))
+        p.add_state(ATTN_TICKETS, "i32", (nh,))
+    return p.states[ATTN_PARTIALS], p.states[ATTN_TICKETS]
 
 
-def _fuse_add_rmsnorm(p: Program) -> None:
-    g = _Graph(p)
+def _fuse_add_rmsnorm(p: Program) -> int:
+    g, count = _Graph(p), 0
     for op in list(p.ops):
         if op.kind != "rmsnorm":
             continue
@@ -187,6 +197,8 @@ def _fuse_add_rmsnorm(p: Program) -> None:
         p.ops.remove(op)
         _replace_uses(p, add.outs[0], s)
         g = _Graph(p)
+        count += 1
+    return count
 
 
 def _concat_name(weights: list[Weight]) -> str:
@@ -197,8 +209,8 @@ def _concat_name(weights: list[Weight]) -> str:
     return "+".join(names)
 
 
-def _concat_siblings(p: Program) -> None:
-    g = _Graph(p)
+def _concat_siblings(p: Program) -> int:
+    n_cat = 0
     groups: dict[tuple, list[Op]] = {}
     for op in p.ops:
         if op.kind == "matmul" and isinstance(op.ins[1], Weight) and op.ins[1].source is not None:
@@ -224,30 +236,42 @@ def _concat_siblings(p: Program) -> None:
         for op in ops:
             p.ops.remove(op)
         p.ops[first:first] = new_ops
+        n_cat += 1
     # weights no op reads any more (their rows now live in the concatenation) are dropped
     used = {x.name for op in p.ops for x in op.ins if isinstance(x, Weight)}
     for name in [n for n in p.weights if n not in used]:
         del p.weights[name]
+    return n_cat
 
 
-def _drop_dead(p: Program) -> None:
+def _drop_dead(p: Program) -> int:
+    n = 0
     while True:
         g = _Graph(p)
         dead = [op for op in p.ops
-                if not OP_SPECS[op.kind].inout and not OP_SPECS[op.kind].writes_dyn and op.outs
+                if not OPS[op.kind].inout and not OPS[op.kind].writes_dyn and op.outs
                 and all(isinstance(o, Value) and not g.users.get(id(o)) and id(o) not in g.outputs for o in op.outs)]
         if not dead:
-            return
+            return n
         for op in dead:
             p.ops.remove(op)
+        n += len(dead)
+
+
+REWRITES = (("matmul_swiglu", _fuse_swiglu), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
+            ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("dead ops", _drop_dead))
 
 
 def fuse(program: Program) -> Program:
     p = copy.deepcopy(program)
-    _fuse_swiglu(p)
-    _fuse_gdn(p)
-    _fuse_attention(p)
-    _fuse_add_rmsnorm(p)
-    _concat_siblings(p)
-    _drop_dead(p)
+    for _, rewrite in REWRITES:
+        rewrite(p)
     return p
+
+
+def check(program: Program) -> None:
+    """No rewrite matches any more: running each on the result changes nothing."""
+    p = copy.deepcopy(program)
+    left = [f"{n} {name}" for name, rewrite in REWRITES if (n := rewrite(p))]
+    if left:
+        raise IRError(f"fuse: matchable chains left after the pass: {', '.join(left)}")

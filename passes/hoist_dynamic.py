@@ -39,13 +39,30 @@ STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0
 
 
 def check_dyn_invariance(program: Program) -> int:
-    """Raise IRError unless the launch list is identical at two token states; returns its length."""
+    """Raise IRError unless the launch list is identical at two token states and the step advances
+    itself (step_end); returns the number of launches. Every build runs it on the final program."""
+    n = _same_launches(program)
+    if not any(op.kind == "step_end" for op in program.ops):
+        raise IRError("the step does not advance pos itself (no step_end): the host would write per token; "
+                      "run hoist_dynamic")
+    return n
+
+
+def _same_launches(program: Program) -> int:
     a, b = (launch_list(program, state) for state in STATES)
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             raise IRError(f"launch #{i} ({x['op']}) changes from token to token: {x['args']} vs {y['args']}; "
                           f"run hoist_dynamic")
-    if not any(op.kind == "step_end" for op in program.ops):
-        raise IRError("the step does not advance pos itself (no step_end): the host would write per token; "
-                      "run hoist_dynamic")
     return len(a)
+
+
+def check(program: Program) -> None:
+    """No dyn slot is a host argument; the launch list is the same at two token states; a step that
+    samples ends with step_end."""
+    host = [d.name for d in program.dyn.values() if d.host]
+    if host:
+        raise IRError(f"hoist_dynamic: dyn slots {host} are still host arguments")
+    _same_launches(program)
+    if any(op.kind == "sample" for op in program.ops) and program.ops[-1].kind != "step_end":
+        raise IRError("hoist_dynamic: the step samples but does not end with step_end")

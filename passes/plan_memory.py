@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import ALIGN, DTYPE_BYTES, Program, Value, is_view
+from kestrel.compiler.ir import ALIGN, DTYPE_BYTES, IRError, Program, Value
+from kestrel.compiler.ops import is_view
 
 REGIONS = ("weights", "state", "dyn", "act")
 
@@ -109,3 +110,42 @@ def memory_report(program: Program) -> str:
              f"{a['state'] / 1e6:.2f} MB + dyn {a['dyn']} B + activations {a['act'] / 1e3:.1f} kB "
              f"(liveness sharing: {unshared / 1e3:.1f} kB -> {a['act'] / 1e3:.1f} kB)"]
     return "\n".join(lines)
+
+
+def check(program: Program) -> None:
+    """After plan_memory: everything placed inside its region, allocated buffers aligned, and no two
+    activations that are live at the same time share a byte (views alias their base)."""
+    for group in (program.weights.values(), program.states.values()):
+        for x in group:
+            region = x.loc[0] if x.loc else None
+            if x.loc is None or x.loc[1] % ALIGN or x.loc[1] + x.type.nbytes > program.arena.get(region, -1):
+                raise IRError(f"{x.name}: placement {x.loc} is missing, unaligned or outside its region")
+    base: dict[int, Value] = {}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(program.ops):
+        for x in op.ins:
+            if isinstance(x, Value):
+                last[id(base.get(id(x), x))] = i
+        if is_view(op):
+            base[id(op.outs[0])] = base.get(id(op.ins[0]), op.ins[0])
+            continue
+        for o in op.outs:
+            if isinstance(o, Value):
+                if o.loc is None or o.loc[0] != "act" or o.loc[1] % ALIGN or \
+                        o.loc[1] + o.type.nbytes > program.arena["act"]:
+                    raise IRError(f"op #{i} ({op.kind}): result placement {o.loc} is missing, unaligned or outside act")
+                first[id(o)], last[id(o)] = i, max(last.get(id(o), i), i)
+    for v in program.outputs.values():
+        last[id(base.get(id(v), v))] = len(program.ops)
+    bufs = sorted((first[k], last[k], k) for k in first)
+    values = {id(o): o for op in program.ops for o in op.outs if isinstance(o, Value)}
+    for i, (f1, l1, k1) in enumerate(bufs):
+        a = values[k1]
+        for f2, l2, k2 in bufs[i + 1:]:
+            if f2 > l1:
+                break
+            b = values[k2]
+            if a.loc[1] < b.loc[1] + b.type.nbytes and b.loc[1] < a.loc[1] + a.type.nbytes:
+                raise IRError(f"activations live at ops {f1}..{l1} and {f2}..{l2} overlap in the arena "
+                              f"({a.loc} and {b.loc})")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import Q4_GROUPS, Program, Weight
+from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight
 
 QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
@@ -34,6 +34,16 @@ def _q4_group_for(k: int, group: int) -> int | None:
     return None
 
 
+def _roles(p: Program) -> tuple[list[Weight], set[int]]:
+    """The weights read as matrices (in first-use order) and the ids of the embedding tables."""
+    matrices: list[Weight] = []
+    for op in p.ops:
+        for i in MATRIX_OPERANDS.get(op.kind, ()):
+            if op.ins[i] not in matrices:
+                matrices.append(op.ins[i])
+    return matrices, {id(op.ins[0]) for op in p.ops if op.kind == "embedding"}
+
+
 def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP) -> Program:
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quant mode {mode!r}")
@@ -42,12 +52,7 @@ def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP
     p = copy.deepcopy(program)
     if mode == "none":
         return p
-    matrices: list[Weight] = []
-    for op in p.ops:
-        for i in MATRIX_OPERANDS.get(op.kind, ()):
-            if op.ins[i] not in matrices:
-                matrices.append(op.ins[i])
-    tables = {id(op.ins[0]) for op in p.ops if op.kind == "embedding"}
+    matrices, tables = _roles(p)
     for w in p.weights.values():
         if len(w.type.shape) == 2 and (id(w) in tables or w in matrices):
             w.type, w.source = type(w.type)("bf16", w.type.shape), ["cast", "bf16", w.source]
@@ -69,3 +74,25 @@ def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP
             else:
                 w.type, w.source = type(w.type)(f"q4g{g}", w.type.shape), ["q4", g, src]
     return p
+
+
+def check(program: Program, mode: str, group: int = DEFAULT_Q4_GROUP) -> None:
+    """Every weight and KV cache has the dtype its role gets in ``mode`` (the module docstring)."""
+    matrices, tables = _roles(program)
+    matrix_ids = {id(w) for w in matrices}
+
+    def want(w: Weight) -> str:
+        if mode == "none" or (id(w) not in matrix_ids and id(w) not in tables):
+            return "f32"
+        if mode == "q4" and id(w) in matrix_ids and id(w) not in tables:
+            g = _q4_group_for(w.type.shape[1], group)
+            return f"q4g{g}" if g else "bf16"
+        return "bf16"
+
+    bad = [f"{w.name} is {w.type.dtype}, expected {want(w)}" for w in program.weights.values()
+           if w.type.dtype != want(w)]
+    kv = "f32" if mode == "none" else "bf16"
+    bad += [f"{s.name} is {s.type.dtype}, expected {kv}" for s in program.states.values()
+            if s.name.endswith(("k_cache", "v_cache")) and s.type.dtype != kv]
+    if bad:
+        raise IRError(f"quantize --quant {mode}: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))

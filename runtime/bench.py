@@ -3,8 +3,8 @@
 bench: interleaved A/B rounds in one process (graph off, graph on), ms/token per round, the paired
 saving with its range (a gain is claimed only when the effect is at least 5x the paired range),
 p50 / p99 per-token latency (device time of each decode step, from events between steps), first-request latency with the graph on and off (the graph is built at
-load, so it must not fall inside the request), the bytes one step must move and that over the copy
-bandwidth measured in the same run.
+load, so it must not fall inside the request), the bytes one step must move (the launch plan's
+``step_bytes``, at the run's mean KV length) and that over the copy bandwidth measured in the same run.
 verify: the same prompt in graph and streaming mode, every step's dumped logits and hidden states
 compared byte for byte.
 """
@@ -18,11 +18,10 @@ import time
 import numpy as np
 
 from kestrel.artifacts.errors import DeviceError
-from kestrel.compiler.ir import TOKENS_STATE, State, is_view
-from kestrel.compiler.ir_text import parse_program
 from kestrel.runtime import cuda as kc
 from kestrel.runtime.generate import SamplingParams, generate
 from kestrel.runtime.gpu import GpuStep
+from kestrel.runtime.launch_binding import bytes_per_step
 
 
 def copy_bandwidth(stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -42,31 +41,6 @@ def copy_bandwidth(stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
     kc.check(cu.cuMemFree(a), "cuMemFree")
     kc.check(cu.cuMemFree(b), "cuMemFree")
     return 2 * nbytes / statistics.median(times)
-
-
-def step_bytes(program_text: str, mean_len: float) -> int:
-    """Bytes one decode step must move: every weight a kernel reads (one row of an embedding table),
-    recurrent and conv states read and written, KV rows 0..pos read (mean over the run)."""
-    prog = parse_program(program_text)
-    total, seen = 0, set()
-    for op in prog.ops:
-        if is_view(op):
-            continue
-        for i, x in enumerate(op.ins):
-            if id(x) in seen or not hasattr(x, "name") or getattr(x, "type", None) is None:
-                continue
-            seen.add(id(x))
-            if op.kind == "embedding" and i == 0:
-                total += x.type.nbytes // x.type.shape[0]
-            elif isinstance(x, State) and x.name == TOKENS_STATE:
-                total += 8  # step_end reads and writes one row
-            elif isinstance(x, State) and x.name.endswith(("k_cache", "v_cache")):
-                total += int(x.type.nbytes / x.type.shape[0] * mean_len)
-            elif isinstance(x, State):
-                total += 2 * x.type.nbytes
-            else:
-                total += x.type.nbytes
-    return total
 
 
 def _percentile(xs, q):
@@ -97,7 +71,7 @@ def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print) -> dict:
     spread = max(savings) - min(savings)
     med = {k: statistics.median(row[k] for row in per_round) for k in ("graph", "stream")}
     bw = copy_bandwidth(step.stream)
-    nbytes = step_bytes(plan.program_text, len(ids) + n_new / 2)
+    nbytes = bytes_per_step(step.binding.step_bytes, len(ids) + n_new / 2)
     return {
         "rounds": per_round, "ms_per_token": med, "graph_speedup": med["stream"] / med["graph"],
         "paired_saving_ms": effect, "paired_range_ms": spread,

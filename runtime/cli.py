@@ -7,6 +7,12 @@ import sys
 import click
 
 from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error
+from kestrel.artifacts.plan import load_plan
+from kestrel.runtime import bench as gpu_bench
+from kestrel.runtime.generate import SamplingParams, check_lengths, generate
+from kestrel.runtime.gpu import GpuStep, graph_enabled
+from kestrel.runtime.tensorrt import TrtStep
+from kestrel.runtime.tokenizer import PlanTokenizer
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -38,17 +44,11 @@ def _parse_ids(text: str) -> list[int]:
 def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
          dump_dir, bench_out, rounds, verify):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
-    from kestrel.artifacts.plan import load_plan
-    from kestrel.runtime.generate import SamplingParams, generate
-    from kestrel.runtime.tokenizer import PlanTokenizer
-
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
     ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids)
-    from kestrel.runtime.generate import check_lengths
-
     model = plan.manifest["model"]
     check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
     bad = [t for t in ids if not 0 <= t < model["vocab_size"]]
@@ -64,8 +64,6 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
     if bench_out is not None or verify:
         if device != "gpu":
             raise InputError("--bench and --verify run on the GPU: use a plan built with --target sm_XX")
-        from kestrel.runtime import bench as gpu_bench
-
         if verify:
             r = gpu_bench.verify(plan, ids, max_new_tokens)
             click.echo(json.dumps(r) if as_json else f"verified: graph and streaming byte-identical over "
@@ -87,16 +85,11 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
                    f"roofline {r['roofline_ms']:.3f} ms; graph at {r['fraction_of_roofline']:.1%} of it")
         return
     if device == "tensorrt":
-        from kestrel.runtime.gpu import graph_enabled
-        from kestrel.runtime.tensorrt import TrtStep
-
         step = TrtStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
     elif device == "gpu":
-        from kestrel.runtime.gpu import GpuStep, graph_enabled
-
         step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
     else:
-        from kestrel.runtime.cpu import CpuStep
+        from kestrel.runtime.cpu import CpuStep  # the CPU reference path needs torch; nothing else here does
 
         step = CpuStep(plan)
     plan.close()

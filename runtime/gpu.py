@@ -1,8 +1,9 @@
 """GPU runtime: runs a plan's launch list from its cubins. numpy + cuda.bindings only (no torch).
 
-At load (before any request): check the plan's arch against the GPU, allocate the one arena,
-upload the weights (checksummed as they are read), zero the state, load the cubins, pack every
-launch's arguments once (arena base + offset, or a constant), and — unless KESTREL_GRAPH=0 —
+Its only input is the plan's launch plan (bound to the arena by runtime/launch_binding.py): at load
+(before any request) check the plan's arch against the GPU, allocate the one arena, upload the
+weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
+state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
 build the step's CUDA graph from explicit kernel nodes and instantiate it. Per token: one graph
 launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
@@ -18,12 +19,8 @@ import numpy as np
 
 from kestrel.artifacts.errors import ArtifactError, DeviceError, UnsupportedError
 from kestrel.artifacts.plan import Plan
-from kestrel.compiler.ir import TOKENS_STATE
-from kestrel.compiler.ir_text import parse_program
 from kestrel.runtime import cuda as kc
-
-REGION_ORDER = ("weights", "state", "dyn", "act", "scratch")
-ALIGN = 256
+from kestrel.runtime.launch_binding import bind
 
 
 def graph_enabled(no_graph_flag: bool = False) -> bool:
@@ -45,15 +42,15 @@ class _DynSlots:
 
     def __getitem__(self, name):
         slot = self.table[name]
-        buf = np.zeros(1, dtype=np.int32 if slot["dtype"] == "i32" else np.float32)
+        buf = np.zeros(1, dtype=np.int32 if slot.dtype == "i32" else np.float32)
         self.step.sync()
-        self.step.copy_from_device(buf, self.step.base["dyn"] + slot["offset"])
+        self.step.copy_from_device(buf, slot.address)
         return buf[0].item()
 
     def __setitem__(self, name, value):
         slot = self.table[name]
-        buf = np.array([value], dtype=np.int32 if slot["dtype"] == "i32" else np.float32)
-        self.step.copy_to_device(self.step.base["dyn"] + slot["offset"], buf)
+        buf = np.array([value], dtype=np.int32 if slot.dtype == "i32" else np.float32)
+        self.step.copy_to_device(slot.address, buf)
 
 
 class GpuStep:
@@ -69,22 +66,16 @@ class GpuStep:
         want = int(target.split("_")[1])
         if cc != want:
             raise DeviceError(f"this plan was built for {target}, this GPU is sm_{cc}: rebuild with --target sm_{cc}")
+        if lp.get("tokens") is None or "n_prompt" not in lp["dyn_slots"]:
+            raise ArtifactError("this plan has no device token sequence (made by an older Kestrel): rebuild it")
         self.max_seq = plan.manifest["max_seq"]
         self.stream = kc.check(cu.cuStreamCreate(0), "cuStreamCreate")
-        # the arena: regions back to back, each 256-byte aligned
-        offsets, total = {}, 0
-        for r in REGION_ORDER:
-            offsets[r] = total
-            total += (lp["arena"].get(r, 0) + ALIGN - 1) // ALIGN * ALIGN
-        self.arena = kc.check(cu.cuMemAlloc(max(total, ALIGN)), "cuMemAlloc (arena)")
-        self.base = {r: int(self.arena) + o for r, o in offsets.items()}
-        kc.check(cu.cuMemsetD8(self.arena, 0, total), "cuMemsetD8")
-        program = parse_program(plan.program_text)
-        self.outputs = {name: (int(self.base[v.loc[0]]) + v.loc[1], v.type.numel) for name, v in program.outputs.items()}
-        tokens = program.states.get(TOKENS_STATE)
-        if tokens is None or "n_prompt" not in lp["dyn_slots"]:
-            raise ArtifactError("this plan has no device token sequence (made by an older Kestrel): rebuild it")
-        self.tokens_addr = self.base["state"] + tokens.loc[1]
+        # one arena: the launch plan's regions back to back, bound to its address
+        self.arena = kc.check(cu.cuMemAlloc(lp["arena_bytes"]), "cuMemAlloc (arena)")
+        self.binding = b = bind(lp, int(self.arena))
+        kc.check(cu.cuMemsetD8(self.arena, 0, lp["arena_bytes"]), "cuMemsetD8")
+        self.outputs = {name: (o.address, o.numel) for name, o in b.outputs.items()}
+        self.tokens_addr = b.tokens.address
         # pinned host mirror of the token sequence: the asynchronous copies land here
         self._host_ptr = kc.check(cu.cuMemAllocHost(4 * self.max_seq), "cuMemAllocHost")
         self.host_tokens = np.ctypeslib.as_array((ctypes.c_int32 * self.max_seq).from_address(int(self._host_ptr)))
@@ -94,32 +85,18 @@ class GpuStep:
                              for _ in range(4)]
         self._n_copies = 0
         self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
-        rnd = plan.random_weights
-        if rnd is not None:  # benchmarking plan: fill the weights region on the device from the seed
-            from kestrel.kernels.fill import CHUNK_WORDS, chunk_seed
-
-            n_words = lp["arena"]["weights"] // 4
-            fill = self.kernels[rnd["fill_kernel"]]
-            block = lp["kernels"][rnd["fill_kernel"]]["constexprs"]["BLOCK"]
-            for c, lo in enumerate(range(0, n_words, CHUNK_WORDS)):
-                n = min(CHUNK_WORDS, n_words - lo)
-                args = kc.PackedArgs(["*i32", "i32", "i32"], [self.base["weights"] + 4 * lo, chunk_seed(rnd["seed"], c), n])
-                kc.launch(fill, [(n + block - 1) // block, 1, 1], args, self.stream)
-                self.sync()  # args live until the launch has been made
-        else:
-            for name, w in program.weights.items():  # checksummed as read; one weight in host memory at a time
-                data = np.frombuffer(plan.read(name), dtype=np.uint8)
-                self.copy_to_device(self.base["weights"] + w.loc[1], data)
-        self.launches = []
-        for launch in lp["launches"]:
-            k = lp["kernels"][launch["kernel_index"]]
-            values = [self.base[a["region"]] + a["offset"] if "region" in a else a["const"] for a in launch["args"]]
-            values += launch["scalars"]
-            types = [t for _, t in k["params"]]
-            scratch = self.base["scratch"] if k["global_scratch_size"] else 0
-            self.launches.append((self.kernels[launch["kernel_index"]], launch["grid"],
-                                  kc.PackedArgs(types, values, (scratch, 0))))
-        self.dyn = _DynSlots(self, lp["dyn_slots"])
+        fill = [self._pack(launch) for launch in b.fill]  # a random-weights plan: the weights made on the device
+        for kernel, grid, args in fill:
+            kc.launch(kernel, grid, args, self.stream)
+        self.sync()  # the packed arguments live until the launches have been made
+        for name, addr, nbytes in b.weights:  # a checkpoint plan: checksummed as read, one weight in memory at a time
+            data = np.frombuffer(plan.read(name), dtype=np.uint8)
+            if data.nbytes != nbytes:
+                raise ArtifactError(f"{plan.path}: weight {name!r} has {data.nbytes} bytes, the launch plan "
+                                    f"places {nbytes}; rebuild the plan")
+            self.copy_to_device(addr, data)
+        self.launches = [self._pack(launch) for launch in b.launches]
+        self.dyn = _DynSlots(self, b.dyn)
         self.graph_exec = None
         self.graph_fallbacks = 0
         if use_graph:
@@ -142,6 +119,11 @@ class GpuStep:
             raise DeviceError("the CUDA graph was not built for this step")
         self.sync()
         self.use_graph = on
+
+    def _pack(self, launch):
+        """(kernel, grid, arguments packed once) for a bound launch."""
+        return (self.kernels[launch.kernel_index], launch.grid,
+                kc.PackedArgs(launch.types, launch.values, (launch.scratch, 0)))
 
     # --- memory ------------------------------------------------------------------------------
     def copy_to_device(self, dst: int, src: np.ndarray) -> None:
@@ -177,22 +159,22 @@ class GpuStep:
     def reset(self) -> None:
         cu = kc.driver()
         self.sync()
-        kc.check(cu.cuMemsetD8(self.base["state"], 0, self.base["dyn"] - self.base["state"]), "cuMemsetD8 (state)")
-        kc.check(cu.cuMemsetD8(self.base["dyn"], 0, self.base["act"] - self.base["dyn"]), "cuMemsetD8 (dyn)")
+        for addr, nbytes in self.binding.reset:  # states and dyn slots
+            kc.check(cu.cuMemsetD8(addr, 0, nbytes), "cuMemsetD8 (reset)")
         self.sync()
 
     def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int) -> None:
         """Start a request: zero the states, upload the prompt ids and the dyn slots (the request's
         one host write; generate checked the lengths, and the kernels clamp anyway)."""
         self.reset()
-        slots = self.dyn.table
-        image = np.zeros(max(s["offset"] for s in slots.values()) // 4 + 1, dtype=np.int32)
+        slots, base = self.dyn.table, self.binding.regions["dyn"]
+        image = np.zeros(max(s.address - base for s in slots.values()) // 4 + 1, dtype=np.int32)
         values = dict(pos=0, token=prompt[0], n_prompt=len(prompt), temperature=temperature, top_p=top_p, seed=seed)
         for name, v in values.items():
             if name in slots:
-                arr = image.view(np.float32) if slots[name]["dtype"] == "f32" else image
-                arr[slots[name]["offset"] // 4] = v
-        self.copy_to_device(self.base["dyn"], image)
+                arr = image.view(np.float32) if slots[name].dtype == "f32" else image
+                arr[(slots[name].address - base) // 4] = v
+        self.copy_to_device(base, image)
         self.copy_to_device(self.tokens_addr, np.asarray(prompt[:self.max_seq], dtype=np.int32))
         self._n_marks = 0
 

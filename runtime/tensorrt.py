@@ -1,15 +1,12 @@
-"""TensorRT backend: build an engine from the ONNX step, and run engine plans. numpy + cuda.bindings +
-tensorrt (no torch).
+"""TensorRT backend, the runtime half: run engine plans. numpy + cuda.bindings + tensorrt (no torch);
+the engine is built by the compiler (compiler/tensorrt_build.py).
 
 Written against the documented TensorRT (>= 10) Python API and NOT RUN on these machines: TensorRT
 cannot be installed here (tests/test_onnx.py runs the engine test only where ``import tensorrt``
 works). What is checked here is the ONNX graph it builds from (onnxruntime against the CPU path).
 
-* ``build_engine``: ``trt.Builder`` + ``trt.OnnxParser`` on the ONNX step (compiler/onnx_export.py),
-  a strongly typed network (the precision is the graph's: bf16 weights cast to fp32, fp32 math; TF32
-  off; TensorRT 10.12 deprecates and 11 removes the BF16/FP16 builder flags), fixed shapes, then
-  ``builder.build_serialized_network``. The compiler stores the bytes as the plan part ENGINE_PART
-  with manifest keys ``backend: "tensorrt"``, ``tensorrt_version``, ``compute_capability``.
+* The engine is the plan part ENGINE_PART, with manifest keys ``backend: "tensorrt"``,
+  ``tensorrt_version``, ``compute_capability``.
 * ``TrtStep``: the step object of runtime/generate.py for an engine plan. At load: the TensorRT
   version and the GPU are checked against the manifest (an engine runs only on the TensorRT version
   and GPU it was built with), the engine is deserialized, every IO tensor gets a device buffer by
@@ -23,25 +20,17 @@ works). What is checked here is the ONNX graph it builds from (onnxruntime again
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
-from kestrel.artifacts.errors import ArtifactError, BackendMissingError, DeviceError, UnsupportedError
+from kestrel.artifacts.errors import ArtifactError, DeviceError, UnsupportedError, import_optional
+from kestrel.artifacts.plan import ENGINE_PART, STATE_OUT_SUFFIX, TENSORRT_MISSING
 from kestrel.runtime import cuda as kc
-
-ENGINE_PART = "__kestrel__/tensorrt_engine"
-STATE_OUT_SUFFIX = ".out"  # <state> in, <state>.out out: the ONNX step's naming (compiler/onnx_export.py)
-WORKSPACE_BYTES = 1 << 30
 
 
 def import_tensorrt():
     """The tensorrt module, or BackendMissingError naming what is missing."""
-    try:
-        import tensorrt
-    except ImportError as e:
-        raise BackendMissingError(f"TensorRT is not installed here (`import tensorrt`: {e})") from None
-    return tensorrt
+    return import_optional("tensorrt", TENSORRT_MISSING)
 
 
 def gpu_compute_capability(context: str) -> int:
@@ -51,34 +40,6 @@ def gpu_compute_capability(context: str) -> int:
         return kc.compute_capability(dev)
     except DeviceError as e:
         raise DeviceError(f"{context}: no usable GPU ({e.message.split('; run with')[0]})") from None
-
-
-def build_engine(onnx_path: str, log=print, workspace_bytes: int = WORKSPACE_BYTES) -> tuple[bytes, str]:
-    """Parse the ONNX step (external data is found next to it) and build a serialized engine for this GPU.
-    Returns (engine bytes, TensorRT version)."""
-    trt = import_tensorrt()
-    version = trt.__version__
-    flags = getattr(trt, "NetworkDefinitionCreationFlag", None)
-    if flags is None or not hasattr(flags, "STRONGLY_TYPED"):
-        raise UnsupportedError(f"TensorRT {version} has no strongly typed networks: TensorRT >= 10 is needed")
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(flags.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(onnx_path):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise UnsupportedError(f"TensorRT {version} could not parse {onnx_path}: {errors}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-    if hasattr(trt.BuilderFlag, "TF32"):
-        config.clear_flag(trt.BuilderFlag.TF32)  # fp32 matmuls stay fp32, as in Kestrel's kernels
-    log(f"tensorrt: building the engine from {onnx_path} (TensorRT {version}, strongly typed, fixed shapes)")
-    t0 = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise DeviceError(f"TensorRT {version} failed to build an engine from {onnx_path} (its log above says why)")
-    log(f"tensorrt: engine built in {time.perf_counter() - t0:.1f} s")
-    return bytes(serialized), version
 
 
 def _itemsize(trt, dtype) -> int:

@@ -1,6 +1,8 @@
 """Text <-> token ids for a plan, through the tokenizers library (the plan stores a tokenizer.json)."""
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+
 from kestrel.artifacts.errors import ArtifactError, InputError
 
 
@@ -8,16 +10,11 @@ class PlanTokenizer:
     def __init__(self, tokenizer_json: str | None):
         self._tok = None
         if tokenizer_json is not None:
-            from tokenizers import Tokenizer
 
             try:
                 self._tok = Tokenizer.from_str(tokenizer_json)
             except Exception as e:  # the library raises plain Exception subclasses
                 raise ArtifactError(f"the plan's tokenizer cannot be loaded ({e}); rebuild the plan") from None
-
-    @property
-    def available(self) -> bool:
-        return self._tok is not None
 
     def encode(self, text: str) -> list[int]:
         if self._tok is None:

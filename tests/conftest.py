@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def tiny_plan(tmp_path_factory):
-    from kestrel.compiler.pipeline import build
+    from kestrel.compiler.build import build
 
     path = str(tmp_path_factory.mktemp("tiny") / "tiny.plan")
     build("tiny", path, max_seq=256, log=lambda m: None, progress=False)

@@ -38,7 +38,7 @@ def test_plan_is_a_safetensors_file(tiny_plan):
 
 
 def test_build_is_reproducible(tiny_plan, tmp_path):
-    from kestrel.compiler.pipeline import build
+    from kestrel.compiler.build import build
 
     other = str(tmp_path / "again.plan")
     build("tiny", other, max_seq=256, log=lambda m: None, progress=False)

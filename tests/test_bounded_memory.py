@@ -28,7 +28,7 @@ import torch, safetensors, tokenizers  # imported before the baseline
 threading.Thread(target=sample, daemon=True).start()
 time.sleep(0.05)
 base = peak[0]
-from kestrel.compiler.pipeline import build
+from kestrel.compiler.build import build
 build(sys.argv[1], sys.argv[2], max_seq=16, log=lambda m: None, progress=False)
 time.sleep(0.05)
 print(peak[0] - base)

@@ -2,7 +2,9 @@
 import pytest
 
 from kestrel.compiler.frontend import parse_config
-from kestrel.compiler.ir import IRError, Program, verify
+from kestrel.compiler.ir import IRError, Program
+from kestrel.compiler.ops import emit, verify
+from kestrel.passes import plan_memory
 from kestrel.compiler.ir_text import parse_program, print_program
 from kestrel.compiler.presets import PRESETS
 from kestrel.compiler.qwen3_5 import lower
@@ -14,9 +16,9 @@ def tiny_program() -> Program:
 
 
 def compiled_program(target="sm_90", quant="q4") -> Program:
-    from kestrel.compiler.pipeline import run_passes
+    from kestrel.passes.pipeline import PassOptions, run_passes
 
-    return run_passes(tiny_program(), target, quant)
+    return run_passes(tiny_program(), PassOptions(target, quant))
 
 
 def test_round_trip_is_exact():
@@ -53,7 +55,7 @@ def test_names_are_assigned_at_print_time():
     # at the end leaves every earlier line unchanged
     assert not hasattr(prog.outputs["hidden"], "name")
     x = prog.outputs["hidden"]
-    prog.emit("add", x, x)
+    emit(prog, "add", x, x)
     after = print_program(prog).splitlines()
     ops_before = [l for l in before if not l.startswith("output")]
     assert after[:len(ops_before)] == ops_before
@@ -89,9 +91,9 @@ def test_verify_rejects_mismatched_matmul():
     tok = p.add_dyn("token", "i32")
     e = p.add_weight("e", "f32", (10, 8))
     w = p.add_weight("w", "f32", (4, 7))
-    x = p.emit("embedding", e, tok)
+    x = emit(p, "embedding", e, tok)
     with pytest.raises(IRError, match="matmul"):
-        p.emit("matmul", x, w)
+        emit(p, "matmul", x, w)
     verify(p)
 
 
@@ -100,9 +102,9 @@ def test_verify_catches_overlapping_live_activations():
 
     path = os.path.join(os.path.dirname(__file__), "golden", "plan_memory", "liveness_chain.out.ir")
     text = open(path).read()
-    parse_program(text)  # the planned program is hazard-free ...
+    plan_memory.check(parse_program(text))  # the planned program is hazard-free ...
     bad = text.replace("%3 : f32[64] @act+256", "%3 : f32[64] @act+512")  # ... put %3 over the live %2
     with pytest.raises(IRError, match="overlap in the arena"):
-        parse_program(bad)
+        plan_memory.check(parse_program(bad))
     with pytest.raises(IRError, match="unaligned"):
-        parse_program(text.replace("%3 : f32[64] @act+256", "%3 : f32[64] @act+260"))
+        plan_memory.check(parse_program(text.replace("%3 : f32[64] @act+256", "%3 : f32[64] @act+260")))

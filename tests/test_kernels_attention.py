@@ -54,7 +54,7 @@ def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
-    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nh, s), TARGETS["sm_90"])
+    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nh, s, TARGETS["sm_90"]), TARGETS["sm_90"])
     consts = dict(c["constexprs"], **({"BLOCK_S": block_s} if block_s else {}))
     before_k, before_v = kc.clone(), vc.clone()
     out = run_kernel(*inputs, pos, rotary_dim, consts, c["grid"])
@@ -108,7 +108,7 @@ def test_attn_step_clamps_pos():
 
 def test_launch_rule():
     for t in TARGETS.values():
-        c = attn_step_launch(24, 4, 256, 4096, attn_splits(24, 4096), t)
+        c = attn_step_launch(24, 4, 256, 4096, attn_splits(24, 4096, t), t)
         assert c["grid"] == [24, 8, 1]  # 192 programs at 27B
         assert {"NH", "NKV", "D", "S", "SPLITS", "BLOCK_D", "BLOCK_S"} <= set(c["constexprs"])
         assert c["constexprs"]["PIPE_BYTES"] + 16 * 1024 <= SMEM_OPTIN[t.cc]
@@ -118,10 +118,10 @@ def test_launch_rule():
 # suite runs Triton in interpreter mode; one process instead of one per job keeps this fast).
 _COMPILE_ALL = r"""
 import json, sys
-from kestrel.kernels.aot import compile_kernel
+from kestrel.compiler.codegen import compile_kernel
 res = []
 for kid, types, consts, nw, cc in json.loads(sys.stdin.read()):
-    k = compile_kernel(kid, types, consts, nw, cc, aligned=[t.startswith("*") for t in types])
+    k = compile_kernel(kid, "kestrel.kernels.attention:attn_step_kernel", types, consts, nw, cc, aligned=[t.startswith("*") for t in types])
     res.append({"elf": k.cubin[:4] == b"\x7fELF", "name": k.name, "arch": k.arch, "shared": k.shared,
                 "num_warps": k.num_warps})
 print(json.dumps(res))
@@ -132,7 +132,7 @@ PTR = {"bf16": "*bf16", "f32": "*fp32"}
 
 def aot_jobs(dt):
     types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
-    launches = [attn_step_launch(*shape, attn_splits(shape[0], shape[3]), t) for shape in AOT_SHAPES
+    launches = [attn_step_launch(*shape, attn_splits(shape[0], shape[3], t), t) for shape in AOT_SHAPES
                 for t in TARGETS.values()]
     ccs = [t.cc for _ in AOT_SHAPES for t in TARGETS.values()]
     return [(f"attn_step_{dt}", types, c["constexprs"], c["num_warps"], cc) for c, cc in zip(launches, ccs)]

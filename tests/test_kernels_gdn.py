@@ -113,11 +113,11 @@ PARAMS = {"gdn_delta": (9, 2), "gdn_norm": (6, 1)}
 
 _COMPILE_ALL = """
 import json, sys
-from kestrel.kernels.aot import compile_kernel
+from kestrel.compiler.codegen import compile_kernel
 res = {}
 for key, kernel, (n_ptr, n_scalar), consts, num_warps, cc in json.loads(sys.stdin.read()):
     try:
-        ck = compile_kernel(kernel, ["*fp32"] * n_ptr + ["fp32"] * n_scalar, consts, num_warps, cc,
+        ck = compile_kernel(kernel, "kestrel.kernels.gated_delta:" + kernel + "_kernel", ["*fp32"] * n_ptr + ["fp32"] * n_scalar, consts, num_warps, cc,
                             [True] * n_ptr + [False] * n_scalar)
         res[key] = [len(ck.cubin), ck.num_warps, ck.arch]
     except Exception as e:  # reported per (kernel, shape, target) by the test

@@ -166,13 +166,13 @@ def _aot_jobs():
 
 
 def _compile_job(job):
-    from kestrel.kernels.aot import compile_kernel
+    from kestrel.compiler.codegen import compile_kernel
 
     target, fused, group, shape = job
     wt, n, k, _ = ODD_SHAPES.get(shape, ("*u8" if group else "*bf16",) + REAL_SHAPES.get(shape, ()) + (group,))
     c = matvec_launch(n, k, group, TARGETS[target])
     types = ["*fp32"] + [wt] * (2 if fused else 1) + ["*fp32"]
-    ck = compile_kernel(_kernel_id(fused, group, wt), types, c["constexprs"], c["num_warps"], TARGETS[target].cc,
+    ck = compile_kernel(_kernel_id(fused, group, wt), matvec_swiglu_kernel if fused else matvec_kernel, types, c["constexprs"], c["num_warps"], TARGETS[target].cc,
                         aligned=[True] * len(types))
     return {"job": list(job), "name": ck.name, "cubin": len(ck.cubin), "shared": ck.shared, "wt": wt,
             "num_warps": ck.num_warps, "arch": ck.arch, "params": [t for _, t in ck.params]}

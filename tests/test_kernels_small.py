@@ -2,13 +2,15 @@
 torch references (fresh random inputs, bf16 paths included), and AOT compilation for every target."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernel_harness import assert_close, interpret
-from kestrel.kernels.aot import compile_kernel
+from kestrel.compiler.codegen import compile_kernel
 from kestrel.kernels.embedding import embedding_kernel, embedding_launch, embedding_ref
 from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
                                      rmsnorm_ref)
-from kestrel.kernels.sample import (sample_kernel, sample_launch, sample_ref, step_end_kernel, step_end_launch,
+from kestrel.kernels.sample import (_uniform, sample_kernel, sample_launch, sample_ref, step_end_kernel, step_end_launch,
                                     step_end_ref, uniform_from)
 from kestrel.kernels.targets import TARGETS
 
@@ -76,11 +78,22 @@ def test_sample_seeded_matches_reference():
     assert agree == 6  # float sums differ in order from torch; a boundary case may flip, none does here
 
 
-def test_uniform_matches_reference_hash():
-    from kestrel.kernels.sample import _uniform  # noqa: F401  (the jit helper used by sample_kernel)
+@triton.jit
+def _uniform_probe(seed_ptr, pos_ptr, out_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _uniform(tl.load(seed_ptr + i), tl.load(pos_ptr + i)))
 
-    # the same numbers drive the reference: check the distribution and repeatability of the hash
-    us = [uniform_from(s, p) for s in range(40) for p in range(40)]
+
+def test_device_uniform_matches_reference_hash():
+    """sample_kernel's random number (the jit helper ``_uniform``) is bit for bit the reference's
+    ``uniform_from`` over 1600 (seed, pos) pairs, and those are spread over [0, 1)."""
+    pairs = [(s * 7919 % 2 ** 31, p * 104729 % 2 ** 31) for s in range(40) for p in range(40)]
+    seeds = torch.tensor([s for s, _ in pairs] + [0] * 448, dtype=torch.int32)
+    poss = torch.tensor([p for _, p in pairs] + [0] * 448, dtype=torch.int32)
+    out = torch.zeros(2048, dtype=torch.float32)
+    interpret(_uniform_probe)[(1,)](seeds, poss, out, BLOCK=2048)
+    us = [uniform_from(s, p) for s, p in pairs]
+    assert out[:1600].tolist() == us
     assert 0.45 < sum(us) / len(us) < 0.55 and len(set(us)) > 1500
 
 
@@ -101,14 +114,14 @@ def test_step_end(pos, n_prompt):
 def test_aot_compiles_for_every_target(cc):
     t = TARGETS["sm_90"]
     jobs = [
-        ("embedding_bf16", ["*bf16", "*i32", "*fp32"], embedding_launch(5120, t)),
-        ("rmsnorm", ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
-        ("add_rmsnorm", ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
-        ("sample", ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"], sample_launch(248320, t)),
-        ("step_end", ["*i32"] * 6, step_end_launch(4096, t)),
+        ("embedding_bf16", embedding_kernel, ["*bf16", "*i32", "*fp32"], embedding_launch(5120, t)),
+        ("rmsnorm", rmsnorm_kernel, ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
+        ("add_rmsnorm", add_rmsnorm_kernel, ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
+        ("sample", sample_kernel, ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"], sample_launch(248320, t)),
+        ("step_end", step_end_kernel, ["*i32"] * 6, step_end_launch(4096, t)),
     ]
-    for kid, types, launch in jobs:
-        k = compile_kernel(kid, types, launch["constexprs"], launch["num_warps"], cc)
+    for kid, jit, types, launch in jobs:
+        k = compile_kernel(kid, jit, types, launch["constexprs"], launch["num_warps"], cc)
         assert k.cubin[:4] == b"\x7fELF" and k.name and k.num_warps == launch["num_warps"]
         assert k.arch == f"sm_{cc}{'a' if cc >= 90 else ''}"
 
@@ -122,5 +135,5 @@ def test_fill_random_matches_numpy_twin():
     assert (out[:2500].numpy().view("u4") == ref).all() and (out[2500:] == 0).all()
     as_bf16 = torch.from_numpy(ref.copy()).view(torch.int32).view(torch.bfloat16).float()
     assert torch.isfinite(as_bf16).all() and as_bf16.abs().max() < 0.02 and as_bf16.abs().min() >= 2 ** -7
-    k = compile_kernel("fill_random", ["*i32", "i32", "i32"], {"BLOCK": FILL_BLOCK}, 4, 90)
+    k = compile_kernel("fill_random", fill_random_kernel, ["*i32", "i32", "i32"], {"BLOCK": FILL_BLOCK}, 4, 90)
     assert k.cubin[:4] == b"\x7fELF"

@@ -8,29 +8,27 @@ import pytest
 import torch
 
 from kestrel.artifacts.plan import load_plan
-from kestrel.compiler.ir_text import parse_program
-from kestrel.kernels.aot import jit_function
+from kestrel.compiler.codegen import jit_function
 from kestrel.runtime.cpu import CpuStep
-from kestrel.runtime.gpu import REGION_ORDER
+from kestrel.runtime.launch_binding import bind
 
 PTR = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*i32": torch.int32, "*u8": torch.uint8,
        "*fp16": torch.float16}
 
 
 class InterpretedPlan:
+    """The launch plan bound (runtime/launch_binding.bind, as the GPU runtime binds it) to offset 0 of
+    one byte tensor, every launch run in the interpreter: a pointer parameter becomes a view of the
+    arena at its bound address."""
+
     def __init__(self, plan):
         lp = plan.launch_plan
-        self.lp = lp
-        self.base, total = {}, 0
-        for r in REGION_ORDER:
-            self.base[r] = total
-            total += (lp["arena"].get(r, 0) + 255) // 256 * 256
-        self.arena = torch.zeros(total + 256, dtype=torch.uint8)
-        self.program = parse_program(plan.program_text)
-        for name, w in self.program.weights.items():
+        self.lp, self.b = lp, bind(lp, 0)
+        self.arena = torch.zeros(self.b.arena_bytes, dtype=torch.uint8)
+        for name, addr, nbytes in self.b.weights:
             data = torch.from_numpy(np.frombuffer(plan.read(name), dtype=np.uint8).copy())
-            off = self.base["weights"] + w.loc[1]
-            self.arena[off:off + data.numel()] = data
+            assert data.numel() == nbytes
+            self.arena[addr:addr + nbytes] = data
 
     def view(self, off, ptr_type):
         dt = PTR[ptr_type]
@@ -39,23 +37,21 @@ class InterpretedPlan:
         return self.arena[off:off + n * size].view(dt)
 
     def dyn(self, name, value=None):
-        slot = self.lp["dyn_slots"][name]
-        v = self.view(self.base["dyn"] + slot["offset"], "*i32" if slot["dtype"] == "i32" else "*fp32")
+        slot = self.b.dyn[name]
+        v = self.view(slot.address, "*i32" if slot.dtype == "i32" else "*fp32")
         if value is not None:
             v[0] = value
         return v[0].item()
 
     def run(self):
-        for launch in self.lp["launches"]:
-            k = self.lp["kernels"][launch["kernel_index"]]
-            types = [t for _, t in k["params"]]
-            args = [self.view(self.base[a["region"]] + a["offset"], t) if "region" in a else a["const"]
-                    for a, t in zip(launch["args"], types)] + launch["scalars"]
-            jit_function(k["id"])[tuple(launch["grid"])](*args, **k["constexprs"])
+        for launch in self.b.launches:
+            k = self.lp["kernels"][launch.kernel_index]
+            args = [self.view(v, t) if t.startswith("*") else v for v, t in zip(launch.values, launch.types)]
+            jit_function(k["jit"])[launch.grid](*args, **k["constexprs"])
 
     def output(self, name):
-        v = self.program.outputs[name]
-        return self.view(self.base["act"] + v.loc[1], "*fp32")[:v.type.numel].clone()
+        o = self.b.outputs[name]
+        return self.view(o.address, "*fp32")[:o.numel].clone()
 
 
 # small enough for the interpreter (it runs every program of every grid in Python), with both layer
@@ -101,7 +97,7 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
     cpu.begin(prompt, 0.0, 1.0, 0)
     for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", 5), ("n_prompt", 2)):
         gpu.dyn(name, v)
-    tokens = gpu.view(gpu.base["state"] + gpu.program.states["tokens"].loc[1], "*i32")[:16]
+    tokens = gpu.view(gpu.b.tokens.address, "*i32")[:gpu.b.tokens.numel]
     tokens[:2] = torch.tensor(prompt, dtype=torch.int32)
     for step in range(4):  # two prompt tokens, then the kernels feed the sampled tokens back themselves
         gpu.run()

@@ -30,12 +30,13 @@ HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 
 def _tiny(quant: str):
     """(program, plan-layout weight bytes by name, ModelProto, StepSignature) for the tiny preset."""
-    from kestrel.compiler.onnx_export import export_program, open_model, step_program
+    from kestrel.compiler.build import open_model, step_program
+    from kestrel.compiler.onnx_export import export_program
     from kestrel.compiler.weights import weight_bytes
 
-    with open_model("tiny") as (ck, _, _):
-        prog = step_program(ck.cfg, MAX_SEQ, quant)
-        raw = {n: bytes(weight_bytes(w, ck.read)) for n, w in prog.weights.items()}
+    with open_model("tiny", MAX_SEQ) as m:
+        prog = step_program(m.cfg, MAX_SEQ, quant)
+        raw = {n: bytes(weight_bytes(w, m.ck.read)) for n, w in prog.weights.items()}
     model, sig = export_program(prog, lambda n: raw[n])
     return prog, raw, model, sig
 
@@ -121,7 +122,8 @@ def test_onnx_step_passes_checker_and_strict_shape_inference(exported):
 def _with_gdn_step(prog):
     """The fused program with each gdn_delta + gdn_norm pair merged into one gdn_step (valid IR that
     fuse does not emit; its CPU reference composes the same single-op references)."""
-    from kestrel.compiler.ir import Op, verify
+    from kestrel.compiler.ir import Op
+    from kestrel.compiler.ops import verify
 
     ops = list(prog.ops)
     for delta in [op for op in ops if op.kind == "gdn_delta"]:
@@ -138,15 +140,16 @@ def _with_gdn_step(prog):
 
 def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
     """The unfused lowering (quantize only) and a program with gdn_step cover every op kind but step_end."""
-    from kestrel.compiler.ir import OP_SPECS
-    from kestrel.compiler.onnx_export import export_program, open_model
+    from kestrel.compiler.build import open_model
+    from kestrel.compiler.onnx_export import export_program
+    from kestrel.compiler.ops import OPS
     from kestrel.compiler.qwen3_5 import lower
     from kestrel.compiler.weights import weight_bytes
     from kestrel.passes.quantize import quantize
 
-    with open_model("tiny") as (ck, _, _):
-        unfused = quantize(lower(ck.cfg, MAX_SEQ), "none")
-        raw = {n: bytes(weight_bytes(w, ck.read)) for n, w in unfused.weights.items()}
+    with open_model("tiny", MAX_SEQ) as m:
+        unfused = quantize(lower(m.cfg, MAX_SEQ), "none")
+        raw = {n: bytes(weight_bytes(w, m.ck.read)) for n, w in unfused.weights.items()}
     fused, fused_raw, _, _ = _tiny("none")
     kinds = set()
     for prog, weights in ((unfused, raw), (_with_gdn_step(fused), fused_raw)):
@@ -156,7 +159,7 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
         assert [t for t, _ in got] == [t for t, _ in want]
         assert max(float(np.abs(a - b).max() / np.abs(b).max()) for (_, a), (_, b) in zip(got, want)) <= TOL
     # gdn_delta / gdn_norm: the fused program of test_onnx_step_matches_cpu_reference; step_end: after hoist_dynamic
-    assert kinds | {"gdn_delta", "gdn_norm", "step_end"} == set(OP_SPECS)
+    assert kinds | {"gdn_delta", "gdn_norm", "step_end"} == set(OPS)
 
 
 def test_unused_states_and_dyn_slots_stay_out_of_the_graph():
@@ -183,7 +186,7 @@ def test_program_after_hoist_dynamic_is_refused():
 
 
 def test_external_data_gives_the_same_step(tmp_path):
-    from kestrel.compiler.onnx_export import export
+    from kestrel.compiler.build import export_onnx as export
 
     out = str(tmp_path / "step.onnx")
     r = export("tiny", out, max_seq=MAX_SEQ, external=True, log=lambda m: None)
@@ -231,12 +234,13 @@ def test_tensorrt_engine_plan_matches_cpu_reference(tmp_path):
     """Where TensorRT and a GPU exist: build an engine plan, run it with TrtStep, compare with the CPU path."""
     from kestrel.artifacts.errors import DeviceError
     from kestrel.artifacts.plan import load_plan
-    from kestrel.compiler.onnx_export import build_tensorrt
+    from kestrel.compiler.build import build_tensorrt
+    from kestrel.compiler.tensorrt_build import gpu_compute_capability
     from kestrel.kernels.targets import ALL_TARGETS
     from kestrel.runtime import tensorrt as rt
 
     try:
-        cc = rt.gpu_compute_capability("test")
+        cc = gpu_compute_capability("test")
     except DeviceError as e:
         pytest.skip(f"no CUDA GPU here ({e})")
     target = f"sm_{cc}"
@@ -265,7 +269,7 @@ def _engine_plan(path: str, tensorrt_version: str) -> str:
     """A plan laid out as build --backend tensorrt writes it, with placeholder engine bytes."""
     from kestrel.artifacts.plan import PlanInfo, write_plan
     from kestrel.compiler.ir_text import print_program
-    from kestrel.runtime.tensorrt import ENGINE_PART
+    from kestrel.artifacts.plan import ENGINE_PART
 
     from kestrel.compiler.frontend import parse_config
     from kestrel.compiler.presets import PRESETS

@@ -8,7 +8,7 @@ import torch
 
 from hf_checkpoints import CONFIGS, hf_greedy, make_multimodal_checkpoint, make_text_checkpoint
 from kestrel.artifacts.plan import load_plan
-from kestrel.compiler.pipeline import build
+from kestrel.compiler.build import build
 from kestrel.runtime.cpu import CpuStep
 from kestrel.runtime.generate import SamplingParams, generate
 

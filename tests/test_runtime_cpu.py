@@ -145,7 +145,7 @@ def test_input_errors(tiny_plan, args, message):
 
 
 def test_prompt_text_needs_a_tokenizer(tmp_path):
-    from kestrel.compiler.pipeline import build
+    from kestrel.compiler.build import build
     from kestrel.compiler.presets import synthesize
 
     ckpt = synthesize("tiny", str(tmp_path / "ckpt"))

@@ -1,8 +1,9 @@
 """Regenerate the golden *input* files: `python tests/golden/make_inputs.py`.
 
 Each pass's inputs are small programs as they reach that pass (the lowering's output run through the
-passes before it), so each golden pair shows exactly one pass's effect. Expected outputs are written
-by the test runner with KESTREL_UPDATE_GOLDEN=1; review every diff before committing.
+passes before it), so each golden pair shows exactly one pass's effect. Expected .out.ir / .diff files
+are written by the test runner with KESTREL_UPDATE_GOLDEN=1 (review every diff before committing);
+.checks files are written by hand (see tests/test_golden.py).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 
 from kestrel.compiler.frontend import parse_config
 from kestrel.compiler.ir_text import parse_program, print_program
-from kestrel.compiler.pipeline import PASS_NAMES, run_passes
+from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.compiler.qwen3_5 import lower
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +31,9 @@ MODELS = {
     "tied_two_layers": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                             tie_word_embeddings=True),
     "hidden48": dict(hidden_size=48, layer_types=["linear_attention"]),
+    "attn_layer_gqa2_long": dict(layer_types=["full_attention"], max_position_embeddings=1024),
 }
+MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
 
 # Hand-written programs (also exercise the parser).
 NOTHING_TO_FUSE = """kestrel.step v1
@@ -97,6 +100,7 @@ CASES = {
     "select_kernels": [("sm_90_bf16_tied", "tied_two_layers", {"quant": "bf16", "target": "sm_90"}),
                        ("sm_80_q4_gdn", "gdn_layer", {"quant": "q4", "target": "sm_80"}),
                        ("sm_120_attn_mha", "attn_layer_mha", {"quant": "bf16", "target": "sm_120"}),
+                       ("sm_90_attn_splits", "attn_layer_gqa2_long", {"quant": "bf16", "target": "sm_90"}),
                        ("cpu_liveness_chain", LIVENESS_CHAIN, {"target": "cpu"})],
 }
 
@@ -104,7 +108,7 @@ CASES = {
 def program_for(model: str):
     if model.startswith("kestrel.step"):
         return parse_program(model)
-    return lower(parse_config(dict(BASE, **MODELS[model])), max_seq=8)
+    return lower(parse_config(dict(BASE, **MODELS[model])), max_seq=MAX_SEQ.get(model, 8))
 
 
 def main():
@@ -115,8 +119,7 @@ def main():
         for case, model, opts in cases:
             prog = program_for(model)
             if before is not None:
-                prog = run_passes(prog, opts.get("target", "cpu"), opts.get("quant", "none"),
-                                  opts.get("q4_group", 128), until=before, skip_done=True)
+                prog = run_passes(prog, PassOptions(**opts), until=before)
             with open(os.path.join(folder, f"{case}.in.ir"), "w") as f:
                 f.write(f"# pass-options: {json.dumps(opts, sort_keys=True)}\n")
                 f.write(print_program(prog))

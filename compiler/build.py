@@ -1,0 +1,319 @@
+"""The build driver: ``kestrelc build``, ``kestrelc export-onnx`` and ``build --backend tensorrt``.
+
+All three resolve their input the same way (``open_model``: a checkpoint folder or a preset, its
+max_seq, its tokenizer) and check their options and output location the same way, before anything
+is written. Then:
+  * ``build``: lower -> the passes (passes/pipeline.py) -> codegen (cubins, GPU targets) -> the
+    .plan, written under a temporary name and renamed only when complete;
+  * ``export_onnx``: lower -> the passes up to ``quantize`` (``step_program``) -> ONNX
+    (compiler/onnx_export.py);
+  * ``build_tensorrt``: the ONNX step next to the plan, then a TensorRT engine inside the plan where
+    TensorRT and the target GPU are present (compiler/tensorrt_build.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, UnsupportedError
+from kestrel.artifacts.plan import ENGINE_PART, PlanInfo, write_plan
+from kestrel.compiler import codegen, onnx_export, tensorrt_build
+from kestrel.compiler.frontend import Checkpoint, open_checkpoint, parse_config, read_config
+from kestrel.compiler.ir import Program
+from kestrel.compiler.ir_text import print_program
+from kestrel.compiler.launch_plan import launch_plan
+from kestrel.compiler.ops import verify
+from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES, byte_level_tokenizer_json, synthesize
+from kestrel.compiler.qwen3_5 import lower
+from kestrel.compiler.weights import storage, weight_bytes
+from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
+from kestrel.passes.hoist_dynamic import check_dyn_invariance
+from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
+from kestrel.passes.plan_memory import memory_report
+from kestrel.passes.quantize import DEFAULT_Q4_GROUP, QUANT_MODES
+
+DEFAULT_MAX_SEQ = 4096
+ONNX_PASSES = PASS_NAMES[:PASS_NAMES.index("quantize") + 1]  # the ONNX step is made before hoist_dynamic
+
+
+def default_quant(target: str) -> str:
+    return "none" if target == "cpu" else "bf16"
+
+
+# --- options, output, model ------------------------------------------------------------------------
+
+def check_options(target: str, quant: str, dump_ir_after: str | None, passes: tuple[str, ...] = PASS_NAMES):
+    if target not in ALL_TARGETS:
+        raise UnsupportedError(f"--target {target}: unknown target; choose one of {', '.join(ALL_TARGETS)}")
+    if quant not in QUANT_MODES:
+        raise UnsupportedError(f"--quant {quant}: unknown precision; choose one of {', '.join(QUANT_MODES)}")
+    if dump_ir_after not in (None, "all", "lower") + passes:
+        raise InputError(f"--dump-ir-after {dump_ir_after}: choose one of lower, {', '.join(passes)}, all")
+
+
+def check_output(out: str) -> None:
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise InputError(f"-o {out}: folder {folder} does not exist")
+
+
+def ir_dumper(dump_ir_after: str | None, dump):
+    """``on_pass(name, program)`` that prints the IR after the pass ``--dump-ir-after`` names."""
+    def on_pass(name, program):
+        if dump_ir_after in (name, "all"):
+            dump(f"# IR after {name}\n" + print_program(program))
+    return on_pass
+
+
+class ShapesOnly:
+    """A model known by its config alone (``--weights random``): no tensors are read."""
+
+    def __init__(self, cfg):
+        self.cfg, self.folder, self.notices = cfg, None, []
+
+    def close(self):
+        pass
+
+
+@dataclass
+class Model:
+    """An opened model source: the checkpoint (or its shapes only), where it came from, the KV rows
+    the step gets and the tokenizer to store (or None)."""
+
+    ck: Checkpoint | ShapesOnly
+    source: dict
+    max_seq: int
+    tokenizer_json: str | None
+
+    @property
+    def cfg(self):
+        return self.ck.cfg
+
+
+def resolve_max_seq(cfg, max_seq: int | None) -> int:
+    if max_seq is None:
+        max_seq = min(DEFAULT_MAX_SEQ, cfg.max_position_embeddings)
+    if not 1 <= max_seq <= cfg.max_position_embeddings:
+        raise InputError(f"--max-seq {max_seq}: must be between 1 and the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    return max_seq
+
+
+@contextlib.contextmanager
+def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoint",
+               no_weights: str = "add --weights random (for benchmarking), or give a checkpoint folder"):
+    """A checkpoint folder or a preset as a ``Model`` (presets with weights are synthesized into a
+    temporary folder). ``weights="random"``: only the config is read. ``no_weights`` finishes the
+    error for a shapes-only preset when weights are needed."""
+    with contextlib.ExitStack() as stack:
+        if weights == "random":
+            if model in PRESETS or model in QWEN35_SHAPES:
+                ck = ShapesOnly(parse_config((PRESETS | QWEN35_SHAPES)[model], f"preset {model}"))
+                source = {"kind": "preset", "name": model}
+            else:
+                ck = ShapesOnly(read_config(model)[1])
+                source = {"kind": "checkpoint-config", "path": os.path.abspath(model)}
+        elif model in QWEN35_SHAPES:
+            raise InputError(f"preset {model} has shapes but no weights: {no_weights}")
+        elif model in PRESETS:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-"))
+            ck, source = open_checkpoint(synthesize(model, tmp)), {"kind": "preset", "name": model}
+        else:
+            ck, source = open_checkpoint(model), {"kind": "checkpoint", "path": os.path.abspath(model)}
+        stack.callback(ck.close)
+        tokenizer_json = None
+        tok_path = os.path.join(ck.folder, "tokenizer.json") if ck.folder else None
+        if tok_path and os.path.exists(tok_path):
+            with open(tok_path, encoding="utf-8") as f:
+                tokenizer_json = f.read()
+        elif source["kind"] == "preset":
+            tokenizer_json = byte_level_tokenizer_json()
+        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json)
+
+
+def _plan_info(m: Model, target: str, quant: str, **kw) -> PlanInfo:
+    return PlanInfo(target=target, quant=quant, max_seq=m.max_seq, model=m.cfg.to_json(), source=m.source,
+                    tokenizer={"eos_token_ids": list(m.cfg.eos_token_ids)} if m.tokenizer_json else {}, **kw)
+
+
+# --- kestrelc build ----------------------------------------------------------------------------------
+
+@dataclass
+class BuildResult:
+    path: str
+    nbytes: int
+    weight_bytes: int
+    state_bytes: int
+    n_ops: int
+    notices: list[str]
+
+
+def build(model: str, out: str, target: str = "cpu", quant: str | None = None, max_seq: int | None = None,
+          log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
+          dump=print, weights: str = "checkpoint", seed: int = 0) -> BuildResult:
+    quant = quant or default_quant(target)
+    check_options(target, quant, dump_ir_after)
+    if weights not in ("checkpoint", "random"):
+        raise InputError(f"--weights {weights}: choose checkpoint or random")
+    check_output(out)
+    with open_model(model, max_seq, weights) as m:
+        return _build(m, out, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
+                      seed if weights == "random" else None)
+
+
+def _build(m: Model, out: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
+           random_seed: int | None) -> BuildResult:
+    cfg = m.cfg
+    for notice in m.ck.notices:
+        log(f"note: {notice}")
+    note = untuned_note(TARGETS[target]) if target != "cpu" else None
+    if note:
+        log(f"note: {note}")
+    program = lower(cfg, m.max_seq)
+    verify(program)
+    on_pass("lower", program)
+    program = run_passes(program, PassOptions(target, quant, q4_group), on_pass=on_pass)
+    n_launches = check_dyn_invariance(program)
+    log(f"dyn check: the launch list is identical at two token states ({n_launches} launches, no per-token "
+        f"kernel argument)")
+    log(memory_report(program))
+    kernels, kernel_of_launch, cubins, fill = None, None, {}, None
+    weights_info = {"kind": "checkpoint"}
+    if random_seed is not None:
+        weights_info = {"kind": "random", "seed": random_seed}
+        log(f"note: --weights random: the plan records seed {random_seed}; the runtime fills the weights "
+            f"(benchmarking only, never the default)")
+    if target != "cpu":
+        kernels, kernel_of_launch, cubins = codegen.compile_kernels(program, target, log)
+        if random_seed is not None:
+            fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
+    info = _plan_info(m, target, quant, weights=weights_info)
+    weights = [] if random_seed is not None else [(w.name, *storage(w)) for w in program.weights.values()]
+
+    def produce(name: str):
+        return weight_bytes(program.weights[name], m.ck.read)
+
+    n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
+    log(f"kestrelc: {m.source.get('name') or m.source.get('path')} ({cfg.model_type}, {cfg.num_hidden_layers} "
+        f"layers: {n_layers['linear_attention']} gated-deltanet + {n_layers['full_attention']} attention) -> {out}  "
+        f"[target {target}, quant {quant}, max_seq {m.max_seq}]")
+    # tqdm hides itself when stderr is not a terminal (disable=None)
+    bar = tqdm(total=program.weight_bytes(), unit="B", unit_scale=True, desc="weights",
+               disable=None if progress else True, leave=False)
+    try:
+        write_plan(out, info, print_program(program), weights, produce, m.tokenizer_json,
+                   launch_plan=launch_plan(program, kernels, kernel_of_launch, fill), extra_parts=cubins,
+                   progress=lambda name, n: bar.update(n))
+    finally:
+        bar.close()
+    result = BuildResult(out, os.path.getsize(out), program.weight_bytes(), program.state_bytes(),
+                         len(program.ops), m.ck.notices)
+    log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
+        f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {m.max_seq})")
+    return result
+
+
+# --- kestrelc export-onnx ----------------------------------------------------------------------------
+
+def step_program(cfg, max_seq: int, quant: str = "none", q4_group: int | None = None, on_pass=None) -> Program:
+    """The program the ONNX graph is made from: lower, then the passes up to quantize (before
+    hoist_dynamic: dyn slots are host inputs and the host advances pos)."""
+    program = lower(cfg, max_seq)
+    verify(program)
+    if on_pass is not None:
+        on_pass("lower", program)
+    return run_passes(program, PassOptions("cpu", quant, q4_group or DEFAULT_Q4_GROUP), until=ONNX_PASSES[-1],
+                      on_pass=on_pass)
+
+
+@dataclass
+class ExportResult:
+    path: str
+    data_path: str | None  # the external data file, if any
+    nbytes: int  # model file + external data
+    n_nodes: int
+    signature: object  # onnx_export.StepSignature
+    program_text: str
+    model: Model
+
+
+def export_onnx(model: str, out: str, quant: str = "none", q4_group: int | None = None, max_seq: int | None = None,
+                external: bool | None = None, log=print, dump_ir_after: str | None = None, dump=print,
+                check: bool = True) -> ExportResult:
+    """``kestrelc export-onnx``: checkpoint or preset -> step.onnx (+ step.onnx.data for large models).
+
+    ``external``: None decides by size (weights above 1 GiB go to ``OUT.data``), True / False force it.
+    Options and the checkpoint are validated before anything is written; files appear under their
+    names only when complete. With ``check``, the written model passes onnx.checker (full check)."""
+    check_options("cpu", quant, dump_ir_after, ONNX_PASSES)
+    check_output(out)
+    onnx = onnx_export.import_onnx()
+    with open_model(model, max_seq, no_weights="ONNX export needs weights; give a checkpoint folder") as m:
+        for notice in m.ck.notices:
+            log(f"note: {notice}")
+        program = step_program(m.cfg, m.max_seq, quant, q4_group, on_pass=ir_dumper(dump_ir_after, dump))
+        proto, sig, data_path = onnx_export.write_onnx(
+            program, lambda name: weight_bytes(program.weights[name], m.ck.read), out, external,
+            metadata={"kestrel.quant": quant, "kestrel.max_seq": m.max_seq, "kestrel.source": m.source,
+                      "kestrel.model": m.cfg.to_json()})
+    if check:
+        onnx.checker.check_model(out, full_check=True)
+    nbytes = os.path.getsize(out) + (os.path.getsize(data_path) if data_path else 0)
+    n_nodes = len(proto.graph.node)
+    log(f"kestrelc: wrote {out}{' + ' + os.path.basename(data_path) if data_path else ''}: {nbytes / 1e6:.1f} MB "
+        f"({n_nodes} ONNX nodes, opset {onnx_export.OPSET}, quant {quant}, max_seq {m.max_seq}; inputs "
+        f"{', '.join(list(sig.inputs)[:2])} + {len(sig.states)} states){'; onnx.checker: ok' if check else ''}")
+    return ExportResult(out, data_path, nbytes, n_nodes, sig, print_program(program), m)
+
+
+# --- kestrelc build --backend tensorrt ---------------------------------------------------------------
+
+def onnx_path_for(plan_path: str) -> str:
+    """Where ``build --backend tensorrt`` writes the ONNX step: next to the plan, as NAME.onnx."""
+    return os.path.splitext(plan_path)[0] + ".onnx"
+
+
+def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, q4_group: int | None = None,
+                   max_seq: int | None = None, log=print, dump_ir_after: str | None = None, dump=print,
+                   weights: str = "checkpoint"):
+    """The ONNX step next to the plan (OUT.onnx); then, where TensorRT and the target GPU are present, a
+    TensorRT engine built from it (fixed shapes, strongly typed: the precision is the graph's) and
+    stored in the .plan container with its TensorRT version and compute capability. Without TensorRT
+    it stops after the ONNX with BackendMissingError (exit 9); without a matching GPU, DeviceError."""
+    quant = quant or default_quant(target)
+    check_options(target, quant, None)
+    if target == "cpu":
+        raise UnsupportedError("--backend tensorrt: a TensorRT engine runs on a GPU: give --target sm_XX (the GPU "
+                               "that builds and runs the engine)")
+    if weights != "checkpoint":
+        raise UnsupportedError("--backend tensorrt: --weights random is for the kernels backend (the engine "
+                               "holds its weights)")
+    check_output(out)
+    onnx_path = onnx_path_for(out)
+    if os.path.abspath(onnx_path) == os.path.abspath(out):
+        raise InputError(f"-o {out}: the plan needs its own name (the ONNX step is written to NAME.onnx next to it)")
+    res = export_onnx(model, onnx_path, quant, q4_group, max_seq, log=log, dump_ir_after=dump_ir_after, dump=dump)
+    wrote = f"wrote the ONNX step to {onnx_path}"
+    try:
+        tensorrt_build.import_tensorrt()
+    except BackendMissingError as e:
+        raise BackendMissingError(f"--backend tensorrt: {e.message}; {wrote}: build the engine where TensorRT >= 10 "
+                                  f"and an {target} GPU are present") from None
+    cc = tensorrt_build.gpu_compute_capability(f"--backend tensorrt: TensorRT builds the engine on the GPU that runs "
+                                               f"it; {wrote}")
+    if cc != TARGETS[target].cc:
+        raise DeviceError(f"--backend tensorrt --target {target}: this GPU is sm_{cc} and TensorRT builds for the GPU "
+                          f"it runs on: use --target sm_{cc} or build on an {target} GPU; {wrote}")
+    engine, version = tensorrt_build.build_engine(onnx_path, log=log)
+    extra = {"backend": "tensorrt", "tensorrt_version": version, "compute_capability": f"{cc // 10}.{cc % 10}",
+             "tensorrt": {"engine_part": ENGINE_PART, "onnx": os.path.basename(onnx_path),
+                          "signature": res.signature.to_json(), "network": "strongly typed, fixed shapes"}}
+    write_plan(out, _plan_info(res.model, target, quant, extra=extra), res.program_text, [], None,
+               res.model.tokenizer_json, extra_parts={ENGINE_PART: engine})
+    log(f"kestrelc: wrote {out}: {os.path.getsize(out) / 1e6:.1f} MB (TensorRT {version} engine for sm_{cc}, "
+        f"{len(engine) / 1e6:.1f} MB)")
+    return out

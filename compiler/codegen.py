@@ -1,0 +1,181 @@
+"""Code generation, the stage after the passes: the selected Triton kernels compiled ahead of time to
+cubins for the target, on a machine with no GPU, and the kernel table the launch plan refers to.
+
+The kernel ABI (the contract between select_kernels, these kernels and the GPU runtime): a launch
+of op ``op`` with ``op.launch = {kernel, grid, num_warps, CONSTEXPRS...}`` passes, in order,
+  1. one pointer per operand, then one per result (``op.ins + op.outs``): values, weights, states
+     and dyn slots alike (a dyn slot is a pointer to its 4-byte slot in the dyn buffer, so kernels
+     read per-token values from device memory, never from their arguments);
+  2. one scalar per op attribute, in attribute order (floats as fp32, ints as i32);
+  3. Triton's two trailing pointers (global scratch, profile scratch; 0 when their sizes are 0).
+The UPPER-case launch keys are the kernel's constexpr parameters, by name. Pointer element types
+follow the buffer's dtype (f32 -> *fp32, bf16 -> *bf16, q4 -> *u8, i32 dyn -> *i32).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from kestrel.compiler.ir import Dyn, Op, Program, is_q4
+from kestrel.compiler.ops import OPS, is_view
+from kestrel.kernels import fill
+from kestrel.kernels.targets import TARGETS
+
+PTR_TYPES = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32"}
+
+
+def jit_name(fn) -> str:
+    """``module:function`` of a Triton kernel (jit or interpreted): how the kernel table names it."""
+    py = fn.fn
+    return f"{py.__module__}:{py.__name__}"
+
+
+def jit_function(name: str):
+    """The Triton kernel a kernel table entry names (``jit_name``)."""
+    module, _, fn = name.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def param_types(op: Op) -> list[str]:
+    """Triton signature types of the runtime parameters of ``op``'s launch, in ABI order."""
+    types = []
+    for x in list(op.ins) + list(op.outs):
+        dtype = x.dtype if isinstance(x, Dyn) else x.type.dtype
+        types.append("*u8" if is_q4(dtype) else PTR_TYPES[dtype])
+    for v in op.attrs.values():
+        types.append("fp32" if isinstance(v, float) else "i32")
+    return types
+
+
+def constexprs(launch: dict) -> dict:
+    return {k: v for k, v in launch.items() if k.isupper()}
+
+
+@dataclass
+class CompiledKernel:
+    kernel_id: str
+    jit: str  # the Triton kernel it was compiled from (jit_name)
+    name: str  # the cubin's entry point
+    cubin: bytes
+    params: list[tuple[str, str]]  # (name, triton type), runtime parameters in order (scratch excluded)
+    num_warps: int
+    shared: int
+    global_scratch_size: int
+    global_scratch_align: int
+    profile_scratch_size: int
+    arch: str  # e.g. sm_90a: Triton emits the arch-specific variant for cc >= 9.0
+    compiler: str
+
+
+def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warps: int, cc: int,
+                   aligned: list[bool] | None = None) -> CompiledKernel:
+    """Compile the Triton kernel ``jit`` (a function or its ``jit_name``) as ``kernel_id``.
+    ``aligned[i]``: runtime parameter i is a pointer known to be 16-byte aligned (lets Triton
+    vectorise its loads); the arena base is 256-byte aligned, so this follows from placements."""
+    fn = jit_function(jit) if isinstance(jit, str) else jit
+    if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 (the test suite): compile in a clean process
+        return _compile_in_subprocess(kernel_id, jit_name(fn), types, consts, num_warps, cc, aligned)
+    names = [n for n in fn.arg_names if n not in consts]
+    if len(names) != len(types):
+        raise ValueError(f"{kernel_id}: kernel takes {len(names)} runtime parameters {names}, the op passes "
+                         f"{len(types)}")
+    missing = [n for n in fn.arg_names if n not in consts and n.isupper()]
+    if missing:
+        raise ValueError(f"{kernel_id}: constexprs {missing} are not given by the launch rule")
+    signature = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n, ok in zip(names, aligned or []) if ok}
+    src = ASTSource(fn=fn, signature=signature, constexprs=dict(consts), attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+    md = c.metadata
+    return CompiledKernel(kernel_id, jit_name(fn), md.name, c.asm["cubin"], list(zip(names, types)), md.num_warps,
+                          md.shared, md.global_scratch_size, md.global_scratch_align, md.profile_scratch_size,
+                          f"sm_{cc}{'a' if cc >= 90 else ''}", f"triton {triton.__version__}")
+
+
+def pointer_alignment(op: Op) -> list[bool]:
+    args = list(op.ins) + list(op.outs)
+    return [x.loc is not None and x.loc[1] % 16 == 0 for x in args] + [False] * len(op.attrs)
+
+
+def compile_op(op: Op, cc: int) -> CompiledKernel:
+    return compile_kernel(op.launch["kernel"], OPS[op.kind].kernel.jit, param_types(op), constexprs(op.launch),
+                          op.launch["num_warps"], cc, pointer_alignment(op))
+
+
+def _compile_in_subprocess(kernel_id, jit, types, consts, num_warps, cc, aligned) -> CompiledKernel:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    job = json.dumps([kernel_id, jit, types, consts, num_warps, cc, aligned])
+    r = subprocess.run([sys.executable, "-c", "from kestrel.compiler.codegen import _compile_main; _compile_main()"],
+                       input=job, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"AOT compile of {kernel_id} for cc {cc} failed:\n{r.stderr[-3000:]}")
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    d["cubin"] = base64.b64decode(d["cubin"])
+    d["params"] = [tuple(p) for p in d["params"]]
+    return CompiledKernel(**d)
+
+
+def _compile_main() -> None:
+    k = compile_kernel(*json.loads(sys.stdin.read()))
+    d = dataclasses.asdict(k)
+    d["cubin"] = base64.b64encode(k.cubin).decode()
+    print(json.dumps(d))
+
+
+def _table_entry(k: CompiledKernel, part: str, consts: dict) -> dict:
+    return {"id": k.kernel_id, "jit": k.jit, "part": part, "name": k.name, "params": [list(p) for p in k.params],
+            "num_warps": k.num_warps, "block": 32 * k.num_warps, "shared": k.shared,
+            "global_scratch_size": k.global_scratch_size, "global_scratch_align": k.global_scratch_align,
+            "profile_scratch_size": k.profile_scratch_size, "arch": k.arch, "compiler": k.compiler,
+            "constexprs": consts}
+
+
+def compile_kernels(program: Program, target: str, log) -> tuple[list[dict], list[int], dict[str, bytes]]:
+    """AOT-compile every distinct kernel configuration the program launches, for ``target``.
+    Returns the kernel table, each launch's index into it, and the cubin parts."""
+    cc = TARGETS[target].cc
+    table, index, of_launch, cubins = [], {}, [], {}
+    for op in program.ops:
+        if is_view(op):
+            continue
+        key = (op.launch["kernel"], json.dumps(constexprs(op.launch), sort_keys=True), op.launch["num_warps"],
+               tuple(param_types(op)), tuple(pointer_alignment(op)))
+        if key not in index:
+            k = compile_op(op, cc)
+            part = f"__kestrel__/cubin/{len(table):03d}"
+            cubins[part] = k.cubin
+            index[key] = len(table)
+            table.append(_table_entry(k, part, constexprs(op.launch)))
+        of_launch.append(index[key])
+    log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
+        f"{table[0]['compiler'] if table else '-'}) for {len(of_launch)} launches")
+    return table, of_launch, cubins
+
+
+def fill_launches(kernels: list[dict], cubins: dict, target: str, weights_bytes: int, seed: int) -> list[dict]:
+    """The random-weights fill (``--weights random``) as launches the runtime makes once at load: the
+    fill kernel compiled into the kernel table, and one launch per chunk of the weights region, with
+    the chunk's seed computed here (kernels/fill.py), so the runtime needs nothing but the plan."""
+    block = fill.FILL_BLOCK
+    k = compile_kernel("fill_random", fill.fill_random_kernel, fill.FILL_TYPES, {"BLOCK": block}, 4,
+                       TARGETS[target].cc)
+    part = f"__kestrel__/cubin/{len(kernels):03d}"
+    cubins[part] = k.cubin
+    kernels.append(_table_entry(k, part, {"BLOCK": block}))
+    n_words = weights_bytes // 4
+    return [{"op": "fill_random", "kernel": k.kernel_id, "kernel_index": len(kernels) - 1,
+             "grid": [-(-n // block), 1, 1], "args": [{"region": "weights", "offset": 4 * lo}],
+             "scalars": [fill.chunk_seed(seed, c), n]}
+            for c, lo, n in fill.chunks(n_words)]

@@ -1,0 +1,551 @@
+"""The op registry: one record per op kind, every rule about that kind in one place (the JAX way).
+
+An ``OpDef`` says, for its op kind,
+  * ``operands``  one letter per operand: v value, w weight, s state, d dyn slot, t tensor (v|w|s);
+  * ``attrs``     attribute names, in the order the kernel takes them as scalars;
+  * ``infer``     the shape/type rule: operands + attrs -> result types (raises IRError);
+  * ``inout``     operand indices the op updates in place (states); ``writes_dyn``: results are dyn slots;
+  * ``view``      whether an instance moves no data (reshape, leading slices alias their input);
+  * ``reference`` the CPU reference (kernels/<family>.py), called as ``reference(*operands, **attrs)``
+                  and returning the results (tensors; for ``writes_dyn`` ops the slot values);
+  * ``kernel``    the GPU kernel: its Triton function and launch rule (``Kernel``), or
+                  ``NotApplicable(why)`` where the GPU runs it inside a fused kernel or not at all;
+  * ``onnx``      its ONNX lowering, ``onnx(exporter, op, *operands)`` -> tensor name(s)
+                  (compiler/onnx_export.py's primitives), or ``NotApplicable(why)``.
+A part that does not apply is declared so, never omitted (tests/test_ops.py walks the registry).
+
+``verify`` checks a whole program against these records; ``emit`` appends an op with its inferred
+result types. Adding an op kind: one ``OpDef`` here plus its kernel file (README, "Adding an op").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
+from kestrel.kernels import attention, elementwise, embedding, gated_delta, matvec, rmsnorm, sample
+from kestrel.kernels.gated_delta import gdn_key_heads
+from kestrel.kernels.targets import Target
+
+
+@dataclass(frozen=True)
+class NotApplicable:
+    """A part of an op's record that does not apply, and why."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The GPU kernel of an op kind: the Triton function (kestrel.kernels.<family>) and its launch
+    rule, ``launch(op, target)`` -> {"kernel": id, "grid", "num_warps", "constexprs"}. The id names
+    the family and the operand dtypes (``matvec_q4g128``); the ABI is compiler/codegen.py's."""
+
+    jit: object
+    launch: Callable[[Op, Target], dict]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    operands: str
+    attrs: tuple[str, ...]
+    infer: Callable[[list, dict], list[TensorType]]
+    reference: Callable
+    kernel: Kernel | NotApplicable
+    onnx: Callable | NotApplicable
+    inout: tuple[int, ...] = ()
+    writes_dyn: bool = False
+    view: Callable[[Op], bool] | None = None
+    doc: str = ""
+
+
+# --- shape rules -------------------------------------------------------------------------------
+
+def _t(x) -> TensorType:
+    return x.type
+
+
+def _f32(shape) -> TensorType:
+    return TensorType("f32", tuple(shape))
+
+
+def _need(cond: bool, msg: str):
+    if not cond:
+        raise IRError(msg)
+
+
+def _same_shape(*xs):
+    shapes = [tuple(_t(x).shape) for x in xs]
+    _need(all(s == shapes[0] for s in shapes), f"shapes differ: {shapes}")
+    return shapes[0]
+
+
+def _infer_embedding(ins, a):
+    table, tok = ins
+    _need(len(_t(table).shape) == 2, "embedding table must be [vocab, hidden]")
+    _need(tok.dtype == "i32", "embedding token slot must be i32")
+    return [_f32((_t(table).shape[1],))]
+
+
+def _infer_rmsnorm(ins, a):
+    x, w = ins
+    _need(_t(w).shape == (_t(x).shape[-1],), f"rmsnorm weight {_t(w).shape} vs last axis of {_t(x).shape}")
+    return [_f32(_t(x).shape)]
+
+
+def _infer_matmul(ins, a):
+    x, w = ins
+    xs, ws = _t(x).shape, _t(w).shape
+    _need(len(xs) == 1 and len(ws) == 2 and ws[1] == xs[0], f"matmul [{xs}] x W{ws}: W must be [out, {xs}]")
+    return [_f32((ws[0],))]
+
+
+def _infer_same(ins, a):
+    return [_f32(_same_shape(*ins))]
+
+
+def _infer_reshape(ins, a):
+    (x,) = ins
+    shape = tuple(a["shape"])
+    _need(math.prod(shape) == _t(x).numel, f"reshape {_t(x).shape} -> {shape} changes the element count")
+    return [TensorType(_t(x).dtype, shape)]
+
+
+def _infer_slice(ins, a):
+    (x,) = ins
+    shape = list(_t(x).shape)
+    ax, lo, hi = a["axis"], a["start"], a["stop"]
+    _need(0 <= ax < len(shape) and 0 <= lo < hi <= shape[ax], f"slice axis={ax} [{lo}:{hi}] out of {tuple(shape)}")
+    shape[ax] = hi - lo
+    return [TensorType(_t(x).dtype, tuple(shape))]
+
+
+def _infer_conv1d_step(ins, a):
+    x, st, w = ins
+    (c,) = _t(x).shape
+    _need(_t(w).shape[0] == c and len(_t(w).shape) == 2, f"conv weight {_t(w).shape} must be [{c}, K]")
+    k = _t(w).shape[1]
+    _need(_t(st).shape == (c, k - 1), f"conv state {_t(st).shape} must be [{c}, {k - 1}]")
+    _need(a["act"] in ("silu", "none"), f"conv1d_step act must be silu or none, not {a['act']!r}")
+    return [_f32((c,))]
+
+
+def _infer_gdn_gates(ins, a):
+    _need(len({_t(x).shape for x in ins}) == 1 and len(_t(ins[0]).shape) == 1, "gdn_gates operands must all be [Hv]")
+    return [_f32(_t(ins[0]).shape), _f32(_t(ins[0]).shape)]
+
+
+def _infer_gated_delta(ins, a):
+    q, k, v, g, beta, st = ins
+    hk, dk = _t(q).shape
+    hv, dv = _t(v).shape
+    _need(_t(k).shape == (hk, dk), f"k {_t(k).shape} must match q {(hk, dk)}")
+    _need(hv % hk == 0, f"value heads {hv} must be a multiple of key heads {hk}")
+    _need(_t(g).shape == (hv,) and _t(beta).shape == (hv,), "g and beta must be [Hv]")
+    _need(_t(st).shape == (hv, dk, dv) and _t(st).dtype == "f32", f"recurrent state must be f32[{hv},{dk},{dv}]")
+    return [_f32((hv, dv))]
+
+
+def _infer_gated_rmsnorm(ins, a):
+    x, z, w = ins
+    _same_shape(x, z)
+    _need(_t(w).shape == (_t(x).shape[-1],), "gated_rmsnorm weight must match the last axis")
+    return [_f32(_t(x).shape)]
+
+
+def _infer_rope(ins, a):
+    x, pos = ins
+    _need(len(_t(x).shape) == 2, "rope input must be [heads, head_dim]")
+    rd = a["rotary_dim"]
+    _need(rd % 2 == 0 and 0 < rd <= _t(x).shape[1], f"rotary_dim {rd} must be even and <= head_dim")
+    _need(pos.dtype == "i32", "rope position must be an i32 dyn slot")
+    return [_f32(_t(x).shape)]
+
+
+def _infer_kv_append(ins, a):
+    kc, vc, k, v, pos = ins
+    s, hkv, d = _t(kc).shape
+    _need(_t(vc).shape == (s, hkv, d), "k and v caches must have the same shape")
+    _need(_t(k).shape == (hkv, d) and _t(v).shape == (hkv, d), f"k, v must be [{hkv},{d}]")
+    return []
+
+
+def _infer_attention(ins, a):
+    q, kc, vc, pos = ins
+    h, d = _t(q).shape
+    s, hkv, dk = _t(kc).shape
+    _need(dk == d and h % hkv == 0, f"q {(h, d)} incompatible with cache {(s, hkv, dk)}")
+    return [_f32((h, d))]
+
+
+def _infer_sample(ins, a):
+    logits, temp, top_p, seed, pos = ins
+    _need(len(_t(logits).shape) == 1, "sample takes a [vocab] logits vector")
+    return []
+
+
+def _infer_step_end(ins, a):
+    pos, sampled, n_prompt, tokens = ins
+    _need(_t(tokens).dtype == "i32" and len(_t(tokens).shape) == 1, "step_end's token sequence must be i32[max_seq]")
+    return []
+
+
+def _infer_add_rmsnorm(ins, a):
+    x, y, w = ins
+    shape = _same_shape(x, y)
+    _need(_t(w).shape == (shape[-1],), "add_rmsnorm weight must match the last axis")
+    return [_f32(shape), _f32(shape)]
+
+
+def _infer_matmul_swiglu(ins, a):
+    x, wg, wu = ins
+    _need(_t(wg).shape == _t(wu).shape, f"gate {_t(wg).shape} and up {_t(wu).shape} weights differ")
+    return _infer_matmul([x, wg], a)
+
+
+def _infer_gdn_step(ins, a):
+    qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec = ins
+    hv, _, dv = _t(rec).shape
+    _need(_t(z).shape == (hv * dv,), f"z must be [{hv * dv}]")
+    _need(_t(norm_w).shape == (dv,), f"the norm weight must be [{dv}]")
+    return _infer_gdn_delta([qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec], a)
+
+
+def gdn_layer_heads(qkv, rec) -> tuple[int, int, int, int]:
+    """(Hk, Hv, Dk, Dv) of a Gated DeltaNet op from its qkv vector and recurrent state."""
+    hv, dk, dv = _t(rec).shape
+    return gdn_key_heads(_t(qkv).shape[0], hv, dk, dv), hv, dk, dv
+
+
+def _infer_gdn_delta(ins, a):
+    qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec = ins
+    hk, hv, dk, dv = gdn_layer_heads(qkv, rec)
+    (c,) = _t(qkv).shape
+    _need(_t(rec).dtype == "f32", "recurrent state must be f32")
+    _need(_t(b).shape == (hv,) and _t(av).shape == (hv,), f"a and b must be [{hv}]")
+    _need(hk > 0, f"qkv [{c}] does not split into q, k, v heads (value heads {hv} a multiple of the key heads)")
+    kk = _t(conv_w).shape[1] if len(_t(conv_w).shape) == 2 else 0
+    _need(_t(conv_w).shape == (c, kk) and _t(conv_state).shape == (c, kk - 1), "conv weight/state do not match qkv")
+    _need(_t(a_log).shape == (hv,) and _t(dt_bias).shape == (hv,), "A_log, dt_bias must be [Hv]")
+    return [_f32((hv * dv,))]
+
+
+def _infer_gdn_norm(ins, a):
+    o, z, qkv, norm_w, conv_state = ins
+    (n,) = _t(o).shape
+    (c,) = _t(qkv).shape
+    _need(len(_t(norm_w).shape) == 1 and n % _t(norm_w).shape[0] == 0,
+          f"norm weight {_t(norm_w).shape} must be [Dv] with Dv dividing {n}")
+    _need(_t(z).shape == (n,), f"z must be [{n}]")
+    _need(c > n and len(_t(conv_state).shape) == 2 and _t(conv_state).shape[0] == c,
+          f"conv state {_t(conv_state).shape} does not match qkv [{c}]")
+    return [_f32((n,))]
+
+
+def attn_heads(op: Op) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim) of an attn_step op."""
+    _, hkv, d = _t(op.ins[5]).shape
+    return _t(op.ins[0]).shape[0] // (2 * d), hkv, d
+
+
+def _infer_attn_step(ins, a):
+    qg, k, v, qn, kn, kc, vc, pos, part, ticket = ins
+    s, hkv, d = _t(kc).shape
+    (n2,) = _t(qg).shape
+    _need(n2 % (2 * d) == 0 and (n2 // (2 * d)) % hkv == 0, f"q|gate [{n2}] does not split into heads of {d}")
+    _need(_t(k).shape == (hkv * d,) and _t(v).shape == (hkv * d,), f"k, v must be [{hkv * d}]")
+    _need(_t(qn).shape == (d,) and _t(kn).shape == (d,), "q/k norm weights must be [head_dim]")
+    _need(_t(vc).shape == _t(kc).shape, "k and v caches differ")
+    _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
+    nh = n2 // (2 * d)
+    splits = _t(part).shape[1] if len(_t(part).shape) == 3 else 0
+    _need(_t(part).dtype == "f32" and _t(part).shape == (nh, splits, d + 2) and splits & (splits - 1) == 0
+          and splits > 0, f"attention partials must be f32[{nh}, SPLITS (a power of two), {d + 2}]")
+    _need(_t(ticket).dtype == "i32" and _t(ticket).shape == (nh,), f"attention tickets must be i32[{nh}]")
+    return [_f32((n2 // 2,))]
+
+
+# --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
+
+def _matvec(op: Op, t: Target) -> dict:
+    w = op.ins[1]
+    n, k = w.type.shape
+    prefix = "matvec_swiglu_" if op.kind == "matmul_swiglu" else "matvec_"
+    group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+    return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t)}
+
+
+def _embedding(op: Op, t: Target) -> dict:
+    return {"kernel": f"embedding_{op.ins[0].type.dtype}", **embedding.embedding_launch(op.outs[0].type.shape[0], t)}
+
+
+def _rmsnorm(op: Op, t: Target) -> dict:
+    return {"kernel": op.kind, **rmsnorm.rmsnorm_launch(op.ins[0].type.shape, t)}
+
+
+def _gdn_delta(op: Op, t: Target) -> dict:
+    hk, hv, dk, dv = gdn_layer_heads(op.ins[0], op.ins[7])
+    return {"kernel": "gdn_delta", **gated_delta.gdn_delta_launch(hk, hv, dk, dv, op.ins[4].type.shape[1], t)}
+
+
+def _gdn_norm(op: Op, t: Target) -> dict:
+    dv = op.ins[3].type.shape[0]
+    c, kc1 = op.ins[4].type.shape
+    return {"kernel": "gdn_norm", **gated_delta.gdn_norm_launch(op.ins[0].type.shape[0] // dv, dv, c, kc1 + 1, t)}
+
+
+def _attn_step(op: Op, t: Target) -> dict:
+    nh, nkv, d = attn_heads(op)
+    kc = op.ins[5]
+    splits = op.ins[8].type.shape[1]
+    return {"kernel": f"attn_step_{kc.type.dtype}",
+            **attention.attn_step_launch(nh, nkv, d, kc.type.shape[0], splits, t)}
+
+
+def _sample(op: Op, t: Target) -> dict:
+    return {"kernel": "sample", **sample.sample_launch(op.ins[0].type.shape[0], t)}
+
+
+def _step_end(op: Op, t: Target) -> dict:
+    return {"kernel": "step_end", **sample.step_end_launch(op.ins[3].type.shape[0], t)}
+
+
+# --- ONNX lowerings: each emits what the op's reference computes (primitives: onnx_export._Exporter) ---
+
+def _onnx_embedding(ex, op, table, tok):  # embedding_ref: row token, as fp32
+    t = ex.weight_init(table)
+    row = ex.reshape(ex.g.node("Gather", [t, ex.dyn(tok)], axis=0), [table.type.shape[1]])
+    return row if ex.weight_dtype(table) == "f32" else ex.cast(row, "f32")
+
+
+def _onnx_conv1d_step(ex, op, x, st, w):  # conv1d_step_ref: output, then the shift
+    window = ex.conv_window(ex.f32(x), st)
+    out = ex.conv1d(window, w, op.attrs["act"])
+    ex.conv_shift(window, st)
+    return out
+
+
+def _onnx_sample(ex, op, logits, *ignored):  # greedy: sample_ref at temperature 0
+    ex.next_token = ex.g.node("ArgMax", [ex.f32(logits)], axis=0, keepdims=1, select_last_index=0)
+
+
+def _onnx_add_rmsnorm(ex, op, x, y, w):
+    s = ex.g.node("Add", [ex.f32(x), ex.f32(y)])
+    return s, ex.rmsnorm(s, ex.f32(w), op.attrs["eps"])
+
+
+def _onnx_matmul_swiglu(ex, op, x, wg, wu):
+    x = ex.f32(x)
+    return ex.g.node("Mul", [ex.silu(ex.matmul(x, wg)), ex.matmul(x, wu)])
+
+
+def _onnx_gdn_delta(ex, op, qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec):
+    hk, hv, _, dv = gdn_layer_heads(qkv, rec)
+    mixed = ex.conv1d(ex.conv_window(ex.f32(qkv), conv_state), conv_w, "silu")  # state only read
+    o = ex.gdn_core(hk, ex.f32(b), ex.f32(a), mixed, a_log, dt_bias, rec, op.attrs["l2_eps"], op.attrs["scale"])
+    return ex.reshape(o, [hv * dv])
+
+
+def _onnx_gdn_norm(ex, op, o_raw, z, qkv, norm_w, conv_state):
+    (dv,), (n,) = norm_w.type.shape, o_raw.type.shape
+    out = ex.gated_rmsnorm(ex.reshape(ex.f32(o_raw), [n // dv, dv]), ex.reshape(ex.f32(z), [n // dv, dv]),
+                           ex.f32(norm_w), op.attrs["eps"])
+    ex.conv_shift(ex.conv_window(ex.f32(qkv), conv_state), conv_state)
+    return ex.reshape(out, [n])
+
+
+def _onnx_gdn_step(ex, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec):
+    hk, hv, _, dv = gdn_layer_heads(qkv, rec)
+    window = ex.conv_window(ex.f32(qkv), conv_state)
+    mixed = ex.conv1d(window, conv_w, "silu")
+    ex.conv_shift(window, conv_state)
+    o = ex.gdn_core(hk, ex.f32(b), ex.f32(a), mixed, a_log, dt_bias, rec, op.attrs["l2_eps"], op.attrs["scale"])
+    out = ex.gated_rmsnorm(o, ex.reshape(ex.f32(z), [hv, dv]), ex.f32(norm_w), op.attrs["eps"])
+    return ex.reshape(out, [hv * dv])
+
+
+def _onnx_attn_step(ex, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_step_ref (the split: a GPU detail)
+    nh, hkv, d = attn_heads(op)
+    a, p = op.attrs, ex.dyn(pos)
+    qg2 = ex.reshape(ex.f32(qg), [nh, 2 * d])
+    q = ex.rope(ex.rmsnorm(ex.slice(qg2, 1, 0, d), ex.f32(qn), a["eps"]), d, p, a["theta"], a["rotary_dim"])
+    kr = ex.rope(ex.rmsnorm(ex.reshape(ex.f32(k), [hkv, d]), ex.f32(kn), a["eps"]), d, p, a["theta"],
+                 a["rotary_dim"])
+    ex.kv_append(kc, vc, kr, ex.reshape(ex.f32(v), [hkv, d]), p)
+    o = ex.reshape(ex.attention(q, nh, kc, vc, p, a["scale"]), [nh * d])
+    gate = ex.reshape(ex.slice(qg2, 1, d, 2 * d), [nh * d])
+    return ex.g.node("Mul", [o, ex.g.node("Sigmoid", [gate])])
+
+
+def _attn_step_ref(qg, k, v, qn, kn, kc, vc, pos, partials, tickets, **attrs):
+    return attention.attn_step_ref(qg, k, v, qn, kn, kc, vc, pos, **attrs)  # the split is a GPU detail
+
+
+def _leading_slice(op: Op) -> bool:
+    return all(d == 1 for d in op.ins[0].type.shape[:op.attrs["axis"]])
+
+
+_IN_GDN = NotApplicable("the GPU runs it inside gdn_delta + gdn_norm (fuse)")
+_IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
+_VIEW = NotApplicable("a view: the result aliases its input, no data moves")
+
+OPS: dict[str, OpDef] = {d.name: d for d in (
+    OpDef("embedding", "wd", (), _infer_embedding, embedding.embedding_ref, Kernel(embedding.embedding_kernel, _embedding),
+          _onnx_embedding, doc="row `token` of the table"),
+    OpDef("rmsnorm", "tw", ("eps",), _infer_rmsnorm, rmsnorm.rmsnorm_ref, Kernel(rmsnorm.rmsnorm_kernel, _rmsnorm),
+          lambda ex, op, x, w: ex.rmsnorm(ex.f32(x), ex.f32(w), op.attrs["eps"]),
+          doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
+    OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref, Kernel(matvec.matvec_kernel, _matvec),
+          lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
+    OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
+          lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
+    OpDef("reshape", "v", ("shape",), _infer_reshape, elementwise.reshape_ref, _VIEW,
+          lambda ex, op, x: ex.reshape(ex.f32(x), op.attrs["shape"]), view=lambda op: True),
+    OpDef("slice", "v", ("axis", "start", "stop"), _infer_slice, elementwise.slice_ref,
+          NotApplicable("a view when it takes a leading range; other slices are fused away"),
+          lambda ex, op, x: ex.slice(ex.f32(x), op.attrs["axis"], op.attrs["start"], op.attrs["stop"]),
+          view=_leading_slice),
+    OpDef("conv1d_step", "vsw", ("act",), _infer_conv1d_step, gated_delta.conv1d_step_ref, _IN_GDN, _onnx_conv1d_step,
+          inout=(1,), doc="depthwise causal conv over [state | x], then act; state keeps the last K-1 inputs"),
+    OpDef("l2norm", "v", ("eps",), _infer_same, elementwise.l2norm_ref, _IN_GDN,
+          lambda ex, op, x: ex.l2norm(ex.f32(x), op.attrs["eps"]), doc="x * rsqrt(sum(x^2) + eps), last axis"),
+    OpDef("gdn_gates", "vvww", (), _infer_gdn_gates, gated_delta.gdn_gates_ref, _IN_GDN,
+          lambda ex, op, a, b, a_log, dt_bias: ex.gates(ex.f32(a), ex.f32(b), a_log, dt_bias),
+          doc="g = -exp(A_log) * softplus(a + dt_bias); beta = sigmoid(b)"),
+    OpDef("gated_delta_step", "vvvvvs", ("scale",), _infer_gated_delta, gated_delta.gated_delta_step_ref, _IN_GDN,
+          lambda ex, op, q, k, v, g, beta, st: ex.delta_rule(ex.f32(q), ex.f32(k), ex.f32(v), ex.f32(g), ex.f32(beta),
+                                                             st, q.type.shape[0], op.attrs["scale"]),
+          inout=(5,), doc="S = S*exp(g); S += k (x) beta*(v - S^T k); o = S^T (q*scale)"),
+    OpDef("gated_rmsnorm", "vvw", ("eps",), _infer_gated_rmsnorm, rmsnorm.gated_rmsnorm_ref, _IN_GDN,
+          lambda ex, op, x, z, w: ex.gated_rmsnorm(ex.f32(x), ex.f32(z), ex.f32(w), op.attrs["eps"]),
+          doc="w * rmsnorm(x) * silu(z), per head"),
+    OpDef("rope", "vd", ("theta", "rotary_dim"), _infer_rope, attention.rope_ref, _IN_ATTN,
+          lambda ex, op, x, pos: ex.rope(ex.f32(x), x.type.shape[1], ex.dyn(pos), op.attrs["theta"],
+                                         op.attrs["rotary_dim"]),
+          doc="NeoX rotary on the first rotary_dim dims at pos"),
+    OpDef("kv_append", "ssvvd", (), _infer_kv_append, attention.kv_append_ref, _IN_ATTN,
+          lambda ex, op, kc, vc, k, v, pos: ex.kv_append(kc, vc, ex.f32(k), ex.f32(v), ex.dyn(pos)),
+          inout=(0, 1), doc="caches[pos] = k, v"),
+    OpDef("attention", "vssd", ("scale",), _infer_attention, attention.attention_ref, _IN_ATTN,
+          lambda ex, op, q, kc, vc, pos: ex.attention(ex.f32(q), q.type.shape[0], kc, vc, ex.dyn(pos),
+                                                      op.attrs["scale"]),
+          doc="softmax(q K[0..pos]^T * scale) V, GQA"),
+    OpDef("sigmoid_gate", "vv", (), _infer_same, elementwise.sigmoid_gate_ref, _IN_ATTN,
+          lambda ex, op, x, gate: ex.g.node("Mul", [ex.f32(x), ex.g.node("Sigmoid", [ex.f32(gate)])]),
+          doc="x * sigmoid(gate)"),
+    OpDef("swiglu", "vv", (), _infer_same, elementwise.swiglu_ref,
+          NotApplicable("the GPU runs it inside matvec_swiglu (fuse: matmul_swiglu)"),
+          lambda ex, op, gate, up: ex.g.node("Mul", [ex.silu(ex.f32(gate)), ex.f32(up)]), doc="silu(gate) * up"),
+    OpDef("sample", "vdddd", (), _infer_sample, sample.sample_ref, Kernel(sample.sample_kernel, _sample), _onnx_sample,
+          writes_dyn=True, doc="argmax if temperature == 0, else seeded top-p sampling; writes dyn.sampled "
+                               "(ONNX: greedy only, as next_token)"),
+    OpDef("step_end", "ddds", (), _infer_step_end, sample.step_end_ref, Kernel(sample.step_end_kernel, _step_end),
+          NotApplicable("made by hoist_dynamic; the ONNX step is exported before it and the host (or engine "
+                        "runner) advances pos"),
+          inout=(3,), writes_dyn=True,
+          doc="tokens[pos+1] = sampled unless still inside the prompt; token = tokens[pos+1]; pos += 1"),
+    # --- fused ops (made by passes/fuse.py) ---
+    OpDef("add_rmsnorm", "vvw", ("eps",), _infer_add_rmsnorm, rmsnorm.add_rmsnorm_ref,
+          Kernel(rmsnorm.add_rmsnorm_kernel, _rmsnorm), _onnx_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
+    OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
+          Kernel(matvec.matvec_swiglu_kernel, _matvec), _onnx_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),
+    OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
+          NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
+                        "conv state shared by a key head's value heads)"),
+          _onnx_gdn_step, inout=(4, 9),
+          doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm"),
+    OpDef("gdn_delta", "vvvswwws", ("l2_eps", "scale"), _infer_gdn_delta, gated_delta.gdn_delta_ref,
+          Kernel(gated_delta.gdn_delta_kernel, _gdn_delta), _onnx_gdn_delta, inout=(7,),
+          doc="conv1d+silu (state only read), split q|k|v, l2norm q and k, gates, gated_delta_step"),
+    OpDef("gdn_norm", "vvvws", ("eps",), _infer_gdn_norm, gated_delta.gdn_norm_ref,
+          Kernel(gated_delta.gdn_norm_kernel, _gdn_norm), _onnx_gdn_norm, inout=(4,),
+          doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
+    OpDef("attn_step", "vvvwwssdss", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, _attn_step_ref,
+          Kernel(attention.attn_step_kernel, _attn_step), _onnx_attn_step, inout=(5, 6, 8, 9),
+          doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention (split over the sequence: "
+              "partials and tickets in scratch states), sigmoid gate"),
+)}
+
+
+def op_def(kind: str) -> OpDef:
+    d = OPS.get(kind)
+    if d is None:
+        raise IRError(f"unknown op {kind!r}")
+    return d
+
+
+def is_view(op: Op) -> bool:
+    """The op moves no data: its result aliases its input (reshape, slices of a leading range)."""
+    view = OPS[op.kind].view
+    return view is not None and view(op)
+
+
+def emit(program: Program, kind: str, *ins, out=None, **attrs):
+    """Append an op to ``program`` with its inferred result types. Returns the single Value, a tuple,
+    or None (no results, or results that are dyn slots: ``out``)."""
+    d = op_def(kind)
+    out_types = d.infer(list(ins), attrs)
+    if d.writes_dyn:
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    else:
+        outs = [Value(t) for t in out_types]
+    program.ops.append(Op(kind, outs, list(ins), dict(attrs)))
+    if d.writes_dyn or not outs:
+        return None
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_OPERAND_CLASS = {"v": (Value,), "w": (Weight,), "s": (State,), "d": (Dyn,), "t": (Value, Weight, State)}
+_KIND_NAME = {Value: "value", Weight: "weight", State: "state", Dyn: "dyn slot"}
+
+
+def verify(program: Program) -> None:
+    """Check every op against its record; every value defined once, before use; outputs defined.
+    (Placements are plan_memory's check.) Raises IRError naming the first offending op."""
+    defined: set[int] = set()
+    for i, op in enumerate(program.ops):
+        where = f"op #{i} ({op.kind})"
+        spec = OPS.get(op.kind)
+        if spec is None:
+            raise IRError(f"{where}: unknown op kind")
+        if len(op.ins) != len(spec.operands):
+            raise IRError(f"{where}: takes {len(spec.operands)} operands, got {len(op.ins)}")
+        for j, (x, cls) in enumerate(zip(op.ins, spec.operands)):
+            if not isinstance(x, _OPERAND_CLASS[cls]):
+                raise IRError(f"{where}: operand {j} is a {_KIND_NAME.get(type(x), type(x).__name__)}, "
+                              f"expected {'/'.join(_KIND_NAME[c] for c in _OPERAND_CLASS[cls])}")
+            if isinstance(x, Value) and id(x) not in defined:
+                raise IRError(f"{where}: operand {j} is used before it is defined")
+            if isinstance(x, Weight) and program.weights.get(x.name) is not x:
+                raise IRError(f"{where}: weight {x.name!r} is not declared")
+            if isinstance(x, State) and program.states.get(x.name) is not x:
+                raise IRError(f"{where}: state {x.name!r} is not declared")
+            if isinstance(x, Dyn) and program.dyn.get(x.name) is not x:
+                raise IRError(f"{where}: dyn slot {x.name!r} is not declared")
+        missing = [k for k in spec.attrs if k not in op.attrs]
+        extra = [k for k in op.attrs if k not in spec.attrs]
+        if missing or extra:
+            raise IRError(f"{where}: attributes missing {missing} / unexpected {extra}")
+        try:
+            types = spec.infer(op.ins, op.attrs)
+        except IRError as e:
+            raise IRError(f"{where}: {e}") from None
+        if spec.writes_dyn:
+            if not all(isinstance(o, Dyn) and program.dyn.get(o.name) is o for o in op.outs):
+                raise IRError(f"{where}: outputs must be declared dyn slots")
+            continue
+        if len(op.outs) != len(types):
+            raise IRError(f"{where}: defines {len(op.outs)} values, expected {len(types)}")
+        for o, t in zip(op.outs, types):
+            if not isinstance(o, Value):
+                raise IRError(f"{where}: outputs must be values")
+            if o.type != t:
+                raise IRError(f"{where}: result typed {o.type}, shape rule gives {t}")
+            if id(o) in defined:
+                raise IRError(f"{where}: value defined twice")
+            defined.add(id(o))
+    for name, v in program.outputs.items():
+        if id(v) not in defined:
+            raise IRError(f"output {name!r} is not defined by any op")

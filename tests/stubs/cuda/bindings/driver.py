@@ -1,0 +1,223 @@
+"""A stand-in for ``cuda.bindings.driver`` (tests only): the driver calls Kestrel's GPU runtime makes,
+answered on the host. "Device" memory is host memory (ctypes buffers), so copies and memsets really
+move bytes and are bounds-checked against their allocation; kernels are recorded, not run. The
+calls are counted in ``CALLS`` and every kernel launch (direct or as a graph node) in ``LAUNCHES``.
+Used by tests/test_runtime_gpu_stub_driver.py to run the GPU runtime's whole load-and-generate path
+with torch and triton unimportable, on any machine (with or without a GPU).
+"""
+import ctypes
+import enum
+from collections import Counter
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+
+
+class CUdevice_attribute(enum.IntEnum):
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+
+
+class CUevent_flags(enum.IntEnum):
+    CU_EVENT_DEFAULT = 0
+    CU_EVENT_DISABLE_TIMING = 2
+
+
+class CUfunction_attribute(enum.IntEnum):
+    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class CUDA_KERNEL_NODE_PARAMS:
+    pass
+
+
+COMPUTE_CAPABILITY = (9, 0)
+CALLS: Counter = Counter()
+LAUNCHES: list = []  # (function name, grid, block, number of parameter cells) per launch
+_buffers: dict[int, ctypes.Array] = {}  # address -> buffer (device and pinned host allocations)
+_functions: dict[int, str] = {}
+_graph_nodes: dict[int, list] = {}
+OK = CUresult.CUDA_SUCCESS
+
+
+def _count(fn):
+    def wrapper(*args):
+        CALLS[fn.__name__] += 1
+        return fn(*args)
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def _alloc(n: int) -> int:
+    buf = ctypes.create_string_buffer(max(int(n), 1))
+    _buffers[ctypes.addressof(buf)] = buf
+    return ctypes.addressof(buf)
+
+
+def _check_range(addr: int, n: int, what: str) -> None:
+    """[addr, addr + n) lies inside one allocation (device or pinned host), else the call fails."""
+    for base, buf in _buffers.items():
+        if base <= addr and addr + n <= base + len(buf):
+            return
+    raise AssertionError(f"{what}: [{addr:#x}, +{n}) is outside every allocation")
+
+
+@_count
+def cuInit(flags):
+    return (OK,)
+
+
+@_count
+def cuDeviceGet(i):
+    return (OK, 0)
+
+
+@_count
+def cuDevicePrimaryCtxRetain(dev):
+    return (OK, 1)
+
+
+@_count
+def cuCtxSetCurrent(ctx):
+    return (OK,)
+
+
+@_count
+def cuDeviceGetAttribute(attr, dev):
+    major, minor = COMPUTE_CAPABILITY
+    return (OK, major if attr == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else minor)
+
+
+@_count
+def cuGetErrorName(err):
+    return (OK, CUresult(err).name.encode())
+
+
+@_count
+def cuStreamCreate(flags):
+    return (OK, 7)
+
+
+@_count
+def cuStreamSynchronize(stream):
+    return (OK,)
+
+
+@_count
+def cuMemAlloc(n):
+    return (OK, _alloc(n))
+
+
+@_count
+def cuMemAllocHost(n):
+    return (OK, _alloc(n))
+
+
+@_count
+def cuMemFree(p):
+    return (OK,)
+
+
+@_count
+def cuMemsetD8(dst, value, n):
+    _check_range(int(dst), n, "cuMemsetD8")
+    ctypes.memset(int(dst), value, n)
+    return (OK,)
+
+
+@_count
+def cuMemcpyHtoDAsync(dst, src, n, stream):
+    _check_range(int(dst), n, "cuMemcpyHtoDAsync")
+    ctypes.memmove(int(dst), int(src), n)
+    return (OK,)
+
+
+@_count
+def cuMemcpyDtoHAsync(dst, src, n, stream):
+    _check_range(int(src), n, "cuMemcpyDtoHAsync")
+    ctypes.memmove(int(dst), int(src), n)
+    return (OK,)
+
+
+@_count
+def cuMemcpyDtoDAsync(dst, src, n, stream):
+    _check_range(int(src), n, "cuMemcpyDtoDAsync (source)")
+    _check_range(int(dst), n, "cuMemcpyDtoDAsync (destination)")
+    ctypes.memmove(int(dst), int(src), n)
+    return (OK,)
+
+
+@_count
+def cuModuleLoadData(image):
+    assert bytes(image[:4]) == b"\x7fELF", "not a cubin"
+    return (OK, len(_functions) + 1)
+
+
+@_count
+def cuModuleGetFunction(module, name):
+    f = 1000 + len(_functions)
+    _functions[f] = name.decode()
+    return (OK, f)
+
+
+@_count
+def cuFuncSetAttribute(f, attr, value):
+    return (OK,)
+
+
+def _record(f, grid, block, params):
+    assert all(int(g) > 0 for g in grid), f"{_functions[f]}: grid {grid}"
+    LAUNCHES.append((_functions[f], tuple(int(g) for g in grid), int(block), int(params)))
+
+
+@_count
+def cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+    _record(f, (gx, gy, gz), bx, params)
+    return (OK,)
+
+
+@_count
+def cuGraphCreate(flags):
+    g = 100 + len(_graph_nodes)
+    _graph_nodes[g] = []
+    return (OK, g)
+
+
+@_count
+def cuGraphAddKernelNode(graph, deps, n_deps, p):
+    _graph_nodes[graph].append((p.func, (p.gridDimX, p.gridDimY, p.gridDimZ), p.blockDimX, p.kernelParams))
+    return (OK, len(_graph_nodes[graph]))
+
+
+@_count
+def cuGraphInstantiate(graph, flags):
+    return (OK, graph)
+
+
+@_count
+def cuGraphLaunch(exec_, stream):
+    for f, grid, block, params in _graph_nodes[exec_]:
+        _record(f, grid, block, params)
+    return (OK,)
+
+
+@_count
+def cuEventCreate(flags):
+    return (OK, object())
+
+
+@_count
+def cuEventRecord(ev, stream):
+    return (OK,)
+
+
+@_count
+def cuEventSynchronize(ev):
+    return (OK,)
+
+
+@_count
+def cuEventElapsedTime(a, b):
+    return (OK, 0.01)

@@ -1,0 +1,194 @@
+"""Launch rules as per-target tables (kernels/targets.py): every target has a row for every kernel
+family, sm_90's rows name where their numbers come from, the others say they are untuned, and the
+launch functions read the rows — their outputs are pinned here for sm_90 and one untuned target
+(sm_120: other SM count and opt-in shared memory), as recorded before the rules moved into tables."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kestrel.kernels.attention import SMEM_OPTIN, attn_splits, attn_step_launch
+from kestrel.kernels.embedding import embedding_launch
+from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch
+from kestrel.kernels.matvec import matvec_launch
+from kestrel.kernels.rmsnorm import rmsnorm_launch
+from kestrel.kernels.sample import sample_launch, step_end_launch
+from kestrel.kernels.targets import (FAMILIES, RULE_OF_THUMB, SM90_RULES, TARGETS, TUNED_ON, UNTUNED, Rule,
+                                     untuned_note)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def L(grid, num_warps, **constexprs):
+    return {"grid": grid, "num_warps": num_warps, "constexprs": constexprs}
+
+
+EXPECTED_SM_90 = [
+    (matvec_launch, (1024, 1024, 0), L([1024, 1, 1], 4, N=1024, K=1024, GROUP=0, BLOCK_N=1, BLOCK_K=1024)),
+    (matvec_launch, (6144, 1024, 0), L([1536, 1, 1], 4, N=6144, K=1024, GROUP=0, BLOCK_N=4, BLOCK_K=1024)),
+    (matvec_launch, (1024, 3584, 0), L([1024, 1, 1], 4, N=1024, K=3584, GROUP=0, BLOCK_N=1, BLOCK_K=2048)),
+    (matvec_launch, (248320, 1024, 0), L([15520, 1, 1], 4, N=248320, K=1024, GROUP=0, BLOCK_N=16, BLOCK_K=512)),
+    (matvec_launch, (5120, 17408, 0), L([640, 1, 1], 2, N=5120, K=17408, GROUP=0, BLOCK_N=8, BLOCK_K=512)),
+    (matvec_launch, (17408, 5120, 0), L([1088, 1, 1], 4, N=17408, K=5120, GROUP=0, BLOCK_N=16, BLOCK_K=512)),
+    (matvec_launch, (5120, 17408, 128), L([640, 1, 1], 2, N=5120, K=17408, GROUP=128, BLOCK_N=8, BLOCK_K=2048)),
+    (matvec_launch, (34816, 5120, 32), L([2176, 1, 1], 2, N=34816, K=5120, GROUP=32, BLOCK_N=16, BLOCK_K=1024)),
+    (matvec_launch, (6144, 1024, 64), L([768, 1, 1], 2, N=6144, K=1024, GROUP=64, BLOCK_N=8, BLOCK_K=1024)),
+    (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128)),
+    (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32)),
+    (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8)),
+    (attn_splits, (8, 4096), 32),
+    (attn_splits, (24, 4096), 8),
+    (attn_splits, (16, 4096), 16),
+    (attn_splits, (4, 256), 2),
+    (attn_splits, (2, 16), 1),
+    (attn_step_launch, (8, 2, 256, 4096, 32),
+     L([8, 32, 1], 8, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=131072)),
+    (attn_step_launch, (24, 4, 256, 4096, 8),
+     L([24, 8, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=8, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=131072)),
+    (attn_step_launch, (4, 2, 64, 256, 2),
+     L([4, 2, 1], 8, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_D=64, BLOCK_S=64, PIPE_BYTES=131072)),
+    (attn_step_launch, (2, 1, 16, 16, 1),
+     L([2, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_D=16, BLOCK_S=64, PIPE_BYTES=131072)),
+    (gdn_delta_launch, (16, 48, 128, 128, 4),
+     L([48, 4, 1], 4, HK=16, HV=48, DK=128, DV=128, KC=4, BLOCK_DK=128, BLOCK_V=32)),
+    (gdn_delta_launch, (2, 4, 16, 16, 4), L([4, 2, 1], 4, HK=2, HV=4, DK=16, DV=16, KC=4, BLOCK_DK=16, BLOCK_V=8)),
+    (gdn_delta_launch, (4, 8, 64, 64, 4), L([8, 4, 1], 4, HK=4, HV=8, DK=64, DV=64, KC=4, BLOCK_DK=64, BLOCK_V=16)),
+    (gdn_norm_launch, (48, 128, 10240, 4),
+     L([48, 1, 1], 4, HV=48, DV=128, C=10240, KC=4, BLOCK_DV=128, CH_PER_PROG=214, BLOCK_CH=256)),
+    (gdn_norm_launch, (4, 16, 128, 4),
+     L([4, 1, 1], 4, HV=4, DV=16, C=128, KC=4, BLOCK_DV=16, CH_PER_PROG=32, BLOCK_CH=32)),
+    (rmsnorm_launch, ((5120,),), L([1, 1, 1], 8, N=5120, BLOCK=8192)),
+    (rmsnorm_launch, ((1024,),), L([1, 1, 1], 4, N=1024, BLOCK=1024)),
+    (rmsnorm_launch, ((2048,),), L([1, 1, 1], 8, N=2048, BLOCK=2048)),
+    (rmsnorm_launch, ((24, 256),), L([24, 1, 1], 4, N=256, BLOCK=256)),
+    (embedding_launch, (5120,), L([5, 1, 1], 4, H=5120, BLOCK=1024)),
+    (embedding_launch, (1500,), L([2, 1, 1], 4, H=1500, BLOCK=1024)),
+    (sample_launch, (248320,), L([1, 1, 1], 16, V=248320, BLOCK=16384)),
+    (sample_launch, (151936,), L([1, 1, 1], 16, V=151936, BLOCK=16384)),
+    (sample_launch, (16,), L([1, 1, 1], 16, V=16, BLOCK=512)),
+    (step_end_launch, (4096,), L([1, 1, 1], 1, S=4096)),
+]
+EXPECTED_SM_120 = [
+    (matvec_launch, (1024, 1024, 0), L([1024, 1, 1], 4, N=1024, K=1024, GROUP=0, BLOCK_N=1, BLOCK_K=1024)),
+    (matvec_launch, (6144, 1024, 0), L([1536, 1, 1], 4, N=6144, K=1024, GROUP=0, BLOCK_N=4, BLOCK_K=1024)),
+    (matvec_launch, (1024, 3584, 0), L([1024, 1, 1], 4, N=1024, K=3584, GROUP=0, BLOCK_N=1, BLOCK_K=2048)),
+    (matvec_launch, (248320, 1024, 0), L([15520, 1, 1], 4, N=248320, K=1024, GROUP=0, BLOCK_N=16, BLOCK_K=512)),
+    (matvec_launch, (5120, 17408, 0), L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512)),
+    (matvec_launch, (17408, 5120, 0), L([1088, 1, 1], 4, N=17408, K=5120, GROUP=0, BLOCK_N=16, BLOCK_K=512)),
+    (matvec_launch, (5120, 17408, 128), L([1280, 1, 1], 2, N=5120, K=17408, GROUP=128, BLOCK_N=4, BLOCK_K=2048)),
+    (matvec_launch, (34816, 5120, 32), L([2176, 1, 1], 2, N=34816, K=5120, GROUP=32, BLOCK_N=16, BLOCK_K=1024)),
+    (matvec_launch, (6144, 1024, 64), L([768, 1, 1], 2, N=6144, K=1024, GROUP=64, BLOCK_N=8, BLOCK_K=1024)),
+    (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128)),
+    (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32)),
+    (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8)),
+    (attn_splits, (8, 4096), 32),
+    (attn_splits, (24, 4096), 8),
+    (attn_splits, (16, 4096), 16),
+    (attn_splits, (4, 256), 2),
+    (attn_splits, (2, 16), 1),
+    (attn_step_launch, (8, 2, 256, 4096, 32),
+     L([8, 32, 1], 8, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=84992)),
+    (attn_step_launch, (24, 4, 256, 4096, 8),
+     L([24, 8, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=8, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=84992)),
+    (attn_step_launch, (4, 2, 64, 256, 2),
+     L([4, 2, 1], 8, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_D=64, BLOCK_S=64, PIPE_BYTES=84992)),
+    (attn_step_launch, (2, 1, 16, 16, 1),
+     L([2, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_D=16, BLOCK_S=64, PIPE_BYTES=84992)),
+    (gdn_delta_launch, (16, 48, 128, 128, 4),
+     L([48, 4, 1], 4, HK=16, HV=48, DK=128, DV=128, KC=4, BLOCK_DK=128, BLOCK_V=32)),
+    (gdn_delta_launch, (2, 4, 16, 16, 4), L([4, 2, 1], 4, HK=2, HV=4, DK=16, DV=16, KC=4, BLOCK_DK=16, BLOCK_V=8)),
+    (gdn_delta_launch, (4, 8, 64, 64, 4), L([8, 4, 1], 4, HK=4, HV=8, DK=64, DV=64, KC=4, BLOCK_DK=64, BLOCK_V=16)),
+    (gdn_norm_launch, (48, 128, 10240, 4),
+     L([48, 1, 1], 4, HV=48, DV=128, C=10240, KC=4, BLOCK_DV=128, CH_PER_PROG=214, BLOCK_CH=256)),
+    (gdn_norm_launch, (4, 16, 128, 4),
+     L([4, 1, 1], 4, HV=4, DV=16, C=128, KC=4, BLOCK_DV=16, CH_PER_PROG=32, BLOCK_CH=32)),
+    (rmsnorm_launch, ((5120,),), L([1, 1, 1], 8, N=5120, BLOCK=8192)),
+    (rmsnorm_launch, ((1024,),), L([1, 1, 1], 4, N=1024, BLOCK=1024)),
+    (rmsnorm_launch, ((2048,),), L([1, 1, 1], 8, N=2048, BLOCK=2048)),
+    (rmsnorm_launch, ((24, 256),), L([24, 1, 1], 4, N=256, BLOCK=256)),
+    (embedding_launch, (5120,), L([5, 1, 1], 4, H=5120, BLOCK=1024)),
+    (embedding_launch, (1500,), L([2, 1, 1], 4, H=1500, BLOCK=1024)),
+    (sample_launch, (248320,), L([1, 1, 1], 16, V=248320, BLOCK=16384)),
+    (sample_launch, (151936,), L([1, 1, 1], 16, V=151936, BLOCK=16384)),
+    (sample_launch, (16,), L([1, 1, 1], 16, V=16, BLOCK=512)),
+    (step_end_launch, (4096,), L([1, 1, 1], 1, S=4096)),
+]
+
+
+@pytest.mark.parametrize("target,expected", [("sm_90", EXPECTED_SM_90), ("sm_120", EXPECTED_SM_120)])
+def test_launch_outputs_unchanged(target, expected):
+    t = TARGETS[target]
+    for fn, args, want in expected:
+        got = fn(*args, t)
+        assert got == want, f"{fn.__name__}{args} on {target}: {got} != {want}"
+        if isinstance(want, dict):  # same key order too: the plan's JSON keeps it
+            assert list(got) == list(want) and list(got["constexprs"]) == list(want["constexprs"])
+
+
+def test_every_target_has_every_family():
+    assert set(FAMILIES) == {"matvec", "attention", "gdn_delta", "gdn_norm", "rmsnorm", "embedding", "sample",
+                             "step_end"}
+    for t in TARGETS.values():
+        assert set(t.rules) == set(FAMILIES), t.name
+        for fam, row in t.rules.items():
+            assert isinstance(row, Rule) and type(row) is type(SM90_RULES[fam]), (t.name, fam)
+            assert row.provenance, (t.name, fam)
+        assert t.sms > 0 and t.smem_optin >= 48 * 1024
+
+
+def test_sm90_rows_are_tuned_and_name_existing_files():
+    t = TARGETS[TUNED_ON]
+    assert t.tuned and untuned_note(t) is None
+    files = set()
+    for fam, row in t.rules.items():
+        assert row.tuned, fam
+        for p in row.provenance:
+            if p == RULE_OF_THUMB:
+                continue
+            assert p.startswith("bench/results/") and (ROOT / p).is_file(), f"{fam}: {p} does not exist"
+            files.add(p)
+    for p in ("bench/results/tuning/q4-sweep-h200.json", "bench/results/tuning/matvec-sweep-small-h200.json"):
+        assert p in t.rules["matvec"].provenance
+    assert t.rules["sample"].provenance == ("bench/results/tuning/sample-sweep-h200.json",)
+    assert any("attn-" in p for p in t.rules["attention"].provenance)
+    assert len(files) >= 9
+
+
+@pytest.mark.parametrize("name", [n for n in TARGETS if n != TUNED_ON])
+def test_other_targets_report_untuned(name):
+    t = TARGETS[name]
+    assert not t.tuned
+    assert untuned_note(t) == f"launch rules for {name} are untuned (H200 sm_90 values)"
+    for fam, row in t.rules.items():
+        assert not row.tuned and row.provenance == (UNTUNED,), (name, fam)
+        # the sm_90 values, only the marking differs
+        assert dataclasses.replace(row, tuned=True, provenance=SM90_RULES[fam].provenance) == SM90_RULES[fam]
+
+
+def test_smem_optin_is_a_target_fact():
+    assert {t.cc: t.smem_optin for t in TARGETS.values()} == SMEM_OPTIN
+    assert TARGETS["sm_90"].smem_optin == 227 * 1024 and TARGETS["sm_86"].smem_optin == 99 * 1024
+
+
+# one call per family and the row field it must read: changing that field must change the output
+READS = [
+    (matvec_launch, (248320, 5120, 0), "matvec", "max_block_n", 8),
+    (matvec_launch, (5120, 17408, 128), "matvec", "q4_tile_nibbles", 8192),
+    (matvec_launch, (1024, 3584, 0), "matvec", "small_max_block_k", 1024),
+    (attn_splits, (24, 4096), "attention", "split_programs", 512),
+    (attn_step_launch, (8, 2, 256, 4096, 32), "attention", "pipe_bytes_max", 64 * 1024),
+    (gdn_delta_launch, (16, 48, 128, 128, 4), "gdn_delta", "max_block_v", 16),
+    (gdn_norm_launch, (48, 128, 10240, 4), "gdn_norm", "num_warps", 8),
+    (rmsnorm_launch, ((5120,),), "rmsnorm", "wide_warps", 16),
+    (embedding_launch, (5120,), "embedding", "block", 512),
+    (sample_launch, (248320,), "sample", "max_block", 4096),
+    (step_end_launch, (4096,), "step_end", "num_warps", 2),
+]
+
+
+@pytest.mark.parametrize("fn,args,family,field,value", READS, ids=lambda x: x.__name__ if callable(x) else None)
+def test_launch_functions_read_the_table(fn, args, family, field, value):
+    t = TARGETS["sm_90"]
+    rules = dict(t.rules)
+    rules[family] = dataclasses.replace(rules[family], **{field: value})
+    assert fn(*args, dataclasses.replace(t, rules=rules)) != fn(*args, t)

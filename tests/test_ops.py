@@ -1,0 +1,68 @@
+"""The op registry (compiler/ops.py): every op kind has every part of its record — shape rule, CPU
+reference, GPU kernel and launch rule, ONNX lowering — or declares the part not applicable, saying
+why; and the parts agree with each other and with the kernels' signatures."""
+import inspect
+import re
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from kestrel.compiler.frontend import parse_config
+from kestrel.compiler.ops import OPS, Kernel, NotApplicable, is_view
+from kestrel.compiler.presets import PRESETS
+from kestrel.compiler.qwen3_5 import lower
+from kestrel.passes.pipeline import PassOptions, run_passes
+
+
+def _declared(part) -> bool:
+    return callable(part) or (isinstance(part, NotApplicable) and len(part.why) > 10)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_op_has_every_part(name):
+    d = OPS[name]
+    assert d.name == name and d.operands and set(d.operands) <= set("vwsdt"), d.operands
+    assert callable(d.infer) and callable(d.reference)  # every op runs on the CPU reference path
+    assert isinstance(d.kernel, (Kernel, NotApplicable)) and _declared(d.onnx), name
+    if isinstance(d.kernel, Kernel):
+        assert isinstance(d.kernel.jit, (JITFunction, InterpretedFunction)) and callable(d.kernel.launch)
+    else:
+        assert len(d.kernel.why) > 10
+    assert all(0 <= i < len(d.operands) and d.operands[i] == "s" for i in d.inout), "inout names state operands"
+    # the reference takes exactly the operands, then the attributes by name
+    inspect.signature(d.reference).bind(*[None] * len(d.operands), **{a: None for a in d.attrs})
+    if callable(d.onnx):
+        inspect.signature(d.onnx).bind(None, None, *[None] * len(d.operands))
+
+
+def _tiny_gpu_program():
+    cfg = parse_config(PRESETS["tiny"], "preset tiny")
+    return run_passes(lower(cfg, 64), PassOptions("sm_90", "q4"))
+
+
+def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
+    """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
+    prog = _tiny_gpu_program()
+    seen = set()
+    for op in prog.ops:
+        if is_view(op):
+            continue
+        kernel = OPS[op.kind].kernel
+        assert isinstance(kernel, Kernel), f"{op.kind} reached a GPU program without a kernel"
+        runtime_params = [a for a in kernel.jit.arg_names if not a.isupper()]
+        assert len(runtime_params) == len(op.ins) + len(op.outs) + len(op.attrs), (op.kind, runtime_params)
+        seen.add(op.kind)
+    with_kernel = {n for n, d in OPS.items() if isinstance(d.kernel, Kernel)}
+    assert seen == with_kernel  # every kernel of the registry is exercised by the fused program
+
+
+def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():
+    from kestrel.compiler.ir import IRError
+    from kestrel.passes.select_kernels import select_kernels
+
+    cfg = parse_config(PRESETS["tiny"], "preset tiny")
+    unfused = lower(cfg, 64)
+    kind = next(op.kind for op in unfused.ops if isinstance(OPS[op.kind].kernel, NotApplicable) and not is_view(op))
+    with pytest.raises(IRError, match=re.escape(f"op '{kind}' has no GPU kernel for sm_90: {OPS[kind].kernel.why}")):
+        select_kernels(unfused, "sm_90")

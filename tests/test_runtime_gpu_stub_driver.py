@@ -1,0 +1,73 @@
+"""The GPU runtime's whole load-and-generate path, for a random-weight plan and a checkpoint plan, with
+torch and triton unimportable and a stub CUDA driver (tests/stubs/cuda/bindings/driver.py) in place
+of cuda.bindings: the launch plan is the runtime's only input, and the GPU path imports nothing of the
+compiler, the kernels, torch or Triton. The stub answers on any machine, so this test never skips
+(with or without a GPU)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_cli
+from kestrel.artifacts.plan import load_plan
+
+STUBS = os.path.join(REPO, "tests", "stubs")
+RUN = r"""
+import json, sys
+sys.modules["torch"] = None  # import torch -> ImportError
+sys.modules["triton"] = None
+sys.path.insert(0, {stubs!r})
+from cuda.bindings import driver as stub
+from kestrel.runtime.cli import main
+sys.argv = ["kestrel-run", {plan!r}, "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--json"] + {extra!r}
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton") and sys.modules[m] is not None
+                   or m.startswith(("kestrel.compiler", "kestrel.kernels", "kestrel.passes")))
+print(json.dumps({{"calls": stub.CALLS, "launches": stub.LAUNCHES, "forbidden": forbidden,
+                   "driver": stub.__file__}}))
+"""
+
+
+@pytest.fixture(scope="module", params=["random", "checkpoint"])
+def plan(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("stub") / f"tiny-{request.param}.plan")
+    r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--max-seq", "32",
+                "--weights", request.param)
+    assert r.returncode == 0, r.stderr
+    return request.param, path
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-graph"]])
+def test_gpu_runtime_runs_on_the_launch_plan_alone(plan, extra):
+    kind, path = plan
+    r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=path, extra=extra)],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    out, report = json.loads(lines[-2]), json.loads(lines[-1])
+    assert report["driver"].startswith(STUBS)  # the stub, not a real driver
+    assert report["forbidden"] == [], report["forbidden"]
+    assert out["weights"] == kind and out["mode"] == ("gpu-stream" if extra else "gpu-graph")
+    lp = load_plan(path).launch_plan
+    names = [k["name"] for k in lp["kernels"]]
+    step = [names[launch["kernel_index"]] for launch in lp["launches"]]
+    fill = [names[launch["kernel_index"]] for launch in lp["fill"]]
+    launched = [name for name, *_ in report["launches"]]
+    calls = report["calls"]
+    # load: the fill launches (random weights) or one upload per weight (checkpoint), then the steps
+    if kind == "random":
+        assert fill and launched[:len(fill)] == fill
+        assert calls["cuMemcpyHtoDAsync"] == 2  # the request's one host write: dyn slots + prompt ids
+    else:
+        assert not fill and calls["cuMemcpyHtoDAsync"] == len(lp["weights"]) + 2
+    steps = launched[len(fill):]
+    n_steps = len(steps) // len(step)
+    assert steps == step * n_steps and n_steps == 3 + 6 - 1  # prompt + new tokens - 1 steps
+    assert calls.get("cuGraphLaunch", 0) == (0 if extra else n_steps)
+    assert calls["cuModuleLoadData"] == len(lp["kernels"])
