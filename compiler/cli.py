@@ -12,6 +12,7 @@ from kestrel.artifacts.errors import exit_on_error
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler import build as driver
 from kestrel.compiler.ir_text import parse_program
+from kestrel.passes.pipeline import PASS_NAMES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,7 +29,7 @@ def cli():
               help="Inputs per f16 scale for --quant q4.")
 @click.option("--max-seq", type=int, default=None, help="KV-cache rows (prompt + generated tokens). Default: min(4096, max_position_embeddings).")
 @click.option("--dump-ir-after", metavar="PASS", default=None,
-              help="Print the IR after PASS (lower, fuse, quantize, hoist_dynamic, plan_memory, select_kernels) or 'all'.")
+              help=f"Print the IR after PASS ({', '.join(('lower',) + PASS_NAMES)}) or 'all'.")
 @click.option("--weights", "weights", type=click.Choice(["checkpoint", "random"]), default="checkpoint",
               show_default=True, help="random: store a seed, not weights; the runtime fills them (benchmarking only).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --weights random.")
@@ -57,7 +58,8 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
 @click.option("--max-seq", type=int, default=None, help="KV-cache rows. Default: min(4096, max_position_embeddings).")
 @click.option("--external-data/--inline-data", "external", default=None,
               help="Weights in OUT.data next to the model (default: when they exceed 1 GiB).")
-@click.option("--dump-ir-after", metavar="PASS", default=None, help="Print the IR after lower, fuse, quantize or all.")
+@click.option("--dump-ir-after", metavar="PASS", default=None,
+              help=f"Print the IR after PASS ({', '.join(('lower',) + driver.ONNX_PASSES)}) or 'all'.")
 @exit_on_error
 def export_onnx(model, out, quant, q4_group, max_seq, external, dump_ir_after):
     """Write one decode step of MODEL as an ONNX graph (checked with onnx.checker)."""
