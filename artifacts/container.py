@@ -12,13 +12,14 @@ Reading maps the file (``mmap``) and hands out byte views; no pickle, no code in
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
 import struct
 
-from kestrel.artifacts.errors import ArtifactError
+from kestrel.artifacts.errors import ArtifactError, OutputError
 
 # safetensors dtype names <-> IR dtypes (and bytes per element)
 ST_DTYPES = {"f32": ("F32", 4), "bf16": ("BF16", 2), "f16": ("F16", 2), "i32": ("I32", 4), "u8": ("U8", 1)}
@@ -48,9 +49,24 @@ class StreamWriter:
         self.written: dict[str, str] = {}
         self._next = 0
         self._header_len = len(self._header({n: "0" * 64 for n, _, _ in entries}))
-        self.f = open(self.tmp, "wb")
-        self.f.write(struct.pack("<Q", self._header_len))
-        self.f.write(b" " * self._header_len)
+        self.f = None
+        try:
+            with self._io():
+                self.f = open(self.tmp, "wb")
+                self.f.write(struct.pack("<Q", self._header_len))
+                self.f.write(b" " * self._header_len)
+        except BaseException:
+            self.abort()
+            raise
+
+    @contextlib.contextmanager
+    def _io(self):
+        """A file-system error while writing (a full disk, a read-only filesystem) becomes one line; the
+        caller's abort() removes the partial file."""
+        try:
+            yield
+        except OSError as e:
+            raise OutputError(f"writing {self.path} failed ({e.strerror or e}); nothing was left behind") from None
 
     def _header(self, checksums) -> bytes:
         header, off = {"__metadata__": self.metadata_fn(checksums)}, 0
@@ -69,7 +85,8 @@ class StreamWriter:
         data = memoryview(data).cast("B")
         if data.nbytes != tensor_nbytes(dtype, shape):
             raise ValueError(f"tensor {name!r}: {data.nbytes} bytes, declared {dtype}{list(shape)}")
-        self.f.write(data)
+        with self._io():
+            self.f.write(data)
         self.written[name] = hashlib.sha256(data).hexdigest()
         self._next += 1
 
@@ -79,14 +96,17 @@ class StreamWriter:
         header = self._header(self.written)
         if len(header) > self._header_len:
             raise ValueError("header grew while writing (metadata_fn must keep lengths fixed)")
-        self.f.seek(8)
-        self.f.write(header + b" " * (self._header_len - len(header)))
-        self.f.close()
-        os.replace(self.tmp, self.path)  # a half-written plan never appears under the final name
+        with self._io():
+            self.f.seek(8)
+            self.f.write(header + b" " * (self._header_len - len(header)))
+            self.f.close()
+            os.replace(self.tmp, self.path)  # a half-written plan never appears under the final name
 
     def abort(self) -> None:
-        self.f.close()
-        if os.path.exists(self.tmp):
+        if self.f is not None:
+            with contextlib.suppress(OSError):
+                self.f.close()
+        with contextlib.suppress(OSError):
             os.remove(self.tmp)
 
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import signal
 import sys
+import threading
+
+import click
 
 
 class KestrelError(Exception):
@@ -56,6 +60,13 @@ class DeviceError(KestrelError):
     exit_code = 8
 
 
+class OutputError(KestrelError):
+    """An output path that must not or cannot be written: not a regular file, a file the command reads,
+    a folder that does not exist or is not writable, a disk that filled up while writing."""
+
+    exit_code = 10
+
+
 class BackendMissingError(KestrelError):
     """An optional backend's library is not installed here (TensorRT for --backend tensorrt)."""
 
@@ -72,18 +83,51 @@ def import_optional(module: str, missing: str):
         raise BackendMissingError(missing.format(error=e)) from None
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # handled like Ctrl-C (SIGINT)
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt(signum)
+
+
 def exit_on_error(fn):
-    """Wrap a CLI entry point: a KestrelError becomes one line on stderr and its exit code."""
+    """Wrap a CLI entry point: a KestrelError becomes one line on stderr and its exit code. Ctrl-C,
+    SIGTERM and SIGHUP stop the command the same way — every writer's cleanup runs (no partial file is
+    left behind) — and exit with 128 + the signal's number."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, _stop)
         try:
             return fn(*args, **kwargs)
         except KestrelError as e:
             print(f"error: {e.message}", file=sys.stderr)
             sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+            print(f"interrupted ({signal.Signals(signum).name}); nothing was left half-written", file=sys.stderr)
+            sys.exit(128 + signum)
 
     return wrapper
+
+
+def run_command(command, prog_name: str) -> None:
+    """Run a click command as a console entry point with Kestrel's error style: a usage error (an
+    unknown option, a bad value, a missing argument) is one ``error:`` line naming what is valid,
+    exit code 2 — never click's multi-line usage block."""
+    try:
+        code = command.main(prog_name=prog_name, standalone_mode=False)
+    except click.UsageError as e:
+        print(f"error: {e.format_message()} (see {prog_name}{_subcommand(e)} --help)", file=sys.stderr)
+        sys.exit(2)
+    except click.Abort:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _subcommand(e) -> str:
+    ctx = getattr(e, "ctx", None)
+    return f" {ctx.info_name}" if ctx is not None and ctx.parent is not None else ""

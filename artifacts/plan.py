@@ -131,6 +131,8 @@ class Plan:
                                 f"{m.get('producer')}); this Kestrel reads version {FORMAT_VERSION}: rebuild it "
                                 f"with `kestrelc build`")
         self.manifest = m
+        # the manifest holds every part's sha256: its own hash identifies the plan's whole content
+        self.content_sha256 = c.metadata["kestrel.manifest_sha256"]
         parts = m.get("parts", {})
         if set(parts) != set(c.tensors):
             missing = sorted(set(parts) - set(c.tensors))

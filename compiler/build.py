@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, UnsupportedError
+from kestrel.artifacts.output import not_an_input, output_file
 from kestrel.artifacts.plan import ENGINE_PART, PlanInfo, write_plan
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
 from kestrel.compiler.frontend import Checkpoint, open_checkpoint, parse_config, read_config
@@ -55,12 +56,6 @@ def check_options(target: str, quant: str, dump_ir_after: str | None, passes: tu
         raise InputError(f"--dump-ir-after {dump_ir_after}: choose one of lower, {', '.join(passes)}, all")
 
 
-def check_output(out: str) -> None:
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        raise InputError(f"-o {out}: folder {folder} does not exist")
-
-
 def ir_dumper(dump_ir_after: str | None, dump):
     """``on_pass(name, program)`` that prints the IR after the pass ``--dump-ir-after`` names."""
     def on_pass(name, program):
@@ -72,8 +67,12 @@ def ir_dumper(dump_ir_after: str | None, dump):
 class ShapesOnly:
     """A model known by its config alone (``--weights random``): no tensors are read."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, config_path: str | None = None):
         self.cfg, self.folder, self.notices = cfg, None, []
+        self.config_path = config_path
+
+    def files(self) -> list[str]:
+        return [self.config_path] if self.config_path else []
 
     def close(self):
         pass
@@ -97,9 +96,9 @@ class Model:
 def resolve_max_seq(cfg, max_seq: int | None) -> int:
     if max_seq is None:
         max_seq = min(DEFAULT_MAX_SEQ, cfg.max_position_embeddings)
-    if not 1 <= max_seq <= cfg.max_position_embeddings:
-        raise InputError(f"--max-seq {max_seq}: must be between 1 and the model's max_position_embeddings "
-                         f"({cfg.max_position_embeddings})")
+    if not 2 <= max_seq <= cfg.max_position_embeddings:  # a request is at least one prompt and one new token
+        raise InputError(f"--max-seq {max_seq}: must be between 2 (one prompt and one new token) and the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
     return max_seq
 
 
@@ -115,7 +114,7 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
                 ck = ShapesOnly(parse_config((PRESETS | QWEN35_SHAPES)[model], f"preset {model}"))
                 source = {"kind": "preset", "name": model}
             else:
-                ck = ShapesOnly(read_config(model)[1])
+                ck = ShapesOnly(read_config(model)[1], os.path.join(model, "config.json"))
                 source = {"kind": "checkpoint-config", "path": os.path.abspath(model)}
         elif model in QWEN35_SHAPES:
             raise InputError(f"preset {model} has shapes but no weights: {no_weights}")
@@ -159,15 +158,23 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
     check_options(target, quant, dump_ir_after)
     if weights not in ("checkpoint", "random"):
         raise InputError(f"--weights {weights}: choose checkpoint or random")
-    check_output(out)
+    if not 0 <= seed < 2 ** 31:
+        raise InputError(f"--seed {seed}: must be in [0, 2^31)")
+    real = output_file(out)
     with open_model(model, max_seq, weights) as m:
-        return _build(m, out, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
+        not_an_input(real, m.ck.files())
+        return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
                       seed if weights == "random" else None)
 
 
-def _build(m: Model, out: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
+def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
            random_seed: int | None) -> BuildResult:
+    """Compile the opened model ``m`` into the plan at ``real`` (``out`` as the user wrote it, for the log)."""
     cfg = m.cfg
+    n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
+    log(f"kestrelc: {m.source.get('name') or m.source.get('path')} ({cfg.model_type}, {cfg.num_hidden_layers} "
+        f"layers: {n_layers['linear_attention']} gated-deltanet + {n_layers['full_attention']} attention) -> {out}  "
+        f"[target {target}, quant {quant}, max_seq {m.max_seq}]")
     for notice in m.ck.notices:
         log(f"note: {notice}")
     note = untuned_note(TARGETS[target]) if target != "cpu" else None
@@ -197,20 +204,16 @@ def _build(m: Model, out: str, target: str, quant: str, log, progress: bool, q4_
     def produce(name: str):
         return weight_bytes(program.weights[name], m.ck.read)
 
-    n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
-    log(f"kestrelc: {m.source.get('name') or m.source.get('path')} ({cfg.model_type}, {cfg.num_hidden_layers} "
-        f"layers: {n_layers['linear_attention']} gated-deltanet + {n_layers['full_attention']} attention) -> {out}  "
-        f"[target {target}, quant {quant}, max_seq {m.max_seq}]")
     # tqdm hides itself when stderr is not a terminal (disable=None)
     bar = tqdm(total=program.weight_bytes(), unit="B", unit_scale=True, desc="weights",
                disable=None if progress else True, leave=False)
     try:
-        write_plan(out, info, print_program(program), weights, produce, m.tokenizer_json,
+        write_plan(real, info, print_program(program), weights, produce, m.tokenizer_json,
                    launch_plan=launch_plan(program, kernels, kernel_of_launch, fill), extra_parts=cubins,
                    progress=lambda name, n: bar.update(n))
     finally:
         bar.close()
-    result = BuildResult(out, os.path.getsize(out), program.weight_bytes(), program.state_bytes(),
+    result = BuildResult(out, os.path.getsize(real), program.weight_bytes(), program.state_bytes(),
                          len(program.ops), m.ck.notices)
     log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
         f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {m.max_seq})")
@@ -250,19 +253,22 @@ def export_onnx(model: str, out: str, quant: str = "none", q4_group: int | None 
     Options and the checkpoint are validated before anything is written; files appear under their
     names only when complete. With ``check``, the written model passes onnx.checker (full check)."""
     check_options("cpu", quant, dump_ir_after, ONNX_PASSES)
-    check_output(out)
+    real = output_file(out)
+    output_file(real + ".data")  # where external data would go
     onnx = onnx_export.import_onnx()
     with open_model(model, max_seq, no_weights="ONNX export needs weights; give a checkpoint folder") as m:
+        for path in (real, real + ".data"):
+            not_an_input(path, m.ck.files())
         for notice in m.ck.notices:
             log(f"note: {notice}")
         program = step_program(m.cfg, m.max_seq, quant, q4_group, on_pass=ir_dumper(dump_ir_after, dump))
         proto, sig, data_path = onnx_export.write_onnx(
-            program, lambda name: weight_bytes(program.weights[name], m.ck.read), out, external,
+            program, lambda name: weight_bytes(program.weights[name], m.ck.read), real, external,
             metadata={"kestrel.quant": quant, "kestrel.max_seq": m.max_seq, "kestrel.source": m.source,
                       "kestrel.model": m.cfg.to_json()})
     if check:
-        onnx.checker.check_model(out, full_check=True)
-    nbytes = os.path.getsize(out) + (os.path.getsize(data_path) if data_path else 0)
+        onnx.checker.check_model(real, full_check=True)
+    nbytes = os.path.getsize(real) + (os.path.getsize(data_path) if data_path else 0)
     n_nodes = len(proto.graph.node)
     log(f"kestrelc: wrote {out}{' + ' + os.path.basename(data_path) if data_path else ''}: {nbytes / 1e6:.1f} MB "
         f"({n_nodes} ONNX nodes, opset {onnx_export.OPSET}, quant {quant}, max_seq {m.max_seq}; inputs "
@@ -292,11 +298,12 @@ def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, 
     if weights != "checkpoint":
         raise UnsupportedError("--backend tensorrt: --weights random is for the kernels backend (the engine "
                                "holds its weights)")
-    check_output(out)
+    real = output_file(out)
     onnx_path = onnx_path_for(out)
     if os.path.abspath(onnx_path) == os.path.abspath(out):
         raise InputError(f"-o {out}: the plan needs its own name (the ONNX step is written to NAME.onnx next to it)")
     res = export_onnx(model, onnx_path, quant, q4_group, max_seq, log=log, dump_ir_after=dump_ir_after, dump=dump)
+    not_an_input(real, res.model.ck.files())
     wrote = f"wrote the ONNX step to {onnx_path}"
     try:
         tensorrt_build.import_tensorrt()
@@ -312,8 +319,8 @@ def build_tensorrt(model: str, out: str, target: str, quant: str | None = None, 
     extra = {"backend": "tensorrt", "tensorrt_version": version, "compute_capability": f"{cc // 10}.{cc % 10}",
              "tensorrt": {"engine_part": ENGINE_PART, "onnx": os.path.basename(onnx_path),
                           "signature": res.signature.to_json(), "network": "strongly typed, fixed shapes"}}
-    write_plan(out, _plan_info(res.model, target, quant, extra=extra), res.program_text, [], None,
+    write_plan(real, _plan_info(res.model, target, quant, extra=extra), res.program_text, [], None,
                res.model.tokenizer_json, extra_parts={ENGINE_PART: engine})
-    log(f"kestrelc: wrote {out}: {os.path.getsize(out) / 1e6:.1f} MB (TensorRT {version} engine for sm_{cc}, "
+    log(f"kestrelc: wrote {out}: {os.path.getsize(real) / 1e6:.1f} MB (TensorRT {version} engine for sm_{cc}, "
         f"{len(engine) / 1e6:.1f} MB)")
     return out

@@ -3,24 +3,27 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections import Counter
 
 import click
 
-from kestrel.artifacts.errors import exit_on_error
+from kestrel.artifacts.errors import exit_on_error, run_command
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler import build as driver
 from kestrel.compiler.ir_text import parse_program
+from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES
 from kestrel.passes.pipeline import PASS_NAMES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kestrel", prog_name="kestrelc", message="%(prog)s %(version)s")
 def cli():
     """Kestrel ahead-of-time compiler for hybrid (Gated DeltaNet + attention) LLMs."""
 
 
-@cli.command()
+@cli.command(help=f"""Compile MODEL into a .plan. MODEL is a Hugging Face checkpoint folder (config.json +
+    *.safetensors) or a preset: {', '.join(PRESETS)} (with weights), or one of the published Qwen3.5
+    shapes {', '.join(QWEN35_SHAPES)} (shapes only: they need --weights random).""")
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, help="Path of the .plan file to write.")
 @click.option("--target", default="cpu", show_default=True, help="cpu, sm_80, sm_86, sm_89, sm_90, sm_100 or sm_120.")
@@ -32,14 +35,13 @@ def cli():
               help=f"Print the IR after PASS ({', '.join(('lower',) + PASS_NAMES)}) or 'all'.")
 @click.option("--weights", "weights", type=click.Choice(["checkpoint", "random"]), default="checkpoint",
               show_default=True, help="random: store a seed, not weights; the runtime fills them (benchmarking only).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --weights random.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --weights random, in [0, 2^31).")
 @click.option("--backend", type=click.Choice(["kernels", "tensorrt"]), default="kernels", show_default=True,
               help="tensorrt: write the step as OUT.onnx, then (where TensorRT and the target GPU are present) a "
                    "TensorRT engine inside the .plan.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
 def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, quiet):
-    """Compile MODEL (a checkpoint folder or a preset: tiny) into a .plan."""
-    log = (lambda msg: click.echo(msg, err=True))
+    log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
         exit_on_error(driver.build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
                                       log=log, dump_ir_after=dump_ir_after, dump=click.echo, weights=weights)
@@ -54,7 +56,8 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
 @click.option("-o", "--output", "out", required=True, help="Path of the .onnx file to write.")
 @click.option("--quant", type=click.Choice(["none", "bf16", "q4"]), default="none", show_default=True,
               help="Weight precision: none (fp32), bf16 (bf16 initializers, fp32 math) or q4 (dequantized to fp32).")
-@click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
+@click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Inputs per f16 scale for --quant q4.")
 @click.option("--max-seq", type=int, default=None, help="KV-cache rows. Default: min(4096, max_position_embeddings).")
 @click.option("--external-data/--inline-data", "external", default=None,
               help="Weights in OUT.data next to the model (default: when they exceed 1 GiB).")
@@ -67,11 +70,16 @@ def export_onnx(model, out, quant, q4_group, max_seq, external, dump_ir_after):
            log=lambda msg: click.echo(msg, err=True), dump_ir_after=dump_ir_after, dump=click.echo)
 
 
+def _size(n: int) -> str:
+    """Bytes as MB, or kB where MB would round to 0.00."""
+    return f"{n / 1e6:.2f} MB" if n >= 5e3 else f"{n / 1e3:.2f} kB"
+
+
 def plan_summary(plan) -> dict:
     m = plan.manifest
     prog = parse_program(plan.program_text)
     return {
-        "path": plan.path, "bytes": os.path.getsize(plan.path),
+        "path": plan.path, "bytes": os.path.getsize(plan.path), "content_sha256": plan.content_sha256,
         "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
@@ -114,7 +122,8 @@ def inspect(plan_path, as_json, verify):
     m, p = s["model"], s["program"]
     kinds = Counter(m["layer_types"])
     lines = [
-        f"plan      {s['path']}  ({s['bytes'] / 1e6:.2f} MB, format v{s['format_version']}, {s['producer']})",
+        f"plan      {s['path']}  ({_size(s['bytes'])}, format v{s['format_version']}, {s['producer']})",
+        f"content   sha256:{s['content_sha256']}",
         f"target    {s['target']}   quant {s['quant']}   max_seq {s['max_seq']}",
         f"source    {s['source'].get('name') or s['source'].get('path')} ({s['source']['kind']})",
         f"model     {m['model_type']}: {m['num_hidden_layers']} layers ({kinds['linear_attention']} gated-deltanet, "
@@ -128,14 +137,14 @@ def inspect(plan_path, as_json, verify):
            f"{s['backend']['compute_capability']}"] if s["backend"]["backend"] == "tensorrt" else []),
         f"weights   " + ("RANDOM (benchmarking plan: seed %d, filled by the runtime)" % s["weights"]["seed"]
                          if s["weights"]["kind"] == "random" else "from the checkpoint"),
-        f"program   {p['ops']} ops, {p['weights']} weights ({p['weight_bytes'] / 1e6:.2f} MB), "
-        f"{p['states']} states ({p['state_bytes'] / 1e6:.2f} MB), dyn slots {', '.join(p['dyn_slots'])}",
+        f"program   {p['ops']} ops, {p['weights']} weights ({_size(p['weight_bytes'])}), "
+        f"{p['states']} states ({_size(p['state_bytes'])}), dyn slots {', '.join(p['dyn_slots'])}",
         "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),
     ]
     lp = s["launch_plan"]
     if lp:
         lines.append(f"launches  {lp['launches']} per token; arena " + ", ".join(
-            f"{k} {v / 1e6:.2f} MB" for k, v in lp["arena"].items()))
+            f"{k} {_size(v)}" for k, v in lp["arena"].items()))
         lines.append("kernels   " + ", ".join(f"{k} x{v}" for k, v in sorted(lp["kernels"].items())))
         for k in lp["compiled"]:
             tiles = " ".join(f"{n}={v}" for n, v in k["constexprs"].items())
@@ -147,8 +156,8 @@ def inspect(plan_path, as_json, verify):
 
 
 def main():
-    cli(prog_name="kestrelc")
+    run_command(cli, "kestrelc")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -14,6 +14,7 @@ follow the buffer's dtype (f32 -> *fp32, bf16 -> *bf16, q4 -> *u8, i32 dyn -> *i
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -33,6 +34,7 @@ from kestrel.kernels import fill
 from kestrel.kernels.targets import TARGETS
 
 PTR_TYPES = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32"}
+NO_LINE_INFO = "TRITON_DISABLE_LINE_INFO"
 
 
 def jit_name(fn) -> str:
@@ -97,11 +99,28 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, ok in zip(names, aligned or []) if ok}
     src = ASTSource(fn=fn, signature=signature, constexprs=dict(consts), attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+    with _no_line_info():
+        c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
     md = c.metadata
     return CompiledKernel(kernel_id, jit_name(fn), md.name, c.asm["cubin"], list(zip(names, types)), md.num_warps,
                           md.shared, md.global_scratch_size, md.global_scratch_align, md.profile_scratch_size,
                           f"sm_{cc}{'a' if cc >= 90 else ''}", f"triton {triton.__version__}")
+
+
+@contextlib.contextmanager
+def _no_line_info():
+    """Cubins without debug line info: with it, a cubin holds the absolute path of the kernel's source
+    file (or of another checkout's, from Triton's shared cache), so the same build would give different
+    bytes on different machines. The setting is part of Triton's cache key."""
+    old = os.environ.get(NO_LINE_INFO)
+    os.environ[NO_LINE_INFO] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[NO_LINE_INFO]
+        else:
+            os.environ[NO_LINE_INFO] = old
 
 
 def pointer_alignment(op: Op) -> list[bool]:

@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from kestrel.artifacts.errors import CheckpointError, ConfigError, UnsupportedError
@@ -169,11 +170,19 @@ def read_config(folder: str) -> tuple[dict, ModelConfig]:
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise ConfigError(f"{folder}: no such checkpoint folder (or preset name)")
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a folder, not a file; a checkpoint's config.json is a JSON file")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{folder}: no config.json; is this a Hugging Face checkpoint folder?") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied; make it readable (chmod +r)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; config.json must be a UTF-8 JSON file") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(raw, dict):
@@ -257,20 +266,31 @@ class Checkpoint:
         single = os.path.join(self.folder, "model.safetensors")
         if os.path.exists(idx_path):
             try:
-                with open(idx_path) as f:
+                with open(idx_path, encoding="utf-8") as f:
                     weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except OSError as e:
+                raise CheckpointError(f"{idx_path}: cannot be read ({e.strerror or e})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise CheckpointError(f"{idx_path}: not a valid safetensors index (needs a 'weight_map')") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{idx_path}: not a valid safetensors index ('weight_map' maps names to files)")
             files = sorted(set(weight_map.values()))
+            for fname in files:  # a shard is named inside this folder: no absolute path, no ".." out of it
+                # (lexically: a shard may be a symbolic link, as in the Hugging Face cache's snapshots)
+                if os.path.isabs(fname) or os.path.normpath(fname).split(os.sep)[0] in ("..", ""):
+                    raise CheckpointError(f"{idx_path}: shard {fname!r} is outside the checkpoint folder; refusing "
+                                          f"to read it")
         elif os.path.exists(single):
             weight_map, files = None, ["model.safetensors"]
         else:
             raise CheckpointError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
-        index = {}
+        index, self.shard_files = {}, files
         for fname in files:
             path = os.path.join(self.folder, fname)
             if not os.path.exists(path):
                 raise CheckpointError(f"{self.folder}: shard {fname!r} listed in the index is missing")
+            if not os.access(path, os.R_OK):
+                raise CheckpointError(f"{path}: permission denied; make it readable (chmod +r)")
             try:
                 with safe_open(path, framework="pt") as f:
                     for name in f.keys():
@@ -290,7 +310,18 @@ class Checkpoint:
         fname, hf_name, _, _ = self.tensors[rel]
         if fname not in self._handles:
             self._handles[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
-        return self._handles[fname].get_tensor(hf_name)
+        t = self._handles[fname].get_tensor(hf_name)
+        if not torch.isfinite(t).all():  # scanned as it streams through: a NaN or Inf never reaches a plan
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{os.path.join(self.folder, fname)}: tensor {hf_name!r} holds {bad} non-finite "
+                                  f"values (NaN or Inf); fix or re-export the checkpoint")
+        return t
+
+    def files(self) -> list[str]:
+        """Every file of the checkpoint a build reads (an output must never be one of them)."""
+        names = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"}
+        names |= set(self.shard_files)
+        return [os.path.join(self.folder, n) for n in sorted(names) if os.path.exists(os.path.join(self.folder, n))]
 
     def close(self) -> None:
         self._handles.clear()

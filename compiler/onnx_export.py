@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kestrel.artifacts.errors import UnsupportedError, import_optional
+from kestrel.artifacts.errors import OutputError, UnsupportedError, import_optional
 from kestrel.artifacts.plan import STATE_OUT_SUFFIX, producer_version
 from kestrel.compiler.ir import Dyn, Op, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ops import OPS, NotApplicable
@@ -441,9 +441,9 @@ def write_onnx(program: Program, produce, out: str, external: bool | None = None
     if external is None:
         external = total > EXTERNAL_THRESHOLD
     data_path = out + ".data" if external else None
-    tmp = out + ".tmp"
-    sink = _ExternalData(data_path + ".tmp", os.path.basename(data_path)) if external else None
+    tmp, sink = out + ".tmp", None
     try:
+        sink = _ExternalData(data_path + ".tmp", os.path.basename(data_path)) if external else None
         model_proto, sig = export_program(program, produce, external=sink, metadata=metadata)
         if sink is not None:
             sink.close()
@@ -452,11 +452,13 @@ def write_onnx(program: Program, produce, out: str, external: bool | None = None
         if sink is not None:
             os.replace(sink.path, data_path)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
+        if sink is not None:
+            sink.f.close()
         for path in (tmp, sink.path if sink else None):
             if path and os.path.exists(path):
                 os.remove(path)
-        if sink is not None:
-            sink.f.close()
+        if isinstance(e, OSError):  # a full disk, a read-only filesystem: one line, nothing left behind
+            raise OutputError(f"-o {out}: writing failed ({e.strerror or e}); nothing was left behind") from None
         raise
     return model_proto, sig, data_path

@@ -2,58 +2,114 @@
 from __future__ import annotations
 
 import json
-import sys
+import re
 
 import click
 
-from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error
+from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error, run_command
+from kestrel.artifacts.output import output_file, output_folder, writing
 from kestrel.artifacts.plan import load_plan
 from kestrel.runtime import bench as gpu_bench
-from kestrel.runtime.generate import SamplingParams, check_lengths, generate
+from kestrel.runtime.cuda import NoGpuError
+from kestrel.runtime.generate import MIN_TEMPERATURE, SamplingParams, check_lengths, generate
 from kestrel.runtime.gpu import GpuStep, graph_enabled
 from kestrel.runtime.tensorrt import TrtStep
 from kestrel.runtime.tokenizer import PlanTokenizer
 
 
+_IDS = re.compile(r"[ ]*[0-9]+[ ]*(,[ ]*[0-9]+[ ]*)*")
+
+
 def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise InputError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    """ASCII digits separated by commas, spaces allowed around the commas: ``1,2,3`` or ``1, 2, 3``."""
+    if not _IDS.fullmatch(text):
+        raise InputError(f"--prompt-ids {text!r}: expected comma-separated integers (ASCII digits, spaces around commas allowed) like 1,2,3")
+    return [int(t) for t in text.split(",")]
+
+
+class _TextStream:
+    """Prints generated text as the tokens reach the host: the whole sequence decoded again at each
+    batch and the new part printed (a token may end inside a multi-byte character: held back until the
+    character is whole). Characters that are not printable (control bytes of a random-weight model)
+    are printed escaped, like ``\\x07``."""
+
+    def __init__(self, tok: PlanTokenizer):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids += new
+        text = self.tok.decode(self.ids)
+        if text is None:  # no tokenizer: the ids
+            click.echo(" ".join(map(str, new)) + " ", nl=False)
+            return
+        if text.endswith("\ufffd"):
+            return
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        delta = text[len(self.shown):] if text.startswith(self.shown) else text
+        click.echo(printable(delta), nl=False)
+        self.shown = text
+
+    def close(self) -> None:
+        text = self.tok.decode(self.ids)
+        if text is not None:
+            self._show(text)
+        click.echo("")
+
+
+def printable(text: str) -> str:
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kestrel", prog_name="kestrel-run", message="%(prog)s %(version)s")
 @click.argument("plan_path", metavar="PLAN")
 @click.option("--prompt", help="Prompt text (needs a plan with a tokenizer).")
-@click.option("--prompt-ids", help="Prompt as comma-separated token ids.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--prompt-ids", help="Prompt as token ids: digits separated by commas, like 1,2,3.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True,
+              help="Generate at most this many tokens (fewer if an end-of-sequence token comes first).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help=f"0 = greedy (argmax); otherwise softmax at this temperature (>= {MIN_TEMPERATURE}).")
+@click.option("--top-p", type=float, default=1.0, show_default=True,
+              help="Sample from the smallest set of tokens holding this much probability (0 < p <= 1).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Random seed for sampling, in [0, 2^31): the same seed repeats a run exactly.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="gpu runs the plan's cubins (auto: gpu for GPU plans); cpu runs the torch reference path (any plan).")
 @click.option("--no-graph", is_flag=True, help="GPU: launch kernel by kernel instead of replaying the CUDA graph "
               "(same as KESTREL_GRAPH=0).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--dump", "dump_dir", help="Write per-step logits and hidden states (float32) with index.json here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streamed text.")
+@click.option("--dump", "dump_dir", metavar="DIR",
+              help="Write per-step logits and hidden states (float32) with index.json into DIR (made if missing; "
+                   "an earlier dump there is replaced).")
 @click.option("--bench", "bench_out", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
               help="GPU: interleaved graph off/on rounds; prints a table and the JSON (to FILE if given).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="--bench rounds (at least 3).")
 @click.option("--verify", is_flag=True, help="GPU: run graph and streaming, byte-compare every step's dumps.")
 @exit_on_error
-def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
-         dump_dir, bench_out, rounds, verify):
+def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
+            dump_dir, bench_out, rounds, verify):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    sampling = SamplingParams(temperature, top_p, seed)
+    sampling.check()
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    if dump_dir is not None:
+        output_folder(dump_dir)
+    if bench_out not in (None, "-"):
+        bench_out = output_file(bench_out, "--bench")
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
-    ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids)
+    if ids is None:
+        ids = tok.encode(prompt)
     model = plan.manifest["model"]
     check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
     bad = [t for t in ids if not 0 <= t < model["vocab_size"]]
     if bad:  # checked here too, so no path (--bench, --verify) lets a kernel read outside the table
         raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model['vocab_size']})")
+    auto = device == "auto"
     if plan.backend == "tensorrt":  # the engine holds the weights: no CPU path, no launch list to bench
         if device == "cpu" or bench_out is not None or verify:
             raise UnsupportedError("this plan holds a TensorRT engine: run it on its GPU (without --device cpu, "
@@ -64,51 +120,66 @@ def main(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed
     if bench_out is not None or verify:
         if device != "gpu":
             raise InputError("--bench and --verify run on the GPU: use a plan built with --target sm_XX")
-        if verify:
-            r = gpu_bench.verify(plan, ids, max_new_tokens)
-            click.echo(json.dumps(r) if as_json else f"verified: graph and streaming byte-identical over "
-                       f"{r['steps']} steps ({r['files_compared']} files)")
-            return
-        r = gpu_bench.bench(plan, ids, max_new_tokens, max(3, rounds), log=lambda m: click.echo(m, err=True))
-        text = json.dumps(r, indent=1)
-        if bench_out != "-":
-            with open(bench_out, "w") as f:
-                f.write(text)
-        click.echo(text if as_json else
-                   f"ms/token  graph {r['ms_per_token']['graph']:.3f}  streaming {r['ms_per_token']['stream']:.3f}"
-                   f"  (x{r['graph_speedup']:.2f}; saving {r['paired_saving_ms']:.3f} ms, paired range "
-                   f"{r['paired_range_ms']:.3f}: {'claimed' if r['gain_claimed'] else 'not claimed'})\n"
-                   f"p50/p99 graph {r['latency_ms']['graph']['p50']:.3f}/{r['latency_ms']['graph']['p99']:.3f} ms; "
-                   f"first request graph {r['first_request_ms']['graph']:.1f} ms vs streaming "
-                   f"{r['first_request_ms']['stream']:.1f} ms (graph built at load in {r['graph_build_ms_at_load']:.0f} ms)\n"
-                   f"bytes/token {r['bytes_per_token'] / 1e6:.1f} MB; copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; "
-                   f"roofline {r['roofline_ms']:.3f} ms; graph at {r['fraction_of_roofline']:.1%} of it")
+        _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify)
         return
-    if device == "tensorrt":
-        step = TrtStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
-    elif device == "gpu":
-        step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
-    else:
-        from kestrel.runtime.cpu import CpuStep  # the CPU reference path needs torch; nothing else here does
+    try:
+        if device == "tensorrt":
+            step = TrtStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
+        elif device == "gpu":
+            step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
+        else:
+            from kestrel.runtime.cpu import CpuStep  # the CPU reference path needs torch; nothing else here does
 
-        step = CpuStep(plan)
+            step = CpuStep(plan)
+    except NoGpuError as e:
+        if not auto:
+            raise
+        raise NoGpuError(f"this plan needs an {plan.manifest['target']} GPU and none is usable here "
+                         f"({e.message.split(';')[0]}): run it with --device cpu") from None
     plan.close()
     eos = plan.manifest.get("tokenizer", {}).get("eos_token_ids") or model.get("eos_token_ids") or []
-    gen = generate(step, ids, max_new_tokens, SamplingParams(temperature, top_p, seed), eos_ids=set(eos),
-                   max_seq=step.max_seq, vocab_size=model["vocab_size"], dump_dir=dump_dir)
-    text = tok.decode(gen.tokens)
+    stream = None if as_json else _TextStream(tok)
+    gen = generate(step, ids, max_new_tokens, sampling, eos_ids=set(eos), max_seq=step.max_seq,
+                   vocab_size=model["vocab_size"], dump_dir=dump_dir, on_tokens=stream)
     if as_json:
         click.echo(json.dumps({
-            "tokens": gen.tokens, "text": text, "mode": step.mode, "ms_per_token": round(gen.ms_per_token, 4),
-            "prompt_tokens": len(ids), "prefill_ms": round(gen.prefill_ms, 3), "stopped_by": gen.stopped_by,
+            "tokens": gen.tokens, "text": tok.decode(gen.tokens), "mode": step.mode,
+            "ms_per_token": round(gen.ms_per_token, 4), "prompt_tokens": len(ids),
+            "prefill_ms": round(gen.prefill_ms, 3), "stopped_by": gen.stopped_by,
             "graph_fallbacks": getattr(step, "graph_fallbacks", 0),
             "weights": "random" if plan.random_weights else "checkpoint",
         }))
     else:
-        click.echo(text if text is not None else " ".join(map(str, gen.tokens)))
+        stream.close()
         click.echo(f"[{step.mode}] {len(ids)} prompt tokens, {len(gen.tokens)} generated "
                    f"({gen.stopped_by}), {gen.ms_per_token:.2f} ms/token", err=True)
 
 
+def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify) -> None:
+    if verify:
+        r = gpu_bench.verify(plan, ids, max_new_tokens)
+        click.echo(json.dumps(r) if as_json else f"verified: graph and streaming byte-identical over "
+                   f"{r['steps']} steps ({r['files_compared']} files)")
+        return
+    r = gpu_bench.bench(plan, ids, max_new_tokens, max(3, rounds), log=lambda m: click.echo(m, err=True))
+    text = json.dumps(r, indent=1)
+    if bench_out != "-":
+        with writing(bench_out, "--bench"), open(bench_out, "w") as f:
+            f.write(text)
+    click.echo(text if as_json else
+               f"ms/token  graph {r['ms_per_token']['graph']:.3f}  streaming {r['ms_per_token']['stream']:.3f}"
+               f"  (x{r['graph_speedup']:.2f}; saving {r['paired_saving_ms']:.3f} ms, paired range "
+               f"{r['paired_range_ms']:.3f}: {'claimed' if r['gain_claimed'] else 'not claimed'})\n"
+               f"p50/p99 graph {r['latency_ms']['graph']['p50']:.3f}/{r['latency_ms']['graph']['p99']:.3f} ms; "
+               f"first request graph {r['first_request_ms']['graph']:.1f} ms vs streaming "
+               f"{r['first_request_ms']['stream']:.1f} ms (graph built at load in {r['graph_build_ms_at_load']:.0f} ms)\n"
+               f"bytes/token {r['bytes_per_token'] / 1e6:.1f} MB; copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; "
+               f"roofline {r['roofline_ms']:.3f} ms; graph at {r['fraction_of_roofline']:.1%} of it")
+
+
+def main():
+    run_command(command, "kestrel-run")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -40,6 +40,7 @@ class CpuStep:
     """
 
     mode = "cpu-reference"
+    synchronous = True  # run() returns once the steps are done
 
     def __init__(self, plan: Plan | None = None, *, program: Program | None = None, weights=None,
                  max_seq: int | None = None):

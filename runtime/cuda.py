@@ -13,11 +13,15 @@ from kestrel.artifacts.errors import DeviceError
 _NP_TYPES = {"fp32": np.float32, "i32": np.int32, "u32": np.uint32, "i64": np.int64}
 
 
+class NoGpuError(DeviceError):
+    """No usable GPU here: cuda.bindings is missing, or there is no CUDA driver."""
+
+
 def driver():
     try:
         from cuda.bindings import driver as cu
     except ImportError:
-        raise DeviceError("cuda.bindings is not installed (pip install cuda-bindings); or run with --device cpu")
+        raise NoGpuError("cuda.bindings is not installed (pip install cuda-bindings); or run with --device cpu")
     return cu
 
 
@@ -39,7 +43,7 @@ def init(device: int = 0):
     try:
         check(cu.cuInit(0), "cuInit")
     except RuntimeError as e:  # no driver: cuda.bindings raises a RuntimeError subclass
-        raise DeviceError(f"no CUDA driver ({e}); run with --device cpu") from None
+        raise NoGpuError(f"no CUDA driver ({e}); run with --device cpu") from None
     dev = check(cu.cuDeviceGet(device), "cuDeviceGet")
     ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")

@@ -8,17 +8,22 @@ A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
     the sampled one, appended to ``tokens``) and advances dyn.pos; ``marks`` collects timing marks;
   * ``read_tokens(lo, hi)``: a handle whose ``wait()`` returns tokens[lo:hi] (asynchronous on the GPU);
   * ``mark_ms(marks)``, ``output(name)`` (``hidden`` / ``logits`` of the last step, float32),
-    ``dyn`` (the slots, dict-like), ``reset()``, ``max_seq``, ``mode``.
+    ``dyn`` (the slots, dict-like), ``reset()``, ``max_seq``, ``mode``, and ``synchronous``: whether
+    ``run`` has finished the steps when it returns (the CPU path) or only enqueued them (GPU).
 Prefill runs the same step once per prompt token.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
 
-from kestrel.artifacts.errors import InputError
+from kestrel.artifacts.errors import InputError, OutputError
+
+
+MIN_TEMPERATURE = 1e-5  # below it, logits / T overflow fp32: use 0 (greedy)
 
 
 @dataclass
@@ -28,8 +33,9 @@ class SamplingParams:
     seed: int = 0
 
     def check(self):
-        if self.temperature < 0:
-            raise InputError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise InputError(f"--temperature {self.temperature}: must be 0 (greedy) or a finite number >= "
+                             f"{MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
         if not 0 <= self.seed < 2 ** 31:
@@ -69,7 +75,8 @@ READBACK_EVERY = 8  # k: sampled tokens reach the host every k/2 steps, two batc
 
 def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, eos_ids=(),
              max_seq: int | None = None, vocab_size: int | None = None, dump_dir: str | None = None,
-             on_step=None, step_ms: list | None = None, readback_every: int = READBACK_EVERY) -> Generation:
+             on_step=None, step_ms: list | None = None, readback_every: int = READBACK_EVERY,
+             on_tokens=None) -> Generation:
     """Prefill ``prompt`` and generate up to ``max_new_tokens`` tokens (stopping after an EOS id).
 
     The prompt ids and sampling settings are written once (``step.begin``); from then on the step
@@ -80,8 +87,9 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     enqueued beyond prompt + max_new_tokens - 1, which check_lengths keeps within max_seq.
 
     ``on_step(step, phase, pos, token_in)`` (and ``dump_dir``, which is one) runs after every step:
-    that mode runs one step at a time. ``step_ms``, if given, receives each decode step's duration
-    (device-side timing marks on the GPU).
+    that mode runs one step at a time. ``on_tokens(tokens)`` receives the generated tokens as they
+    reach the host (a read-back batch at a time; streamed output). ``step_ms``, if given, receives
+    each decode step's duration (device-side timing marks on the GPU).
     """
     sampling.check()
     check_lengths(len(prompt), max_new_tokens, max_seq if max_seq is not None else step.max_seq)
@@ -110,6 +118,8 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
                 if pos == n - 1:
                     gen.prefill_ms = (time.perf_counter() - t0) * 1e3
                     t1 = time.perf_counter()
+                if on_tokens:
+                    on_tokens(seq[-1:])
                 if seq[-1] in eos_ids:
                     gen.stopped_by = "eos"
                     break
@@ -121,6 +131,9 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
             del marks[:-1]  # time decode steps only, from the end of prefill
         inflight, hi = [step.read_tokens(n, n + 1)], n + 1
         first = True
+        if step.synchronous:  # the CPU path ran the prefill inside run(): it ends here, not at the first read
+            gen.prefill_ms = (time.perf_counter() - t0) * 1e3
+            t1, first = time.perf_counter(), False
         while inflight:
             if hi < end and len(inflight) < 2:
                 m = min(batch, end - hi)
@@ -132,12 +145,15 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
             if first:
                 gen.prefill_ms = (time.perf_counter() - t0) * 1e3
                 t1, first = time.perf_counter(), False
+            fresh = len(gen.tokens)
             for t in got:
                 gen.tokens.append(t)
                 if t in eos_ids:
                     gen.stopped_by = "eos"
                     inflight = []  # the steps still in flight are overrun: discarded
                     break
+            if on_tokens:
+                on_tokens(gen.tokens[fresh:])
     gen.decode_ms = (time.perf_counter() - t1) * 1e3
     if marks is not None:
         step_ms.extend(step.mark_ms(marks))
@@ -147,13 +163,18 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
 
 
 class _Dumper:
-    """Per-step logits and final hidden states as raw little-endian float32, with index.json."""
+    """Per-step logits and final hidden states as raw little-endian float32, with index.json. The folder
+    is made if missing (its parent must exist: runtime/cli.py checks with output_folder); the step
+    files and index of an earlier dump there are removed first, so the folder holds one run."""
 
     def __init__(self, folder: str):
         try:
             os.makedirs(folder, exist_ok=True)
+            for f in os.listdir(folder):
+                if f == "index.json" or (f.startswith("step") and f.endswith(".f32")):
+                    os.remove(os.path.join(folder, f))
         except OSError as e:
-            raise InputError(f"--dump {folder}: cannot create the folder ({e.strerror})") from None
+            raise OutputError(f"--dump {folder}: cannot prepare the folder ({e.strerror})") from None
         self.folder, self.steps, self.shapes = folder, [], {}
 
     def add(self, step, phase: str, pos: int, token_in: int):

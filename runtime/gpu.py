@@ -54,6 +54,7 @@ class _DynSlots:
 
 
 class GpuStep:
+    synchronous = False  # run() enqueues the steps on the stream
     def __init__(self, plan: Plan, use_graph: bool = True, log=None):
         lp = plan.launch_plan
         target = plan.manifest["target"]

@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import run_cli
-from kestrel.artifacts.errors import CheckpointError, ConfigError, InputError, UnsupportedError
+from kestrel.artifacts.errors import CheckpointError, ConfigError, InputError, OutputError, UnsupportedError
 from kestrel.compiler.presets import synthesize
 
 
@@ -100,7 +100,7 @@ def test_bad_build_options(args, err, message, tmp_path):
 
 def test_output_folder_missing(tmp_path):
     r = run_cli("kestrelc", "build", "tiny", "-o", str(tmp_path / "no" / "m.plan"))
-    assert r.returncode == InputError.exit_code and "does not exist" in r.stderr
+    assert r.returncode == OutputError.exit_code and "does not exist" in r.stderr
 
 
 def test_not_a_folder_nor_preset(tmp_path):

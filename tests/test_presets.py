@@ -30,7 +30,7 @@ def test_parameter_count(name):
 @pytest.mark.parametrize("name", ["qwen3.5-2b", "qwen3.5-9b"])
 def test_random_weights_build_records_a_seed(name, tmp_path):
     path = str(tmp_path / f"{name}.plan")
-    r = run_cli("kestrelc", "build", name, "--weights", "random", "--seed", "5", "-o", path, "--quiet")
+    r = run_cli("kestrelc", "build", name, "--weights", "random", "--seed", "5", "-o", path)
     assert r.returncode == 0, r.stderr
     assert "--weights random" in r.stderr
     info = json.loads(run_cli("kestrelc", "inspect", path, "--json").stdout)
