@@ -23,7 +23,7 @@ from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputErro
 from kestrel.artifacts.output import not_an_input, output_file
 from kestrel.artifacts.plan import ENGINE_PART, PlanInfo, write_plan
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
-from kestrel.compiler.frontend import Checkpoint, open_checkpoint, parse_config, read_config
+from kestrel.compiler.frontend import Checkpoint, open_checkpoint, parse_config, read_chat_template, read_config
 from kestrel.compiler.ir import Program
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import launch_plan
@@ -87,6 +87,7 @@ class Model:
     source: dict
     max_seq: int
     tokenizer_json: str | None
+    chat: dict  # {"chat_template", "special_tokens"} from the checkpoint, or {}
 
     @property
     def cfg(self):
@@ -131,12 +132,14 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
                 tokenizer_json = f.read()
         elif source["kind"] == "preset":
             tokenizer_json = byte_level_tokenizer_json()
-        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json)
+        chat = read_chat_template(ck.folder) if ck.folder and tokenizer_json else {}
+        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json, chat)
 
 
 def _plan_info(m: Model, target: str, quant: str, **kw) -> PlanInfo:
     return PlanInfo(target=target, quant=quant, max_seq=m.max_seq, model=m.cfg.to_json(), source=m.source,
-                    tokenizer={"eos_token_ids": list(m.cfg.eos_token_ids)} if m.tokenizer_json else {}, **kw)
+                    tokenizer={"eos_token_ids": list(m.cfg.eos_token_ids), **m.chat} if m.tokenizer_json else {},
+                    **kw)
 
 
 # --- kestrelc build ----------------------------------------------------------------------------------

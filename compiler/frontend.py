@@ -190,6 +190,39 @@ def read_config(folder: str) -> tuple[dict, ModelConfig]:
     return raw, parse_config(raw, path)
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def read_chat_template(folder: str) -> dict:
+    """The checkpoint's chat template and the special tokens it may refer to, as transformers finds
+    them: ``chat_template.jinja`` if present, else tokenizer_config.json's ``chat_template`` (a string,
+    or a list of named templates: ``default``). {} when there is none."""
+    cfg_path, jinja_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "chat_template.jinja")
+    tok_cfg = {}
+    try:
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                tok_cfg = json.load(f)
+        template = tok_cfg.get("chat_template") if isinstance(tok_cfg, dict) else None
+        if os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{cfg_path}: cannot be read as a tokenizer config ({e})") from None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if not isinstance(template, str) or not template:
+        return {}
+    special = {}
+    for name in SPECIAL_TOKENS:
+        v = tok_cfg.get(name)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            special[name] = v
+    return {"chat_template": template, "special_tokens": special}
+
+
 def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name relative to the text model prefix, shape) of every tensor of the text model
     (``lm_head.weight``, which sits outside that prefix, is handled by the caller)."""
@@ -319,7 +352,8 @@ class Checkpoint:
 
     def files(self) -> list[str]:
         """Every file of the checkpoint a build reads (an output must never be one of them)."""
-        names = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"}
+        names = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"}
         names |= set(self.shard_files)
         return [os.path.join(self.folder, n) for n in sorted(names) if os.path.exists(os.path.join(self.folder, n))]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import click
 
@@ -10,6 +11,7 @@ from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error
 from kestrel.artifacts.output import output_file, output_folder, writing
 from kestrel.artifacts.plan import load_plan
 from kestrel.runtime import bench as gpu_bench
+from kestrel.runtime.chat import ChatTemplate
 from kestrel.runtime.cuda import NoGpuError
 from kestrel.runtime.generate import MIN_TEMPERATURE, SamplingParams, check_lengths, generate
 from kestrel.runtime.gpu import GpuStep, graph_enabled
@@ -87,11 +89,23 @@ def printable(text: str) -> str:
               help="GPU: interleaved graph off/on rounds; prints a table and the JSON (to FILE if given).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="--bench rounds (at least 3).")
 @click.option("--verify", is_flag=True, help="GPU: run graph and streaming, byte-compare every step's dumps.")
+@click.option("--chat", is_flag=True,
+              help="Apply the checkpoint's chat template to --prompt as a user turn; without --prompt, chat "
+                   "interactively: one user turn per line of standard input, the model's state kept between turns.")
+@click.option("--system", help="--chat: a system message first.")
 @exit_on_error
 def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
-            dump_dir, bench_out, rounds, verify):
+            dump_dir, bench_out, rounds, verify, chat, system):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
-    if (prompt is None) == (prompt_ids is None):
+    interactive = chat and prompt is None and prompt_ids is None
+    if chat and prompt_ids is not None:
+        raise InputError("--chat renders text turns: give --prompt TEXT (or nothing, to chat interactively), "
+                         "not --prompt-ids")
+    if system is not None and not chat:
+        raise InputError("--system needs --chat")
+    if interactive and (bench_out is not None or verify or dump_dir is not None):
+        raise InputError("interactive --chat does not combine with --bench, --verify or --dump: give --prompt")
+    if not interactive and (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampling = SamplingParams(temperature, top_p, seed)
     sampling.check()
@@ -102,9 +116,15 @@ def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, s
         bench_out = output_file(bench_out, "--bench")
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
-    if ids is None:
+    template = ChatTemplate.from_manifest(plan.manifest) if chat else None
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    if template is not None and not interactive:
+        ids = tok.encode(template.render(messages + [{"role": "user", "content": prompt}]))
+    elif ids is None and not interactive:
         ids = tok.encode(prompt)
     model = plan.manifest["model"]
+    if interactive:
+        ids = [0]  # the turns come later; what follows only needs a valid one-token request
     check_lengths(len(ids), max_new_tokens, plan.manifest["max_seq"])  # before loading weights
     bad = [t for t in ids if not 0 <= t < model["vocab_size"]]
     if bad:  # checked here too, so no path (--bench, --verify) lets a kernel read outside the table
@@ -137,7 +157,12 @@ def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, s
         raise NoGpuError(f"this plan needs an {plan.manifest['target']} GPU and none is usable here "
                          f"({e.message.split(';')[0]}): run it with --device cpu") from None
     plan.close()
-    eos = plan.manifest.get("tokenizer", {}).get("eos_token_ids") or model.get("eos_token_ids") or []
+    eos = set(plan.manifest.get("tokenizer", {}).get("eos_token_ids") or model.get("eos_token_ids") or [])
+    if template is not None:  # the template's end-of-turn token ends a reply too
+        eos |= {t for t in [tok.token_id(template.special_tokens.get("eos_token"))] if t is not None}
+    if interactive:
+        _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, model["vocab_size"], as_json)
+        return
     stream = None if as_json else _TextStream(tok)
     gen = generate(step, ids, max_new_tokens, sampling, eos_ids=set(eos), max_seq=step.max_seq,
                    vocab_size=model["vocab_size"], dump_dir=dump_dir, on_tokens=stream)
@@ -153,6 +178,30 @@ def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, s
         stream.close()
         click.echo(f"[{step.mode}] {len(ids)} prompt tokens, {len(gen.tokens)} generated "
                    f"({gen.stopped_by}), {gen.ms_per_token:.2f} ms/token", err=True)
+
+
+def _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, vocab_size, as_json) -> None:
+    """One user turn per line of standard input. The step keeps its states between turns: a turn feeds
+    only the tokens the conversation gained since the last one (when the rendered conversation still
+    starts with what was fed; else it starts over), and replies are generated one step at a time so
+    no step runs past the end of a reply (a recurrent state cannot be rolled back)."""
+    fed: list[int] = []  # the tokens whose states the step holds
+    for turn, line in enumerate(sys.stdin):
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tok.encode(template.render(messages))
+        resume = len(fed) if fed and len(ids) > len(fed) and ids[:len(fed)] == fed else 0
+        stream = None if as_json else _TextStream(tok)
+        gen = generate(step, ids, max_new_tokens, sampling, eos_ids=eos, max_seq=step.max_seq, vocab_size=vocab_size,
+                       on_step=lambda *a: None, on_tokens=stream, resume_from=resume)
+        reply = gen.tokens[:-1] if gen.stopped_by == "eos" else gen.tokens
+        messages.append({"role": "assistant", "content": tok.decode(reply)})
+        fed = (ids + gen.tokens)[:-1]  # the last token sampled was never fed back
+        if as_json:
+            click.echo(json.dumps({"turn": turn, "tokens": gen.tokens, "text": tok.decode(reply),
+                                   "prompt_tokens": len(ids), "reused_tokens": resume, "stopped_by": gen.stopped_by,
+                                   "ms_per_token": round(gen.ms_per_token, 4)}))
+        else:
+            stream.close()
 
 
 def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify) -> None:

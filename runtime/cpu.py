@@ -70,11 +70,14 @@ class CpuStep:
         for k in self.dyn:
             self.dyn[k] = 0
 
-    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int) -> None:
-        """Start a request: zeroed states, the prompt ids in the token sequence, dyn slots set."""
-        self.reset()
-        self.states[TOKENS_STATE][:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
-        self.dyn.update(pos=0, token=prompt[0], n_prompt=len(prompt), temperature=temperature, top_p=top_p, seed=seed)
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0) -> None:
+        """Start a request: zeroed states, the prompt ids in the token sequence, dyn slots set. ``start`` > 0
+        continues the sequence (the states hold positions < start): only prompt[start:] is written."""
+        if start == 0:
+            self.reset()
+        self.states[TOKENS_STATE][start:len(prompt)] = torch.tensor(prompt[start:], dtype=torch.int32)
+        self.dyn.update(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
+                        seed=seed)
 
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """``n`` decode steps; each reads dyn.token at dyn.pos, leaves dyn.sampled, feeds the next

@@ -76,7 +76,7 @@ READBACK_EVERY = 8  # k: sampled tokens reach the host every k/2 steps, two batc
 def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, eos_ids=(),
              max_seq: int | None = None, vocab_size: int | None = None, dump_dir: str | None = None,
              on_step=None, step_ms: list | None = None, readback_every: int = READBACK_EVERY,
-             on_tokens=None) -> Generation:
+             on_tokens=None, resume_from: int = 0) -> Generation:
     """Prefill ``prompt`` and generate up to ``max_new_tokens`` tokens (stopping after an EOS id).
 
     The prompt ids and sampling settings are written once (``step.begin``); from then on the step
@@ -89,7 +89,9 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     ``on_step(step, phase, pos, token_in)`` (and ``dump_dir``, which is one) runs after every step:
     that mode runs one step at a time. ``on_tokens(tokens)`` receives the generated tokens as they
     reach the host (a read-back batch at a time; streamed output). ``step_ms``, if given, receives
-    each decode step's duration (device-side timing marks on the GPU).
+    each decode step's duration (device-side timing marks on the GPU). ``resume_from`` > 0: the step's
+    states already hold ``prompt[:resume_from]`` (a chat's earlier turns, consumed with no overrun:
+    run one step at a time); only the rest is prefilled.
     """
     sampling.check()
     check_lengths(len(prompt), max_new_tokens, max_seq if max_seq is not None else step.max_seq)
@@ -106,10 +108,10 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     marks = [] if step_ms is not None else None
 
     t0 = time.perf_counter()
-    step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed)
+    step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from)
     if hooks:  # one step at a time, the outputs of each read back
         seq = list(prompt)
-        for pos in range(end - 1):
+        for pos in range(resume_from, end - 1):
             step.run(1, marks if pos >= n - 1 else None)
             for hook in hooks:
                 hook(step, "prefill" if pos < n else "decode", pos, seq[pos])
@@ -126,7 +128,7 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
         gen.tokens = seq[n:]
     else:
         batch = max(1, readback_every // 2)
-        step.run(n, marks)  # prefill: the last prompt step samples tokens[n]
+        step.run(n - resume_from, marks)  # prefill: the last prompt step samples tokens[n]
         if marks is not None:
             del marks[:-1]  # time decode steps only, from the end of prefill
         inflight, hi = [step.read_tokens(n, n + 1)], n + 1

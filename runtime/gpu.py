@@ -164,19 +164,24 @@ class GpuStep:
             kc.check(cu.cuMemsetD8(addr, 0, nbytes), "cuMemsetD8 (reset)")
         self.sync()
 
-    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int) -> None:
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0) -> None:
         """Start a request: zero the states, upload the prompt ids and the dyn slots (the request's
-        one host write; generate checked the lengths, and the kernels clamp anyway)."""
-        self.reset()
+        one host write; generate checked the lengths, and the kernels clamp anyway). ``start`` > 0
+        continues the sequence instead: the states already hold positions < start (a chat's earlier
+        turns), so only prompt[start:] is uploaded and nothing is zeroed."""
+        if start == 0:
+            self.reset()
+        self.sync()
         slots, base = self.dyn.table, self.binding.regions["dyn"]
         image = np.zeros(max(s.address - base for s in slots.values()) // 4 + 1, dtype=np.int32)
-        values = dict(pos=0, token=prompt[0], n_prompt=len(prompt), temperature=temperature, top_p=top_p, seed=seed)
+        values = dict(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
+                      seed=seed)
         for name, v in values.items():
             if name in slots:
                 arr = image.view(np.float32) if slots[name].dtype == "f32" else image
                 arr[(slots[name].address - base) // 4] = v
         self.copy_to_device(base, image)
-        self.copy_to_device(self.tokens_addr, np.asarray(prompt[:self.max_seq], dtype=np.int32))
+        self.copy_to_device(self.tokens_addr + 4 * start, np.asarray(prompt[start:self.max_seq], dtype=np.int32))
         self._n_marks = 0
 
     def run(self, n: int = 1, marks: list | None = None) -> None:

@@ -240,13 +240,15 @@ class TrtStep:
         self.parity = 0
         self.dyn.host.update(pos=0, n_prompt=0)
 
-    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int) -> None:
-        """A new request: zeroed states, the prompt ids in the device token sequence."""
-        self.reset()
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0) -> None:
+        """A new request: zeroed states, the prompt ids in the device token sequence (``start`` > 0:
+        the sequence continues, see GpuStep.begin)."""
+        if start == 0:
+            self.reset()
         self.dyn.update(temperature=temperature, top_p=top_p, seed=seed)
-        ids = np.array(prompt, dtype=np.int64)
-        kc.check(kc.driver().cuMemcpyHtoD(self.tokens, ids.ctypes.data, ids.nbytes), "cuMemcpyHtoD")
-        self.dyn.host.update(pos=0, n_prompt=len(prompt))
+        ids = np.array(prompt[start:], dtype=np.int64)
+        kc.check(kc.driver().cuMemcpyHtoD(self.tokens + 8 * start, ids.ctypes.data, ids.nbytes), "cuMemcpyHtoD")
+        self.dyn.host.update(pos=start, n_prompt=len(prompt))
 
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """Enqueue n steps; each reads token = tokens[pos] at pos and, once past the prompt, writes its

@@ -22,5 +22,9 @@ class PlanTokenizer:
                              "pass --prompt-ids instead of --prompt")
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_id(self, text: str | None) -> int | None:
+        """The id of a token given as its text (a special token such as ``<|im_end|>``), or None."""
+        return None if self._tok is None or text is None else self._tok.token_to_id(text)
+
     def decode(self, ids: list[int]) -> str | None:
         return None if self._tok is None else self._tok.decode(ids, skip_special_tokens=True)

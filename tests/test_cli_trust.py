@@ -342,3 +342,27 @@ def test_exit_on_error_maps_signals():
         sys.argv = ["x", "--n", "z"]
         run_command(cmd, "x")
     assert e.value.code == 2
+
+
+def test_unreadable_config_is_one_line(ckpt, tmp_path, monkeypatch):
+    """A permission problem on config.json (made in-process: root reads any file)."""
+    import builtins
+
+    from kestrel.compiler import frontend
+
+    c = _copy(ckpt, tmp_path)
+    real_open = builtins.open
+
+    def guarded(path, *a, **k):
+        if str(path).endswith("config.json"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(frontend, "open", guarded, raising=False)
+    with pytest.raises(ConfigError, match="config.json: permission denied; make it readable"):
+        frontend.read_config(c)
+
+
+def test_inspect_shows_small_sizes_in_kb(tiny_plan):
+    r = run_cli("kestrelc", "inspect", tiny_plan)
+    assert r.returncode == 0 and "dyn 0.26 kB" in r.stdout and "0.00 MB" not in r.stdout, r.stdout

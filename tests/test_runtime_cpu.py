@@ -72,9 +72,9 @@ class TracedStep:
     def __init__(self, step):
         self.step, self.log = step, []
 
-    def begin(self, *a):
+    def begin(self, *a, **k):
         self.log.append(("begin",))
-        self.step.begin(*a)
+        self.step.begin(*a, **k)
 
     def run(self, n=1, marks=None):
         self.log.append(("run", n))
