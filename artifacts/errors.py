@@ -86,7 +86,11 @@ def import_optional(module: str, missing: str):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # handled like Ctrl-C (SIGINT)
 
 
+_stopped_by: list[int] = []  # the stop signal received, if any
+
+
 def _stop(signum, frame):
+    _stopped_by.append(signum)
     raise KeyboardInterrupt(signum)
 
 
@@ -106,11 +110,20 @@ def exit_on_error(fn):
             print(f"error: {e.message}", file=sys.stderr)
             sys.exit(e.exit_code)
         except KeyboardInterrupt as e:
-            signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
-            print(f"interrupted ({signal.Signals(signum).name}); nothing was left half-written", file=sys.stderr)
-            sys.exit(128 + signum)
+            _interrupted(e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
+        except Exception:
+            # a stop signal's KeyboardInterrupt raised inside a library (torch, safetensors) can come out
+            # as another exception: the writers' cleanup has run all the same
+            if _stopped_by:
+                _interrupted(_stopped_by[-1])
+            raise
 
     return wrapper
+
+
+def _interrupted(signum: int):
+    print(f"interrupted ({signal.Signals(signum).name}); nothing was left half-written", file=sys.stderr)
+    sys.exit(128 + signum)
 
 
 def run_command(command, prog_name: str) -> None:

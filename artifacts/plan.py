@@ -3,6 +3,8 @@
 A plan is a single file (see README, "Artifact layout"), a safetensors container holding
   * the weights, one tensor per program weight, under the program's names;
   * ``__kestrel__/program``: the step program in its text form (UTF-8 bytes);
+  * ``__kestrel__/program_prefill``: the M-row step (``prefill_rows`` rows a replay) in its text form,
+    sharing the step program's weights, states and dyn slots, when the manifest's prefill_rows > 0;
   * ``__kestrel__/tokenizer``: a tokenizers ``tokenizer.json`` (UTF-8 bytes), when the model has one;
   * ``__kestrel__/launch_plan``: the launch plan (JSON; compiler/launch_plan.py says every key), the
     GPU runtime's only input: arena regions, dyn slot table, weight placements (or the launches that
@@ -38,6 +40,7 @@ FORMAT_VERSION = 3
 PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
 LAUNCH_PLAN_PART = "__kestrel__/launch_plan"
+PREFILL_PROGRAM_PART = "__kestrel__/program_prefill"  # the M-row step (manifest prefill_rows > 0)
 ENGINE_PART = "__kestrel__/tensorrt_engine"
 STATE_OUT_SUFFIX = ".out"  # an engine's state <name> is fed back from its output <name>.out
 TENSORRT_MISSING = "TensorRT is not installed here (`import tensorrt`: {error})"
@@ -149,6 +152,12 @@ class Plan:
         self.program_text = bytes(self.read(PROGRAM_PART)).decode()
         self.tokenizer_json = bytes(self.read(TOKENIZER_PART)).decode() if TOKENIZER_PART in parts else None
         self.launch_plan = json.loads(bytes(self.read(LAUNCH_PLAN_PART))) if LAUNCH_PLAN_PART in parts else None
+        self.prefill_rows = int(m.get("prefill_rows", 0))
+        self.prefill_program_text = (bytes(self.read(PREFILL_PROGRAM_PART)).decode()
+                                     if self.prefill_rows and PREFILL_PROGRAM_PART in parts else None)
+        if self.prefill_rows and self.prefill_program_text is None:
+            raise ArtifactError(f"{path}: the manifest promises an M-row step but the plan holds none; the file is "
+                                f"corrupted")
 
     def cubin(self, part: str) -> bytes:
         return bytes(self.read(part))

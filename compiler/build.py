@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, UnsupportedError
 from kestrel.artifacts.output import not_an_input, output_file
-from kestrel.artifacts.plan import ENGINE_PART, PlanInfo, write_plan
+from kestrel.artifacts.plan import ENGINE_PART, PREFILL_PROGRAM_PART, PlanInfo, write_plan
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
 from kestrel.compiler.frontend import Checkpoint, open_checkpoint, parse_config, read_chat_template, read_config
 from kestrel.compiler.ir import Program
@@ -38,6 +38,7 @@ from kestrel.passes.plan_memory import memory_report
 from kestrel.passes.quantize import DEFAULT_Q4_GROUP, QUANT_MODES
 
 DEFAULT_MAX_SEQ = 4096
+DEFAULT_PREFILL_ROWS = 64
 ONNX_PASSES = PASS_NAMES[:PASS_NAMES.index("quantize") + 1]  # the ONNX step is made before hoist_dynamic
 
 
@@ -154,11 +155,23 @@ class BuildResult:
     notices: list[str]
 
 
+def default_prefill_rows(target: str) -> int:
+    """The M-row step's rows by default: 64 on the CPU reference path; 0 (none) on GPU targets until its
+    GPU kernels exist (issue 11)."""
+    return DEFAULT_PREFILL_ROWS if target == "cpu" else 0
+
+
 def build(model: str, out: str, target: str = "cpu", quant: str | None = None, max_seq: int | None = None,
           log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
-          dump=print, weights: str = "checkpoint", seed: int = 0) -> BuildResult:
+          dump=print, weights: str = "checkpoint", seed: int = 0, prefill_rows: int | None = None) -> BuildResult:
     quant = quant or default_quant(target)
     check_options(target, quant, dump_ir_after)
+    prefill_rows = default_prefill_rows(target) if prefill_rows is None else prefill_rows
+    if prefill_rows < 0:
+        raise InputError(f"--prefill-rows {prefill_rows}: must be 0 (no M-row step) or more")
+    if prefill_rows and target != "cpu":
+        raise UnsupportedError(f"--prefill-rows {prefill_rows}: the M-row step has no GPU kernels yet; build "
+                               f"{target} plans with --prefill-rows 0 (their default), or --target cpu")
     if weights not in ("checkpoint", "random"):
         raise InputError(f"--weights {weights}: choose checkpoint or random")
     if not 0 <= seed < 2 ** 31:
@@ -167,11 +180,11 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
     with open_model(model, max_seq, weights) as m:
         not_an_input(real, m.ck.files())
         return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
-                      seed if weights == "random" else None)
+                      seed if weights == "random" else None, prefill_rows)
 
 
 def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
-           random_seed: int | None) -> BuildResult:
+           random_seed: int | None, prefill_rows: int = 0) -> BuildResult:
     """Compile the opened model ``m`` into the plan at ``real`` (``out`` as the user wrote it, for the log)."""
     cfg = m.cfg
     n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
@@ -187,10 +200,18 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     verify(program)
     on_pass("lower", program)
     program = run_passes(program, PassOptions(target, quant, q4_group), on_pass=on_pass)
-    n_launches = check_dyn_invariance(program)
-    log(f"dyn check: the launch list is identical at two token states ({n_launches} launches, no per-token "
-        f"kernel argument)")
-    log(memory_report(program))
+    rows_program = None
+    if prefill_rows:
+        rows_program = lower(cfg, m.max_seq, rows=prefill_rows)
+        verify(rows_program)
+        rows_program = run_passes(rows_program, PassOptions(target, quant, q4_group, shares_arena_with=program))
+        _share_arena(program, rows_program)
+    for name, prog in (("M=1 step", program), (f"M={prefill_rows} step", rows_program)):
+        if prog is not None:
+            n_launches = check_dyn_invariance(prog)
+            log(f"dyn check ({name}): the launch list is identical at two token states ({n_launches} launches, no "
+                f"per-token kernel argument)")
+    log(memory_report(program, rows_program))
     kernels, kernel_of_launch, cubins, fill = None, None, {}, None
     weights_info = {"kind": "checkpoint"}
     if random_seed is not None:
@@ -201,7 +222,10 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         kernels, kernel_of_launch, cubins = codegen.compile_kernels(program, target, log)
         if random_seed is not None:
             fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
-    info = _plan_info(m, target, quant, weights=weights_info)
+    info = _plan_info(m, target, quant, weights=weights_info, extra={"prefill_rows": prefill_rows})
+    extra_parts = dict(cubins)
+    if rows_program is not None:
+        extra_parts[PREFILL_PROGRAM_PART] = print_program(rows_program).encode()
     weights = [] if random_seed is not None else [(w.name, *storage(w)) for w in program.weights.values()]
 
     def produce(name: str):
@@ -212,7 +236,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
                disable=None if progress else True, leave=False)
     try:
         write_plan(real, info, print_program(program), weights, produce, m.tokenizer_json,
-                   launch_plan=launch_plan(program, kernels, kernel_of_launch, fill), extra_parts=cubins,
+                   launch_plan=launch_plan(program, kernels, kernel_of_launch, fill), extra_parts=extra_parts,
                    progress=lambda name, n: bar.update(n))
     finally:
         bar.close()
@@ -221,6 +245,17 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
         f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {m.max_seq})")
     return result
+
+
+def _share_arena(program: Program, rows_program: Program) -> None:
+    """The M-row step shares the M=1 step's arena: the same weights (checked: same names, types, recipes
+    and placements), states and dyn slots, and one act region the size of the larger of the two."""
+    same = [(n, w.type, w.source, w.loc) for n, w in program.weights.items()]
+    if same != [(n, w.type, w.source, w.loc) for n, w in rows_program.weights.items()]:
+        raise UnsupportedError("the M-row step's weights differ from the one-token step's (an internal error): "
+                               "build with --prefill-rows 0")
+    arena = {r: max(program.arena[r], rows_program.arena[r]) for r in program.arena}
+    program.arena, rows_program.arena = dict(arena), dict(arena)
 
 
 # --- kestrelc export-onnx ----------------------------------------------------------------------------

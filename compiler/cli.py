@@ -39,8 +39,11 @@ def cli():
 @click.option("--backend", type=click.Choice(["kernels", "tensorrt"]), default="kernels", show_default=True,
               help="tensorrt: write the step as OUT.onnx, then (where TensorRT and the target GPU are present) a "
                    "TensorRT engine inside the .plan.")
+@click.option("--prefill-rows", type=int, default=None,
+              help="Rows of the M-row step that prefills prompts M tokens a run (0: none, prompts go through the "
+                   "one-token step). Default: 64 on cpu; 0 on GPU targets (its GPU kernels are not written yet).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
-def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, quiet):
+def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows, quiet):
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
         exit_on_error(driver.build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
@@ -48,7 +51,7 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
         return
     exit_on_error(driver.build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
-                            seed=seed)
+                            seed=seed, prefill_rows=prefill_rows)
 
 
 @cli.command("export-onnx")
@@ -80,6 +83,7 @@ def plan_summary(plan) -> dict:
     prog = parse_program(plan.program_text)
     return {
         "path": plan.path, "bytes": os.path.getsize(plan.path), "content_sha256": plan.content_sha256,
+        "prefill_rows": plan.prefill_rows,
         "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
@@ -135,8 +139,10 @@ def inspect(plan_path, as_json, verify):
         f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
         *([f"backend   TensorRT {s['backend']['tensorrt_version']} engine for compute capability "
            f"{s['backend']['compute_capability']}"] if s["backend"]["backend"] == "tensorrt" else []),
-        f"weights   " + ("RANDOM (benchmarking plan: seed %d, filled by the runtime)" % s["weights"]["seed"]
+        "weights   " + ("RANDOM (benchmarking plan: seed %d, filled by the runtime)" % s["weights"]["seed"]
                          if s["weights"]["kind"] == "random" else "from the checkpoint"),
+        "prefill   " + (f"M-row step of {s['prefill_rows']} rows (prompts prefilled {s['prefill_rows']} tokens a run)"
+                         if s["prefill_rows"] else "none (prompts go through the one-token step)"),
         f"program   {p['ops']} ops, {p['weights']} weights ({_size(p['weight_bytes'])}), "
         f"{p['states']} states ({_size(p['state_bytes'])}), dyn slots {', '.join(p['dyn_slots'])}",
         "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),

@@ -96,10 +96,12 @@ def _infer_rmsnorm(ins, a):
 
 
 def _infer_matmul(ins, a):
+    """x [K] -> [N]; M rows x [M, K] -> [M, N]."""
     x, w = ins
     xs, ws = _t(x).shape, _t(w).shape
-    _need(len(xs) == 1 and len(ws) == 2 and ws[1] == xs[0], f"matmul [{xs}] x W{ws}: W must be [out, {xs}]")
-    return [_f32((ws[0],))]
+    _need(len(xs) in (1, 2) and len(ws) == 2 and ws[1] == xs[-1], f"matmul {list(xs)} x W{list(ws)}: W must be "
+          f"[out, {xs[-1]}]")
+    return [_f32(xs[:-1] + (ws[0],))]
 
 
 def _infer_same(ins, a):
@@ -232,6 +234,64 @@ def _infer_gdn_delta(ins, a):
     return [_f32((hv * dv,))]
 
 
+def _infer_rows_dyn(*slots):
+    for d in slots:
+        _need(d.dtype == "i32", f"dyn slot {d.name} must be i32")
+
+
+def _infer_embedding_rows(ins, a):
+    table, tokens, pos, n_prompt = ins
+    _need(len(_t(table).shape) == 2 and _t(tokens).dtype == "i32" and len(_t(tokens).shape) == 1,
+          "embedding_rows takes a [vocab, hidden] table and the i32 token sequence")
+    _need(a["rows"] > 0, "rows must be positive")
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32((a["rows"], _t(table).shape[1]))]
+
+
+def _infer_gdn_rows(ins, a):
+    qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt = ins
+    _need(len(_t(qkv).shape) == 2 and _t(b).shape[:1] == _t(qkv).shape[:1] == _t(av).shape[:1],
+          "gdn_rows: qkv, b and a must be [M, ...] with the same M")
+    rows = _t(qkv).shape[0]
+    row = [Value(TensorType("f32", _t(x).shape[1:])) for x in (qkv, b, av)]
+    (n,) = _infer_gdn_delta([row[0], row[1], row[2], conv_state, conv_w, a_log, dt_bias, rec], a)[0].shape
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32((rows, n))]
+
+
+def _infer_attn_rows(ins, a):
+    qg, k, v, qn, kn, kc, vc, pos, n_prompt = ins
+    _need(len(_t(qg).shape) == 2 and _t(k).shape[:1] == _t(qg).shape[:1] == _t(v).shape[:1],
+          "attn_rows: q|gate, k and v must be [M, ...] with the same M")
+    rows, (n2,) = _t(qg).shape[0], _t(qg).shape[1:]
+    s, hkv, d = _t(kc).shape
+    _need(n2 % (2 * d) == 0 and (n2 // (2 * d)) % hkv == 0, f"q|gate [{n2}] does not split into heads of {d}")
+    _need(_t(k).shape[1:] == (hkv * d,) and _t(v).shape[1:] == (hkv * d,), f"k, v rows must be [{hkv * d}]")
+    _need(_t(qn).shape == (d,) and _t(kn).shape == (d,) and _t(vc).shape == _t(kc).shape,
+          "q/k norm weights must be [head_dim] and the caches alike")
+    _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32((rows, n2 // 2))]
+
+
+def _infer_last_row(ins, a):
+    x, pos, n_prompt = ins
+    _need(len(_t(x).shape) == 2, "last_row takes [M, N] rows")
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32(_t(x).shape[1:])]
+
+
+def _infer_chunk_last(ins, a):
+    _infer_rows_dyn(*ins)
+    _need(a["rows"] > 0, "rows must be positive")
+    return []
+
+
+def _infer_prefill_end(ins, a):
+    _need(a["rows"] > 0, "rows must be positive")
+    return _infer_step_end(ins, a)
+
+
 def _infer_gdn_norm(ins, a):
     o, z, qkv, norm_w, conv_state = ins
     (n,) = _t(o).shape
@@ -270,6 +330,9 @@ def _infer_attn_step(ins, a):
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
 def _matvec(op: Op, t: Target) -> dict:
+    if len(op.ins[0].type.shape) == 2:
+        raise IRError(f"op {op.kind!r} at {op.ins[0].type.shape[0]} rows has no GPU kernel for {t.name} yet (the "
+                      f"M-row GEMM): {_ROWS.why}")
     w = op.ins[1]
     n, k = w.type.shape
     prefix = "matvec_swiglu_" if op.kind == "matmul_swiglu" else "matvec_"
@@ -388,6 +451,9 @@ def _leading_slice(op: Op) -> bool:
 
 
 _IN_GDN = NotApplicable("the GPU runs it inside gdn_delta + gdn_norm (fuse)")
+_ROWS = NotApplicable("the M-row step's GPU kernels are not written yet: it runs on the CPU reference path "
+                      "(build --target cpu), and GPU plans are built with --prefill-rows 0")
+_ROWS_ONNX = NotApplicable("the ONNX step is the one-token step")
 _IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
 _VIEW = NotApplicable("a view: the result aliases its input, no data moves")
 
@@ -462,6 +528,22 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("gdn_norm", "vvvws", ("eps",), _infer_gdn_norm, gated_delta.gdn_norm_ref,
           Kernel(gated_delta.gdn_norm_kernel, _gdn_norm), _onnx_gdn_norm, inout=(4,),
           doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
+    # --- the M-row step (a prompt chunk of M rows at positions pos.., valid while < n_prompt) ---
+    OpDef("embedding_rows", "wsdd", ("rows",), _infer_embedding_rows, embedding.embedding_rows_ref, _ROWS, _ROWS_ONNX,
+          doc="row r: the embedding of tokens[pos + r] while pos + r < n_prompt, zeros after"),
+    OpDef("gdn_rows", "vvvswwwsdd", ("l2_eps", "scale"), _infer_gdn_rows, gated_delta.gdn_rows_ref, _ROWS,
+          _ROWS_ONNX, inout=(3, 7), doc="the Gated DeltaNet mixer (before its norm) over the chunk's valid rows in "
+          "order: conv window and fp32 state advanced per row"),
+    OpDef("attn_rows", "vvvwwssdd", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_rows,
+          attention.attn_rows_ref, _ROWS, _ROWS_ONNX, inout=(5, 6),
+          doc="attn_step for each valid row at position pos + r: KV rows appended, causal inside the chunk"),
+    OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, _ROWS, _ROWS_ONNX,
+          doc="the chunk's last valid row"),
+    OpDef("chunk_last", "dd", ("rows",), _infer_chunk_last, sample.chunk_last_ref, _ROWS, _ROWS_ONNX,
+          writes_dyn=True, doc="dyn.last = the position of the chunk's last valid row (the sampling position)"),
+    OpDef("prefill_end", "ddds", ("rows",), _infer_prefill_end, sample.prefill_end_ref, _ROWS, _ROWS_ONNX,
+          inout=(3,), writes_dyn=True, doc="pos advances past the chunk's valid rows; after the prompt's last "
+          "chunk the sampled token is appended to tokens and fed in (step_end at the last row)"),
     OpDef("attn_step", "vvvwwssdss", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, _attn_step_ref,
           Kernel(attention.attn_step_kernel, _attn_step), _onnx_attn_step, inout=(5, 6, 8, 9),
           doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention (split over the sequence: "

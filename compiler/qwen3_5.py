@@ -27,11 +27,21 @@ def plan_weight_name(rel: str) -> str:
     return rel[: -len(".weight")] if rel.endswith(".weight") else rel
 
 
-def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> Program:
-    """Build the step program with every weight in its checkpoint layout, declared f32."""
+def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0) -> Program:
+    """Build the step program with every weight in its checkpoint layout, declared f32.
+
+    ``rows`` > 0 builds the plan's second program, the M-row step: one replay processes a prompt chunk
+    of ``rows`` tokens at positions pos.. (read from the ``tokens`` state; valid while < n_prompt),
+    writes the same KV rows, GDN states and conv windows the one-token step reads, takes only the
+    chunk's last valid row through the final norm and lm_head, samples at its position (dyn ``last``),
+    and ends with ``prefill_end`` (pos past the chunk; after the prompt's last chunk the sampled token
+    is appended and fed in). Weights, states and dyn slots are declared in the same order as the
+    one-token step's, so the two programs share them."""
     p = Program()
     dyn = {name: p.add_dyn(name, dt, host=True) for name, dt in DYN_SLOTS}
-    p.add_state(TOKENS_STATE, "i32", (max_seq,))
+    if rows:
+        dyn["last"] = p.add_dyn("last", "i32", host=True)
+    tokens = p.add_state(TOKENS_STATE, "i32", (max_seq,))
 
     def weight(rel: str, shape):
         src = ["ckpt", rel]
@@ -41,14 +51,18 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> Program:
 
     eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
     embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
-    h = emit(p, "embedding", embed, dyn["token"])
+    if rows:
+        h = emit(p, "embedding_rows", embed, tokens, dyn["pos"], dyn["n_prompt"], rows=rows)
+    else:
+        h = emit(p, "embedding", embed, dyn["token"])
     for i, kind in enumerate(cfg.layer_types):
         pre = f"layers.{i}."
         x = emit(p, "rmsnorm", h, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
         if kind == "linear_attention":
-            y = _gated_deltanet(p, cfg, pre + "linear_attn.", x, weight)
+            y = (_gated_deltanet_rows if rows else _gated_deltanet)(p, cfg, pre + "linear_attn.", x, weight, dyn)
         else:
-            y = _gated_attention(p, cfg, pre + "self_attn.", x, weight, dyn["pos"], max_seq, kv_dtype)
+            y = (_gated_attention_rows if rows else _gated_attention)(p, cfg, pre + "self_attn.", x, weight, dyn,
+                                                                      max_seq, kv_dtype)
         h = emit(p, "add", h, y)
         x = emit(p, "rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=eps)
         inter = cfg.intermediate_size
@@ -56,16 +70,24 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32") -> Program:
         up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
         y = emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
         h = emit(p, "add", h, y)
+    if rows:
+        h = emit(p, "last_row", h, dyn["pos"], dyn["n_prompt"])
     hidden = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     logits = emit(p, "matmul", hidden, head)
-    emit(p, "sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["pos"], out=dyn["sampled"])
+    if rows:
+        emit(p, "chunk_last", dyn["pos"], dyn["n_prompt"], rows=rows, out=dyn["last"])
+    emit(p, "sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["last" if rows else "pos"],
+         out=dyn["sampled"])
+    if rows:
+        emit(p, "prefill_end", dyn["pos"], dyn["sampled"], dyn["n_prompt"], tokens, rows=rows,
+             out=[dyn["pos"], dyn["token"]])
     p.outputs["hidden"] = hidden
     p.outputs["logits"] = logits
     return p
 
 
-def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight):
+def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     c, h_dim, kk = cfg.gdn_conv_channels, cfg.hidden_size, cfg.linear_conv_kernel_dim
@@ -92,7 +114,8 @@ def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight):
     return emit(p, "matmul", emit(p, "reshape", o, shape=[hv * dv]), weight(pre + "out_proj.weight", (h_dim, hv * dv)))
 
 
-def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, pos, max_seq: int, kv_dtype: str):
+def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max_seq: int, kv_dtype: str):
+    pos = dyn["pos"]
     nh, nkv, hd, h_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     eps = cfg.rms_norm_eps
     layer = pre.split(".")[1]
@@ -111,4 +134,41 @@ def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, pos, max
     emit(p, "kv_append", k_cache, v_cache, k, v, pos)
     o = emit(p, "attention", q, k_cache, v_cache, pos, scale=hd ** -0.5)
     o = emit(p, "sigmoid_gate", emit(p, "reshape", o, shape=[nh * hd]), gate)
+    return emit(p, "matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))
+
+
+def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn):
+    """The Gated DeltaNet layer at M rows: the projections as [M, *] products, the mixer over the chunk
+    (gdn_rows; declarations in _gated_deltanet's order)."""
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    c, h_dim, kk = cfg.gdn_conv_channels, cfg.hidden_size, cfg.linear_conv_kernel_dim
+    layer = pre.split(".")[1]
+    conv_state = p.add_state(f"layers.{layer}.conv_state", "f32", (c, kk - 1))
+    rec_state = p.add_state(f"layers.{layer}.recurrent_state", "f32", (hv, dk, dv))
+    rows = x.type.shape[0]
+
+    qkv = emit(p, "matmul", x, weight(pre + "in_proj_qkv.weight", (c, h_dim)))
+    z = emit(p, "matmul", x, weight(pre + "in_proj_z.weight", (hv * dv, h_dim)))
+    b = emit(p, "matmul", x, weight(pre + "in_proj_b.weight", (hv, h_dim)))
+    a = emit(p, "matmul", x, weight(pre + "in_proj_a.weight", (hv, h_dim)))
+    o = emit(p, "gdn_rows", qkv, b, a, conv_state, weight(pre + "conv1d.weight", (c, kk)), weight(pre + "A_log", (hv,)),
+             weight(pre + "dt_bias", (hv,)), rec_state, dyn["pos"], dyn["n_prompt"], l2_eps=1e-6, scale=dk ** -0.5)
+    o = emit(p, "gated_rmsnorm", emit(p, "reshape", o, shape=[rows, hv, dv]),
+             emit(p, "reshape", z, shape=[rows, hv, dv]), weight(pre + "norm.weight", (dv,)), eps=cfg.rms_norm_eps)
+    return emit(p, "matmul", emit(p, "reshape", o, shape=[rows, hv * dv]),
+                weight(pre + "out_proj.weight", (h_dim, hv * dv)))
+
+
+def _gated_attention_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max_seq: int, kv_dtype: str):
+    """The gated attention layer at M rows (attn_rows; declarations in _gated_attention's order)."""
+    nh, nkv, hd, h_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    layer = pre.split(".")[1]
+    k_cache = p.add_state(f"layers.{layer}.k_cache", kv_dtype, (max_seq, nkv, hd))
+    v_cache = p.add_state(f"layers.{layer}.v_cache", kv_dtype, (max_seq, nkv, hd))
+    qg = emit(p, "matmul", x, weight(pre + "q_proj.weight", (nh * hd * 2, h_dim)))
+    k = emit(p, "matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim)))
+    v = emit(p, "matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim)))
+    o = emit(p, "attn_rows", qg, k, v, weight(pre + "q_norm.weight", (hd,)), weight(pre + "k_norm.weight", (hd,)),
+             k_cache, v_cache, dyn["pos"], dyn["n_prompt"], eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
+             rotary_dim=cfg.rotary_dim, scale=hd ** -0.5)
     return emit(p, "matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))

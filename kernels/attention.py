@@ -64,6 +64,19 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
     return sigmoid_gate_ref(o, qg[:, d:].reshape(nh * d))
 
 
+def attn_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, n_prompt: int, eps: float, theta: float,
+                  rotary_dim: int, scale: float) -> torch.Tensor:
+    """Gated attention over the M rows of a prompt chunk: row r (position pos + r, while < n_prompt)
+    appends its k, v to the caches and attends over rows 0..pos + r (causal inside the chunk), exactly
+    as the one-token step does at that position; invalid rows are left zero and write nothing."""
+    rows = qg.shape[0]
+    out = torch.zeros(rows, qg.shape[1] // 2, dtype=torch.float32)
+    for r in range(max(0, min(rows, n_prompt - pos))):
+        out[r] = attn_step_ref(qg[r], k[r], v[r], q_norm, k_norm, k_cache, v_cache, pos + r, eps, theta, rotary_dim,
+                               scale)
+    return out
+
+
 # Largest dynamic shared memory a CTA may opt into, per compute capability (bytes): the targets'
 # smem_optin (kernels/targets.py), keyed by cc for existing callers.
 SMEM_OPTIN = {t.cc: t.smem_optin for t in TARGETS.values()}

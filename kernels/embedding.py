@@ -25,3 +25,12 @@ def embedding_kernel(table_ptr, token_ptr, out_ptr, H: tl.constexpr, BLOCK: tl.c
     mask = offs < H
     row = tl.load(table_ptr + tok * H + offs, mask=mask).to(tl.float32)
     tl.store(out_ptr + offs, row, mask=mask)
+
+
+def embedding_rows_ref(table: torch.Tensor, tokens: torch.Tensor, pos: int, n_prompt: int, rows: int) -> torch.Tensor:
+    """The M-row step's input: row r is the embedding of tokens[pos + r] while pos + r < n_prompt (the
+    chunk's valid rows), zeros after."""
+    out = torch.zeros(rows, table.shape[1], dtype=torch.float32)
+    for r in range(max(0, min(rows, n_prompt - pos))):
+        out[r] = embedding_ref(table, int(tokens[pos + r]))
+    return out

@@ -99,6 +99,22 @@ def gdn_delta_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, l2_e
     return gated_delta_step_ref(q, k, v, g, beta, rec_state, scale).reshape(hv * dv)
 
 
+def gdn_rows_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int,
+                 l2_eps: float, scale: float) -> torch.Tensor:
+    """The Gated DeltaNet mixer over the M rows of a prompt chunk (before its gated norm): each valid
+    row (pos + r < n_prompt) in order, exactly as the one-token step runs it (conv over the window,
+    delta rule on the fp32 state; both states advanced), invalid rows left zero and the states
+    untouched by them. Returns o_raw [M, Hv * Dv]. (The GPU kernel computes the same recurrence in
+    its chunk-parallel form.)"""
+    rows = qkv.shape[0]
+    hv, _, dv = rec_state.shape
+    out = torch.zeros(rows, hv * dv, dtype=torch.float32)
+    for r in range(max(0, min(rows, n_prompt - pos))):
+        out[r] = gdn_delta_ref(qkv[r], b[r], a[r], conv_state, conv_w, a_log, dt_bias, rec_state, l2_eps, scale)
+        conv_shift_ref(qkv[r], conv_state)
+    return out
+
+
 def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
     """Second half of ``gdn_step_ref``: gated RMSNorm per value head, then the conv-state shift."""
 

@@ -9,6 +9,10 @@ from kestrel.kernels.targets import pow2_at_least
 
 
 def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """W @ x for one row x [K]; for M rows x [M, K] each row's product the same way (the M-row step
+    computes row for row what the one-token step computes: the CPU reference keeps that exact)."""
+    if x.dim() == 2:
+        return torch.stack([torch.mv(w.float(), row) for row in x.float()])
     return torch.mv(w.float(), x.float())
 
 

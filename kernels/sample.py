@@ -79,6 +79,30 @@ def step_end_ref(pos: int, sampled: int, n_prompt: int, tokens: torch.Tensor) ->
     return nxt, int(tokens[i])
 
 
+def chunk_rows(pos: int, n_prompt: int, rows: int) -> int:
+    """Valid rows of the prompt chunk starting at ``pos`` in an M-row step of ``rows`` rows."""
+    return max(0, min(rows, n_prompt - pos))
+
+
+def last_row_ref(x: torch.Tensor, pos: int, n_prompt: int) -> torch.Tensor:
+    """The chunk's last valid row (the one the first generated token is sampled from)."""
+    return x[max(0, chunk_rows(pos, n_prompt, x.shape[0]) - 1)].clone()
+
+
+def chunk_last_ref(pos: int, n_prompt: int, rows: int) -> int:
+    """The position of the chunk's last valid row (what the one-token step's sample would read as pos)."""
+    return pos + max(0, chunk_rows(pos, n_prompt, rows) - 1)
+
+
+def prefill_end_ref(pos: int, sampled: int, n_prompt: int, tokens: torch.Tensor, rows: int) -> tuple[int, int]:
+    """The end of an M-row step: pos advances past the chunk's valid rows; once the prompt is done, the
+    sampled token is appended and fed in, as step_end does after the last prompt token."""
+    n = chunk_rows(pos, n_prompt, rows)
+    if n == 0:
+        return pos, int(tokens[min(max(pos, 0), tokens.numel() - 1)])
+    return step_end_ref(pos + n - 1, sampled, n_prompt, tokens)
+
+
 @triton.jit
 def counter_hash(seed, i):
     """fmix32(seed * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1) in uint32 arithmetic (wrapping

@@ -16,7 +16,8 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      with one split: the target's split count is select_kernels' decision
   4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
-     row-concatenated weight, its result sliced back (slices of a vector are free views)
+     row-concatenated weight, its result sliced back (slices of a vector are free views; at M rows
+     the slices are along the last axis)
   6. ops whose results nobody reads, and that write no state, are dropped.
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
@@ -226,12 +227,13 @@ def _concat_siblings(p: Program) -> int:
             continue
         cat = p.add_weight(name, ws[0].type.dtype, (rows, ws[0].type.shape[1]),
                            ["concat", 0] + [w.source for w in ws])
-        out = Value(TensorType("f32", (rows,)))
+        lead = ops[0].ins[0].type.shape[:-1]  # () for one row, (M,) for M rows
+        out = Value(TensorType("f32", lead + (rows,)))
         first = min(p.ops.index(op) for op in ops)
         new_ops, start = [Op("matmul", [out], [ops[0].ins[0], cat])], 0
         for op in ops:
-            n = op.outs[0].type.shape[0]
-            new_ops.append(Op("slice", [op.outs[0]], [out], {"axis": 0, "start": start, "stop": start + n}))
+            n = op.outs[0].type.shape[-1]
+            new_ops.append(Op("slice", [op.outs[0]], [out], {"axis": len(lead), "start": start, "stop": start + n}))
             start += n
         for op in ops:
             p.ops.remove(op)

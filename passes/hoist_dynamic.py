@@ -23,7 +23,7 @@ def hoist_dynamic(program: Program) -> Program:
     p = copy.deepcopy(program)
     for d in p.dyn.values():
         d.host = False
-    has_end = any(op.kind == "step_end" for op in p.ops)
+    has_end = any(op.kind in END_OPS for op in p.ops)
     if not has_end and "sampled" in p.dyn and any(op.kind == "sample" for op in p.ops):
         if TOKENS_STATE not in p.states or "n_prompt" not in p.dyn:
             raise IRError(f"the step has no token sequence to feed itself from (state {TOKENS_STATE} and dyn "
@@ -34,15 +34,18 @@ def hoist_dynamic(program: Program) -> Program:
     return p
 
 
-STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 2},
-          {"pos": 117, "token": 2, "sampled": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4, "n_prompt": 200})
+END_OPS = ("step_end", "prefill_end")  # the ops that advance pos (the M=1 step's, the M-row step's)
+STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 2,
+           "last": 3},
+          {"pos": 117, "token": 2, "sampled": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4, "n_prompt": 200,
+           "last": 180})
 
 
 def check_dyn_invariance(program: Program) -> int:
     """Raise IRError unless the launch list is identical at two token states and the step advances
     itself (step_end); returns the number of launches. Every build runs it on the final program."""
     n = _same_launches(program)
-    if not any(op.kind == "step_end" for op in program.ops):
+    if not any(op.kind in END_OPS for op in program.ops):
         raise IRError("the step does not advance pos itself (no step_end): the host would write per token; "
                       "run hoist_dynamic")
     return n
@@ -64,5 +67,5 @@ def check(program: Program) -> None:
     if host:
         raise IRError(f"hoist_dynamic: dyn slots {host} are still host arguments")
     _same_launches(program)
-    if any(op.kind == "sample" for op in program.ops) and program.ops[-1].kind != "step_end":
+    if any(op.kind == "sample" for op in program.ops) and program.ops[-1].kind not in END_OPS:
         raise IRError("hoist_dynamic: the step samples but does not end with step_end")

@@ -17,11 +17,13 @@ from kestrel.passes import fuse, hoist_dynamic, plan_memory, quantize, select_ke
 
 @dataclass(frozen=True)
 class PassOptions:
-    """What the passes are told by the build: the target and the weight precision."""
+    """What the passes are told by the build: the target, the weight precision, and for a plan's
+    second program (the M-row step) the planned program it shares the arena with."""
 
     target: str = "cpu"
     quant: str = "none"
     q4_group: int = quantize.DEFAULT_Q4_GROUP
+    shares_arena_with: Program | None = None
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ PASSES = (
     Pass("hoist_dynamic", lambda p, o: hoist_dynamic.hoist_dynamic(p), lambda p, o: hoist_dynamic.check(p)),
     Pass("select_kernels", lambda p, o: select_kernels.select_kernels(p, o.target),
          lambda p, o: select_kernels.check(p)),
-    Pass("plan_memory", lambda p, o: plan_memory.plan_memory(p), lambda p, o: plan_memory.check(p)),
+    Pass("plan_memory", lambda p, o: plan_memory.plan_memory(p, o.shares_arena_with), lambda p, o: plan_memory.check(p)),
 )
 PASS_NAMES = tuple(p.name for p in PASSES)
 

@@ -5,6 +5,9 @@ offset); every allocated buffer starts on a 256-byte boundary; two activations s
 their lifetimes do not overlap (an op's results never share bytes with its operands); views
 (reshape, leading slices) alias their base and keep it alive.
 
+A plan's second program (the M-row step) is planned against the first (``base``): what they share
+keeps one placement, so both programs read and write the same weights, states and dyn slots.
+
 Regions, in arena order: ``weights`` (read-only, uploaded once), ``state`` (conv windows, fp32
 recurrent states, KV caches for max_seq rows — kept separate so a multi-sequence runtime can give
 each sequence its own copy), ``dyn`` (the 4-byte per-token slots), ``act`` (activations, shared by
@@ -24,12 +27,23 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _place_sequential(items, region: str) -> int:
-    off = 0
+def _place_sequential(items, region: str, base: dict | None = None, start: int = 0) -> int:
+    """Back to back from ``start``; an item ``base`` already places (by name, same type) keeps that
+    placement. Returns the end of the region."""
+    off = end = start
     for it in items:
+        shared = (base or {}).get(it.name)
+        if shared is not None:
+            if shared.type != it.type:
+                raise IRError(f"{it.name}: typed {it.type} here but {shared.type} in the program it shares the arena "
+                              f"with")
+            it.loc = shared.loc
+            end = max(end, it.loc[1] + _align(it.type.nbytes))
+            continue
         it.loc = (region, off)
         off += _align(it.type.nbytes)
-    return off
+        end = max(end, off)
+    return end
 
 
 class _FirstFit:
@@ -52,14 +66,22 @@ class _FirstFit:
         self.live = [(lo, n) for lo, n in self.live if lo != off]
 
 
-def plan_memory(program: Program) -> Program:
+def plan_memory(program: Program, base: Program | None = None) -> Program:
+    """``base``: a planned program this one shares the arena with (a plan's M=1 step, for its M-row
+    step): every weight, state and dyn slot of the same name keeps base's placement, anything new goes
+    after base's, and activations are planned afresh (the two programs never run at once, so they share
+    the act region)."""
     p = copy.deepcopy(program)
-    sizes = {"weights": _place_sequential(p.weights.values(), "weights"),
-             "state": _place_sequential(p.states.values(), "state")}
+    b = base or Program()
+    sizes = {"weights": _place_sequential(p.weights.values(), "weights", b.weights, b.arena.get("weights", 0)),
+             "state": _place_sequential(p.states.values(), "state", b.states, b.arena.get("state", 0))}
     device_slots = [d for d in p.dyn.values() if not d.host]
-    for i, d in enumerate(device_slots):
-        d.loc = ("dyn", 4 * i)
-    sizes["dyn"] = _align(4 * len(device_slots)) if device_slots else 0
+    taken = {d.loc[1] for d in b.dyn.values() if d.loc is not None}
+    free = (4 * i for i in range(4 * len(device_slots) + len(taken) + 1) if 4 * i not in taken)
+    for d in device_slots:
+        shared = b.dyn.get(d.name)
+        d.loc = shared.loc if shared is not None and shared.loc is not None else ("dyn", next(free))
+    sizes["dyn"] = max([b.arena.get("dyn", 0)] + [_align(d.loc[1] + 4) for d in device_slots]) if device_slots else 0
 
     # liveness: a value's base (the buffer it aliases) lives until the last use of it or any view of it
     base: dict[int, Value] = {}
@@ -100,16 +122,29 @@ def plan_memory(program: Program) -> Program:
     return p
 
 
-def memory_report(program: Program) -> str:
-    """Bytes per arena region, and what liveness sharing saved on activations."""
-    unshared = sum(_align(o.type.nbytes) for op in program.ops if not is_view(op)
-                   for o in op.outs if isinstance(o, Value))
+def memory_report(program: Program, rows_program: Program | None = None) -> str:
+    """Bytes per arena region, and what liveness sharing saved on activations (of each program, when
+    the plan also has an M-row step sharing the arena)."""
     a = program.arena
     total = sum(a.values())
     lines = [f"memory: arena {total / 1e6:.2f} MB = weights {a['weights'] / 1e6:.2f} MB + state "
              f"{a['state'] / 1e6:.2f} MB + dyn {a['dyn']} B + activations {a['act'] / 1e3:.1f} kB "
-             f"(liveness sharing: {unshared / 1e3:.1f} kB -> {a['act'] / 1e3:.1f} kB)"]
+             f"(liveness sharing: {_unshared(program) / 1e3:.1f} kB -> {_act_used(program) / 1e3:.1f} kB)"]
+    if rows_program is not None:
+        lines.append(f"memory: the M-row step shares that arena: activations {_act_used(rows_program) / 1e3:.1f} kB "
+                     f"(liveness sharing: {_unshared(rows_program) / 1e3:.1f} kB -> "
+                     f"{_act_used(rows_program) / 1e3:.1f} kB)")
     return "\n".join(lines)
+
+
+def _unshared(program: Program) -> int:
+    return sum(_align(o.type.nbytes) for op in program.ops if not is_view(op) for o in op.outs if isinstance(o, Value))
+
+
+def _act_used(program: Program) -> int:
+    """The act bytes this program's activations reach (its region may be larger: shared with another)."""
+    return max([_align(o.loc[1] + o.type.nbytes) for op in program.ops if not is_view(op) for o in op.outs
+                if isinstance(o, Value)], default=0)
 
 
 def check(program: Program) -> None:

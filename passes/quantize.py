@@ -25,6 +25,7 @@ from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight
 QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
 MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2)}
+TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
 
 
 def _q4_group_for(k: int, group: int) -> int | None:
@@ -41,7 +42,7 @@ def _roles(p: Program) -> tuple[list[Weight], set[int]]:
         for i in MATRIX_OPERANDS.get(op.kind, ()):
             if op.ins[i] not in matrices:
                 matrices.append(op.ins[i])
-    return matrices, {id(op.ins[0]) for op in p.ops if op.kind == "embedding"}
+    return matrices, {id(op.ins[0]) for op in p.ops if op.kind in TABLE_OPS}
 
 
 def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP) -> Program:

@@ -29,6 +29,18 @@ def _parse_ids(text: str) -> list[int]:
     return [int(t) for t in text.split(",")]
 
 
+def _read_prompt_file(path: str) -> str:
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise InputError(f"--prompt-file {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise InputError(f"--prompt-file {path}: cannot be read ({e.strerror or e})") from None
+
+
 class _TextStream:
     """Prints generated text as the tokens reach the host: the whole sequence decoded again at each
     batch and the new part printed (a token may end inside a multi-byte character: held back until the
@@ -69,6 +81,7 @@ def printable(text: str) -> str:
 @click.argument("plan_path", metavar="PLAN")
 @click.option("--prompt", help="Prompt text (needs a plan with a tokenizer).")
 @click.option("--prompt-ids", help="Prompt as token ids: digits separated by commas, like 1,2,3.")
+@click.option("--prompt-file", metavar="PATH", help="Prompt text from a UTF-8 file (- for standard input).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,
               help="Generate at most this many tokens (fewer if an end-of-sequence token comes first).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
@@ -94,9 +107,13 @@ def printable(text: str) -> str:
                    "interactively: one user turn per line of standard input, the model's state kept between turns.")
 @click.option("--system", help="--chat: a system message first.")
 @exit_on_error
-def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
+def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
             dump_dir, bench_out, rounds, verify, chat, system):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
+    if prompt_file is not None:
+        if prompt is not None:
+            raise InputError("give one of --prompt and --prompt-file")
+        prompt = _read_prompt_file(prompt_file)
     interactive = chat and prompt is None and prompt_ids is None
     if chat and prompt_ids is not None:
         raise InputError("--chat renders text turns: give --prompt TEXT (or nothing, to chat interactively), "
@@ -170,7 +187,9 @@ def command(plan_path, prompt, prompt_ids, max_new_tokens, temperature, top_p, s
         click.echo(json.dumps({
             "tokens": gen.tokens, "text": tok.decode(gen.tokens), "mode": step.mode,
             "ms_per_token": round(gen.ms_per_token, 4), "prompt_tokens": len(ids),
-            "prefill_ms": round(gen.prefill_ms, 3), "stopped_by": gen.stopped_by,
+            "prefill_ms": round(gen.prefill_ms, 3), "ttft_ms": round(gen.prefill_ms, 3),
+            "prefill_tokens_per_s": round(len(ids) / max(gen.prefill_ms, 1e-9) * 1e3, 1),
+            "prefill_rows": getattr(step, "prefill_rows", 0), "stopped_by": gen.stopped_by,
             "graph_fallbacks": getattr(step, "graph_fallbacks", 0),
             "weights": "random" if plan.random_weights else "checkpoint",
         }))

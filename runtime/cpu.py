@@ -43,9 +43,11 @@ class CpuStep:
     synchronous = True  # run() returns once the steps are done
 
     def __init__(self, plan: Plan | None = None, *, program: Program | None = None, weights=None,
-                 max_seq: int | None = None):
+                 max_seq: int | None = None, prefill_program: Program | None = None):
         if plan is not None:
             program = parse_program(plan.program_text)
+            if plan.prefill_program_text is not None:
+                prefill_program = parse_program(plan.prefill_program_text)
             max_seq = plan.manifest["max_seq"]
             if plan.random_weights is not None:  # the same words the GPU's fill kernel writes
                 words = fill_random_ref(program.arena["weights"] // 4, plan.random_weights["seed"]).view(np.uint8)
@@ -54,6 +56,10 @@ class CpuStep:
             else:
                 weights = {name: weight_tensor(plan.read(name), w) for name, w in program.weights.items()}
         self.program = prog = program
+        # the M-row step (a prompt chunk of prefill_rows tokens a run), sharing weights, states and dyn slots
+        self.prefill_program = prefill_program
+        self.prefill_rows = next((op.attrs["rows"] for op in prefill_program.ops if op.kind == "prefill_end"), 0) \
+            if prefill_program is not None else 0
         self.max_seq = max_seq
         self.weights = weights
         self.host_step_end = not any(op.kind == "step_end" for op in prog.ops)
@@ -62,6 +68,8 @@ class CpuStep:
         self.states = {name: torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype])
                        for name, s in prog.states.items()}
         self.dyn: dict[str, int | float] = {name: 0 for name in prog.dyn}
+        if prefill_program is not None:
+            self.dyn.update({name: 0 for name in prefill_program.dyn})
         self.outputs: dict[str, torch.Tensor] = {}
 
     def reset(self) -> None:
@@ -94,7 +102,22 @@ class CpuStep:
     def mark_ms(marks: list) -> list[float]:
         return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
 
+    def run_prefill(self, n: int = 1, marks: list | None = None) -> None:
+        """``n`` runs of the M-row step: each takes the next ``prefill_rows`` prompt tokens from
+        dyn.pos; after the prompt's last chunk it has sampled the first new token and fed it in.
+        ``marks`` receives a timestamp after the last."""
+        for _ in range(n):
+            self._run(self.prefill_program)
+        if marks is not None:
+            marks.append(time.perf_counter())
+
     def _step(self) -> None:
+        self._run(self.program)
+        if self.host_step_end:
+            d = self.dyn
+            d["pos"], d["token"] = step_end_ref(d["pos"], d["sampled"], d["n_prompt"], self.states[TOKENS_STATE])
+
+    def _run(self, program: Program) -> None:
         env: dict[int, torch.Tensor] = {}
 
         def get(x):
@@ -108,7 +131,7 @@ class CpuStep:
                 return int(self.dyn[x.name]) if x.dtype == "i32" else float(self.dyn[x.name])
             raise TypeError(x)
 
-        for op in self.program.ops:
+        for op in program.ops:
             d = OPS[op.kind]
             res = d.reference(*[get(x) for x in op.ins], **op.attrs)
             if not isinstance(res, tuple):
@@ -119,10 +142,7 @@ class CpuStep:
                 continue
             for v, r in zip(op.outs, res):
                 env[id(v)] = r
-        self.outputs = {name: env[id(v)] for name, v in self.program.outputs.items()}
-        if self.host_step_end:
-            d = self.dyn
-            d["pos"], d["token"] = step_end_ref(d["pos"], d["sampled"], d["n_prompt"], self.states[TOKENS_STATE])
+        self.outputs = {name: env[id(v)] for name, v in program.outputs.items()}
 
     def output(self, name: str) -> np.ndarray:
         return self.outputs[name].detach().float().numpy()

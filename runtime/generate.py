@@ -86,8 +86,12 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     therefore seen at most k - 1 steps late; those overrun steps are discarded, and no step is ever
     enqueued beyond prompt + max_new_tokens - 1, which check_lengths keeps within max_seq.
 
+    A step with an M-row step (``prefill_rows`` > 0) prefills in ceil(n / M) runs of it instead of n
+    one-token steps, unless ``dump_dir`` asks for every prompt step's outputs.
+
     ``on_step(step, phase, pos, token_in)`` (and ``dump_dir``, which is one) runs after every step:
-    that mode runs one step at a time. ``on_tokens(tokens)`` receives the generated tokens as they
+    that mode runs one step at a time (after an M-row prefill, once for the last prompt row, whose
+    outputs the M-row step leaves). ``on_tokens(tokens)`` receives the generated tokens as they
     reach the host (a read-back batch at a time; streamed output). ``step_ms``, if given, receives
     each decode step's duration (device-side timing marks on the GPU). ``resume_from`` > 0: the step's
     states already hold ``prompt[:resume_from]`` (a chat's earlier turns, consumed with no overrun:
@@ -107,12 +111,23 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     end = n + max_new_tokens  # tokens[n:end] are the generated tokens; the step at pos p writes tokens[p + 1]
     marks = [] if step_ms is not None else None
 
+    rows = getattr(step, "prefill_rows", 0) if dumper is None else 0  # a dump records every prompt step
+    chunks = -(-(n - resume_from) // rows) if rows else 0
+
+    def prefill_rows():  # the M-row step: ends as the one-token step at n - 1 would (tokens[n] sampled, fed in)
+        step.run_prefill(chunks, marks)
+
     t0 = time.perf_counter()
     step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from)
     if hooks:  # one step at a time, the outputs of each read back
         seq = list(prompt)
-        for pos in range(resume_from, end - 1):
-            step.run(1, marks if pos >= n - 1 else None)
+        start = resume_from
+        if rows:
+            prefill_rows()
+            start = n - 1  # the loop below takes up from the sample of the last prompt row
+        for pos in range(start, end - 1):
+            if not (rows and pos == n - 1):  # (the M-row step ran the last prompt row: its outputs are there)
+                step.run(1, marks if pos >= n - 1 else None)
             for hook in hooks:
                 hook(step, "prefill" if pos < n else "decode", pos, seq[pos])
             if pos >= n - 1:
@@ -128,7 +143,10 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
         gen.tokens = seq[n:]
     else:
         batch = max(1, readback_every // 2)
-        step.run(n - resume_from, marks)  # prefill: the last prompt step samples tokens[n]
+        if rows:
+            prefill_rows()
+        else:
+            step.run(n - resume_from, marks)  # prefill: the last prompt step samples tokens[n]
         if marks is not None:
             del marks[:-1]  # time decode steps only, from the end of prefill
         inflight, hi = [step.read_tokens(n, n + 1)], n + 1

@@ -55,6 +55,7 @@ class _DynSlots:
 
 class GpuStep:
     synchronous = False  # run() enqueues the steps on the stream
+    prefill_rows = 0  # the M-row step has no GPU kernels yet: prompts go through the one-token step
     def __init__(self, plan: Plan, use_graph: bool = True, log=None):
         lp = plan.launch_plan
         target = plan.manifest["target"]

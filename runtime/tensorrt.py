@@ -103,6 +103,7 @@ class _Tokens:
 
 class TrtStep:
     synchronous = False
+    prefill_rows = 0
     """A TensorRT engine plan as a step object (see runtime/generate.py): ``dyn``, ``reset()``,
     ``begin()``, ``run()``, ``read_tokens()``, ``mark_ms()``, ``output(name)``, ``max_seq``, ``mode``."""
 

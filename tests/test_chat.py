@@ -3,7 +3,6 @@ build, applied by kestrel-run; interactive turns that continue the model's state
 fresh run of the whole conversation gives."""
 import json
 import os
-import shutil
 
 import pytest
 

@@ -16,10 +16,11 @@ N_NEW = 32
 PROMPT = [5, 17, 42, 99, 3, 150, 7]
 
 
-def kestrel_greedy(ckpt: str, plan_path: str):
+def kestrel_greedy(ckpt: str, plan_path: str, prefill_rows: int | None = None):
     """Tokens from the plain (batched read-back) token loop; logits from the one-step-at-a-time loop,
-    whose tokens must be the same."""
-    build(ckpt, plan_path, max_seq=64, log=lambda m: None, progress=False)
+    whose tokens must be the same. The prompt is prefilled by the M-row step (``prefill_rows``;
+    default: the cpu default, 64, one chunk) or, with 0, one token a step."""
+    build(ckpt, plan_path, max_seq=64, log=lambda m: None, progress=False, prefill_rows=prefill_rows)
     plan = load_plan(plan_path)
     step = CpuStep(plan)
     plan.close()
@@ -35,9 +36,9 @@ def kestrel_greedy(ckpt: str, plan_path: str):
     return gen.tokens, torch.stack(logits)
 
 
-def check_against_hf(model, ckpt, tmp_path):
+def check_against_hf(model, ckpt, tmp_path, prefill_rows=None):
     hf_tokens, hf_logits = hf_greedy(model, PROMPT, N_NEW)
-    k_tokens, k_logits = kestrel_greedy(ckpt, str(tmp_path / "m.plan"))
+    k_tokens, k_logits = kestrel_greedy(ckpt, str(tmp_path / "m.plan"), prefill_rows)
     assert k_tokens == hf_tokens
     assert len(set(hf_tokens)) > 3, "degenerate test: the model repeats one token"
     rel = ((k_logits - hf_logits).abs().amax(dim=1) / hf_logits.abs().amax(dim=1)).max().item()
@@ -59,3 +60,13 @@ def test_multimodal_layout_matches_transformers(tmp_path, capsys):
     build(ckpt, str(tmp_path / "mm.plan"), max_seq=64, log=notes.append, progress=False)
     assert any("vision tower" in n for n in notes) and any("multi-token-prediction" in n for n in notes)
     check_against_hf(model, ckpt, tmp_path)
+
+
+@pytest.mark.parametrize("rows", [0, 3, 7])
+def test_prefill_rows_match_transformers(rows, tmp_path):
+    """The 7-token prompt one token a step (0), in M-row chunks of 3 (3 + 3 + 1: more than one chunk,
+    not a multiple) and in one chunk of exactly 7 rows."""
+    name = sorted(CONFIGS)[0]
+    ckpt = str(tmp_path / "ckpt")
+    model = make_text_checkpoint(ckpt, name)
+    check_against_hf(model, ckpt, tmp_path, prefill_rows=rows)

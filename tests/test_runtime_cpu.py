@@ -80,6 +80,10 @@ class TracedStep:
         self.log.append(("run", n))
         self.step.run(n, marks)
 
+    def run_prefill(self, n=1, marks=None):
+        self.log.append(("prefill", n))
+        self.step.run_prefill(n, marks)
+
     def read_tokens(self, lo, hi):
         self.log.append(("read", lo, hi))
         handle, log = self.step.read_tokens(lo, hi), self.log
@@ -97,14 +101,27 @@ class TracedStep:
         return sum(e[1] for e in self.log if e[0] == "run")
 
 
-def test_token_loop_feeds_itself_and_reads_back_in_batches(tiny_plan):
+def one_token_prefill(step):
+    """The step with its M-row step switched off: the prompt goes through the one-token step."""
+    step.prefill_rows = 0
+    return step
+
+
+@pytest.mark.parametrize("rows", [0, 64])
+def test_token_loop_feeds_itself_and_reads_back_in_batches(tiny_plan, rows):
     plan = load_plan(tiny_plan)
-    step = TracedStep(CpuStep(plan))
+    inner = CpuStep(plan)
+    assert inner.prefill_rows == 64  # the cpu default
+    step = TracedStep(one_token_prefill(inner) if rows == 0 else inner)
     plan.close()
     prompt, n_new, k = [1, 2, 3, 4, 5], 21, READBACK_EVERY
     gen = generate(step, prompt, n_new, SamplingParams())
-    assert step.steps() == len(prompt) + n_new - 1  # never a step beyond the last token asked for
-    assert step.log[0] == ("begin",) and step.log[1] == ("run", len(prompt))  # the prompt in one go
+    if rows == 0:
+        assert step.steps() == len(prompt) + n_new - 1  # never a step beyond the last token asked for
+        assert step.log[0] == ("begin",) and step.log[1] == ("run", len(prompt))  # the prompt in one go
+    else:  # the prompt in one run of the M-row step, then only decode steps
+        assert step.steps() == n_new - 1
+        assert step.log[0] == ("begin",) and step.log[1] == ("prefill", 1)
     assert all(e[1] <= k // 2 for e in step.log[2:] if e[0] == "run")
     # the host waits on a batch only once the next one is enqueued (the device never waits on the host)
     for i, e in enumerate(step.log):
@@ -118,7 +135,7 @@ def test_token_loop_feeds_itself_and_reads_back_in_batches(tiny_plan):
 
 def test_eos_stops(tiny_plan):
     plan = load_plan(tiny_plan)
-    step = TracedStep(CpuStep(plan))
+    step = TracedStep(one_token_prefill(CpuStep(plan)))
     plan.close()
     free = generate(step, [1, 2, 3], 40, SamplingParams())
     eos = free.tokens[4]

@@ -34,6 +34,7 @@ MODELS = {
     "attn_layer_gqa2_long": dict(layer_types=["full_attention"], max_position_embeddings=1024),
 }
 MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
+ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4)}  # the M-row step of a model: (model, M)
 
 # Hand-written programs (also exercise the parser).
 NOTHING_TO_FUSE = """kestrel.step v1
@@ -86,6 +87,7 @@ output logits %7
 # pass -> [(case, model or hand-written text, passes' options)]
 CASES = {
     "fuse": [("gdn_layer", "gdn_layer", {}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
+             ("rows4_tied_two_layers", "tied_two_layers_rows4", {}),
              ("attn_layer_gqa4", "attn_layer_gqa4", {}), ("tied_two_layers", "tied_two_layers", {}),
              ("nothing_to_fuse", NOTHING_TO_FUSE, {})],
     "quantize": [("bf16_gdn_layer", "gdn_layer", {"quant": "bf16"}),
@@ -108,7 +110,8 @@ CASES = {
 def program_for(model: str):
     if model.startswith("kestrel.step"):
         return parse_program(model)
-    return lower(parse_config(dict(BASE, **MODELS[model])), max_seq=MAX_SEQ.get(model, 8))
+    model, rows = ROWS.get(model, (model, 0))
+    return lower(parse_config(dict(BASE, **MODELS[model])), max_seq=MAX_SEQ.get(model, 8), rows=rows)
 
 
 def main():

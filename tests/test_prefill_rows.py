@@ -1,0 +1,99 @@
+"""The M-row step (a plan's second program, issue 11), on the CPU reference path: prompts prefilled in
+chunks of M tokens give exactly what the one-token step gives — the same tokens, logits and states,
+for prompts shorter than M, of exactly M, and longer than M and not a multiple of it — and the plan
+holds both programs over one arena."""
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from kestrel.artifacts.errors import InputError, UnsupportedError
+from kestrel.artifacts.plan import load_plan
+from kestrel.compiler.build import build
+from kestrel.compiler.ir_text import parse_program
+from kestrel.runtime.cpu import CpuStep
+from kestrel.runtime.generate import SamplingParams, generate
+
+PROMPT = list(b"The M-row step prefills a prompt M tokens a run!")  # 48 tokens
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rows")
+    out = {}
+    for rows in (0, 4, 7):
+        out[rows] = str(folder / f"rows{rows}.plan")
+        build("tiny", out[rows], max_seq=128, log=lambda m: None, progress=False, prefill_rows=rows,
+              quant="bf16")
+    return out
+
+
+def _run(plan_path, prompt, n_new=6, sampling=SamplingParams()):
+    step = CpuStep(load_plan(plan_path))
+    logits = []
+    gen = generate(step, prompt, n_new, sampling,
+                   on_step=lambda s, phase, pos, tok: logits.append(s.output("logits").copy()) if pos >= len(prompt) - 1
+                   else None)
+    return gen.tokens, logits, {k: v.clone() for k, v in step.states.items() if not k.startswith("scratch.")}
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 15, 48])
+@pytest.mark.parametrize("rows", [4, 7])
+def test_prefill_rows_equal_the_one_token_step(plans, n, rows):
+    tokens0, logits0, states0 = _run(plans[0], PROMPT[:n])
+    tokens, logits, states = _run(plans[rows], PROMPT[:n])
+    assert tokens == tokens0
+    # the CPU reference runs each row as the one-token step does: bit for bit (a GPU kernel will not be)
+    assert all((a == b).all() for a, b in zip(logits, logits0)) and len(logits) == len(logits0)
+    assert states.keys() == states0.keys() and all(torch.equal(states[k], states0[k]) for k in states)
+
+
+def test_sampled_and_batched_runs_agree(plans):
+    s = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    a = generate(CpuStep(load_plan(plans[0])), PROMPT[:30], 12, s)
+    b = generate(CpuStep(load_plan(plans[7])), PROMPT[:30], 12, s)
+    assert a.tokens == b.tokens
+
+
+def test_the_plan_holds_both_programs_over_one_arena(plans):
+    plan = load_plan(plans[7])
+    assert plan.manifest["prefill_rows"] == 7 and plan.prefill_rows == 7
+    one, rows = parse_program(plan.program_text), parse_program(plan.prefill_program_text)
+    assert one.arena == rows.arena
+    assert {n: (w.type, w.loc) for n, w in one.weights.items()} == {n: (w.type, w.loc) for n, w in rows.weights.items()}
+    shared = set(one.states) & set(rows.states)
+    assert shared == set(rows.states) and all(one.states[s].loc == rows.states[s].loc for s in shared)
+    assert all(one.dyn[d].loc == rows.dyn[d].loc for d in one.dyn) and "last" in rows.dyn
+    kinds = [op.kind for op in rows.ops]
+    assert kinds[0] == "embedding_rows" and kinds[-1] == "prefill_end" and "gdn_rows" in kinds
+    assert "attn_rows" in kinds and "embedding" not in kinds and "gated_delta_step" not in kinds
+    assert load_plan(plans[0]).prefill_program_text is None
+
+
+def test_gpu_targets_refuse_prefill_rows_until_their_kernels_exist(tmp_path):
+    with pytest.raises(UnsupportedError, match="no GPU kernels yet"):
+        build("tiny", str(tmp_path / "g.plan"), target="sm_90", prefill_rows=8, log=lambda m: None, progress=False)
+    with pytest.raises(InputError, match="--prefill-rows -1"):
+        build("tiny", str(tmp_path / "g.plan"), prefill_rows=-1, log=lambda m: None, progress=False)
+    build("tiny", str(tmp_path / "g.plan"), target="sm_90", log=lambda m: None, progress=False)
+    assert load_plan(str(tmp_path / "g.plan")).prefill_rows == 0  # the GPU default until then
+    assert not list(tmp_path.glob("*.partial-*"))
+
+
+def test_prompt_file_and_json_fields(plans, tmp_path):
+    text = "A prompt from a file, long enough for a few chunks of seven rows."
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    r = run_cli("kestrel-run", plans[7], "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"] == len(text.encode()) and out["prefill_rows"] == 7
+    assert out["ttft_ms"] > 0 and out["prefill_tokens_per_s"] > 0
+    r2 = run_cli("kestrel-run", plans[7], "--prompt-file", "-", "--max-new-tokens", "3", "--json", stdin=text)
+    assert json.loads(r2.stdout)["tokens"] == out["tokens"]
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    r = run_cli("kestrel-run", plans[7], "--prompt-file", str(tmp_path / "bad.txt"))
+    assert r.returncode == InputError.exit_code and "not UTF-8" in r.stderr
+    (tmp_path / "long.txt").write_text("x" * 200)
+    r = run_cli("kestrel-run", plans[7], "--prompt-file", str(tmp_path / "long.txt"))
+    assert r.returncode == InputError.exit_code and "exceeds the plan's max_seq 128" in r.stderr
