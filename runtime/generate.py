@@ -10,7 +10,8 @@ A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
   * ``mark_ms(marks)``, ``output(name)`` (``hidden`` / ``logits`` of the last step, float32),
     ``dyn`` (the slots, dict-like), ``reset()``, ``max_seq``, ``mode``, and ``synchronous``: whether
     ``run`` has finished the steps when it returns (the CPU path) or only enqueued them (GPU).
-Prefill runs the same step once per prompt token.
+  * ``prefill_rows`` and ``run_prefill(n, marks=None)``: the M-row step, when the plan has one (0 if not).
+Prefill runs the same step once per prompt token, or the M-row step once per chunk of M tokens.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 
 from kestrel.artifacts.errors import InputError, OutputError
-
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / T overflow fp32: use 0 (greedy)
 
@@ -114,17 +114,14 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     rows = getattr(step, "prefill_rows", 0) if dumper is None else 0  # a dump records every prompt step
     chunks = -(-(n - resume_from) // rows) if rows else 0
 
-    def prefill_rows():  # the M-row step: ends as the one-token step at n - 1 would (tokens[n] sampled, fed in)
-        step.run_prefill(chunks, marks)
-
     t0 = time.perf_counter()
     step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from)
     if hooks:  # one step at a time, the outputs of each read back
         seq = list(prompt)
         start = resume_from
-        if rows:
-            prefill_rows()
-            start = n - 1  # the loop below takes up from the sample of the last prompt row
+        if rows:  # the M-row step ends as the one-token step at n - 1 would: tokens[n] sampled and fed in
+            step.run_prefill(chunks, marks)
+            start = n - 1  # the loop below takes up from that sample
         for pos in range(start, end - 1):
             if not (rows and pos == n - 1):  # (the M-row step ran the last prompt row: its outputs are there)
                 step.run(1, marks if pos >= n - 1 else None)
@@ -144,7 +141,7 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     else:
         batch = max(1, readback_every // 2)
         if rows:
-            prefill_rows()
+            step.run_prefill(chunks, marks)
         else:
             step.run(n - resume_from, marks)  # prefill: the last prompt step samples tokens[n]
         if marks is not None:
