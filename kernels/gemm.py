@@ -1,0 +1,90 @@
+"""The M-row step's projections: Y [M, N] = X [M, K] @ W [N, K]^T on tensor cores (issue 11, part 2).
+
+X is the fp32 activation rows; W is bf16, or q4 in the layout of kernels/matvec.py (N rows of K/2
+bytes of nibbles, input 2j in the low nibble of byte j, then N x K/G f16 scales), dequantised inside
+the kernel. Both operands enter the tensor cores as bf16 (X rounded to bf16, a q4 weight's
+(q - 8) * scale rounded to bf16), products accumulate in fp32, Y is fp32. ``gemm_ref`` computes
+exactly those roundings with a plain fp32 product, so kernel and reference differ only in summation
+order; against the fp32 CPU reference of the one-token step the bf16 roundings bound the error
+(~2^-8 relative per operand).
+
+Not wired into select_kernels yet: the M-row step's other kernels (chunked Gated DeltaNet, M-query
+attention) come next; this kernel and its launch rule are tested (interpreter and AOT) and timed on
+the H200 on their own (bench/device_gemm.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.attention import _round_bf16
+from kestrel.kernels.matvec import q4_unpack
+
+
+def gemm_ref(x: torch.Tensor, w: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """The kernel's result computed plainly: x [M, K] and w (bf16 [N, K], or q4 bytes of [N, K] when
+    ``group``) rounded to bf16 as the kernel rounds them, fp32 products and sums."""
+    m, k = x.shape
+    if group:
+        n = w.numel() * 2 // (k + 4 * k // group)
+        w = q4_unpack(w, n, k, group)
+    return x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T
+
+
+def gemm_launch(m: int, n: int, k: int, group: int, target) -> dict:
+    """Tiles of BLOCK_M x BLOCK_N outputs, BLOCK_K inputs a step (a multiple of the q4 group's 32-input
+    chunks); 8 warps for the 128 x 128 tiles, 4 below. A rule of thumb until swept on the H200."""
+    block_m = 128 if m >= 128 else max(16, triton.next_power_of_2(m))
+    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
+    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    if group:
+        block_k = max(block_k, group) if group <= 128 else block_k
+    grid = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return {"grid": [grid, 1, 1], "num_warps": 8 if block_m * block_n >= 128 * 128 else 4,
+            "constexprs": {"M": m, "N": n, "K": k, "GROUP": group, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                           "BLOCK_K": block_k, "DOT_FP32": False}}
+
+
+@triton.jit
+def _w_tile(w_ptr, cols, k0, ks, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """W[cols, ks] as bf16 [BLOCK_N, BLOCK_K] (rows past N clamped by the caller, inputs past K zero)."""
+    if GROUP > 0:
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds inputs 2j (low) and 2j + 1 (high)
+        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * (K // 2) + j[None, :], mask=(j < K // 2)[None, :], other=0)
+        b = b.to(tl.int32)
+        q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K]).to(tl.float32) - 8.0
+        sp = (w_ptr + N * K // 2).to(tl.pointer_type(tl.float16)) + cols.to(tl.int64)[:, None] * (K // GROUP)
+        s = tl.load(sp + (ks // GROUP)[None, :], mask=(ks < K)[None, :], other=0.0).to(tl.float32)
+        return _round_bf16(q * s).to(tl.bfloat16)  # rounded to nearest even: the conversion is then exact
+    else:
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        return w.to(tl.bfloat16)
+
+
+@triton.jit
+def gemm_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Program p computes the [BLOCK_M, BLOCK_N] tile (p // tiles_n, p % tiles_n) of Y = X W^T: a K loop
+    of bf16 tensor-core products accumulated in fp32. Deterministic (one program per output tile).
+    DOT_FP32 (tests only: Triton's interpreter computes bf16 dots wrongly) feeds the dot the same
+    bf16-rounded values as fp32, which gives the same products (exact in fp32 and in TF32)."""
+    pid = tl.program_id(0)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, M - 1)  # clamped for the loads, masked at the store
+    cols_in = tl.minimum(cols, N - 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows_in.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        x = _round_bf16(x.to(tl.float32)).to(tl.bfloat16)
+        w = _w_tile(w_ptr, cols_in, k0, ks, N, K, GROUP, BLOCK_N, BLOCK_K)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc,
+             mask=(rows < M)[:, None] & (cols < N)[None, :])

@@ -1,0 +1,45 @@
+"""The M-row GEMM (kernels/gemm.py) in Triton's interpreter against its torch reference, and AOT-compiled
+for every target. (The interpreter computes bf16 dots wrongly, so the tests run the kernel with
+DOT_FP32, which feeds the dot the same bf16-rounded values as fp32; the compiled kernels use the bf16
+tensor-core dot. The H200 check, bench/device_gemm.py, compares those with the same reference.)"""
+import pytest
+import torch
+
+from kernel_harness import interpret
+from kestrel.compiler.codegen import compile_kernel
+from kestrel.kernels.gemm import gemm_kernel, gemm_launch, gemm_ref
+from kestrel.kernels.matvec import q4_pack, q4_unpack
+from kestrel.kernels.targets import TARGETS
+
+
+def _case(m, n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    wf = torch.randn(n, k, generator=g) / k ** 0.5
+    return x, (q4_pack(wf, group) if group else wf.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("m, n, k, group", [(16, 48, 64, 0), (20, 40, 96, 32), (33, 24, 128, 64), (8, 16, 32, 0),
+                                            (130, 136, 256, 128), (5, 200, 64, 32)])
+def test_gemm_matches_reference(m, n, k, group):
+    x, w = _case(m, n, k, group, m * n + k)
+    c = gemm_launch(m, n, k, group, TARGETS["sm_90"])
+    c["constexprs"]["DOT_FP32"] = True
+    y = torch.full((m, n), float("nan"))
+    interpret(gemm_kernel)[tuple(c["grid"])](x, w, y, **c["constexprs"])
+    ref = gemm_ref(x, w, group)
+    assert torch.isfinite(y).all()  # every output written
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-6  # only the summation order differs
+    # against fp32 weights and activations (the one-token step's CPU reference): the bf16 roundings
+    wf = q4_unpack(w, n, k, group) if group else w.float()
+    assert ((y - x @ wf.T).abs().max() / (x @ wf.T).abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_gemm_compiles_for_every_target(target):
+    for m, n, k, group in [(256, 5120, 5120, 0), (256, 17408, 5120, 128), (128, 1024, 1024, 64)]:
+        c = gemm_launch(m, n, k, group, TARGETS[target])
+        types = ["*fp32", "*u8" if group else "*bf16", "*fp32"]
+        ck = compile_kernel("gemm_" + ("q4g%d" % group if group else "bf16"), gemm_kernel, types, c["constexprs"],
+                            c["num_warps"], TARGETS[target].cc, [True, True, True])
+        assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]
