@@ -33,15 +33,20 @@ def gemm_ref(x: torch.Tensor, w: torch.Tensor, group: int = 0) -> torch.Tensor:
 
 
 def gemm_launch(m: int, n: int, k: int, group: int, target) -> dict:
-    """Tiles of BLOCK_M x BLOCK_N outputs, BLOCK_K inputs a step (a multiple of the q4 group's 32-input
-    chunks); 8 warps for the 128 x 128 tiles, 4 below. A rule of thumb until swept on the H200."""
-    block_m = 128 if m >= 128 else max(16, triton.next_power_of_2(m))
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    """Tiles of BLOCK_M x BLOCK_N outputs, BLOCK_K inputs a step, from ``target.rules["gemm"]`` (sm_90: the
+    best of a sweep on the H200, bench/results/tuning/gemm-sweep-h200.json: bf16 128 x 256 x 64 with 8
+    warps for many rows, 64-row tiles for few; q4 128 x 64 tiles, 128 x 128 x 128 for the widest N),
+    shrunk to the problem where it is smaller."""
+    r = target.rules["gemm"]
     if group:
-        block_k = max(block_k, group) if group <= 128 else block_k
+        bm, bn, bk, nw = r.q4_wide if n >= r.wide_n else (r.q4_many if m >= r.many_rows else r.q4_few)
+    else:
+        bm, bn, bk, nw = r.bf16_many if m >= r.many_rows else (r.bf16_few_wide if n >= r.wide_n else r.bf16_few)
+    block_m = min(bm, max(16, triton.next_power_of_2(m)))
+    block_n = min(bn, max(16, triton.next_power_of_2(n)))
+    block_k = min(bk, max(16, triton.next_power_of_2(k)))  # (a q4 tile reads each input's own group scale)
     grid = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return {"grid": [grid, 1, 1], "num_warps": 8 if block_m * block_n >= 128 * 128 else 4,
+    return {"grid": [grid, 1, 1], "num_warps": nw,
             "constexprs": {"M": m, "N": n, "K": k, "GROUP": group, "BLOCK_M": block_m, "BLOCK_N": block_n,
                            "BLOCK_K": block_k, "DOT_FP32": False}}
 

@@ -94,6 +94,20 @@ class SampleRule(Rule):
     num_warps: int
 
 
+@dataclass(frozen=True)
+class GemmRule(Rule):
+    """The M-row GEMM (kernels/gemm.py): tiles for many rows (m >= many_rows) and for few, per weight
+    dtype; the wide-N tiles where N >= wide_n."""
+    many_rows: int
+    wide_n: int
+    bf16_many: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
+    bf16_few: tuple[int, int, int, int]
+    bf16_few_wide: tuple[int, int, int, int]
+    q4_many: tuple[int, int, int, int]
+    q4_few: tuple[int, int, int, int]
+    q4_wide: tuple[int, int, int, int]
+
+
 _TUNING = "bench/results/tuning/"
 _ATTN_REPORTS = tuple(f"bench/results/kernels/attn-qwen3.5-{m}-pos{p}-h200.json"
                       for m in ("0.8b", "27b") for p in (80, 1000, 4000))
@@ -120,6 +134,10 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "sample": SampleRule(max_block=16384, min_block=512, num_warps=16,
                          provenance=(_TUNING + "sample-sweep-h200.json",)),
     "step_end": WarpsRule(num_warps=1, provenance=(RULE_OF_THUMB,)),
+    # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
+    "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
+                     bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
+                     q4_wide=(128, 128, 128, 8), provenance=(_TUNING + "gemm-sweep-h200.json",)),
 })
 FAMILIES = tuple(SM90_RULES)
 

@@ -10,6 +10,7 @@ import pytest
 from kestrel.kernels.attention import SMEM_OPTIN, attn_splits, attn_step_launch
 from kestrel.kernels.embedding import embedding_launch
 from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch
+from kestrel.kernels.gemm import gemm_launch
 from kestrel.kernels.matvec import matvec_launch
 from kestrel.kernels.rmsnorm import rmsnorm_launch
 from kestrel.kernels.sample import sample_launch, step_end_launch
@@ -96,7 +97,7 @@ def test_launch_outputs_unchanged(target, expected):
 
 def test_every_target_has_every_family():
     assert set(FAMILIES) == {"matvec", "attention", "gdn_delta", "gdn_norm", "rmsnorm", "embedding", "sample",
-                             "step_end"}
+                             "step_end", "gemm"}
     for t in TARGETS.values():
         assert set(t.rules) == set(FAMILIES), t.name
         for fam, row in t.rules.items():
@@ -152,7 +153,26 @@ READS = [
     (embedding_launch, (5120,), "embedding", "block", 512),
     (sample_launch, (248320,), "sample", "max_block", 4096),
     (step_end_launch, (4096,), "step_end", "num_warps", 2),
+    (gemm_launch, (512, 5120, 17408, 0), "gemm", "bf16_many", (64, 64, 64, 4)),
+    (gemm_launch, (128, 5120, 6144, 128), "gemm", "q4_few", (64, 64, 128, 4)),
 ]
+
+
+def test_gemm_rule_picks_the_sweeps_best():
+    """On sm_90 the M-row GEMM's rule picks the fastest configuration the H200 sweep measured for every
+    swept case (bench/results/tuning/gemm-sweep-h200.json)."""
+    import json
+
+    sweep = json.load(open(ROOT / "bench/results/tuning/gemm-sweep-h200.json"))
+    shapes = {"27b in_proj_qkv+z+b+a": (16480, 5120), "27b out_proj": (5120, 6144), "27b mlp down": (5120, 17408),
+              "0.8b in_proj": (6144, 1024)}
+    assert len(sweep["best"]) == 16
+    for best in sweep["best"]:
+        n, k = shapes[best["shape"]]
+        c = gemm_launch(best["M"], n, k, best["group"], TARGETS["sm_90"])["constexprs"]
+        got = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], gemm_launch(best["M"], n, k, best["group"],
+                                                                   TARGETS["sm_90"])["num_warps"])
+        assert got == (best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"], best["num_warps"]), best
 
 
 @pytest.mark.parametrize("fn,args,family,field,value", READS, ids=lambda x: x.__name__ if callable(x) else None)
