@@ -42,10 +42,11 @@ def _read_prompt_file(path: str) -> str:
 
 
 class _TextStream:
-    """Prints generated text as the tokens reach the host: the whole sequence decoded again at each
-    batch and the new part printed (a token may end inside a multi-byte character: held back until the
-    character is whole). Characters that are not printable (control bytes of a random-weight model)
-    are printed escaped, like ``\\x07``."""
+    """Prints generated text as the tokens reach the host: the tokens since the last line break are
+    decoded again at each batch and the new part printed (a token may end inside a multi-byte
+    character: held back until the character is whole); at a line break the pending tokens are
+    dropped, so the work per batch does not grow with the length of the output. Characters that are
+    not printable (control bytes of a random-weight model) are printed escaped, like ``\\x07``."""
 
     def __init__(self, tok: PlanTokenizer):
         self.tok, self.ids, self.shown = tok, [], ""
@@ -59,6 +60,8 @@ class _TextStream:
         if text.endswith("\ufffd"):
             return
         self._show(text)
+        if text.endswith("\n"):  # a safe place to start over
+            self.ids, self.shown = [], ""
 
     def _show(self, text: str) -> None:
         delta = text[len(self.shown):] if text.startswith(self.shown) else text

@@ -308,18 +308,24 @@ def test_streamed_text_equals_the_whole_and_is_printable(tiny_plan):
     from kestrel.runtime.tokenizer import PlanTokenizer
 
     tok = PlanTokenizer(load_plan(tiny_plan).tokenizer_json)
-    ids = tok.encode("Grüße, Kestrel! \x07\x1b") + [7, 27, 200]
+    ids = tok.encode("Grüße, Kestrel! \x07\x1b\nnext line\n\nand one more ünïcödé") + [7, 27, 200]
 
     @click.command()
-    def show():
+    @click.option("--size", type=int)
+    def show(size):
         s = _TextStream(tok)
-        for i in range(0, len(ids), 3):
-            s(ids[i:i + 3])
+        for i in range(0, len(ids), size):
+            s(ids[i:i + size])
+            if size == 1 and tok.decode(ids[:i + 1]).endswith("\n"):
+                assert s.ids == []  # started over at the line break: the work per batch stays bounded
         s.close()
 
-    out = click.testing.CliRunner().invoke(show).output
-    assert out == printable(tok.decode(ids)) + "\n"
-    assert "\\x07" in out and "\\x1b" in out and "\x07" not in out and "Grüße" in out
+    for size in (1, 3):  # one token a batch: every line break resets the stream
+        r = click.testing.CliRunner().invoke(show, ["--size", str(size)])
+        assert r.exit_code == 0, r.output
+        out = r.output
+        assert out == printable(tok.decode(ids)) + "\n"
+        assert "\\x07" in out and "\\x1b" in out and "\x07" not in out and "Grüße" in out
     r = run_cli("kestrel-run", tiny_plan, "--prompt", "Hello", "--max-new-tokens", "16")
     assert r.returncode == 0 and all(c.isprintable() or c == "\n" for c in r.stdout), repr(r.stdout)
 
