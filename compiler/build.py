@@ -169,9 +169,6 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
     prefill_rows = default_prefill_rows(target) if prefill_rows is None else prefill_rows
     if prefill_rows < 0:
         raise InputError(f"--prefill-rows {prefill_rows}: must be 0 (no M-row step) or more")
-    if prefill_rows and target != "cpu":
-        raise UnsupportedError(f"--prefill-rows {prefill_rows}: the M-row step has no GPU kernels yet; build "
-                               f"{target} plans with --prefill-rows 0 (their default), or --target cpu")
     if weights not in ("checkpoint", "random"):
         raise InputError(f"--weights {weights}: choose checkpoint or random")
     if not 0 <= seed < 2 ** 31:
@@ -218,8 +215,11 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         weights_info = {"kind": "random", "seed": random_seed}
         log(f"note: --weights random: the plan records seed {random_seed}; the runtime fills the weights "
             f"(benchmarking only, never the default)")
+    rows_of_launch = None
     if target != "cpu":
-        kernels, kernel_of_launch, cubins = codegen.compile_kernels(program, target, log)
+        kernels, of_launch, cubins = codegen.compile_kernels([program] + ([rows_program] if rows_program else []),
+                                                             target, log)
+        kernel_of_launch, rows_of_launch = of_launch[0], (of_launch[1] if rows_program else None)
         if random_seed is not None:
             fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
     info = _plan_info(m, target, quant, weights=weights_info, extra={"prefill_rows": prefill_rows})
@@ -236,8 +236,9 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
                disable=None if progress else True, leave=False)
     try:
         write_plan(real, info, print_program(program), weights, produce, m.tokenizer_json,
-                   launch_plan=launch_plan(program, kernels, kernel_of_launch, fill), extra_parts=extra_parts,
-                   progress=lambda name, n: bar.update(n))
+                   launch_plan=launch_plan(program, kernels, kernel_of_launch, fill,
+                                           (rows_program, rows_of_launch) if rows_program else None),
+                   extra_parts=extra_parts, progress=lambda name, n: bar.update(n))
     finally:
         bar.close()
     result = BuildResult(out, os.path.getsize(real), program.weight_bytes(), program.state_bytes(),

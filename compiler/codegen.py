@@ -129,8 +129,8 @@ def pointer_alignment(op: Op) -> list[bool]:
 
 
 def compile_op(op: Op, cc: int) -> CompiledKernel:
-    return compile_kernel(op.launch["kernel"], OPS[op.kind].kernel.jit, param_types(op), constexprs(op.launch),
-                          op.launch["num_warps"], cc, pointer_alignment(op))
+    return compile_kernel(op.launch["kernel"], OPS[op.kind].kernel.jit_for(op), param_types(op),
+                          constexprs(op.launch), op.launch["num_warps"], cc, pointer_alignment(op))
 
 
 def _compile_in_subprocess(kernel_id, jit, types, consts, num_warps, cc, aligned) -> CompiledKernel:
@@ -161,25 +161,28 @@ def _table_entry(k: CompiledKernel, part: str, consts: dict) -> dict:
             "constexprs": consts}
 
 
-def compile_kernels(program: Program, target: str, log) -> tuple[list[dict], list[int], dict[str, bytes]]:
-    """AOT-compile every distinct kernel configuration the program launches, for ``target``.
-    Returns the kernel table, each launch's index into it, and the cubin parts."""
+def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dict], list[list[int]], dict[str, bytes]]:
+    """AOT-compile every distinct kernel configuration the programs launch (the one-token step and the
+    M-row step share one table), for ``target``. Returns the kernel table, each program's launches'
+    indices into it, and the cubin parts."""
     cc = TARGETS[target].cc
     table, index, of_launch, cubins = [], {}, [], {}
-    for op in program.ops:
-        if is_view(op):
-            continue
-        key = (op.launch["kernel"], json.dumps(constexprs(op.launch), sort_keys=True), op.launch["num_warps"],
-               tuple(param_types(op)), tuple(pointer_alignment(op)))
-        if key not in index:
-            k = compile_op(op, cc)
-            part = f"__kestrel__/cubin/{len(table):03d}"
-            cubins[part] = k.cubin
-            index[key] = len(table)
-            table.append(_table_entry(k, part, constexprs(op.launch)))
-        of_launch.append(index[key])
+    for program in programs:
+        of_launch.append([])
+        for op in program.ops:
+            if is_view(op):
+                continue
+            key = (op.launch["kernel"], json.dumps(constexprs(op.launch), sort_keys=True), op.launch["num_warps"],
+                   tuple(param_types(op)), tuple(pointer_alignment(op)))
+            if key not in index:
+                k = compile_op(op, cc)
+                part = f"__kestrel__/cubin/{len(table):03d}"
+                cubins[part] = k.cubin
+                index[key] = len(table)
+                table.append(_table_entry(k, part, constexprs(op.launch)))
+            of_launch[-1].append(index[key])
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
-        f"{table[0]['compiler'] if table else '-'}) for {len(of_launch)} launches")
+        f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches")
     return table, of_launch, cubins
 
 

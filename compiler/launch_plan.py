@@ -15,7 +15,9 @@ as constants. The dyn-invariance check compares two of these lists.
     stores no weights (``--weights random``), none and ``fill``: the launches that make them on the
     device, made once at load;
   * ``outputs`` (hidden, logits) and ``tokens`` (the request's token sequence): placements, dtype, size;
-  * ``step_bytes``: the bytes one step moves, as a fixed part and the bytes per KV-cache row read.
+  * ``step_bytes``: the bytes one step moves, as a fixed part and the bytes per KV-cache row read;
+  * ``prefill`` (plans with an M-row step): its row count, its launches (same kernel table, same
+    arena and dyn slots) and its outputs' placements.
 runtime/launch_binding.py turns it into device addresses; the runtime reads nothing else.
 """
 from __future__ import annotations
@@ -93,31 +95,44 @@ def _placement(v) -> dict:
 
 
 def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_launch: list[int] | None = None,
-                fill: list[dict] | None = None) -> dict:
+                fill: list[dict] | None = None, prefill: tuple[Program, list[int]] | None = None) -> dict:
     """The launch plan stored in the artifact (requires select_kernels and plan_memory). ``kernels`` is
     the compiled-kernel table (GPU targets) and ``kernel_of_launch`` each launch's entry in it; the
-    ``scratch`` region is sized for the largest global scratch any launch needs."""
+    ``scratch`` region is sized for the largest global scratch any launch needs. ``prefill``: the M-row
+    step (its program, planned in the same arena, and its launches' kernel entries), stored as
+    ``prefill`` = {rows, launches, outputs}."""
     launches = launch_list(program)
     sizes = dict(program.arena)
     sizes["scratch"] = 0
+    lists = [(launches, kernel_of_launch)]
+    rows_launches = None
+    if prefill is not None:
+        rows_launches = launch_list(prefill[0])
+        lists.append((rows_launches, prefill[1]))
     if kernels is not None:
-        for launch, k in zip(launches, kernel_of_launch):
-            launch["kernel_index"] = k
-            programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
-            sizes["scratch"] = max(sizes["scratch"], kernels[k]["global_scratch_size"] * programs)
+        for ls, of_launch in lists:
+            for launch, k in zip(ls, of_launch):
+                launch["kernel_index"] = k
+                programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
+                sizes["scratch"] = max(sizes["scratch"], kernels[k]["global_scratch_size"] * programs)
     regions, offset = {}, 0
     for r in REGIONS:
         size = (sizes.get(r, 0) + ALIGN - 1) // ALIGN * ALIGN
         regions[r] = {"offset": offset, "size": size}
         offset += size
     tokens = program.states.get(TOKENS_STATE)
-    return {"target": program.target, "arena": sizes, "regions": regions, "arena_bytes": max(offset, ALIGN),
-            "reset": list(RESET_REGIONS), "kernels": kernels or [],
-            "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
-            "weights": [] if fill else [{"name": w.name, "offset": w.loc[1], "nbytes": w.type.nbytes}
-                                        for w in program.weights.values()],
-            "fill": fill or [],
-            "outputs": {name: _placement(v) for name, v in program.outputs.items()},
-            "tokens": _placement(tokens) if tokens is not None else None,
-            "step_bytes": step_bytes(program),
-            "launches": launches}
+    lp = {"target": program.target, "arena": sizes, "regions": regions, "arena_bytes": max(offset, ALIGN),
+          "reset": list(RESET_REGIONS), "kernels": kernels or [],
+          "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
+          "weights": [] if fill else [{"name": w.name, "offset": w.loc[1], "nbytes": w.type.nbytes}
+                                      for w in program.weights.values()],
+          "fill": fill or [],
+          "outputs": {name: _placement(v) for name, v in program.outputs.items()},
+          "tokens": _placement(tokens) if tokens is not None else None,
+          "step_bytes": step_bytes(program),
+          "launches": launches}
+    if prefill is not None:
+        rows = next(op.attrs["rows"] for op in prefill[0].ops if op.kind == "prefill_end")
+        lp["prefill"] = {"rows": rows, "launches": rows_launches,
+                         "outputs": {name: _placement(v) for name, v in prefill[0].outputs.items()}}
+    return lp

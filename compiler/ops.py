@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
-from kestrel.kernels import attention, elementwise, embedding, gated_delta, matvec, rmsnorm, sample
+from kestrel.kernels import attention, elementwise, embedding, gated_delta, gemm, matvec, rmsnorm, sample
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -44,6 +44,11 @@ class Kernel:
 
     jit: object
     launch: Callable[[Op, Target], dict]
+    rows: object = None  # the Triton function when the op runs at M rows (a [M, ...] first operand), if another
+
+    def jit_for(self, op: Op):
+        at_rows = self.rows is not None and len(op.ins[0].type.shape) == 2
+        return self.rows if at_rows else self.jit
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,60 @@ def _infer_attn_rows(ins, a):
     return [_f32((rows, n2 // 2))]
 
 
+def _cols(x, start: int, n: int, what: str):
+    _need(len(_t(x).shape) == 2 and 0 <= start and start + n <= _t(x).shape[1],
+          f"{what}: columns {start}..{start + n} are not inside the [M, W] projection rows {_t(x).shape}")
+
+
+def _infer_gdn_rows_delta(ins, a):
+    x, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt = ins
+    hv = _t(rec).shape[0]
+    c = _t(conv_w).shape[0]
+    for what, start, n in (("qkv", a["qkv"], c), ("b", a["b"], hv), ("a", a["a"], hv)):
+        _cols(x, start, n, f"gdn_rows_delta {what}")
+    m = _t(x).shape[0]
+    row = [Value(TensorType("f32", (n,))) for n in (c, hv, hv)]
+    (n,) = _infer_gdn_delta([row[0], row[1], row[2], conv_state, conv_w, a_log, dt_bias, rec], a)[0].shape
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32((m, n))]
+
+
+def _infer_gdn_rows_norm(ins, a):
+    o, x, norm_w, conv_state, pos, n_prompt = ins
+    m, n = _t(o).shape
+    c = _t(conv_state).shape[0]
+    _need(len(_t(norm_w).shape) == 1 and n % _t(norm_w).shape[0] == 0,
+          f"norm weight {_t(norm_w).shape} must be [Dv] with Dv dividing {n}")
+    _need(_t(x).shape[0] == m, "gdn_rows_norm: o_raw and the projection rows differ in M")
+    _cols(x, a["z"], n, "gdn_rows_norm z")
+    _cols(x, a["qkv"], c, "gdn_rows_norm qkv")
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32((m, n))]
+
+
+def _infer_attn_rows_kv(ins, a):
+    x, kn, kc, vc, pos, n_prompt = ins
+    _, hkv, d = _t(kc).shape
+    _cols(x, a["k"], hkv * d, "attn_rows_kv k")
+    _cols(x, a["v"], hkv * d, "attn_rows_kv v")
+    _need(_t(kn).shape == (d,) and _t(vc).shape == _t(kc).shape, "k norm weight must be [head_dim], caches alike")
+    _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
+    _infer_rows_dyn(pos, n_prompt)
+    return []
+
+
+def _infer_attn_rows_q(ins, a):
+    x, qn, kc, vc, pos, n_prompt = ins
+    _, hkv, d = _t(kc).shape
+    h = a["heads"]
+    _need(h > 0 and h % hkv == 0, f"attn_rows_q: {h} query heads do not group over {hkv} kv heads")
+    _cols(x, a["q"], 2 * h * d, "attn_rows_q q|gate")
+    _need(_t(qn).shape == (d,) and _t(vc).shape == _t(kc).shape, "q norm weight must be [head_dim], caches alike")
+    _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
+    _infer_rows_dyn(pos, n_prompt)
+    return [_f32((_t(x).shape[0], h * d))]
+
+
 def _infer_last_row(ins, a):
     x, pos, n_prompt = ins
     _need(len(_t(x).shape) == 2, "last_row takes [M, N] rows")
@@ -330,13 +389,15 @@ def _infer_attn_step(ins, a):
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
 def _matvec(op: Op, t: Target) -> dict:
-    if len(op.ins[0].type.shape) == 2:
-        raise IRError(f"op {op.kind!r} at {op.ins[0].type.shape[0]} rows has no GPU kernel for {t.name} yet (the "
-                      f"M-row GEMM): {_ROWS.why}")
+    """One row: the matvec (kernels/matvec.py); M rows: the tensor-core GEMM (kernels/gemm.py)."""
     w = op.ins[1]
     n, k = w.type.shape
-    prefix = "matvec_swiglu_" if op.kind == "matmul_swiglu" else "matvec_"
     group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+    swiglu = op.kind == "matmul_swiglu"
+    if len(op.ins[0].type.shape) == 2:
+        return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
+                **gemm.gemm_launch(op.ins[0].type.shape[0], n, k, group, t, swiglu=swiglu)}
+    prefix = "matvec_swiglu_" if swiglu else "matvec_"
     return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t)}
 
 
@@ -365,6 +426,29 @@ def _attn_step(op: Op, t: Target) -> dict:
     splits = op.ins[8].type.shape[1]
     return {"kernel": f"attn_step_{kc.type.dtype}",
             **attention.attn_step_launch(nh, nkv, d, kc.type.shape[0], splits, t)}
+
+
+def _embedding_rows(op: Op, t: Target) -> dict:
+    rows, h = op.outs[0].type.shape
+    return {"kernel": f"embedding_rows_{op.ins[0].type.dtype}",
+            **embedding.embedding_rows_launch(rows, h, op.ins[1].type.shape[0], t)}
+
+
+def _last_row(op: Op, t: Target) -> dict:
+    rows, n = op.ins[0].type.shape
+    launch = sample.rows_tail_launch(n, t)
+    return {"kernel": "last_row", **launch, "constexprs": {**launch["constexprs"], "ROWS": rows, "N": n}}
+
+
+def _chunk_last(op: Op, t: Target) -> dict:
+    launch = sample.rows_tail_launch(1, t)
+    return {"kernel": "chunk_last", **launch, "constexprs": {**launch["constexprs"], "ROWS": op.attrs["rows"]}}
+
+
+def _prefill_end(op: Op, t: Target) -> dict:
+    launch = sample.rows_tail_launch(1, t)
+    return {"kernel": "prefill_end", **launch,
+            "constexprs": {**launch["constexprs"], "ROWS": op.attrs["rows"], "S": op.ins[3].type.shape[0]}}
 
 
 def _sample(op: Op, t: Target) -> dict:
@@ -463,7 +547,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("rmsnorm", "tw", ("eps",), _infer_rmsnorm, rmsnorm.rmsnorm_ref, Kernel(rmsnorm.rmsnorm_kernel, _rmsnorm),
           lambda ex, op, x, w: ex.rmsnorm(ex.f32(x), ex.f32(w), op.attrs["eps"]),
           doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
-    OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref, Kernel(matvec.matvec_kernel, _matvec),
+    OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref, Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel),
           lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
     OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
           lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
@@ -516,7 +600,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("add_rmsnorm", "vvw", ("eps",), _infer_add_rmsnorm, rmsnorm.add_rmsnorm_ref,
           Kernel(rmsnorm.add_rmsnorm_kernel, _rmsnorm), _onnx_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
-          Kernel(matvec.matvec_swiglu_kernel, _matvec), _onnx_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),
+          Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel), _onnx_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
                         "conv state shared by a key head's value heads)"),
@@ -529,19 +613,40 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           Kernel(gated_delta.gdn_norm_kernel, _gdn_norm), _onnx_gdn_norm, inout=(4,),
           doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
     # --- the M-row step (a prompt chunk of M rows at positions pos.., valid while < n_prompt) ---
-    OpDef("embedding_rows", "wsdd", ("rows",), _infer_embedding_rows, embedding.embedding_rows_ref, _ROWS, _ROWS_ONNX,
+    OpDef("embedding_rows", "wsdd", ("rows",), _infer_embedding_rows, embedding.embedding_rows_ref,
+          Kernel(embedding.embedding_rows_kernel, _embedding_rows), _ROWS_ONNX,
           doc="row r: the embedding of tokens[pos + r] while pos + r < n_prompt, zeros after"),
-    OpDef("gdn_rows", "vvvswwwsdd", ("l2_eps", "scale"), _infer_gdn_rows, gated_delta.gdn_rows_ref, _ROWS,
+    OpDef("gdn_rows", "vvvswwwsdd", ("l2_eps", "scale"), _infer_gdn_rows, gated_delta.gdn_rows_ref,
+          NotApplicable("the GPU runs it as gdn_rows_delta + gdn_rows_norm, which fuse emits"),
           _ROWS_ONNX, inout=(3, 7), doc="the Gated DeltaNet mixer (before its norm) over the chunk's valid rows in "
           "order: conv window and fp32 state advanced per row"),
     OpDef("attn_rows", "vvvwwssdd", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_rows,
-          attention.attn_rows_ref, _ROWS, _ROWS_ONNX, inout=(5, 6),
+          attention.attn_rows_ref,
+          NotApplicable("the GPU runs it as attn_rows_kv + attn_rows_q, which fuse emits"), _ROWS_ONNX, inout=(5, 6),
           doc="attn_step for each valid row at position pos + r: KV rows appended, causal inside the chunk"),
-    OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, _ROWS, _ROWS_ONNX,
+    # (fused by passes/fuse.py: the row ops reading the fused projection rows by column offsets)
+    OpDef("gdn_rows_delta", "vswwwsdd", ("qkv", "b", "a", "l2_eps", "scale"), _infer_gdn_rows_delta,
+          gated_delta.gdn_rows_delta_ref, _ROWS, _ROWS_ONNX, inout=(5,),
+          doc="gdn_rows before its norm, on the projection rows x (qkv, b, a: column offsets); the conv state "
+              "only read"),
+    OpDef("gdn_rows_norm", "vvwsdd", ("z", "qkv", "eps"), _infer_gdn_rows_norm, gated_delta.gdn_rows_norm_ref,
+          _ROWS, _ROWS_ONNX, inout=(3,),
+          doc="gated_rmsnorm of every row per value head (z: x's column offset); the conv state advanced by the "
+              "valid rows"),
+    OpDef("attn_rows_kv", "vwssdd", ("k", "v", "eps", "theta", "rotary_dim"), _infer_attn_rows_kv,
+          attention.attn_rows_kv_ref, _ROWS, _ROWS_ONNX, inout=(2, 3),
+          doc="the valid rows' k (rmsnorm, rope at pos + r) and v appended to the caches"),
+    OpDef("attn_rows_q", "vwssdd", ("q", "heads", "eps", "theta", "rotary_dim", "scale"), _infer_attn_rows_q,
+          attention.attn_rows_q_ref, _ROWS, _ROWS_ONNX,
+          doc="after attn_rows_kv: each valid row's q (rmsnorm, rope) over cache rows 0..pos + r, sigmoid gate"),
+    OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, Kernel(sample.last_row_kernel, _last_row),
+          _ROWS_ONNX,
           doc="the chunk's last valid row"),
-    OpDef("chunk_last", "dd", ("rows",), _infer_chunk_last, sample.chunk_last_ref, _ROWS, _ROWS_ONNX,
+    OpDef("chunk_last", "dd", ("rows",), _infer_chunk_last, sample.chunk_last_ref,
+          Kernel(sample.chunk_last_kernel, _chunk_last), _ROWS_ONNX,
           writes_dyn=True, doc="dyn.last = the position of the chunk's last valid row (the sampling position)"),
-    OpDef("prefill_end", "ddds", ("rows",), _infer_prefill_end, sample.prefill_end_ref, _ROWS, _ROWS_ONNX,
+    OpDef("prefill_end", "ddds", ("rows",), _infer_prefill_end, sample.prefill_end_ref,
+          Kernel(sample.prefill_end_kernel, _prefill_end), _ROWS_ONNX,
           inout=(3,), writes_dyn=True, doc="pos advances past the chunk's valid rows; after the prompt's last "
           "chunk the sampled token is appended to tokens and fed in (step_end at the last row)"),
     OpDef("attn_step", "vvvwwssdss", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, _attn_step_ref,

@@ -69,9 +69,9 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0) 
         gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
         up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
         y = emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
+        if rows and i == len(cfg.layer_types) - 1:  # only the last valid row goes on: the residual add after
+            h, y = (emit(p, "last_row", v, dyn["pos"], dyn["n_prompt"]) for v in (h, y))  # it (fused with the norm)
         h = emit(p, "add", h, y)
-    if rows:
-        h = emit(p, "last_row", h, dyn["pos"], dyn["n_prompt"])
     hidden = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     logits = emit(p, "matmul", hidden, head)

@@ -4,7 +4,9 @@
   (partial RoPE), the rest passes through; cos/sin computed in fp32 as the reference model does;
 * ``kv_append_ref``: write k, v into row ``pos`` of the caches;
 * ``attention_ref``: softmax(q K[0..pos]^T * scale) V in fp32, query head h reading kv head h // (H / Hkv);
-* ``attn_step_kernel``: the fused decode step ``attn_step_ref`` as one Triton kernel (launch: ``attn_step_launch``).
+* ``attn_step_kernel``: the fused decode step ``attn_step_ref`` as one Triton kernel (launch: ``attn_step_launch``);
+* ``attn_rows_kv_kernel`` / ``attn_rows_q_kernel``: the M-row (prefill) step's gated attention as two kernels,
+  ``attn_rows_kv_ref`` then ``attn_rows_q_ref`` (launch: ``attn_rows_kv_launch`` / ``attn_rows_q_launch``).
 """
 from __future__ import annotations
 
@@ -77,6 +79,33 @@ def attn_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, n_prompt
     return out
 
 
+def attn_rows_kv_ref(x, k_norm, k_cache, v_cache, pos: int, n_prompt: int, k: int, v: int, eps: float, theta: float,
+                     rotary_dim: int) -> None:
+    """First half of ``attn_rows_ref`` on the projection rows x [M, W] (columns k .. k + Hkv * D are
+    the keys, v .. v + Hkv * D the values): each valid row's k RMSNormed and rotated at pos + r, and
+    appended with its v to the caches (rows pos .. pos + valid - 1)."""
+    _, hkv, d = k_cache.shape
+    for r in range(max(0, min(x.shape[0], n_prompt - pos))):
+        kr = rope_ref(rmsnorm_ref(x[r, k:k + hkv * d].reshape(hkv, d), k_norm, eps), pos + r, theta, rotary_dim)
+        kv_append_ref(k_cache, v_cache, kr, x[r, v:v + hkv * d].reshape(hkv, d), pos + r)
+
+
+def attn_rows_q_ref(x, q_norm, k_cache, v_cache, pos: int, n_prompt: int, q: int, heads: int, eps: float,
+                    theta: float, rotary_dim: int, scale: float) -> torch.Tensor:
+    """Second half, after ``attn_rows_kv_ref`` wrote the chunk's rows: valid row r's queries (columns
+    q .. q + 2 * heads * D, q|gate per head) RMSNormed, rotated at pos + r, attending over cache rows
+    0 .. pos + r (causal inside the chunk), times sigmoid(gate). Returns [M, heads * D], zero on
+    invalid rows."""
+    _, hkv, d = k_cache.shape
+    out = torch.zeros(x.shape[0], heads * d, dtype=torch.float32)
+    for r in range(max(0, min(x.shape[0], n_prompt - pos))):
+        qg = x[r, q:q + 2 * heads * d].reshape(heads, 2 * d)
+        qr = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos + r, theta, rotary_dim)
+        o = attention_ref(qr, k_cache, v_cache, pos + r, scale).reshape(heads * d)
+        out[r] = sigmoid_gate_ref(o, qg[:, d:].reshape(heads * d))
+    return out
+
+
 # Largest dynamic shared memory a CTA may opt into, per compute capability (bytes): the targets'
 # smem_optin (kernels/targets.py), keyed by cc for existing callers.
 SMEM_OPTIN = {t.cc: t.smem_optin for t in TARGETS.values()}
@@ -112,6 +141,40 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
                            "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe}}
 
 
+def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
+    """Grid [rows, n_kv]: one program per (chunk row, kv head), a [BLOCK_D] vector of lanes;
+    num_warps ``target.rules["attn_rows"].kv_num_warps`` (2 on sm_90)."""
+    r = target.rules["attn_rows"]
+    return {"grid": [rows, n_kv, 1], "num_warps": r.kv_num_warps,
+            "constexprs": {"M": rows, "W": width, "NKV": n_kv, "D": head_dim, "S": max_seq,
+                           "BLOCK_D": pow2_at_least(head_dim)}}
+
+
+def attn_rows_q_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
+    """Grid [n_kv, ceil(rows * heads / n_kv / BLOCK_R)]: program (g, b) takes tile rows b * BLOCK_R ..
+    of kv head g's (chunk row, query head of the group) pairs, row-major. Constants from
+    ``target.rules["attn_rows"]`` (kernels/targets.py; sm_90 values in brackets): BLOCK_R [64] halves
+    while the grid has fewer than programs_per_sm [1] x sms programs, down to min_block_r [16] (27B at
+    M = 128 on the H200: 4 x 24 programs of 32 tile rows); BLOCK_N = tile_elems [8192] / BLOCK_D within
+    [16, 64] (32 at D = 256); one warp per acc_elems_per_warp [2048] accumulator elements, within
+    [4, 8]. PIPE_BYTES: shared memory for the K/V tiles in flight, at most pipe_bytes_max [64 KiB],
+    leaving the bf16 query tile (BLOCK_R x BLOCK_D) and smem_reserve [8 KiB] of the target's
+    ``smem_optin``; the kernel derives its stage count from it and the cache's element size.
+    DOT_FP32 is False (True only in interpreter tests)."""
+    r = target.rules["attn_rows"]
+    block_d = max(16, pow2_at_least(head_dim))
+    tile_rows = rows * (heads // n_kv)
+    block_r = max(r.min_block_r, min(r.max_block_r, pow2_at_least(tile_rows)))
+    while block_r > r.min_block_r and n_kv * -(-tile_rows // block_r) < r.programs_per_sm * target.sms:
+        block_r //= 2
+    block_n = max(r.min_block_n, min(r.max_block_n, r.tile_elems // block_d))
+    warps = max(r.min_warps, min(r.max_warps, block_r * block_d // r.acc_elems_per_warp))
+    pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - 2 * block_r * block_d)
+    return {"grid": [n_kv, -(-tile_rows // block_r), 1], "num_warps": warps,
+            "constexprs": {"M": rows, "W": width, "NKV": n_kv, "D": head_dim, "S": max_seq, "BLOCK_D": block_d,
+                           "BLOCK_R": block_r, "BLOCK_N": block_n, "PIPE_BYTES": pipe, "DOT_FP32": False}}
+
+
 @triton.jit
 def _round_bf16(x):
     """x rounded to the nearest bf16 (ties to even), kept in fp32: the value a bf16 store keeps, so the
@@ -120,6 +183,19 @@ def _round_bf16(x):
     b = x.to(tl.uint32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_inv_freq(d, theta, rotary_dim, BLOCK_D: tl.constexpr):
+    """RoPE's inverse frequency for lane d, as the reference computes it in fp32: 1 / theta^(2i / rotary_dim)
+    with i = d mod rotary_dim/2 (the power evaluated in fp64 and rounded, then an IEEE fp32 division);
+    lanes past rotary_dim get i = 0 (unused)."""
+    half = rotary_dim // 2
+    fi = tl.where(d < half, d, tl.where(d < rotary_dim, d - half, 0))
+    expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], rotary_dim, tl.int32).to(tl.float32))
+    log2_theta = tl.log2(tl.full([BLOCK_D], theta, tl.float32).to(tl.float64))
+    powr = tl.exp2(expo.to(tl.float64) * log2_theta).to(tl.float32)
+    return tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powr)
 
 
 @triton.jit
@@ -197,13 +273,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     active = tl.maximum(tl.minimum(tl.cdiv(pos, BLOCK_S), SPLITS), 1)
     if sp < active:
         # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
-        half = rotary_dim // 2
-        fi = tl.where(d < half, d, tl.where(d < rotary_dim, d - half, 0))  # lanes past rotary_dim: unused
-        expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], rotary_dim, tl.int32).to(tl.float32))
-        log2_theta = tl.log2(tl.full([BLOCK_D], theta, tl.float32).to(tl.float64))
-        powr = tl.exp2(expo.to(tl.float64) * log2_theta).to(tl.float32)
-        inv_freq = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powr)
-        angle = pos.to(tl.float32) * inv_freq
+        angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
         cos = tl.cos(angle)
         sin = tl.sin(angle)
 
@@ -278,3 +348,202 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
             gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
             tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
             tl.atomic_xchg(ticket_ptr + h, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _chunk_rows(pos_ptr, n_prompt_ptr, M: tl.constexpr, S: tl.constexpr):
+    """(pos, valid rows) of a chunk: pos = max(*pos_ptr, 0); rows r < clamp(n_prompt - pos, 0, M) are
+    valid, and rows at positions >= S are treated as invalid (nothing outside the cache is touched)."""
+    pos = tl.maximum(tl.load(pos_ptr), 0)
+    n = tl.minimum(tl.minimum(tl.load(n_prompt_ptr) - pos, S - pos), M)
+    return pos, tl.maximum(n, 0)
+
+
+@triton.jit
+def attn_rows_kv_kernel(x_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, k, v, eps, theta,
+                        rotary_dim, M: tl.constexpr, W: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                        S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The chunk's K/V rows (``attn_rows_kv_ref``), kernel ids attn_rows_kv_bf16 / attn_rows_kv_f32.
+
+    x is the fp32 projection rows [M, W] (keys at columns k + g * D, values at v + g * D). For valid
+    row r (r < clamp(n_prompt - pos, 0, M), position pos + r < S) and kv head g:
+      k_cache[pos + r, g] = rope(rmsnorm(x[r, k + g*D ..]) * (1 + k_norm)) at pos + r,
+      v_cache[pos + r, g] = x[r, v + g*D ..],
+    stored in the cache dtype (rounded to nearest even). The norm and rotation are the one-token
+    kernel's own helpers (_rope_inv_freq, _norm_rope), so a row's k is rounded exactly as
+    attn_step_kernel rounds it at that position. Invalid rows write nothing. Offsets are int32:
+    M * W and S * NKV * D < 2^31.
+
+    Work split: grid [M, NKV], program (r, g) for one row and kv head, lane d of a [BLOCK_D] vector
+    holding element d. Race-free and deterministic: each program writes its own cache row slot
+    (pos + r, g) and nothing else, and reads only x and k_norm, which no program writes.
+    """
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    pos, n_valid = _chunk_rows(pos_ptr, n_prompt_ptr, M, S)
+    if r < n_valid:
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        angle = (pos + r).to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
+        src = x_ptr + r * W
+        kr = _norm_rope(src + k + g * D, k_norm_ptr, d, dmask, eps, tl.cos(angle), tl.sin(angle), rotary_dim, D)
+        vr = tl.load(src + v + g * D + d, mask=dmask, other=0.0)
+        if k_cache_ptr.dtype.element_ty == tl.bfloat16:
+            kr = _round_bf16(kr)
+        if v_cache_ptr.dtype.element_ty == tl.bfloat16:
+            vr = _round_bf16(vr)
+        row = (pos + r) * (NKV * D) + g * D
+        tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask)
+        tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _norm_rope_rows(x_ptrs, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexpr):
+    """``_norm_rope`` on a tile: row i is the head at x_ptrs[i] (lane d holding element d), cos/sin
+    [rows, BLOCK_D]; the same arithmetic per row, the partner lanes re-loaded from the input."""
+    x = tl.load(x_ptrs[:, None] + d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    y = x * r * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32))[None, :]
+    half = rotary_dim // 2
+    rot = d < rotary_dim
+    lo = d < half
+    partner = tl.where(lo, d + half, d - half)
+    xp = tl.load(x_ptrs[:, None] + partner[None, :], mask=rot[None, :], other=0.0).to(tl.float32)
+    yp = xp * r * (1.0 + tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32))[None, :]
+    yp = tl.where(lo[None, :], -yp, yp)  # rotate_half: [-x2, x1]
+    return tl.where(rot[None, :], y * cos + yp * sin, y)
+
+
+@triton.jit
+def _bf16_operand(x, ROUND: tl.constexpr):
+    """x as a bf16 dot operand, rounded to nearest even: the GPU's conversion does that itself; ROUND
+    (interpreter tests, with DOT_FP32) rounds explicitly, since Triton's interpreter truncates."""
+    if x.dtype != tl.bfloat16:
+        if ROUND:
+            x = _round_bf16(x.to(tl.float32))
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, kmask, causal, m_i, l_i, acc,
+                    DOT_FP32: tl.constexpr, MASK_LOADS: tl.constexpr, CAUSAL: tl.constexpr):
+    """One K/V tile (cache offsets offs [BLOCK_N, BLOCK_D]) into the online softmax (log2 domain):
+    S = Q K^T, the causal mask where CAUSAL, P = exp2(S - m), acc = acc * alpha + P V."""
+    if MASK_LOADS:
+        kt = tl.load(k_cache_ptr + offs, mask=kmask, other=0.0)
+        vt = tl.load(v_cache_ptr + offs, mask=kmask, other=0.0)
+    else:
+        kt = tl.load(k_cache_ptr + offs)
+        vt = tl.load(v_cache_ptr + offs)
+    kb = _bf16_operand(kt, DOT_FP32)
+    vb = _bf16_operand(vt, DOT_FP32)
+    if DOT_FP32:
+        s = tl.dot(q_tile.to(tl.float32), tl.trans(kb.to(tl.float32)))
+    else:
+        s = tl.dot(q_tile, tl.trans(kb))
+    if CAUSAL:
+        s = tl.where(causal, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = _bf16_operand(p, DOT_FP32)
+    if DOT_FP32:
+        acc = tl.dot(pb.to(tl.float32), vb.to(tl.float32), acc * alpha[:, None])
+    else:
+        acc = tl.dot(pb, vb, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, out_ptr, q, heads, eps,
+                       theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr, NKV: tl.constexpr,
+                       D: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The chunk's gated attention (``attn_rows_q_ref``), after attn_rows_kv_kernel on the same stream;
+    kernel ids attn_rows_q_bf16 / attn_rows_q_f32.
+
+    For valid row r (r < clamp(n_prompt - pos, 0, M), position p = pos + r < S) and query head h of
+    kv head g = h // (heads / NKV), with q|gate at columns q + h * 2D of x [M, W]:
+      q = rope(rmsnorm(x[r, q + h*2D ..][:D]) * (1 + q_norm)) at p,
+      out[r, h*D ..] = softmax(q . K[0..p, g]^T * scale) V[0..p, g] * sigmoid(x[r, q + h*2D + D ..][:D]);
+    invalid rows of out are written as 0. RoPE angles as in attn_step_kernel (_rope_inv_freq).
+
+    Work split (flash attention): grid [NKV, ceil(M * REP / BLOCK_R)], REP = heads / NKV. Program
+    (g, b) owns tile rows t = b' * BLOCK_R + i, i < BLOCK_R, with b' = (blocks - 1 - b) (the blocks
+    with the longest causal range start first), of kv head g's (row, head) pairs in row-major order:
+    row t // REP, query head g * REP + t % REP. So the REP query heads of a GQA group and about
+    BLOCK_R / REP chunk rows share one [BLOCK_R, BLOCK_D] query tile, and each K/V tile is read once
+    for all of them. The program walks cache rows 0 .. pos + (its last valid row) in BLOCK_N-row
+    tiles [BLOCK_N, BLOCK_D] (software-pipelined through shared memory: up to 3 K/V tile pairs in
+    flight, as many as PIPE_BYTES holds for the cache's element size): first the tiles every one of
+    its rows sees whole (rows <= pos + its first row: no mask), then the rest with the causal mask
+    key <= pos + row. Per tile: S = Q K^T and acc += P V on tensor cores, bf16 operands and fp32
+    accumulation, online softmax in fp32 (exp2, q pre-scaled by scale * log2(e); the running sum l
+    adds the fp32 weights). Each program then divides, applies sigmoid(gate) and stores its tile rows.
+
+    Numerics vs the fp32 reference: q * scale * log2(e) and p are rounded to bf16 for the dots (unit
+    roundoff u = 2^-9), K and V too where the caches are fp32; with bf16 caches K and V are exact.
+    With Δs = |score error| <= u * scale * sum_i |q_i k_i| (plus fp32 summation), the softmax weights
+    move by at most a factor e^{±2Δs}, and the bf16 weights in P V add u * sum p|v| / l, so per output
+    |o - o_ref| <= (2 max Δs + u) * max|v| (to first order), times sigmoid(gate) <= 1.
+
+    Race-free and deterministic: every out element is written by exactly one program; the caches,
+    x and q_norm are only read (the chunk's K/V rows were written by the kv kernel before this launch);
+    no atomics, and each program's loop order is fixed by pos and n_prompt alone, so runs repeat bit
+    for bit. Offsets are int32: M * W, M * heads * D and S * NKV * D < 2^31.
+    """
+    g = tl.program_id(0)
+    b = tl.num_programs(1) - 1 - tl.program_id(1)
+    rep = heads // NKV
+    pos, n_valid = _chunk_rows(pos_ptr, n_prompt_ptr, M, S)
+
+    t = b * BLOCK_R + tl.arange(0, BLOCK_R)
+    row = t // rep
+    head = g * rep + t % rep
+    live = row < n_valid
+    row_c = tl.minimum(row, M - 1)  # clamped for the loads (tile rows past M * rep are never stored)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    MASK_D: tl.constexpr = BLOCK_D != D
+
+    # The query tile: rmsnorm, RoPE at pos + row, pre-scaled for exp2, rounded to bf16 once.
+    src = x_ptr + row_c * W + q + head * (2 * D)
+    qpos = pos + row
+    angle = qpos.to(tl.float32)[:, None] * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)[None, :]
+    qn = _norm_rope_rows(src, q_norm_ptr, d, dmask, eps, tl.cos(angle), tl.sin(angle), rotary_dim, D)
+    q_tile = _bf16_operand(qn * (scale * 1.4426950408889634), DOT_FP32)
+
+    # Cache rows this program reads: 0 .. kv_end - 1; every tile below full_end is seen whole by all its rows.
+    row_lo = (b * BLOCK_R) // rep
+    row_hi = tl.minimum((b * BLOCK_R + BLOCK_R - 1) // rep, n_valid - 1)
+    kv_end = tl.where(row_lo < n_valid, pos + row_hi + 1, 0)
+    full_end = tl.minimum(((pos + row_lo + 1) // BLOCK_N) * BLOCK_N, kv_end)
+
+    m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a fully masked tile gives weights exp2(-inf) = 0
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    head_off = g * D + d
+    ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+    NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_N * BLOCK_D * ELEM_BYTES)
+    STAGES: tl.constexpr = 1 + (NBUF if NBUF < 3 else 3)
+    for start in tl.range(0, full_end, BLOCK_N, num_stages=STAGES):
+        keys = start + n_off
+        offs = (keys * (NKV * D))[:, None] + head_off[None, :]
+        m_i, l_i, acc = _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, dmask[None, :], None, m_i, l_i,
+                                        acc, DOT_FP32, MASK_D, False)
+    for start in tl.range(full_end, kv_end, BLOCK_N, num_stages=STAGES):
+        keys = start + n_off
+        offs = (keys * (NKV * D))[:, None] + head_off[None, :]
+        kmask = (keys < kv_end)[:, None] & dmask[None, :]
+        causal = keys[None, :] <= qpos[:, None]
+        m_i, l_i, acc = _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, kmask, causal, m_i, l_i, acc,
+                                        DOT_FP32, True, True)
+
+    gate = tl.load(src[:, None] + D + d[None, :], mask=dmask[None, :], other=0.0)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * tl.sigmoid(gate)
+    o = tl.where(live[:, None], o, 0.0)
+    dst = out_ptr + (row * heads + head) * D
+    tl.store(dst[:, None] + d[None, :], o, mask=(t < M * rep)[:, None] & dmask[None, :])

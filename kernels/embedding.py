@@ -1,4 +1,5 @@
-"""Embedding gather: the row of the table for the token id held in the dyn buffer."""
+"""Embedding gather: the row of the table for the token id held in the dyn buffer; at M rows, the
+rows of the prompt chunk's token ids (read from the token sequence)."""
 from __future__ import annotations
 
 import torch
@@ -34,3 +35,25 @@ def embedding_rows_ref(table: torch.Tensor, tokens: torch.Tensor, pos: int, n_pr
     for r in range(max(0, min(rows, n_prompt - pos))):
         out[r] = embedding_ref(table, int(tokens[pos + r]))
     return out
+
+
+def embedding_rows_launch(rows: int, hidden: int, max_seq: int, target) -> dict:
+    """Grid [rows, H / BLOCK] with the one-token gather's BLOCK and warps (``target.rules["embedding"]``)."""
+    r = target.rules["embedding"]
+    return {"grid": [rows, (hidden + r.block - 1) // r.block, 1], "num_warps": r.num_warps,
+            "constexprs": {"H": hidden, "S": max_seq, "BLOCK": r.block}}
+
+
+@triton.jit
+def embedding_rows_kernel(table_ptr, tokens_ptr, pos_ptr, n_prompt_ptr, out_ptr, rows, H: tl.constexpr,
+                          S: tl.constexpr, BLOCK: tl.constexpr):
+    """``embedding_rows_ref``: program (r, c) writes columns c * BLOCK.. of row r: the table row of
+    tokens[pos + r] while pos + r < n_prompt, zeros after (the index clamped into the sequence)."""
+    r = tl.program_id(0)
+    p = tl.load(pos_ptr) + r
+    valid = p < tl.load(n_prompt_ptr)
+    tok = tl.load(tokens_ptr + tl.minimum(tl.maximum(p, 0), S - 1)).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    row = tl.load(table_ptr + tok * H + offs, mask=mask & valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r.to(tl.int64) * H + offs, row, mask=mask)

@@ -115,6 +115,33 @@ def gdn_rows_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, pos: 
     return out
 
 
+def gdn_rows_delta_ref(x, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, qkv: int, b: int,
+                       a: int, l2_eps: float, scale: float) -> torch.Tensor:
+    """First half of ``gdn_rows_ref`` on the projection rows x [M, W] (columns qkv .. qkv + C are the
+    conv channels, b .. b + Hv and a .. a + Hv the gates' inputs): the same recurrence over the valid
+    rows, rec_state advanced, conv_state only read (each row's conv window is the state, then the
+    chunk's earlier rows). Returns o_raw [M, Hv * Dv], zero on invalid rows."""
+    hv = rec_state.shape[0]
+    c = conv_w.shape[0]
+    return gdn_rows_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], conv_state.clone(), conv_w, a_log,
+                        dt_bias, rec_state, pos, n_prompt, l2_eps, scale)
+
+
+def gdn_rows_norm_ref(o_raw, x, norm_w, conv_state, pos: int, n_prompt: int, z: int, qkv: int,
+                      eps: float) -> torch.Tensor:
+    """Second half: the gated RMSNorm of every row of o_raw [M, Hv * Dv] per value head with z =
+    x[:, z .. z + Hv * Dv], and the conv state shifted by the chunk's valid rows' raw inputs
+    x[:, qkv .. qkv + C] (after this the state holds the last K-1 inputs up to the chunk's last valid row)."""
+    rows, n = o_raw.shape
+    dv = norm_w.shape[0]
+    out = gated_rmsnorm_ref(o_raw.reshape(rows, n // dv, dv), x[:, z:z + n].reshape(rows, n // dv, dv), norm_w,
+                            eps).reshape(rows, n)
+    c = conv_state.shape[0]
+    for r in range(max(0, min(rows, n_prompt - pos))):
+        conv_shift_ref(x[r, qkv:qkv + c], conv_state)
+    return out
+
+
 def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
     """Second half of ``gdn_step_ref``: gated RMSNorm per value head, then the conv-state shift."""
 
@@ -148,6 +175,34 @@ def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
     return {"grid": [hv, 1, 1], "num_warps": target.rules["gdn_norm"].num_warps,
             "constexprs": {"HV": hv, "DV": dv, "C": channels, "KC": kc, "BLOCK_DV": pow2_at_least(dv),
                            "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
+
+
+def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
+    """``gdn_rows_delta_kernel`` over a chunk of ``rows`` projection rows of ``width`` columns: grid
+    [Hv, Dv / BLOCK_V], one program per (value head, block of BLOCK_V state columns), each looping
+    over the valid rows with its state tile in registers. The loop is latency-bound (one row after
+    the other), so the blocks are narrower than the one-token kernel's, for more programs at once:
+    ``target.rules["gdn_rows"]`` (sm_90: Dv / 8 within [8, 16], 4 warps: 384 programs at 27B, 128 at
+    0.8B)."""
+    r = target.rules["gdn_rows"]
+    block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
+    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": r.num_warps,
+            "constexprs": {"M": rows, "W": width, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc,
+                           "BLOCK_DK": pow2_at_least(dk), "BLOCK_V": block_v}}
+
+
+def gdn_rows_norm_launch(rows: int, width: int, hv: int, dv: int, channels: int, kc: int, target) -> dict:
+    """``gdn_rows_norm_kernel``: grid [Hv, M / BLOCK_M]; program (j, m) normalises head j of rows
+    m * BLOCK_M .. + BLOCK_M and shifts the conv state of channels [p * CH_PER_PROG, (p + 1) *
+    CH_PER_PROG), p = m * Hv + j (each channel one owner). ``target.rules["gdn_rows"]`` (sm_90: 16
+    rows, 4 warps: 1536 programs at 27B, M = 512)."""
+    r = target.rules["gdn_rows"]
+    block_m = min(r.norm_block_m, pow2_at_least(rows))
+    grid_m = -(-rows // block_m)
+    per = -(-channels // (hv * grid_m))
+    return {"grid": [hv, grid_m, 1], "num_warps": r.norm_num_warps,
+            "constexprs": {"M": rows, "W": width, "HV": hv, "DV": dv, "C": channels, "KC": kc, "BLOCK_M": block_m,
+                           "BLOCK_DV": pow2_at_least(dv), "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,3 +323,192 @@ def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_p
     window = tl.where(i == KC - 1, x[:, None], st.to(tl.float32))
     tl.debug_barrier()  # every old state value this CTA reads has been read
     _store_window(conv_state_ptr, window, ch, mc, KC)
+
+
+# ---------------------------------------------------------------------------------------------
+# M-row (prefill) kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows_input(x_ptr, conv_state_ptr, t, xcol, ch, m, W: tl.constexpr, KC: tl.constexpr):
+    """The raw conv input of chunk row t for channels ``ch`` (x columns ``xcol``): x[t, xcol] for
+    t >= 0, else the conv state's column t + KC - 1 (the inputs before the chunk, oldest first)."""
+    xs = tl.load(x_ptr + t * W + xcol, mask=m & (t >= 0), other=0.0)
+    st = tl.load(conv_state_ptr + ch * (KC - 1) + (t + (KC - 1)), mask=m & (t < 0) & (t > -KC), other=0.0)
+    return tl.where(t >= 0, xs.to(tl.float32), st.to(tl.float32))
+
+
+@triton.jit
+def _rows_tap(conv_w_ptr, ch, m, d: tl.constexpr, KC: tl.constexpr):
+    """Conv weight of the input d rows back (d = 0: the row's own input), zero past the kernel."""
+    if d < KC:
+        return tl.load(conv_w_ptr + ch * KC + (KC - 1 - d), mask=m, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(ch.shape, tl.float32)
+
+
+@triton.jit
+def _rows_conv(xn, p1, p2, p3, w0, w1, w2, w3, KC: tl.constexpr):
+    """silu of the depthwise conv at a row: input xn, previous inputs p1 (1 row back) .. p3."""
+    acc = w0 * xn + w1 * p1
+    if KC > 2:
+        acc += w2 * p2
+    if KC > 3:
+        acc += w3 * p3
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr,
+                          n_prompt_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
+                          M: tl.constexpr, W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                          DV: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``gdn_rows_delta_ref``: for each valid row r (r < clamp(n_prompt - pos, 0, M)) in order, the
+    one-token ``gdn_delta_kernel`` on x[r]: conv1d + SiLU over the window [conv state | x[0..r]]
+    (the state only read), L2 norms of q and k, gates from x[r, a + j], x[r, b + j], delta rule on
+    the fp32 state [HV, DK, DV] (advanced in place), o_raw[r] = S^T q; o_raw[r] = 0 on invalid rows.
+    Conv kernels of 2 to 4 taps (Qwen3.5: 4).
+
+    Work split: grid [HV, cdiv(DV, BLOCK_V)]; program (j, c) owns columns c*BLOCK_V .. +BLOCK_V of
+    value head j's state S_j (and of o_raw). It loads that [DK, BLOCK_V] tile once, keeps it in
+    registers through its loop over the valid rows, and stores it once. Each row it recomputes the
+    conv of its key head's q and k (2 * DK channels) and of its BLOCK_V v channels from inputs kept
+    in registers (the last KC - 1 raw inputs of each channel, shifted a row at a time): one new load
+    per channel a row, issued a row ahead so that its latency overlaps the current row's delta rule.
+    o = S_r^T q is computed as (decayed S_{r-1})^T q + (k . q) delta (equal in exact arithmetic to
+    the reference's order), so the two reductions over DK are independent of each other.
+
+    Race-free: the delta rule is independent per state column, so no program reads what another
+    writes; x and the conv state are only read (``gdn_rows_norm_kernel`` shifts the conv state next).
+    Deterministic: every reduction has a fixed order, nothing depends on scheduling."""
+    tl.static_assert(M * W < 2**31)
+    tl.static_assert(KC >= 2 and KC <= 4)
+    R: tl.constexpr = HV // HK
+    QKD: tl.constexpr = HK * DK
+    j = tl.program_id(0)
+    h = j // R
+    valid = tl.minimum(tl.maximum(tl.load(n_prompt_ptr) - tl.load(pos_ptr), 0), M)
+
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = cols < DV
+    ch_q = h * DK + offs_k
+    ch_k = QKD + ch_q
+    ch_v = 2 * QKD + j * DV + cols
+
+    tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
+    tile_mask = mk[:, None] & mv[None, :]
+    s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0).to(tl.float32)
+    neg_a = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + j).to(tl.float32)
+    # conv weights by distance back (0: the row itself), constant over the rows
+    wq0 = _rows_tap(conv_w_ptr, ch_q, mk, 0, KC)
+    wq1 = _rows_tap(conv_w_ptr, ch_q, mk, 1, KC)
+    wq2 = _rows_tap(conv_w_ptr, ch_q, mk, 2, KC)
+    wq3 = _rows_tap(conv_w_ptr, ch_q, mk, 3, KC)
+    wk0 = _rows_tap(conv_w_ptr, ch_k, mk, 0, KC)
+    wk1 = _rows_tap(conv_w_ptr, ch_k, mk, 1, KC)
+    wk2 = _rows_tap(conv_w_ptr, ch_k, mk, 2, KC)
+    wk3 = _rows_tap(conv_w_ptr, ch_k, mk, 3, KC)
+    wv0 = _rows_tap(conv_w_ptr, ch_v, mv, 0, KC)
+    wv1 = _rows_tap(conv_w_ptr, ch_v, mv, 1, KC)
+    wv2 = _rows_tap(conv_w_ptr, ch_v, mv, 2, KC)
+    wv3 = _rows_tap(conv_w_ptr, ch_v, mv, 3, KC)
+    # the inputs before row 0 (from the conv state; zero past it) and row 0's own (harmless reads
+    # when no row is valid: x has M >= 1 rows)
+    q1 = _rows_input(x_ptr, conv_state_ptr, -1, qkv + ch_q, ch_q, mk, W, KC)
+    q2 = _rows_input(x_ptr, conv_state_ptr, -2, qkv + ch_q, ch_q, mk, W, KC)
+    q3 = _rows_input(x_ptr, conv_state_ptr, -3, qkv + ch_q, ch_q, mk, W, KC)
+    k1 = _rows_input(x_ptr, conv_state_ptr, -1, qkv + ch_k, ch_k, mk, W, KC)
+    k2 = _rows_input(x_ptr, conv_state_ptr, -2, qkv + ch_k, ch_k, mk, W, KC)
+    k3 = _rows_input(x_ptr, conv_state_ptr, -3, qkv + ch_k, ch_k, mk, W, KC)
+    v1 = _rows_input(x_ptr, conv_state_ptr, -1, qkv + ch_v, ch_v, mv, W, KC)
+    v2 = _rows_input(x_ptr, conv_state_ptr, -2, qkv + ch_v, ch_v, mv, W, KC)
+    v3 = _rows_input(x_ptr, conv_state_ptr, -3, qkv + ch_v, ch_v, mv, W, KC)
+    xq = tl.load(x_ptr + qkv + ch_q, mask=mk, other=0.0).to(tl.float32)
+    xk = tl.load(x_ptr + qkv + ch_k, mask=mk, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + qkv + ch_v, mask=mv, other=0.0).to(tl.float32)
+    xa = tl.load(x_ptr + a + j).to(tl.float32)
+    xb = tl.load(x_ptr + b + j).to(tl.float32)
+    for r in range(0, valid):
+        q = _rows_conv(xq, q1, q2, q3, wq0, wq1, wq2, wq3, KC)
+        k = _rows_conv(xk, k1, k2, k3, wk0, wk1, wk2, wk3, KC)
+        v = _rows_conv(xv, v1, v2, v3, wv0, wv1, wv2, wv3, KC)
+        q3, q2, q1 = q2, q1, xq
+        k3, k2, k1 = k2, k1, xk
+        v3, v2, v1 = v2, v1, xv
+        gx = xa + dt_bias
+        beta = tl.sigmoid(xb)
+        # the next row's raw inputs (the last row reloads itself), consumed in the next iteration
+        rn = tl.minimum(r + 1, valid - 1) * W
+        xq = tl.load(x_ptr + rn + qkv + ch_q, mask=mk, other=0.0).to(tl.float32)
+        xk = tl.load(x_ptr + rn + qkv + ch_k, mask=mk, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + rn + qkv + ch_v, mask=mv, other=0.0).to(tl.float32)
+        xa = tl.load(x_ptr + rn + a + j).to(tl.float32)
+        xb = tl.load(x_ptr + rn + b + j).to(tl.float32)
+
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps)) * scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps))
+        # g = -exp(A_log) * softplus(a + dt_bias) (torch threshold 20)
+        g = neg_a * tl.where(gx > 20.0, gx, tl.log(1.0 + tl.exp(tl.minimum(gx, 20.0))))
+        s = s * tl.exp(g)
+        kv_mem = tl.sum(s * k[:, None], axis=0)
+        o_old = tl.sum(s * q[:, None], axis=0)
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = o_old + tl.sum(k * q, axis=0) * delta
+        tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, o, mask=mv)
+    for r in range(valid, M):
+        tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, tl.zeros([BLOCK_V], tl.float32), mask=mv)
+    tl.debug_barrier()  # every old state value this CTA reads has been read
+    tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask)
+
+
+@triton.jit
+def gdn_rows_norm_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, out_ptr, z, qkv, eps,
+                         M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                         KC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, CH_PER_PROG: tl.constexpr,
+                         BLOCK_CH: tl.constexpr):
+    """``gdn_rows_norm_ref``: out[r, head j] = norm_w * o * rsqrt(mean(o^2) + eps) * silu(z) with
+    o = o_raw[r, head j], z = x[r, z + head j] for all M rows (invalid rows' o_raw is 0, so their
+    out is 0), and the conv state advanced by the valid rows: new column i = the raw input of chunk
+    row t = valid - (KC - 1) + i, i.e. x[t, qkv + c] for t >= 0, else old column t + KC - 1.
+
+    Work split: grid [HV, cdiv(M, BLOCK_M)]; program (j, m) normalises head j of rows m * BLOCK_M ..
+    +BLOCK_M, and owns conv-state channels [p * CH_PER_PROG, (p + 1) * CH_PER_PROG), p = m * HV + j:
+    every channel has exactly one owner, which alone reads its old state and writes the new one, so
+    the in-place update is race-free (and the result is a copy of inputs: deterministic). It runs
+    after ``gdn_rows_delta_kernel`` (same stream), the last reader of the old conv state."""
+    tl.static_assert(M * W < 2**31)
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    tl.static_assert(KC <= 16)
+    j = tl.program_id(0)
+    mb = tl.program_id(1)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mr = rows < M
+    offs_v = tl.arange(0, BLOCK_DV)
+    mv = offs_v < DV
+    m2 = mr[:, None] & mv[None, :]
+    col = j * DV + offs_v[None, :]
+    o = tl.load(o_raw_ptr + rows[:, None] * (HV * DV) + col, mask=m2, other=0.0).to(tl.float32)
+    zz = tl.load(x_ptr + rows[:, None] * W + z + col, mask=m2, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
+    y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=1) / DV + eps))[:, None]
+    tl.store(out_ptr + rows[:, None] * (HV * DV) + col, norm_w[None, :] * y * (zz * tl.sigmoid(zz)), mask=m2)
+
+    # this program's conv-state channels: new column i <- input of chunk row valid - (KC - 1) + i
+    valid = tl.minimum(tl.maximum(tl.load(n_prompt_ptr) - tl.load(pos_ptr), 0), M)
+    p = mb * HV + j
+    ch = p * CH_PER_PROG + tl.arange(0, BLOCK_CH)
+    mc = (tl.arange(0, BLOCK_CH) < CH_PER_PROG) & (ch < C)
+    i = tl.arange(0, KCP)[None, :]
+    t = valid - (KC - 1) + i
+    m = mc[:, None] & (i < KC - 1)
+    xs = tl.load(x_ptr + t * W + qkv + ch[:, None], mask=m & (t >= 0), other=0.0)
+    st = tl.load(conv_state_ptr + ch[:, None] * (KC - 1) + (t + (KC - 1)), mask=m & (t < 0), other=0.0)
+    new = tl.where(t >= 0, xs.to(tl.float32), st.to(tl.float32))
+    tl.debug_barrier()  # every old state value this CTA reads has been read
+    tl.store(conv_state_ptr + ch[:, None] * (KC - 1) + i, new, mask=m)

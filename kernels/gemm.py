@@ -8,9 +8,8 @@ exactly those roundings with a plain fp32 product, so kernel and reference diffe
 order; against the fp32 CPU reference of the one-token step the bf16 roundings bound the error
 (~2^-8 relative per operand).
 
-Not wired into select_kernels yet: the M-row step's other kernels (chunked Gated DeltaNet, M-query
-attention) come next; this kernel and its launch rule are tested (interpreter and AOT) and timed on
-the H200 on their own (bench/device_gemm.py).
+``matmul`` and ``matmul_swiglu`` at M rows run here (compiler/ops.py: the ops' ``rows`` kernels);
+``gemm_swiglu_kernel`` computes the gate and up tiles in one program and writes silu(g) * u.
 """
 from __future__ import annotations
 
@@ -32,7 +31,13 @@ def gemm_ref(x: torch.Tensor, w: torch.Tensor, group: int = 0) -> torch.Tensor:
     return x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T
 
 
-def gemm_launch(m: int, n: int, k: int, group: int, target) -> dict:
+def gemm_swiglu_ref(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """``gemm_swiglu_kernel``'s result computed plainly: silu(x Wg^T) * (x Wu^T), each as ``gemm_ref``."""
+    g = gemm_ref(x, wg, group)
+    return g * torch.sigmoid(g) * gemm_ref(x, wu, group)
+
+
+def gemm_launch(m: int, n: int, k: int, group: int, target, swiglu: bool = False) -> dict:
     """Tiles of BLOCK_M x BLOCK_N outputs, BLOCK_K inputs a step, from ``target.rules["gemm"]`` (sm_90: the
     best of a sweep on the H200, bench/results/tuning/gemm-sweep-h200.json: bf16 128 x 256 x 64 with 8
     warps for many rows, 64-row tiles for few; q4 128 x 64 tiles, 128 x 128 x 128 for the widest N),
@@ -42,6 +47,8 @@ def gemm_launch(m: int, n: int, k: int, group: int, target) -> dict:
         bm, bn, bk, nw = r.q4_wide if n >= r.wide_n else (r.q4_many if m >= r.many_rows else r.q4_few)
     else:
         bm, bn, bk, nw = r.bf16_many if m >= r.many_rows else (r.bf16_few_wide if n >= r.wide_n else r.bf16_few)
+    if swiglu:  # two accumulators per tile
+        bn = max(16, bn // 2)
     block_m = min(bm, max(16, triton.next_power_of_2(m)))
     block_n = min(bn, max(16, triton.next_power_of_2(n)))
     block_k = min(bk, max(16, triton.next_power_of_2(k)))  # (a q4 tile reads each input's own group scale)
@@ -69,6 +76,24 @@ def _w_tile(w_ptr, cols, k0, ks, N: tl.constexpr, K: tl.constexpr, GROUP: tl.con
 
 
 @triton.jit
+def _gemm_tile(x_ptr, w_ptr, rows_in, cols_in, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """X[rows_in] @ W[cols_in]^T as an fp32 [BLOCK_M, BLOCK_N] tile: a K loop of bf16 tensor-core
+    products accumulated in fp32 (fixed order)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows_in.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        x = _round_bf16(x.to(tl.float32)).to(tl.bfloat16)
+        w = _w_tile(w_ptr, cols_in, k0, ks, N, K, GROUP, BLOCK_N, BLOCK_K)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
 def gemm_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     """Program p computes the [BLOCK_M, BLOCK_N] tile (p // tiles_n, p % tiles_n) of Y = X W^T: a K loop
@@ -81,15 +106,24 @@ def gemm_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.con
     cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, M - 1)  # clamped for the loads, masked at the store
     cols_in = tl.minimum(cols, N - 1)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows_in.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-        x = _round_bf16(x.to(tl.float32)).to(tl.bfloat16)
-        w = _w_tile(w_ptr, cols_in, k0, ks, N, K, GROUP, BLOCK_N, BLOCK_K)
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+    acc = _gemm_tile(x_ptr, w_ptr, rows_in, cols_in, N, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc,
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def gemm_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_FP32: tl.constexpr):
+    """``gemm_swiglu_ref``: the tile of silu(X Wg^T) * (X Wu^T), both products as in gemm_kernel (two
+    fp32 accumulators; the launch rule halves BLOCK_N for them)."""
+    pid = tl.program_id(0)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, M - 1)
+    cols_in = tl.minimum(cols, N - 1)
+    g = _gemm_tile(x_ptr, wg_ptr, rows_in, cols_in, N, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+    u = _gemm_tile(x_ptr, wu_ptr, rows_in, cols_in, N, K, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], g * tl.sigmoid(g) * u,
              mask=(rows < M)[:, None] & (cols < N)[None, :])

@@ -200,3 +200,53 @@ def step_end_kernel(pos_ptr, sampled_ptr, n_prompt_ptr, tokens_ptr, pos_out_ptr,
     prompt_id = tl.load(tokens_ptr + i, mask=nxt < n_prompt, other=0)
     tl.store(token_out_ptr, tl.where(nxt < n_prompt, prompt_id, sampled))
     tl.store(pos_out_ptr, nxt)
+
+
+def rows_tail_launch(n: int, target) -> dict:
+    """last_row / chunk_last / prefill_end: a row copy of N (the embedding gather's BLOCK and warps)
+    over N / BLOCK programs; n = 1 for the scalar updates."""
+    r = target.rules["embedding"]
+    return {"grid": [(n + r.block - 1) // r.block, 1, 1], "num_warps": r.num_warps if n > 1 else 1,
+            "constexprs": {"BLOCK": r.block}}
+
+
+@triton.jit
+def _chunk_rows(pos, n_prompt, ROWS: tl.constexpr):
+    return tl.maximum(tl.minimum(n_prompt - pos, ROWS), 0)
+
+
+@triton.jit
+def last_row_kernel(x_ptr, pos_ptr, n_prompt_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """``last_row_ref``: out = x[the chunk's last valid row] (row 0 when none is valid)."""
+    r = tl.maximum(_chunk_rows(tl.load(pos_ptr), tl.load(n_prompt_ptr), ROWS) - 1, 0)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    tl.store(out_ptr + offs, tl.load(x_ptr + r * N + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def chunk_last_kernel(pos_ptr, n_prompt_ptr, last_ptr, rows, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``chunk_last_ref``: dyn.last = pos + (valid rows - 1), or pos when none is valid."""
+    pos = tl.load(pos_ptr)
+    tl.store(last_ptr, pos + tl.maximum(_chunk_rows(pos, tl.load(n_prompt_ptr), ROWS) - 1, 0))
+
+
+@triton.jit
+def prefill_end_kernel(pos_ptr, sampled_ptr, n_prompt_ptr, tokens_ptr, pos_out_ptr, token_out_ptr, rows,
+                       ROWS: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+    """``prefill_end_ref``: step_end at the chunk's last valid row (pos advances past the valid rows;
+    at the prompt's end the sampled token is appended and fed in); with no valid row, pos stays and
+    the token is re-read. One program: every read happens before the writes to the same slots."""
+    pos = tl.load(pos_ptr)
+    n_prompt = tl.load(n_prompt_ptr)
+    sampled = tl.load(sampled_ptr)
+    n = _chunk_rows(pos, n_prompt, ROWS)
+    nxt = pos + n
+    i = tl.minimum(tl.maximum(nxt, 0), S - 1)
+    append = (n > 0) & (nxt >= n_prompt)
+    tl.store(tokens_ptr + i, sampled, mask=append)
+    i = tl.where(n == 0, tl.minimum(tl.maximum(pos, 0), S - 1), i)
+    seq = tl.load(tokens_ptr + i, mask=~append, other=0)
+    tl.store(token_out_ptr, tl.where(append, sampled, seq))
+    tl.store(pos_out_ptr, nxt)

@@ -62,11 +62,39 @@ class AttentionRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttnRowsRule(Rule):
+    """The M-row (prefill) attention kernels (kernels/attention.py, attn_rows_kv / attn_rows_q)."""
+    max_block_r: int            # query tile rows (GQA group heads x chunk rows) per program, halved ...
+    min_block_r: int            # ... down to this while the grid has fewer than programs_per_sm * sms programs
+    programs_per_sm: int
+    tile_elems: int             # BLOCK_N * BLOCK_D of a K / V tile ...
+    min_block_n: int
+    max_block_n: int            # ... BLOCK_N within these bounds
+    acc_elems_per_warp: int     # num_warps: one warp per this many [BLOCK_R, BLOCK_D] accumulator elements ...
+    min_warps: int
+    max_warps: int              # ... within these bounds
+    pipe_bytes_max: int         # PIPE_BYTES cap (K/V tiles in flight) ...
+    smem_reserve: int           # ... leaving the query tile and this much of the opt-in shared memory
+    kv_num_warps: int           # attn_rows_kv: one program per (row, kv head)
+
+
+@dataclass(frozen=True, kw_only=True)
 class GdnDeltaRule(Rule):
     min_block_v: int
     max_block_v: int
     block_v_div: int            # BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     num_warps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GdnRowsRule(Rule):
+    """The M-row (prefill) Gated DeltaNet kernels of kernels/gated_delta.py."""
+    min_block_v: int            # gdn_rows_delta: BLOCK_V = pow2(Dv) / block_v_div, within the bounds
+    max_block_v: int
+    block_v_div: int
+    num_warps: int
+    norm_block_m: int           # gdn_rows_norm: rows per program (at most), and its warps
+    norm_num_warps: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,9 +154,15 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         tile_elems=8192, min_block_s=16, max_block_s=64,
         pipe_bytes_max=128 * 1024, smem_reserve=16 * 1024, num_warps=8,
         provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS),
+    "attn_rows": AttnRowsRule(
+        max_block_r=64, min_block_r=16, programs_per_sm=1, tile_elems=8192, min_block_n=16, max_block_n=64,
+        acc_elems_per_warp=2048, min_warps=4, max_warps=8, pipe_bytes_max=64 * 1024, smem_reserve=8 * 1024,
+        kv_num_warps=2, provenance=(RULE_OF_THUMB,)),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=32, block_v_div=4, num_warps=4,
                               provenance=(RULE_OF_THUMB,)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "gdn_rows": GdnRowsRule(min_block_v=8, max_block_v=16, block_v_div=8, num_warps=4, norm_block_m=16,
+                            norm_num_warps=4, provenance=(RULE_OF_THUMB,)),
     "rmsnorm": RmsnormRule(wide_n=2048, wide_warps=8, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "embedding": BlockRule(block=1024, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "sample": SampleRule(max_block=16384, min_block=512, num_warps=16,

@@ -18,7 +18,13 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
      row-concatenated weight, its result sliced back (slices of a vector are free views; at M rows
      the slices are along the last axis)
-  6. ops whose results nobody reads, and that write no state, are dropped.
+  6. at M rows, the row mixers reading column slices of one projection matrix (what 5 made) read the
+     matrix itself, with the columns as offsets (a column slice of [M, N] is not a view):
+     ``gdn_rows`` + its ``gated_rmsnorm`` -> ``gdn_rows_delta`` then ``gdn_rows_norm`` (the same split,
+     for the same reason, as 2); ``attn_rows`` -> ``attn_rows_kv`` (the chunk's keys and values into
+     the caches) then ``attn_rows_q`` (the queries over the caches: every row's K/V is in place before
+     any query reads it)
+  7. ops whose results nobody reads, and that write no state, are dropped.
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
 ``check`` proves the invariant: every rewrite, run again on the result, finds nothing to do.
@@ -246,6 +252,56 @@ def _concat_siblings(p: Program) -> int:
     return n_cat
 
 
+def _column_slices(g: _Graph, values) -> tuple[Value, list[int]] | None:
+    """(x, starts) when every value is a column slice (axis 1) of one [M, N] matrix x, else None."""
+    ops = [g.prod(v, "slice", axis=1) for v in values]
+    if not all(ops) or any(op.ins[0] is not ops[0].ins[0] for op in ops):
+        return None
+    return ops[0].ins[0], [op.attrs["start"] for op in ops]
+
+
+def _fuse_rows(p: Program) -> int:
+    g, n = _Graph(p), 0
+    for op in list(p.ops):
+        if op.kind == "gdn_rows":
+            qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt = op.ins
+            cols = _column_slices(g, (qkv, b, a))
+            r1 = g.only_user(op.outs[0])
+            norm = r1 and r1.kind == "reshape" and g.only_user(r1.outs[0])
+            flat = norm and norm.kind == "gated_rmsnorm" and norm.ins[0] is r1.outs[0] and g.only_user(norm.outs[0])
+            zr = flat and flat.kind == "reshape" and g.prod(norm.ins[1], "reshape")
+            zcols = zr and _column_slices(g, (zr.ins[0],))
+            if not (cols and zcols and zcols[0] is cols[0]):
+                continue
+            x, (c_qkv, c_b, c_a) = cols
+            o_raw = Value(TensorType("f32", op.outs[0].type.shape))
+            delta = Op("gdn_rows_delta", [o_raw], [x, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt],
+                       {"qkv": c_qkv, "b": c_b, "a": c_a, **op.attrs})
+            gnorm = Op("gdn_rows_norm", [flat.outs[0]], [o_raw, x, norm.ins[2], conv_state, pos, n_prompt],
+                       {"z": zcols[1][0], "qkv": c_qkv, "eps": norm.attrs["eps"]})
+            i = p.ops.index(flat)
+            p.ops[i:i + 1] = [delta, gnorm]
+            for dead in (op, r1, norm):
+                p.ops.remove(dead)
+            n += 1
+        elif op.kind == "attn_rows":
+            qg, k, v, qn, kn, kc, vc, pos, n_prompt = op.ins
+            cols = _column_slices(g, (qg, k, v))
+            if not cols:
+                continue
+            x, (c_q, c_k, c_v) = cols
+            d = kc.type.shape[2]
+            a = op.attrs
+            rope = {"eps": a["eps"], "theta": a["theta"], "rotary_dim": a["rotary_dim"]}
+            kv = Op("attn_rows_kv", [], [x, kn, kc, vc, pos, n_prompt], {"k": c_k, "v": c_v, **rope})
+            q = Op("attn_rows_q", [op.outs[0]], [x, qn, kc, vc, pos, n_prompt],
+                   {"q": c_q, "heads": qg.type.shape[1] // (2 * d), **rope, "scale": a["scale"]})
+            i = p.ops.index(op)
+            p.ops[i:i + 1] = [kv, q]
+            n += 1
+    return n
+
+
 def _drop_dead(p: Program) -> int:
     n = 0
     while True:
@@ -261,7 +317,8 @@ def _drop_dead(p: Program) -> int:
 
 
 REWRITES = (("matmul_swiglu", _fuse_swiglu), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
-            ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("dead ops", _drop_dead))
+            ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
+            ("dead ops", _drop_dead))
 
 
 def fuse(program: Program) -> Program:

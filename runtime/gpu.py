@@ -4,7 +4,8 @@ Its only input is the plan's launch plan (bound to the arena by runtime/launch_b
 (before any request) check the plan's arch against the GPU, allocate the one arena, upload the
 weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
 state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
-build the step's CUDA graph from explicit kernel nodes and instantiate it. Per token: one graph
+build the step's CUDA graph from explicit kernel nodes and instantiate it. A plan with an M-row
+step gets its launches packed too (``run_prefill``), and its own graph when KESTREL_GRAPH_M=1. Per token: one graph
 launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
 sampled tokens), so generation needs no host write per token; sampled tokens come back to pinned
@@ -26,6 +27,11 @@ from kestrel.runtime.launch_binding import bind
 def graph_enabled(no_graph_flag: bool = False) -> bool:
     """The KESTREL_GRAPH gate (M=1 step graph): on unless KESTREL_GRAPH=0 or --no-graph."""
     return not no_graph_flag and os.environ.get("KESTREL_GRAPH", "1") != "0"
+
+
+def graph_m_enabled() -> bool:
+    """The KESTREL_GRAPH_M gate (the M-row step's graph): off unless KESTREL_GRAPH_M=1."""
+    return os.environ.get("KESTREL_GRAPH_M", "0") == "1"
 
 
 class _DynSlots:
@@ -55,8 +61,8 @@ class _DynSlots:
 
 class GpuStep:
     synchronous = False  # run() enqueues the steps on the stream
-    prefill_rows = 0  # the M-row step has no GPU kernels yet: prompts go through the one-token step
-    def __init__(self, plan: Plan, use_graph: bool = True, log=None):
+
+    def __init__(self, plan: Plan, use_graph: bool = True, log=None, use_graph_m: bool | None = None):
         lp = plan.launch_plan
         target = plan.manifest["target"]
         if target == "cpu" or not lp or not lp.get("kernels"):
@@ -76,7 +82,8 @@ class GpuStep:
         self.arena = kc.check(cu.cuMemAlloc(lp["arena_bytes"]), "cuMemAlloc (arena)")
         self.binding = b = bind(lp, int(self.arena))
         kc.check(cu.cuMemsetD8(self.arena, 0, lp["arena_bytes"]), "cuMemsetD8")
-        self.outputs = {name: (o.address, o.numel) for name, o in b.outputs.items()}
+        self.outputs = self._step_outputs = {name: (o.address, o.numel) for name, o in b.outputs.items()}
+        self._prefill_outputs = {name: (o.address, o.numel) for name, o in (b.prefill_outputs or {}).items()}
         self.tokens_addr = b.tokens.address
         # pinned host mirror of the token sequence: the asynchronous copies land here
         self._host_ptr = kc.check(cu.cuMemAllocHost(4 * self.max_seq), "cuMemAllocHost")
@@ -98,17 +105,16 @@ class GpuStep:
                                     f"places {nbytes}; rebuild the plan")
             self.copy_to_device(addr, data)
         self.launches = [self._pack(launch) for launch in b.launches]
+        # the M-row step (prompts in chunks of prefill_rows tokens), when the plan has one
+        self.prefill_rows = b.prefill_rows
+        self.prefill_launches = [self._pack(launch) for launch in b.prefill_launches or []]
         self.dyn = _DynSlots(self, b.dyn)
-        self.graph_exec = None
         self.graph_fallbacks = 0
-        if use_graph:
-            try:
-                self.graph_exec = self._build_graph()
-            except DeviceError as e:
-                self.graph_fallbacks = 1
-                if log:
-                    log(f"warning: CUDA graph build failed ({e}); falling back to streaming launches")
+        self.graph_exec = self._try_graph(self.launches, log) if use_graph else None
         self.use_graph = self.graph_exec is not None
+        use_graph_m = graph_m_enabled() if use_graph_m is None else use_graph_m
+        self.graph_m_exec = self._try_graph(self.prefill_launches, log) if use_graph_m and self.prefill_rows else None
+        self.use_graph_m = self.graph_m_exec is not None
         self.sync()
 
     @property
@@ -121,6 +127,22 @@ class GpuStep:
             raise DeviceError("the CUDA graph was not built for this step")
         self.sync()
         self.use_graph = on
+
+    def set_graph_m(self, on: bool) -> None:
+        """The same switch for the M-row step."""
+        if on and self.graph_m_exec is None:
+            raise DeviceError("the CUDA graph of the M-row step was not built (KESTREL_GRAPH_M=1 builds it)")
+        self.sync()
+        self.use_graph_m = on
+
+    def _try_graph(self, launches, log):
+        try:
+            return self._build_graph(launches)
+        except DeviceError as e:
+            self.graph_fallbacks += 1
+            if log:
+                log(f"warning: CUDA graph build failed ({e}); falling back to streaming launches")
+            return None
 
     def _pack(self, launch):
         """(kernel, grid, arguments packed once) for a bound launch."""
@@ -142,11 +164,11 @@ class GpuStep:
         kc.check(kc.driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     # --- the step ----------------------------------------------------------------------------
-    def _build_graph(self):
+    def _build_graph(self, launches):
         cu = kc.driver()
         graph = kc.check(cu.cuGraphCreate(0), "cuGraphCreate")
         prev = None
-        for kernel, grid, args in self.launches:
+        for kernel, grid, args in launches:
             p = cu.CUDA_KERNEL_NODE_PARAMS()
             p.func = kernel.function
             p.gridDimX, p.gridDimY, p.gridDimZ = grid
@@ -155,7 +177,7 @@ class GpuStep:
             p.kernelParams = args.address
             deps = [prev] if prev is not None else []
             prev = kc.check(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), "cuGraphAddKernelNode")
-        self._graph = graph
+        self._graphs = getattr(self, "_graphs", []) + [graph]
         return kc.check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
 
     def reset(self) -> None:
@@ -188,12 +210,25 @@ class GpuStep:
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """``n`` steps, asynchronously on the stream (reading a dyn slot or an output waits for them);
         ``marks`` receives a timing event recorded after each step."""
+        self._replay(n, self.graph_exec if self.use_graph else None, self.launches, marks)
+        self.outputs = self._step_outputs
+
+    def run_prefill(self, n: int = 1, marks: list | None = None) -> None:
+        """``n`` runs of the M-row step, each taking the next ``prefill_rows`` prompt tokens from
+        dyn.pos (after the prompt's last chunk it has sampled the first new token and fed it in);
+        ``marks`` as in run."""
+        if not self.prefill_rows:
+            raise UnsupportedError("this plan has no M-row step: rebuild it with --prefill-rows N")
+        self._replay(n, self.graph_m_exec if self.use_graph_m else None, self.prefill_launches, marks)
+        self.outputs = self._prefill_outputs  # output() reads the last program's (the chunk's last valid row)
+
+    def _replay(self, n: int, graph_exec, launches, marks) -> None:
         cu = kc.driver()
         for _ in range(n):
-            if self.use_graph:
-                kc.check(cu.cuGraphLaunch(self.graph_exec, self.stream), "cuGraphLaunch")
+            if graph_exec is not None:
+                kc.check(cu.cuGraphLaunch(graph_exec, self.stream), "cuGraphLaunch")
             else:
-                for kernel, grid, args in self.launches:
+                for kernel, grid, args in launches:
                     kc.launch(kernel, grid, args, self.stream)
             if marks is not None:
                 if self._n_marks == len(self._timing_events):

@@ -42,6 +42,9 @@ class Binding:
     dyn: dict[str, Buffer]  # 4-byte slots
     reset: list[tuple[int, int]]  # (address, bytes) zeroed at the start of every request
     step_bytes: dict  # {"fixed", "kv_row_bytes"}: see bytes_per_step
+    prefill_rows: int = 0  # the M-row step's rows (0: the plan has none)
+    prefill_launches: list[BoundLaunch] | None = None  # the M-row step, in order
+    prefill_outputs: dict[str, Buffer] | None = None  # its outputs (the chunk's last valid row)
 
 
 def _bind_launch(lp: dict, launch: dict, regions: dict[str, int]) -> BoundLaunch:
@@ -68,7 +71,11 @@ def bind(lp: dict, base: int) -> Binding:
         tokens=buffer(lp["tokens"]),
         dyn={name: Buffer(regions["dyn"] + s["offset"], s["dtype"], 1) for name, s in lp["dyn_slots"].items()},
         reset=[(regions[r], lp["regions"][r]["size"]) for r in lp["reset"]],
-        step_bytes=lp["step_bytes"])
+        step_bytes=lp["step_bytes"],
+        prefill_rows=lp["prefill"]["rows"] if lp.get("prefill") else 0,
+        prefill_launches=[_bind_launch(lp, launch, regions) for launch in lp["prefill"]["launches"]]
+        if lp.get("prefill") else None,
+        prefill_outputs={name: buffer(p) for name, p in lp["prefill"]["outputs"].items()} if lp.get("prefill") else None)
 
 
 def bytes_per_step(step_bytes: dict, mean_len: float) -> int:

@@ -7,7 +7,7 @@ import torch
 
 from kernel_harness import interpret
 from kestrel.compiler.codegen import compile_kernel
-from kestrel.kernels.gemm import gemm_kernel, gemm_launch, gemm_ref
+from kestrel.kernels.gemm import gemm_kernel, gemm_launch, gemm_ref, gemm_swiglu_kernel, gemm_swiglu_ref
 from kestrel.kernels.matvec import q4_pack, q4_unpack
 from kestrel.kernels.targets import TARGETS
 
@@ -35,6 +35,20 @@ def test_gemm_matches_reference(m, n, k, group):
     assert ((y - x @ wf.T).abs().max() / (x @ wf.T).abs().max()).item() < 2e-2
 
 
+@pytest.mark.parametrize("m, n, k, group", [(16, 48, 64, 0), (20, 40, 96, 32), (5, 200, 64, 0)])
+def test_gemm_swiglu_matches_reference(m, n, k, group):
+    x, wg = _case(m, n, k, group, m + n + k)
+    _, wu = _case(m, n, k, group, m + n + k + 1)
+    c = gemm_launch(m, n, k, group, TARGETS["sm_90"], swiglu=True)
+    assert c["constexprs"]["BLOCK_N"] <= gemm_launch(m, n, k, group, TARGETS["sm_90"])["constexprs"]["BLOCK_N"]
+    c["constexprs"]["DOT_FP32"] = True
+    y = torch.full((m, n), float("nan"))
+    interpret(gemm_swiglu_kernel)[tuple(c["grid"])](x, wg, wu, y, **c["constexprs"])
+    ref = gemm_swiglu_ref(x, wg, wu, group)
+    assert torch.isfinite(y).all()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_gemm_compiles_for_every_target(target):
     for m, n, k, group in [(256, 5120, 5120, 0), (256, 17408, 5120, 128), (128, 1024, 1024, 64)]:
@@ -43,3 +57,9 @@ def test_gemm_compiles_for_every_target(target):
         ck = compile_kernel("gemm_" + ("q4g%d" % group if group else "bf16"), gemm_kernel, types, c["constexprs"],
                             c["num_warps"], TARGETS[target].cc, [True, True, True])
         assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]
+    for m, n, k, group in [(256, 17408, 5120, 0), (128, 17408, 5120, 128)]:  # the 27B MLP at M rows
+        c = gemm_launch(m, n, k, group, TARGETS[target], swiglu=True)
+        w = "*u8" if group else "*bf16"
+        ck = compile_kernel("gemm_swiglu", gemm_swiglu_kernel, ["*fp32", w, w, "*fp32"], c["constexprs"],
+                            c["num_warps"], TARGETS[target].cc, [True] * 4)
+        assert ck.cubin[:4] == b"\x7fELF"

@@ -7,11 +7,13 @@ import triton.language as tl
 
 from kernel_harness import assert_close, interpret
 from kestrel.compiler.codegen import compile_kernel
-from kestrel.kernels.embedding import embedding_kernel, embedding_launch, embedding_ref
+from kestrel.kernels.embedding import (embedding_kernel, embedding_launch, embedding_ref, embedding_rows_kernel,
+                                       embedding_rows_launch, embedding_rows_ref)
 from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
                                      rmsnorm_ref)
-from kestrel.kernels.sample import (_uniform, sample_kernel, sample_launch, sample_ref, step_end_kernel, step_end_launch,
-                                    step_end_ref, uniform_from)
+from kestrel.kernels.sample import (_uniform, chunk_last_kernel, chunk_last_ref, last_row_kernel, last_row_ref,
+                                    prefill_end_kernel, prefill_end_ref, rows_tail_launch, sample_kernel, sample_launch,
+                                    sample_ref, step_end_kernel, step_end_launch, step_end_ref, uniform_from)
 from kestrel.kernels.targets import TARGETS
 
 CCS = [t.cc for t in TARGETS.values()]
@@ -33,6 +35,44 @@ def test_embedding(dtype):
     c = embedding_launch(1500, TARGETS["sm_90"])
     interpret(embedding_kernel)[tuple(c["grid"])](table, i32(37), out, **c["constexprs"])
     assert torch.equal(out, embedding_ref(table, 37))
+
+
+# M-row chunks: (pos, n_prompt) with every row valid, a partial last chunk, none valid, past max_seq
+ROW_CASES = [(0, 20), (8, 11), (16, 11), (4, 5), (10, 10)]
+
+
+@pytest.mark.parametrize("pos,n_prompt", ROW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows(pos, n_prompt, dtype):
+    g = torch.Generator().manual_seed(pos)
+    table = torch.randn(50, 300, generator=g).to(dtype)
+    tokens = torch.randint(0, 50, (12,), generator=g, dtype=torch.int32)
+    out = torch.full((8, 300), float("nan"))
+    c = embedding_rows_launch(8, 300, 12, TARGETS["sm_90"])
+    consts = dict(c["constexprs"], BLOCK=128)
+    grid = (8, 3)
+    interpret(embedding_rows_kernel)[grid](table, tokens, i32(pos), i32(n_prompt), out, 8, **consts)
+    assert torch.equal(out, embedding_rows_ref(table, tokens, pos, n_prompt, 8))
+
+
+@pytest.mark.parametrize("pos,n_prompt", ROW_CASES)
+def test_rows_tail_kernels(pos, n_prompt):
+    g = torch.Generator().manual_seed(pos + 1)
+    x = torch.randn(8, 300, generator=g)
+    out = torch.full((300,), float("nan"))
+    interpret(last_row_kernel)[(3,)](x, i32(pos), i32(n_prompt), out, ROWS=8, N=300, BLOCK=128)
+    assert torch.equal(out, last_row_ref(x, pos, n_prompt))
+    last = i32(-5)
+    interpret(chunk_last_kernel)[(1,)](i32(pos), i32(n_prompt), last, 8, ROWS=8, BLOCK=128)
+    assert int(last[0]) == chunk_last_ref(pos, n_prompt, 8)
+    tokens = torch.randint(0, 50, (12,), generator=g, dtype=torch.int32)
+    ref_tokens = tokens.clone()
+    pos_slot, tok_slot = i32(pos), i32(-1)
+    interpret(prefill_end_kernel)[(1,)](pos_slot, i32(77), i32(n_prompt), tokens, pos_slot, tok_slot, 8, ROWS=8, S=12,
+                                        BLOCK=128)
+    assert (int(pos_slot[0]), int(tok_slot[0])) == prefill_end_ref(pos, 77, n_prompt, ref_tokens, 8)
+    assert torch.equal(tokens, ref_tokens)
+    assert rows_tail_launch(5120, TARGETS["sm_90"])["grid"][0] * 1024 >= 5120
 
 
 @pytest.mark.parametrize("shape", [(1, 1024), (4, 48), (1, 5120), (3, 100)])
@@ -119,6 +159,14 @@ def test_aot_compiles_for_every_target(cc):
         ("add_rmsnorm", add_rmsnorm_kernel, ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
         ("sample", sample_kernel, ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"], sample_launch(248320, t)),
         ("step_end", step_end_kernel, ["*i32"] * 6, step_end_launch(4096, t)),
+        ("embedding_rows_bf16", embedding_rows_kernel, ["*bf16", "*i32", "*i32", "*i32", "*fp32", "i32"],
+         embedding_rows_launch(128, 5120, 4096, t)),
+        ("last_row", last_row_kernel, ["*fp32", "*i32", "*i32", "*fp32"],
+         {**rows_tail_launch(5120, t), "constexprs": {"BLOCK": 1024, "ROWS": 128, "N": 5120}}),
+        ("chunk_last", chunk_last_kernel, ["*i32"] * 3 + ["i32"],
+         {**rows_tail_launch(1, t), "constexprs": {"BLOCK": 1024, "ROWS": 128}}),
+        ("prefill_end", prefill_end_kernel, ["*i32"] * 6 + ["i32"],
+         {**rows_tail_launch(1, t), "constexprs": {"BLOCK": 1024, "ROWS": 128, "S": 4096}}),
     ]
     for kid, jit, types, launch in jobs:
         k = compile_kernel(kid, jit, types, launch["constexprs"], launch["num_warps"], cc)

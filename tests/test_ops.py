@@ -36,25 +36,32 @@ def test_every_op_has_every_part(name):
         inspect.signature(d.onnx).bind(None, None, *[None] * len(d.operands))
 
 
-def _tiny_gpu_program():
+def _tiny_gpu_program(rows: int = 0):
     cfg = parse_config(PRESETS["tiny"], "preset tiny")
-    return run_passes(lower(cfg, 64), PassOptions("sm_90", "q4"))
+    one = run_passes(lower(cfg, 64), PassOptions("sm_90", "q4"))
+    if not rows:
+        return one
+    return run_passes(lower(cfg, 64, rows=rows), PassOptions("sm_90", "q4", shares_arena_with=one))
 
 
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
-    prog = _tiny_gpu_program()
-    seen = set()
-    for op in prog.ops:
-        if is_view(op):
-            continue
-        kernel = OPS[op.kind].kernel
-        assert isinstance(kernel, Kernel), f"{op.kind} reached a GPU program without a kernel"
-        runtime_params = [a for a in kernel.jit.arg_names if not a.isupper()]
-        assert len(runtime_params) == len(op.ins) + len(op.outs) + len(op.attrs), (op.kind, runtime_params)
-        seen.add(op.kind)
+    seen, jits = set(), set()
+    for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8)):
+        for op in prog.ops:
+            if is_view(op):
+                continue
+            kernel = OPS[op.kind].kernel
+            assert isinstance(kernel, Kernel), f"{op.kind} reached a GPU program without a kernel"
+            jit = kernel.jit_for(op)
+            runtime_params = [a for a in jit.arg_names if not a.isupper()]
+            assert len(runtime_params) == len(op.ins) + len(op.outs) + len(op.attrs), (op.kind, runtime_params)
+            seen.add(op.kind)
+            jits.add(jit)
     with_kernel = {n for n, d in OPS.items() if isinstance(d.kernel, Kernel)}
-    assert seen == with_kernel  # every kernel of the registry is exercised by the fused program
+    assert seen == with_kernel  # every kernel of the registry is exercised by the fused programs ...
+    rows_jits = {d.kernel.rows for d in OPS.values() if isinstance(d.kernel, Kernel) and d.kernel.rows is not None}
+    assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included
 
 
 def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():

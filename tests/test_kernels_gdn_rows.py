@@ -1,0 +1,220 @@
+"""The M-row (prefill) Gated DeltaNet kernels: gdn_rows_delta_kernel then gdn_rows_norm_kernel in the
+interpreter against gdn_rows_delta_ref / gdn_rows_norm_ref (all rows valid, a partial last chunk, no
+valid row, two chunks back to back against the reference over the whole prompt), the launch rules at
+the 27B shape, and AOT compilation of both kernels for every GPU target at the 0.8B shape."""
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.kernels.gated_delta import (gdn_rows_delta_kernel, gdn_rows_delta_launch, gdn_rows_delta_ref,
+                                         gdn_rows_norm_kernel, gdn_rows_norm_launch, gdn_rows_norm_ref, gdn_rows_ref)
+from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
+from kestrel.kernels.targets import ALL_TARGETS, TARGETS
+
+EPS, L2_EPS = 1e-6, 1e-6
+SM90 = TARGETS["sm_90"]
+
+
+def columns(hk, hv, dk, dv):
+    """Projection row layout [z | qkv | b | a | pad] (non-zero offsets on purpose): (width, z, qkv, b, a)."""
+    c = 2 * hk * dk + hv * dv
+    z, qkv = 0, hv * dv
+    b = qkv + c
+    a = b + hv
+    return a + hv + 3, z, qkv, b, a
+
+
+def make_layer(hk, hv, dk, dv, kc, gen):
+    c = 2 * hk * dk + hv * dv
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return {"conv_state": r(c, kc - 1), "conv_w": r(c, kc) * 0.5, "a_log": r(hv) * 0.5,
+            "dt_bias": r(hv) * 0.5, "norm_w": 1.0 + 0.1 * r(dv), "rec_state": r(hv, dk, dv) * 0.3}
+
+
+def slot(v):
+    return torch.tensor([v], dtype=torch.int32)
+
+
+def run_rows(x, layer, dims, pos, n_prompt, scale):
+    """gdn_rows_delta then gdn_rows_norm in the interpreter (as a plan launches them), states updated
+    in place; returns (o_raw, out)."""
+    hk, hv, dk, dv, kc = dims
+    rows = x.shape[0]
+    width, z, qkv, b, a = columns(hk, hv, dk, dv)
+    c = 2 * hk * dk + hv * dv
+    dl = gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, kc, SM90)
+    nl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90)
+    o_raw, out = torch.full((rows, hv * dv), float("nan")), torch.full((rows, hv * dv), float("nan"))
+    interpret(gdn_rows_delta_kernel)[tuple(dl["grid"])](
+        x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], slot(pos),
+        slot(n_prompt), o_raw, qkv, b, a, L2_EPS, scale, **dl["constexprs"])
+    interpret(gdn_rows_norm_kernel)[tuple(nl["grid"])](
+        o_raw, x, layer["norm_w"], layer["conv_state"], slot(pos), slot(n_prompt), out, z, qkv, EPS,
+        **nl["constexprs"])
+    return o_raw, out
+
+
+def ref_rows(x, layer, ref, dims, pos, n_prompt, scale):
+    """The references on the states in ``ref`` (updated in place): (o_raw, out)."""
+    hk, hv, dk, dv, kc = dims
+    _, z, qkv, b, a = columns(hk, hv, dk, dv)
+    o_raw = gdn_rows_delta_ref(x, ref["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"],
+                               ref["rec_state"], pos, n_prompt, qkv, b, a, L2_EPS, scale)
+    out = gdn_rows_norm_ref(o_raw, x, layer["norm_w"], ref["conv_state"], pos, n_prompt, z, qkv, EPS)
+    return o_raw, out
+
+
+# (hk, hv, dk, dv, kc), rows: grouped heads with several column blocks; one key head of non-power-of-two
+# sizes (masked lanes) and a conv of 3 taps
+SHAPES = [((2, 4, 16, 16, 4), 8), ((1, 2, 32, 32, 4), 5), ((1, 2, 12, 24, 3), 5)]
+# (pos, n_prompt): every row valid, a partial last chunk (fewer valid rows than conv taps too), none
+CASES = {"all": (0, 100), "partial": (16, 19), "short": (30, 32), "none": (40, 40)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dims,rows", SHAPES)
+def test_rows_kernels_match_references(dims, rows, case):
+    hk, hv, dk, dv, kc = dims
+    pos, n_prompt = CASES[case]
+    gen = torch.Generator().manual_seed(100 * hk + 10 * hv + dk + dv + kc + rows + pos)
+    layer = make_layer(hk, hv, dk, dv, kc, gen)
+    x = torch.randn(rows, columns(hk, hv, dk, dv)[0], generator=gen)
+    scale = dk ** -0.5
+    ref = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    start = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    o_ref, out_ref = ref_rows(x, layer, ref, dims, pos, n_prompt, scale)
+    o_raw, out = run_rows(x, layer, dims, pos, n_prompt, scale)
+    what = f"{dims} M={rows} {case}"
+    valid = max(0, min(rows, n_prompt - pos))
+    assert torch.equal(o_raw[valid:], torch.zeros_like(o_raw[valid:])), f"{what}: invalid rows of o_raw"
+    assert torch.equal(out[valid:], torch.zeros_like(out[valid:])), f"{what}: invalid rows of out"
+    assert torch.equal(layer["conv_state"], ref["conv_state"]), f"{what}: conv_state"
+    if valid == 0:
+        assert all(torch.equal(layer[k], start[k]) for k in start), f"{what}: states touched"
+        return
+    assert not torch.equal(layer["conv_state"], start["conv_state"])
+    assert_close(o_raw, o_ref, 1e-5, 0.0, f"{what}: o_raw")
+    assert_close(out, out_ref, 1e-5, 0.0, f"{what}: out")
+    assert_close(layer["rec_state"], ref["rec_state"], 1e-5, 0.0, f"{what}: rec_state")
+
+
+@pytest.mark.parametrize("dims,rows", SHAPES[:2])
+def test_two_chunks_carry_the_states(dims, rows):
+    """A prompt of 2 * rows - 2 tokens run as two chunks of ``rows`` (the second partial): the same
+    o_raw, norm outputs and states as the reference over the whole prompt in one go."""
+    hk, hv, dk, dv, kc = dims
+    n_prompt = 2 * rows - 2
+    gen = torch.Generator().manual_seed(7 * rows + dk)
+    layer = make_layer(hk, hv, dk, dv, kc, gen)
+    width, z, qkv, b, a = columns(hk, hv, dk, dv)
+    c = 2 * hk * dk + hv * dv
+    x = torch.randn(2 * rows, width, generator=gen)
+    scale = dk ** -0.5
+    ref = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    o_ref = gdn_rows_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], ref["conv_state"], layer["conv_w"],
+                         layer["a_log"], layer["dt_bias"], ref["rec_state"], 0, n_prompt, L2_EPS, scale)
+    out_ref = gated_rmsnorm_ref(o_ref.reshape(2 * rows, hv, dv), x[:, z:z + hv * dv].reshape(2 * rows, hv, dv),
+                                layer["norm_w"], EPS).reshape(2 * rows, hv * dv)
+    got = [run_rows(x[i * rows:(i + 1) * rows].contiguous(), layer, dims, i * rows, n_prompt, scale) for i in (0, 1)]
+    o_raw, out = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+    what = f"{dims} two chunks of {rows}"
+    assert torch.equal(o_raw[n_prompt:], torch.zeros_like(o_raw[n_prompt:])), what
+    assert_close(o_raw, o_ref, 1e-5, 0.0, f"{what}: o_raw")
+    assert_close(out, out_ref, 1e-5, 0.0, f"{what}: out")
+    assert torch.equal(layer["conv_state"], ref["conv_state"]), f"{what}: conv_state"
+    assert_close(layer["rec_state"], ref["rec_state"], 1e-5, 0.0, f"{what}: rec_state")
+
+
+QWEN_27B = (16, 48, 128, 128, 4)
+QWEN_08B = (16, 16, 128, 128, 4)
+
+
+def width_of(dims):
+    hk, hv, dk, dv, _ = dims
+    return 2 * hk * dk + hv * dv + hv * dv + 2 * hv
+
+
+def test_launch_rules_at_27b():
+    hk, hv, dk, dv, kc = QWEN_27B
+    c = 2 * hk * dk + hv * dv
+    assert width_of(QWEN_27B) == 16480 and c == 10240
+    for rows in (64, 512):
+        dl = gdn_rows_delta_launch(rows, 16480, hk, hv, dk, dv, kc, SM90)
+        gx, gy, gz = dl["grid"]
+        k = dl["constexprs"]
+        assert gx == hv and gy * k["BLOCK_V"] >= dv > (gy - 1) * k["BLOCK_V"] and gz == 1
+        assert 128 <= gx * gy <= 1024, dl["grid"]  # enough programs for 132 SMs, each a serial loop
+        assert k["BLOCK_DK"] == 128 and k["M"] == rows and k["W"] == 16480 and dl["num_warps"] in (1, 2, 4, 8)
+        nl = gdn_rows_norm_launch(rows, 16480, hv, dv, c, kc, SM90)
+        gx, gy, gz = nl["grid"]
+        k = nl["constexprs"]
+        assert gx == hv and gy * k["BLOCK_M"] >= rows > (gy - 1) * k["BLOCK_M"] and gz == 1
+        assert gx * gy * k["CH_PER_PROG"] >= c  # every conv-state channel has an owner
+        assert k["BLOCK_CH"] >= k["CH_PER_PROG"] and k["BLOCK_DV"] == 128
+    assert gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90)["grid"] == [48, 8, 1]  # 384 programs
+    assert gdn_rows_norm_launch(512, 16480, hv, dv, c, kc, SM90)["grid"] == [48, 32, 1]
+
+
+KERNELS = ("gdn_rows_delta", "gdn_rows_norm")
+PARAM_TYPES = {
+    "gdn_rows_delta": ["*fp32"] * 6 + ["*i32"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
+    "gdn_rows_norm": ["*fp32"] * 4 + ["*i32"] * 2 + ["*fp32"] + ["i32"] * 2 + ["fp32"],
+}
+AOT_ROWS = 128
+
+
+def launch_of(kernel, dims, t, rows=AOT_ROWS):
+    hk, hv, dk, dv, kc = dims
+    if kernel == "gdn_rows_norm":
+        return gdn_rows_norm_launch(rows, width_of(dims), hv, dv, 2 * hk * dk + hv * dv, kc, t)
+    return gdn_rows_delta_launch(rows, width_of(dims), hk, hv, dk, dv, kc, t)
+
+
+_COMPILE_ALL = """
+import json, sys
+from kestrel.compiler.codegen import compile_kernel
+res = {}
+for key, kernel, types, consts, num_warps, cc in json.loads(sys.stdin.read()):
+    try:
+        ck = compile_kernel(kernel, "kestrel.kernels.gated_delta:" + kernel + "_kernel", types, consts, num_warps, cc,
+                            [t.startswith("*") for t in types])
+        res[key] = [len(ck.cubin), ck.num_warps, ck.arch, ck.shared]
+    except Exception as e:  # reported per (kernel, target) by the test
+        res[key] = repr(e)[-2000:]
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every (kernel, target) AOT compile in ONE clean subprocess (no interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    jobs = []
+    for kernel in KERNELS:
+        for name in ALL_TARGETS:
+            if name == "cpu":
+                continue
+            t = TARGETS[name]
+            launch = launch_of(kernel, QWEN_08B, t)
+            jobs.append([f"{kernel}/{name}", kernel, PARAM_TYPES[kernel], launch["constexprs"], launch["num_warps"],
+                         t.cc])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(jobs), capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("target", [n for n in ALL_TARGETS if n != "cpu"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_kernels_aot_compile_at_0_8b(compiled, kernel, target):
+    res = compiled[f"{kernel}/{target}"]
+    assert isinstance(res, list), f"{kernel} for {target}: {res}"
+    size, num_warps, arch, shared = res
+    t = TARGETS[target]
+    assert size > 0 and num_warps == launch_of(kernel, QWEN_08B, t)["num_warps"]
+    assert arch.startswith(f"sm_{t.cc}") and shared <= t.smem_optin
