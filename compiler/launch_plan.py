@@ -132,6 +132,8 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
           "step_bytes": step_bytes(program),
           "launches": launches}
     if prefill is not None:
+        for d in prefill[0].dyn.values():  # its own slots (dyn.last) beside the shared ones
+            lp["dyn_slots"].setdefault(d.name, {"dtype": d.dtype, "offset": d.loc[1]})
         rows = next(op.attrs["rows"] for op in prefill[0].ops if op.kind == "prefill_end")
         lp["prefill"] = {"rows": rows, "launches": rows_launches,
                          "outputs": {name: _placement(v) for name, v in prefill[0].outputs.items()}}

@@ -451,6 +451,36 @@ def _prefill_end(op: Op, t: Target) -> dict:
             "constexprs": {**launch["constexprs"], "ROWS": op.attrs["rows"], "S": op.ins[3].type.shape[0]}}
 
 
+def _gdn_rows_delta(op: Op, t: Target) -> dict:
+    rows, width = op.ins[0].type.shape
+    conv_w, rec = op.ins[2], op.ins[5]
+    hv, dk, dv = rec.type.shape
+    hk = gdn_key_heads(conv_w.type.shape[0], hv, dk, dv)
+    return {"kernel": "gdn_rows_delta",
+            **gated_delta.gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, conv_w.type.shape[1], t)}
+
+
+def _gdn_rows_norm(op: Op, t: Target) -> dict:
+    rows, width = op.ins[1].type.shape
+    dv = op.ins[2].type.shape[0]
+    c, kc1 = op.ins[3].type.shape
+    return {"kernel": "gdn_rows_norm",
+            **gated_delta.gdn_rows_norm_launch(rows, width, op.ins[0].type.shape[1] // dv, dv, c, kc1 + 1, t)}
+
+
+def _attn_rows_kv(op: Op, t: Target) -> dict:
+    rows, width = op.ins[0].type.shape
+    s, hkv, d = op.ins[2].type.shape
+    return {"kernel": f"attn_rows_kv_{op.ins[2].type.dtype}", **attention.attn_rows_kv_launch(rows, width, hkv, d, s, t)}
+
+
+def _attn_rows_q(op: Op, t: Target) -> dict:
+    rows, width = op.ins[0].type.shape
+    s, hkv, d = op.ins[2].type.shape
+    return {"kernel": f"attn_rows_q_{op.ins[2].type.dtype}",
+            **attention.attn_rows_q_launch(rows, width, op.attrs["heads"], hkv, d, s, t)}
+
+
 def _sample(op: Op, t: Target) -> dict:
     return {"kernel": "sample", **sample.sample_launch(op.ins[0].type.shape[0], t)}
 
@@ -535,8 +565,6 @@ def _leading_slice(op: Op) -> bool:
 
 
 _IN_GDN = NotApplicable("the GPU runs it inside gdn_delta + gdn_norm (fuse)")
-_ROWS = NotApplicable("the M-row step's GPU kernels are not written yet: it runs on the CPU reference path "
-                      "(build --target cpu), and GPU plans are built with --prefill-rows 0")
 _ROWS_ONNX = NotApplicable("the ONNX step is the one-token step")
 _IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
 _VIEW = NotApplicable("a view: the result aliases its input, no data moves")
@@ -626,18 +654,19 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="attn_step for each valid row at position pos + r: KV rows appended, causal inside the chunk"),
     # (fused by passes/fuse.py: the row ops reading the fused projection rows by column offsets)
     OpDef("gdn_rows_delta", "vswwwsdd", ("qkv", "b", "a", "l2_eps", "scale"), _infer_gdn_rows_delta,
-          gated_delta.gdn_rows_delta_ref, _ROWS, _ROWS_ONNX, inout=(5,),
+          gated_delta.gdn_rows_delta_ref, Kernel(gated_delta.gdn_rows_delta_kernel, _gdn_rows_delta), _ROWS_ONNX,
+          inout=(5,),
           doc="gdn_rows before its norm, on the projection rows x (qkv, b, a: column offsets); the conv state "
               "only read"),
     OpDef("gdn_rows_norm", "vvwsdd", ("z", "qkv", "eps"), _infer_gdn_rows_norm, gated_delta.gdn_rows_norm_ref,
-          _ROWS, _ROWS_ONNX, inout=(3,),
+          Kernel(gated_delta.gdn_rows_norm_kernel, _gdn_rows_norm), _ROWS_ONNX, inout=(3,),
           doc="gated_rmsnorm of every row per value head (z: x's column offset); the conv state advanced by the "
               "valid rows"),
     OpDef("attn_rows_kv", "vwssdd", ("k", "v", "eps", "theta", "rotary_dim"), _infer_attn_rows_kv,
-          attention.attn_rows_kv_ref, _ROWS, _ROWS_ONNX, inout=(2, 3),
+          attention.attn_rows_kv_ref, Kernel(attention.attn_rows_kv_kernel, _attn_rows_kv), _ROWS_ONNX, inout=(2, 3),
           doc="the valid rows' k (rmsnorm, rope at pos + r) and v appended to the caches"),
     OpDef("attn_rows_q", "vwssdd", ("q", "heads", "eps", "theta", "rotary_dim", "scale"), _infer_attn_rows_q,
-          attention.attn_rows_q_ref, _ROWS, _ROWS_ONNX,
+          attention.attn_rows_q_ref, Kernel(attention.attn_rows_q_kernel, _attn_rows_q), _ROWS_ONNX,
           doc="after attn_rows_kv: each valid row's q (rmsnorm, rope) over cache rows 0..pos + r, sigmoid gate"),
     OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, Kernel(sample.last_row_kernel, _last_row),
           _ROWS_ONNX,

@@ -151,16 +151,17 @@ def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq
 
 
 def attn_rows_q_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
-    """Grid [n_kv, ceil(rows * heads / n_kv / BLOCK_R)]: program (g, b) takes tile rows b * BLOCK_R ..
-    of kv head g's (chunk row, query head of the group) pairs, row-major. Constants from
-    ``target.rules["attn_rows"]`` (kernels/targets.py; sm_90 values in brackets): BLOCK_R [64] halves
-    while the grid has fewer than programs_per_sm [1] x sms programs, down to min_block_r [16] (27B at
-    M = 128 on the H200: 4 x 24 programs of 32 tile rows); BLOCK_N = tile_elems [8192] / BLOCK_D within
-    [16, 64] (32 at D = 256); one warp per acc_elems_per_warp [2048] accumulator elements, within
-    [4, 8]. PIPE_BYTES: shared memory for the K/V tiles in flight, at most pipe_bytes_max [64 KiB],
-    leaving the bf16 query tile (BLOCK_R x BLOCK_D) and smem_reserve [8 KiB] of the target's
-    ``smem_optin``; the kernel derives its stage count from it and the cache's element size.
-    DOT_FP32 is False (True only in interpreter tests)."""
+    """Grid [n_kv, ceil(rows * heads / n_kv / BLOCK_R)]: program (g, b) takes BLOCK_R tile rows of kv
+    head g's (chunk row, query head of the group) pairs (see attn_rows_q_kernel). Constants from
+    ``target.rules["attn_rows"]`` (kernels/targets.py; sm_90 values in brackets): BLOCK_R =
+    max_block_r [32], halved while the grid has fewer than programs_per_sm [1] x sms programs, down to
+    min_block_r [16] (27B at M = 128 on the H200: 4 x 48 programs of 16 tile rows; at M = 512: 4 x 96
+    of 32); BLOCK_N = tile_elems [8192] / BLOCK_D within [16, 64] (32 at D = 256); one warp per
+    acc_elems_per_warp [1024] accumulator elements (BLOCK_R x BLOCK_D), within [4, 8]. PIPE_BYTES:
+    shared memory for the K/V tiles in flight, at most pipe_bytes_max [64 KiB], leaving the bf16 query
+    tile (BLOCK_R x BLOCK_D x 2 bytes) and smem_reserve [8 KiB] of the target's ``smem_optin``; the
+    kernel derives its stage count from it and the cache's element size (bf16: 2 tile pairs in flight,
+    fp32: 1). DOT_FP32 is False (True only in interpreter tests)."""
     r = target.rules["attn_rows"]
     block_d = max(16, pow2_at_least(head_dim))
     tile_rows = rows * (heads // n_kv)
@@ -474,8 +475,8 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
     (g, b) owns tile rows t = b' * BLOCK_R + i, i < BLOCK_R, with b' = (blocks - 1 - b) (the blocks
     with the longest causal range start first), of kv head g's (row, head) pairs in row-major order:
     row t // REP, query head g * REP + t % REP. So the REP query heads of a GQA group and about
-    BLOCK_R / REP chunk rows share one [BLOCK_R, BLOCK_D] query tile, and each K/V tile is read once
-    for all of them. The program walks cache rows 0 .. pos + (its last valid row) in BLOCK_N-row
+    BLOCK_R / REP chunk rows share one [BLOCK_R, BLOCK_D] query tile, and a program reads each K/V
+    tile once for all of them. The program walks cache rows 0 .. pos + (its last valid row) in BLOCK_N-row
     tiles [BLOCK_N, BLOCK_D] (software-pipelined through shared memory: up to 3 K/V tile pairs in
     flight, as many as PIPE_BYTES holds for the cache's element size): first the tiles every one of
     its rows sees whole (rows <= pos + its first row: no mask), then the rest with the causal mask
@@ -483,11 +484,16 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
     accumulation, online softmax in fp32 (exp2, q pre-scaled by scale * log2(e); the running sum l
     adds the fp32 weights). Each program then divides, applies sigmoid(gate) and stores its tile rows.
 
-    Numerics vs the fp32 reference: q * scale * log2(e) and p are rounded to bf16 for the dots (unit
-    roundoff u = 2^-9), K and V too where the caches are fp32; with bf16 caches K and V are exact.
-    With Δs = |score error| <= u * scale * sum_i |q_i k_i| (plus fp32 summation), the softmax weights
-    move by at most a factor e^{±2Δs}, and the bf16 weights in P V add u * sum p|v| / l, so per output
-    |o - o_ref| <= (2 max Δs + u) * max|v| (to first order), times sigmoid(gate) <= 1.
+    Numerics vs the fp32 reference: the dots' bf16 operands are the only roundings beyond fp32
+    summation order: q * scale * log2(e) and the weights p are rounded to bf16 (unit roundoff
+    u = 2^-9), and K and V too where the caches are fp32 (bf16 caches hold them exactly). So each score
+    of row r, head h moves by at most Δ = n * u * scale * max_j sum_i |q_i k_ji| (n = 1 rounded operand,
+    2 with fp32 caches), each softmax weight w_j by at most a factor e^{±2Δ}, and the bf16 weights (and
+    fp32-cache V) add u * sum_j w_j |v_j| each (l sums the unrounded weights):
+      |o - o_ref| <= ((e^{2Δ} - 1) * max_j |v_j| + n * u * sum_j w_j |v_j|) * sigmoid(gate)
+    per element, at most ~(2Δ + n * u) * max|v|. The roundings are of random sign, so the error seen is
+    far below that bound: ~2u (bf16 caches) and ~3u (fp32) of max|out| in the interpreter tests
+    (tests/test_kernels_attn_rows.py checks both).
 
     Race-free and deterministic: every out element is written by exactly one program; the caches,
     x and q_norm are only read (the chunk's K/V rows were written by the kv kernel before this launch);

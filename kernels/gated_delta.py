@@ -177,18 +177,31 @@ def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
                            "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 
 
-def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
+def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: int, kc: int, target,
+                          chunk: int | None = None) -> dict:
     """``gdn_rows_delta_kernel`` over a chunk of ``rows`` projection rows of ``width`` columns: grid
     [Hv, Dv / BLOCK_V], one program per (value head, block of BLOCK_V state columns), each looping
-    over the valid rows with its state tile in registers. The loop is latency-bound (one row after
-    the other), so the blocks are narrower than the one-token kernel's, for more programs at once:
-    ``target.rules["gdn_rows"]`` (sm_90: Dv / 8 within [8, 16], 4 warps: 384 programs at 27B, 128 at
-    0.8B)."""
+    over the valid rows with its state tile in registers. ``chunk`` (default: the rule's, 0 on
+    sm_90 until the chunked form is timed): 0 for the row-by-row form (exact fp32), 16 / 32 / 64 for
+    the chunk-parallel form with that many rows a step (TF32 products). Constants from
+    ``target.rules["gdn_rows"]`` (kernels/targets.py). Row by row the loop is latency-bound, so its
+    blocks are narrower than the one-token kernel's, for more programs at once (sm_90: Dv / 8
+    within [8, 16], 4 warps: 384 programs at 27B, 128 at 0.8B). The chunked form's tensor-core
+    products need BLOCK_V >= 16 (sm_90: 16 columns, 8 warps; at Dk = 128 its 16-row chunks compile
+    with almost no register spills, 32- and 64-row chunks spill kilobytes)."""
     r = target.rules["gdn_rows"]
-    block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
-    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": r.num_warps,
+    chunk = r.chunk if chunk is None else chunk
+    if chunk:
+        if chunk not in (16, 32, 64):
+            raise ValueError(f"gdn_rows_delta: chunk of {chunk} rows (16, 32 or 64, or 0 for row by row)")
+        block_v, num_warps = max(16, min(r.chunk_block_v, pow2_at_least(dv))), r.chunk_num_warps
+    else:
+        if not 2 <= kc <= 4:
+            raise ValueError(f"gdn_rows_delta: a conv of {kc} taps (the row-by-row form takes 2 to 4)")
+        block_v, num_warps = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div)), r.num_warps
+    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": num_warps,
             "constexprs": {"M": rows, "W": width, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc,
-                           "BLOCK_DK": pow2_at_least(dk), "BLOCK_V": block_v}}
+                           "BLOCK_DK": max(16, pow2_at_least(dk)), "BLOCK_V": block_v, "CHUNK": chunk}}
 
 
 def gdn_rows_norm_launch(rows: int, width: int, hv: int, dv: int, channels: int, kc: int, target) -> dict:
@@ -360,49 +373,11 @@ def _rows_conv(xn, p1, p2, p3, w0, w1, w2, w3, KC: tl.constexpr):
 
 
 @triton.jit
-def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr,
-                          n_prompt_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
-                          M: tl.constexpr, W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                          DV: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr):
-    """``gdn_rows_delta_ref``: for each valid row r (r < clamp(n_prompt - pos, 0, M)) in order, the
-    one-token ``gdn_delta_kernel`` on x[r]: conv1d + SiLU over the window [conv state | x[0..r]]
-    (the state only read), L2 norms of q and k, gates from x[r, a + j], x[r, b + j], delta rule on
-    the fp32 state [HV, DK, DV] (advanced in place), o_raw[r] = S^T q; o_raw[r] = 0 on invalid rows.
-    Conv kernels of 2 to 4 taps (Qwen3.5: 4).
-
-    Work split: grid [HV, cdiv(DV, BLOCK_V)]; program (j, c) owns columns c*BLOCK_V .. +BLOCK_V of
-    value head j's state S_j (and of o_raw). It loads that [DK, BLOCK_V] tile once, keeps it in
-    registers through its loop over the valid rows, and stores it once. Each row it recomputes the
-    conv of its key head's q and k (2 * DK channels) and of its BLOCK_V v channels from inputs kept
-    in registers (the last KC - 1 raw inputs of each channel, shifted a row at a time): one new load
-    per channel a row, issued a row ahead so that its latency overlaps the current row's delta rule.
-    o = S_r^T q is computed as (decayed S_{r-1})^T q + (k . q) delta (equal in exact arithmetic to
-    the reference's order), so the two reductions over DK are independent of each other.
-
-    Race-free: the delta rule is independent per state column, so no program reads what another
-    writes; x and the conv state are only read (``gdn_rows_norm_kernel`` shifts the conv state next).
-    Deterministic: every reduction has a fixed order, nothing depends on scheduling."""
-    tl.static_assert(M * W < 2**31)
+def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv, cols,
+                    neg_a, dt_bias, qkv, b, a, l2_eps, scale, M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr,
+                    DV: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The row-by-row form (CHUNK = 0): returns the state tile after the valid rows."""
     tl.static_assert(KC >= 2 and KC <= 4)
-    R: tl.constexpr = HV // HK
-    QKD: tl.constexpr = HK * DK
-    j = tl.program_id(0)
-    h = j // R
-    valid = tl.minimum(tl.maximum(tl.load(n_prompt_ptr) - tl.load(pos_ptr), 0), M)
-
-    offs_k = tl.arange(0, BLOCK_DK)
-    mk = offs_k < DK
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mv = cols < DV
-    ch_q = h * DK + offs_k
-    ch_k = QKD + ch_q
-    ch_v = 2 * QKD + j * DV + cols
-
-    tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
-    tile_mask = mk[:, None] & mv[None, :]
-    s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0).to(tl.float32)
-    neg_a = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + j).to(tl.float32)
     # conv weights by distance back (0: the row itself), constant over the rows
     wq0 = _rows_tap(conv_w_ptr, ch_q, mk, 0, KC)
     wq1 = _rows_tap(conv_w_ptr, ch_q, mk, 1, KC)
@@ -462,6 +437,162 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, o, mask=mv)
     for r in range(valid, M):
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, tl.zeros([BLOCK_V], tl.float32), mask=mv)
+    return s
+
+
+@triton.jit
+def _chunk_conv(x_ptr, conv_state_ptr, conv_w_ptr, rows, rv, xcol, ch, m, W: tl.constexpr, KC: tl.constexpr):
+    """silu of the depthwise conv at chunk rows ``rows`` [BT] (valid where ``rv``) for channels ``ch``
+    [BLOCK] (x columns ``xcol``): [BT, BLOCK], zero on invalid rows. Tap d reads the input d rows back:
+    x[t, xcol] for t >= 0, else the conv state's column t + KC - 1 (one load through either pointer)."""
+    acc = tl.zeros([rows.shape[0], ch.shape[0]], tl.float32)
+    mm = rv[:, None] & m[None, :]
+    for d in tl.static_range(KC):
+        t = rows[:, None] - d
+        ptr = tl.where(t >= 0, x_ptr + t * W + xcol[None, :], conv_state_ptr + ch[None, :] * (KC - 1) + (t + (KC - 1)))
+        w = tl.load(conv_w_ptr + ch * KC + (KC - 1 - d), mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(ptr, mask=mm, other=0.0).to(tl.float32) * w[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _tf32(x):
+    """x rounded to the nearest TF32 (10-bit mantissa, ties to even), kept in fp32: what the tensor
+    cores then multiply exactly, on the GPU and in Triton's interpreter alike (whose dots are fp32),
+    so that the interpreter's results carry the GPU's TF32 rounding. x is finite."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rows_chunked(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv, cols,
+                  neg_a, dt_bias, qkv, b, a, l2_eps, scale, M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr,
+                  DV: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr):
+    """The chunk-parallel form (CHUNK rows a step): returns the state tile after the valid rows.
+
+    With S the state before a chunk, per row t of it G_t = g_0 + .. + g_t, gamma_t = exp(G_t), and
+    A[t, s] = beta_t exp(G_t - G_s) (k_t . k_s) for s < t, the rows' deltas (S_t = exp(g_t) S_{t-1}
+    + k_t delta_t^T) solve (I + A) Delta = beta V - diag(beta gamma) K S, so with T = (I + A)^-1:
+      Delta = T (beta V - diag(beta gamma) K S)            (the WY / UT form)
+      O     = diag(gamma) Q S + (tril(Q K^T o exp(G_t - G_s))) Delta
+      S'    = exp(G_last) S + (K o exp(G_last - G))^T Delta.
+    T is the inverse of a unit lower-triangular matrix, computed by recursive doubling: starting
+    from I, at block size b = 1, 2, .., CHUNK / 2 each diagonal block of size 2b [[L1, 0], [A21, L2]]
+    gets its lower-left block -T2 A21 T1 (T <- T - T (A restricted to those blocks) T): the blocked
+    triangular inverse, not a Neumann series, so no cancellation of large terms. Invalid rows of a
+    chunk (t >= valid) get k = v = 0, g = 0, beta = 0: they leave the state and the valid rows alone.
+    The exponents of the decays are differences G_t - G_s <= 0 (s <= t): nothing overflows.
+
+    Precision: the products run on tensor cores in TF32 (operands rounded to 10-bit mantissas by
+    ``_tf32``, products summed in fp32), the state and everything else in fp32: about 1e-3 relative
+    to the fp32 recurrence (the M-row step's projections already round their inputs to bf16). Three
+    TF32 passes (fp32-like products) would need about twice the registers: they spill at Dk = 128."""
+    LOG2_BT: tl.constexpr = 4 if CHUNK == 16 else (5 if CHUNK == 32 else 6)
+    tl.static_assert(CHUNK == 16 or CHUNK == 32 or CHUNK == 64)
+    tl.static_assert(BLOCK_V >= 16)
+    ti = tl.arange(0, CHUNK)[:, None]
+    si = tl.arange(0, CHUNK)[None, :]
+    causal = si <= ti
+    for c0 in tl.range(0, valid, CHUNK, num_stages=1):  # (no cp.async multi-buffering of the tap loads)
+        rows = c0 + tl.arange(0, CHUNK)
+        rv = rows < valid
+        gx = tl.load(x_ptr + rows * W + a + j, mask=rv, other=0.0).to(tl.float32) + dt_bias
+        g = tl.where(rv, neg_a * tl.where(gx > 20.0, gx, tl.log(1.0 + tl.exp(tl.minimum(gx, 20.0)))), 0.0)
+        beta = tl.where(rv, tl.sigmoid(tl.load(x_ptr + rows * W + b + j, mask=rv, other=0.0).to(tl.float32)), 0.0)
+        gc = tl.cumsum(g, axis=0)
+        g_last = tl.sum(g, axis=0)
+        gam = tl.exp(gc)
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))  # exp(G_t - G_s), s <= t
+        sr = _tf32(s)
+
+        # (in this order to keep few [CHUNK, DK] tiles live at once)
+        k = _chunk_conv(x_ptr, conv_state_ptr, conv_w_ptr, rows, rv, qkv + ch_k, ch_k, mk, W, KC)
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + l2_eps))[:, None]
+        kt = tl.trans(_tf32(k))
+        A = tl.where(si < ti, beta[:, None] * decay * tl.dot(tl.trans(kt), kt, input_precision="tf32"), 0.0)
+        T = tl.where(ti == si, 1.0, 0.0)
+        for lvl in tl.static_range(LOG2_BT):
+            blk = (((ti >> (lvl + 1)) == (si >> (lvl + 1))) & (((ti >> lvl) & 1) == 1)
+                   & (((si >> lvl) & 1) == 0))
+            tr = _tf32(T)
+            t21 = tl.dot(tr, _tf32(tl.where(blk, A, 0.0)), input_precision="tf32")
+            T = T - tl.dot(_tf32(t21), tr, input_precision="tf32")
+        ks = tl.dot(_tf32(k * (beta * gam)[:, None]), sr, input_precision="tf32")  # the state's part of Delta
+
+        q = _chunk_conv(x_ptr, conv_state_ptr, conv_w_ptr, rows, rv, qkv + ch_q, ch_q, mk, W, KC)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + l2_eps) * scale)[:, None]
+        p = tl.where(causal, tl.dot(_tf32(q), kt, input_precision="tf32") * decay, 0.0)
+        o = tl.dot(_tf32(q * gam[:, None]), sr, input_precision="tf32")
+
+        v = _chunk_conv(x_ptr, conv_state_ptr, conv_w_ptr, rows, rv, qkv + ch_v, ch_v, mv, W, KC)
+        delta = _tf32(tl.dot(_tf32(T), _tf32(v * beta[:, None] - ks), input_precision="tf32"))
+        o = tl.dot(_tf32(p), delta, o, input_precision="tf32")
+        s = tl.dot(tl.trans(_tf32(k * tl.exp(g_last - gc)[:, None])), delta, s * tl.exp(g_last),
+                   input_precision="tf32")
+        tl.store(o_raw_ptr + rows[:, None] * (HV * DV) + j * DV + cols[None, :], tl.where(rv[:, None], o, 0.0),
+                 mask=(rows < M)[:, None] & mv[None, :])
+    for r0 in range(tl.cdiv(valid, CHUNK) * CHUNK, M, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        tl.store(o_raw_ptr + rows[:, None] * (HV * DV) + j * DV + cols[None, :],
+                 tl.zeros([CHUNK, BLOCK_V], tl.float32), mask=(rows < M)[:, None] & mv[None, :])
+    return s
+
+
+@triton.jit
+def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr,
+                          n_prompt_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
+                          M: tl.constexpr, W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                          DV: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """``gdn_rows_delta_ref``: for each valid row r (r < clamp(n_prompt - pos, 0, M)) in order, the
+    one-token ``gdn_delta_kernel`` on x[r]: conv1d + SiLU over the window [conv state | x[0..r]]
+    (the state only read), L2 norms of q and k, gates from x[r, a + j], x[r, b + j], delta rule on
+    the fp32 state [HV, DK, DV] (advanced in place), o_raw[r] = S^T q; o_raw[r] = 0 on invalid rows.
+
+    Work split: grid [HV, cdiv(DV, BLOCK_V)]; program (j, c) owns columns c*BLOCK_V .. +BLOCK_V of
+    value head j's state S_j (and of o_raw). It loads that [DK, BLOCK_V] tile once, keeps it in
+    registers through its loop over the valid rows, and stores it once. It recomputes the conv of
+    its key head's q and k (2 * DK channels) and of its BLOCK_V v channels (L2 hits).
+
+    CHUNK = 0, the row-by-row form (``_rows_recurrent``; conv kernels of 2 to 4 taps): one row a
+    step, exactly the reference's recurrence; each channel's last KC - 1 raw inputs stay in
+    registers (one new load per channel a row, issued a row ahead so that its latency overlaps the
+    current row's delta rule); o = S_r^T q is computed as (decayed S_{r-1})^T q + (k . q) delta
+    (equal in exact arithmetic), so the two reductions over DK are independent of each other.
+    CHUNK = 16, 32 or 64, the chunk-parallel form (``_rows_chunked``; BLOCK_V >= 16): CHUNK rows a
+    step as matrix products on tensor cores; the same recurrence in exact arithmetic, summed in
+    another order (tests bound the difference).
+
+    Race-free: the delta rule is independent per state column, so no program reads what another
+    writes; x and the conv state are only read (``gdn_rows_norm_kernel`` shifts the conv state next).
+    Deterministic: every reduction and product has a fixed order, nothing depends on scheduling."""
+    tl.static_assert(M * W < 2**31)
+    R: tl.constexpr = HV // HK
+    QKD: tl.constexpr = HK * DK
+    j = tl.program_id(0)
+    h = j // R
+    valid = tl.minimum(tl.maximum(tl.load(n_prompt_ptr) - tl.load(pos_ptr), 0), M)
+
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = cols < DV
+    ch_q = h * DK + offs_k
+    ch_k = QKD + ch_q
+    ch_v = 2 * QKD + j * DV + cols
+
+    tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
+    tile_mask = mk[:, None] & mv[None, :]
+    s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0).to(tl.float32)
+    neg_a = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + j).to(tl.float32)
+    if CHUNK == 0:
+        s = _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv,
+                            cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, M, W, HV, DV, KC, BLOCK_V)
+    else:
+        s = _rows_chunked(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv,
+                          cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, M, W, HV, DV, KC, BLOCK_V, CHUNK)
     tl.debug_barrier()  # every old state value this CTA reads has been read
     tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask)
 

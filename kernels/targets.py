@@ -89,10 +89,13 @@ class GdnDeltaRule(Rule):
 @dataclass(frozen=True, kw_only=True)
 class GdnRowsRule(Rule):
     """The M-row (prefill) Gated DeltaNet kernels of kernels/gated_delta.py."""
-    min_block_v: int            # gdn_rows_delta: BLOCK_V = pow2(Dv) / block_v_div, within the bounds
+    chunk: int                  # gdn_rows_delta: rows a step of the chunk-parallel form, 0: row by row
+    min_block_v: int            # row by row: BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     max_block_v: int
     block_v_div: int
     num_warps: int
+    chunk_block_v: int          # chunked: BLOCK_V (at least 16), and its warps
+    chunk_num_warps: int
     norm_block_m: int           # gdn_rows_norm: rows per program (at most), and its warps
     norm_num_warps: int
 
@@ -154,15 +157,17 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         tile_elems=8192, min_block_s=16, max_block_s=64,
         pipe_bytes_max=128 * 1024, smem_reserve=16 * 1024, num_warps=8,
         provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS),
+    # query tiles of at most 32 rows: ptxas -v at D = 256 (sm_80 / sm_90) gives ~240 registers and no
+    # spills for 32 rows with 8 warps and 16 with 4; 64 rows spilled (8 warps) or spilled heavily (4)
     "attn_rows": AttnRowsRule(
-        max_block_r=64, min_block_r=16, programs_per_sm=1, tile_elems=8192, min_block_n=16, max_block_n=64,
-        acc_elems_per_warp=2048, min_warps=4, max_warps=8, pipe_bytes_max=64 * 1024, smem_reserve=8 * 1024,
+        max_block_r=32, min_block_r=16, programs_per_sm=1, tile_elems=8192, min_block_n=16, max_block_n=64,
+        acc_elems_per_warp=1024, min_warps=4, max_warps=8, pipe_bytes_max=64 * 1024, smem_reserve=8 * 1024,
         kv_num_warps=2, provenance=(RULE_OF_THUMB,)),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=32, block_v_div=4, num_warps=4,
                               provenance=(RULE_OF_THUMB,)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
-    "gdn_rows": GdnRowsRule(min_block_v=8, max_block_v=16, block_v_div=8, num_warps=4, norm_block_m=16,
-                            norm_num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "gdn_rows": GdnRowsRule(chunk=0, min_block_v=8, max_block_v=16, block_v_div=8, num_warps=4, chunk_block_v=16,
+                            chunk_num_warps=8, norm_block_m=16, norm_num_warps=4, provenance=(RULE_OF_THUMB,)),
     "rmsnorm": RmsnormRule(wide_n=2048, wide_warps=8, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "embedding": BlockRule(block=1024, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "sample": SampleRule(max_block=16384, min_block=512, num_warps=16,

@@ -72,13 +72,24 @@ def test_the_plan_holds_both_programs_over_one_arena(plans):
     assert load_plan(plans[0]).prefill_program_text is None
 
 
-def test_gpu_targets_refuse_prefill_rows_until_their_kernels_exist(tmp_path):
-    with pytest.raises(UnsupportedError, match="no GPU kernels yet"):
-        build("tiny", str(tmp_path / "g.plan"), target="sm_90", prefill_rows=8, log=lambda m: None, progress=False)
+def test_gpu_plans_carry_the_m_row_launch_list(tmp_path):
     with pytest.raises(InputError, match="--prefill-rows -1"):
         build("tiny", str(tmp_path / "g.plan"), prefill_rows=-1, log=lambda m: None, progress=False)
-    build("tiny", str(tmp_path / "g.plan"), target="sm_90", log=lambda m: None, progress=False)
-    assert load_plan(str(tmp_path / "g.plan")).prefill_rows == 0  # the GPU default until then
+    logs = []
+    build("tiny", str(tmp_path / "g.plan"), target="sm_90", prefill_rows=8, log=logs.append, progress=False)
+    assert any(m.startswith("dyn check (M=8 step): the launch list is identical") for m in logs)
+    plan = load_plan(str(tmp_path / "g.plan"))
+    lp = plan.launch_plan
+    assert plan.prefill_rows == 8 and lp["prefill"]["rows"] == 8
+    launches = lp["prefill"]["launches"]
+    assert launches[0]["op"] == "embedding_rows" and launches[-1]["op"] == "prefill_end"
+    assert {"gdn_rows_delta", "gdn_rows_norm", "attn_rows_kv", "attn_rows_q"} <= {x["op"] for x in launches}
+    # one kernel table for both programs: the kernels both launch are compiled once
+    used = [{x["kernel_index"] for x in ls} for ls in (lp["launches"], launches)]
+    assert used[0] | used[1] == set(range(len(lp["kernels"]))) and used[0] & used[1]
+    ids = [k["id"] for k in lp["kernels"]]
+    assert any(i.startswith("gemm_") for i in ids) and any(i.startswith("gemm_swiglu_") for i in ids)
+    assert set(lp["prefill"]["outputs"]) == {"hidden", "logits"}
     assert not list(tmp_path.glob("*.partial-*"))
 
 

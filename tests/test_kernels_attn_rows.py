@@ -1,0 +1,317 @@
+"""The M-row (prefill) gated attention kernels, attn_rows_kv_kernel then attn_rows_q_kernel: Triton's
+interpreter against attn_rows_kv_ref / attn_rows_q_ref (and the two chained against attn_rows_ref) at
+small shapes, AOT compilation for every GPU target at the 27B head shape, and the launch rules.
+
+Numerics. The kv kernel rounds as the reference does (v exact, roped k within an ulp of the cache
+dtype). The q kernel feeds the tensor cores bf16 operands: q * scale * log2(e) and the softmax weights
+p rounded to bf16 (unit roundoff u = 2^-9), and K, V too where the caches are fp32 (bf16 caches hold
+them exactly). The interpreter computes bf16 dots wrongly, so the tests run it with DOT_FP32, which
+feeds the dots the same bf16-rounded values as fp32: only those roundings (and fp32 summation order)
+separate kernel and reference. Per output element the test checks the bound they imply
+(``rounding_bound``): with Δ = n_qk * u * scale * max_j sum_i |q_i k_ji| (n_qk = 1 rounded operand in
+q . k, 2 with fp32 caches) every score moves by at most Δ, so every softmax weight by at most a factor
+e^{±2Δ}; the bf16 weights in P V (and, with fp32 caches, bf16 V) add u * sum_j w_j |v_j| each:
+  |o - o_ref| <= ((e^{2Δ} - 1) max_j |v_j| + n_pv * u * sum_j w_j |v_j|) * sigmoid(gate) + 1e-5.
+That worst case is ~3-7 % of max|out| on these inputs (D = 16..32). Roundings of random sign mostly
+cancel: over 60 cases the errors stay below a fifth of the bound and at most ~2u (bf16 caches) / ~3u
+(fp32 caches) of max|out|, which RTOL (4u / 8u) checks as well.
+"""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.kernels.attention import (attn_rows_kv_kernel, attn_rows_kv_launch, attn_rows_kv_ref, attn_rows_q_kernel,
+                                       attn_rows_q_launch, attn_rows_q_ref, attn_rows_ref, rope_ref)
+from kestrel.kernels.rmsnorm import rmsnorm_ref
+from kestrel.kernels.targets import GPU_TARGETS, TARGETS
+
+EPS, THETA, U = 1e-6, 1e7, 2.0 ** -9
+SM90 = TARGETS["sm_90"]
+RTOL = {torch.bfloat16: 4 * U, torch.float32: 8 * U}  # max error / max |out| (module docstring)
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+
+
+def bits(x):
+    """The raw bits (so NaN fillers compare equal to themselves)."""
+    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+
+def layout(nh, nkv, d):
+    """Column offsets q, k, v of the q|gate, key and value blocks in a projection row, and its width
+    (gaps around the blocks, so a wrong offset reads the wrong numbers)."""
+    q = 3
+    k = q + nh * 2 * d + 2
+    v = k + nkv * d + 1
+    return q, k, v, v + nkv * d + 4
+
+
+def make_inputs(nh, nkv, d, m, s, pos, dtype, seed):
+    """x [M, W] random; norm weights; caches random in rows < pos, NaN from row pos on (the kernels
+    must read no cache row past the chunk's valid ones)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, layout(nh, nkv, d)[3], generator=g)
+    qn, kn = 0.1 * torch.randn(d, generator=g), 0.1 * torch.randn(d, generator=g)
+    kc, vc = (torch.full((s, nkv, d), float("nan")).to(dtype) for _ in range(2))
+    kc[:pos] = torch.randn(pos, nkv, d, generator=g).to(dtype)
+    vc[:pos] = torch.randn(pos, nkv, d, generator=g).to(dtype)
+    return x, qn, kn, kc, vc
+
+
+def dyn(n):
+    return torch.tensor([n], dtype=torch.int32)
+
+
+def run_kv(x, kn, kc, vc, pos, n_prompt, nh, rd):
+    m, w = x.shape
+    s, nkv, d = kc.shape
+    _, ko, vo, _ = layout(nh, nkv, d)
+    c = attn_rows_kv_launch(m, w, nkv, d, s, SM90)
+    interpret(attn_rows_kv_kernel)[tuple(c["grid"])](x, kn, kc, vc, dyn(pos), dyn(n_prompt), ko, vo, EPS, THETA, rd,
+                                                     **c["constexprs"])
+
+
+def run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, block_r=None, block_n=None):
+    """The q kernel with the sm_90 rule's constants (BLOCK_R / BLOCK_N overridable: small tiles give
+    many blocks and tiles; the interpreter accepts dots the compiler would not) and DOT_FP32."""
+    m, w = x.shape
+    s, nkv, d = kc.shape
+    c = attn_rows_q_launch(m, w, nh, nkv, d, s, SM90)
+    consts = dict(c["constexprs"], DOT_FP32=True)
+    grid = list(c["grid"])
+    if block_r:
+        consts["BLOCK_R"], grid[1] = block_r, -(-m * (nh // nkv) // block_r)
+    if block_n:
+        consts["BLOCK_N"] = block_n
+    out = torch.full((m, nh * d), float("nan"))
+    interpret(attn_rows_q_kernel)[tuple(grid)](x, qn, kc, vc, dyn(pos), dyn(n_prompt), out, layout(nh, nkv, d)[0], nh,
+                                               EPS, THETA, rd, d ** -0.5, **consts)
+    return out
+
+
+def rounding_bound(x, qn, kc, vc, pos, n_valid, nh, rd):
+    """Per output element, the bound of the module docstring on |kernel - attn_rows_q_ref| (kernel with
+    DOT_FP32), for caches holding the chunk's rows."""
+    m = x.shape[0]
+    s, nkv, d = kc.shape
+    rep, scale = nh // nkv, d ** -0.5
+    n_qk, n_pv = (1, 1) if kc.dtype == torch.bfloat16 else (2, 2)
+    qo = layout(nh, nkv, d)[0]
+    bound = torch.zeros(m, nh, d)
+    for r in range(n_valid):
+        qg = x[r, qo:qo + 2 * nh * d].reshape(nh, 2 * d)
+        q = rope_ref(rmsnorm_ref(qg[:, :d], qn, EPS), pos + r, THETA, rd)
+        for h in range(nh):
+            k, v = kc[:pos + r + 1, h // rep].float(), vc[:pos + r + 1, h // rep].float()
+            delta = n_qk * U * scale * (q[h].abs() * k.abs()).sum(-1).max()
+            w = torch.softmax(k @ q[h] * scale, 0)
+            e = torch.expm1(2 * delta) * v.abs().max(0).values + n_pv * U * (w @ v.abs())
+            bound[r, h] = e * torch.sigmoid(qg[h, d:])
+    return bound.reshape(m, nh * d) + 1e-5
+
+
+# (heads, kv heads, D, rotary_dim, M, max_seq, pos, n_prompt): a prefix and a whole chunk; a partial last
+# chunk; the first chunk of a short prompt; a chunk ending at max_seq; 3 query heads a group (tile rows
+# straddle chunk rows); D = 24 (BLOCK_D = 32, masked lanes).
+CASES = [(4, 2, 32, 8, 5, 32, 7, 30), (4, 2, 32, 8, 8, 32, 20, 25), (4, 2, 16, 8, 8, 32, 0, 6),
+         (4, 2, 16, 8, 8, 32, 24, 40), (6, 2, 16, 8, 5, 32, 13, 30), (4, 2, 24, 8, 5, 32, 9, 12)]
+TILES = [(None, None), (4, 8)]  # the rule's BLOCK_R / BLOCK_N (one block, one tile), and small ones
+
+
+@DTYPES
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}kv{}d{}r{}m{}s{}p{}n{}".format(*c))
+def test_attn_rows_match_references(case, dtype):
+    nh, nkv, d, rd, m, s, pos, n_prompt = case
+    n_valid = max(0, min(m, n_prompt - pos, s - pos))
+    x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, dtype, seed=CASES.index(case))
+    what = f"attn_rows {dtype} {case}"
+    _, ko, vo, _ = layout(nh, nkv, d)
+
+    # kv kernel: rows pos .. pos + n_valid - 1 as the reference writes them, every other row untouched
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    attn_rows_kv_ref(x, kn, kc_ref, vc_ref, pos, n_prompt, ko, vo, EPS, THETA, rd)
+    kc_k, vc_k = kc.clone(), vc.clone()
+    run_kv(x, kn, kc_k, vc_k, pos, n_prompt, nh, rd)
+    new = slice(pos, pos + n_valid)
+    assert torch.equal(bits(vc_k), bits(vc_ref)), f"{what}: v cache"
+    assert_close(kc_k[new], kc_ref[new], 1e-5 if dtype == torch.float32 else 1e-2, 0.0, f"{what}: k rows")
+    others = torch.ones(s, dtype=torch.bool)
+    others[new] = False
+    assert torch.equal(bits(kc_k[others]), bits(kc[others])), f"{what}: k rows outside the chunk changed"
+
+    # q kernel on the reference's caches: within the bf16 rounding bound, invalid rows exactly 0
+    ref = attn_rows_q_ref(x, qn, kc_ref, vc_ref, pos, n_prompt, layout(nh, nkv, d)[0], nh, EPS, THETA, rd, d ** -0.5)
+    bound = rounding_bound(x, qn, kc_ref, vc_ref, pos, n_valid, nh, rd)
+    for block_r, block_n in TILES:
+        out = run_q(x, qn, kc_ref.clone(), vc_ref.clone(), pos, n_prompt, nh, rd, block_r, block_n)
+        tiles = f"{what} BLOCK_R/N {block_r}/{block_n}"
+        assert torch.isfinite(out).all(), f"{tiles}: an output element not written"
+        assert (out[n_valid:] == 0).all(), f"{tiles}: rows past the valid ones not zero"
+        assert_close(out[:n_valid], ref[:n_valid], RTOL[dtype], 0.0, tiles)
+        excess = ((out - ref).abs() - bound).max().item()
+        assert excess <= 0, f"{tiles}: error above the bf16 rounding bound by {excess:.3g}"
+
+    # chained, on the kv kernel's caches, against the composed spec (attn_step per row)
+    k0, v0 = x[:, ko:ko + nkv * d], x[:, vo:vo + nkv * d]
+    qo = layout(nh, nkv, d)[0]
+    qg = x[:, qo:qo + 2 * nh * d]
+    spec = attn_rows_ref(qg, k0, v0, qn, kn, kc.clone(), vc.clone(), pos, n_prompt, EPS, THETA, rd, d ** -0.5)
+    out = run_q(x, qn, kc_k, vc_k, pos, n_prompt, nh, rd)
+    assert_close(out, spec, RTOL[dtype], 0.0, f"{what}: chained vs attn_rows_ref")
+
+
+@DTYPES
+def test_no_valid_rows(dtype):
+    """n_prompt <= pos (a chunk past the prompt's end) and pos >= max_seq: nothing written to the caches,
+    every output row 0."""
+    nh, nkv, d, rd, m, s = 4, 2, 16, 8, 5, 32
+    for pos, n_prompt in ((12, 12), (12, 3), (32, 40), (40, 50)):
+        x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, min(pos, s), dtype, seed=pos + n_prompt)
+        kc_k, vc_k = kc.clone(), vc.clone()
+        run_kv(x, kn, kc_k, vc_k, pos, n_prompt, nh, rd)
+        assert torch.equal(bits(kc_k), bits(kc)) and torch.equal(bits(vc_k), bits(vc)), (pos, n_prompt)
+        out = run_q(x, qn, kc_k, vc_k, pos, n_prompt, nh, rd)
+        assert (out == 0).all(), (pos, n_prompt)
+
+
+def test_rows_past_the_cache_are_invalid():
+    """A chunk running past max_seq: its rows at positions >= max_seq write nothing (rows after the cache
+    in the same allocation stay untouched) and give 0; the others match the reference."""
+    nh, nkv, d, rd, m, s, pos, n_prompt = 4, 2, 16, 8, 8, 32, 28, 40
+    x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, torch.float32, seed=7)
+    guard = 6
+    kbuf, vbuf = torch.full((s + guard, nkv, d), 7.0), torch.full((s + guard, nkv, d), 7.0)
+    kbuf[:s], vbuf[:s] = kc, vc
+    run_kv(x, kn, kbuf[:s], vbuf[:s], pos, n_prompt, nh, rd)
+    assert (kbuf[s:] == 7.0).all() and (vbuf[s:] == 7.0).all()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    _, ko, vo, _ = layout(nh, nkv, d)
+    attn_rows_kv_ref(x, kn, kc_ref, vc_ref, pos, s, ko, vo, EPS, THETA, rd)  # the valid rows: n_prompt = max_seq
+    assert_close(kbuf[:pos + 4], kc_ref[:pos + 4], 1e-5, 0.0, "k cache")
+    assert torch.equal(bits(vbuf[:s]), bits(vc_ref)) and torch.equal(bits(kbuf[pos + 4:s]), bits(kc_ref[pos + 4:]))
+    out = run_q(x, qn, kbuf[:s], vbuf[:s], pos, n_prompt, nh, rd, 4, 8)
+    ref = attn_rows_q_ref(x, qn, kc_ref, vc_ref, pos, s, layout(nh, nkv, d)[0], nh, EPS, THETA, rd, d ** -0.5)
+    assert (out[s - pos:] == 0).all()
+    assert_close(out, ref, RTOL[torch.float32], 0.0, "rows past max_seq")
+
+
+# --- launch rules
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_launch_rules_give_sane_grids(target):
+    t = TARGETS[target]
+    for nh, nkv in ((24, 4), (8, 2)):  # 27B, 0.8B (D = 256)
+        w = nh * 512 + 2 * nkv * 256
+        for m in (64, 128, 256, 512):
+            kv = attn_rows_kv_launch(m, w, nkv, 256, 32768, t)
+            assert kv["grid"] == [m, nkv, 1] and kv["constexprs"]["BLOCK_D"] == 256
+            c = attn_rows_q_launch(m, w, nh, nkv, 256, 32768, t)
+            k = c["constexprs"]
+            br, bn = k["BLOCK_R"], k["BLOCK_N"]
+            tile_rows = m * nh // nkv
+            assert c["grid"][0] == nkv and c["grid"][2] == 1
+            assert (c["grid"][1] - 1) * br < tile_rows <= c["grid"][1] * br  # every tile row once, no empty block
+            assert 16 <= br <= 64 and 16 <= bn <= 64 and br & (br - 1) == 0 and bn & (bn - 1) == 0  # tl.dot shapes
+            assert k["BLOCK_D"] == 256 and k["DOT_FP32"] is False and c["num_warps"] in (4, 8)
+            assert k["PIPE_BYTES"] >= 2 * bn * 256 * 2  # at least one bf16 K/V tile pair in flight
+            assert k["PIPE_BYTES"] + 2 * br * 256 <= t.smem_optin
+            assert {"M": m, "W": w, "NKV": nkv, "D": 256, "S": 32768}.items() <= k.items()
+            if c["grid"][0] * c["grid"][1] < t.sms:  # a small grid only at the smallest tile
+                assert br == 16
+    # the H200: 27B at M = 128 in 4 x 48 programs of 16 tile rows, at M = 512 in 4 x 96 of 32
+    assert attn_rows_q_launch(128, 14336, 24, 4, 256, 4096, SM90)["grid"] == [4, 48, 1]
+    assert attn_rows_q_launch(512, 14336, 24, 4, 256, 4096, SM90)["grid"] == [4, 96, 1]
+    assert attn_rows_q_launch(128, 5120, 8, 2, 256, 4096, SM90)["grid"] == [2, 32, 1]
+
+
+def test_launch_rules_read_the_table():
+    rules = dict(SM90.rules)
+    rules["attn_rows"] = dataclasses.replace(rules["attn_rows"], max_block_r=64, kv_num_warps=4)
+    t = dataclasses.replace(SM90, rules=rules)
+    assert attn_rows_q_launch(512, 14336, 24, 4, 256, 4096, t)["constexprs"]["BLOCK_R"] == 64
+    assert attn_rows_kv_launch(512, 13312, 4, 256, 4096, t)["num_warps"] == 4
+
+
+# --- AOT compilation at the 27B head shape, M = 128, max_seq 4096, for every GPU target: one clean
+# subprocess per cache dtype compiles its (kernel, target) jobs (the suite runs Triton interpreted).
+_COMPILE_ALL = r"""
+import json, sys
+from kestrel.compiler.codegen import compile_kernel
+res = []
+for kid, jit, types, consts, nw, cc in json.loads(sys.stdin.read()):
+    k = compile_kernel(kid, jit, types, consts, nw, cc, aligned=[t.startswith("*") for t in types])
+    res.append({"elf": k.cubin[:4] == b"\x7fELF", "name": k.name, "arch": k.arch, "shared": k.shared,
+                "num_warps": k.num_warps})
+print(json.dumps(res))
+"""
+PTR = {"bf16": "*bf16", "f32": "*fp32"}
+NH, NKV, D, M, S = 24, 4, 256, 128, 4096
+W = NH * 2 * D + 2 * NKV * D
+
+
+def aot_jobs(dt):
+    p = PTR[dt]
+    kv_types = ["*fp32", "*fp32", p, p, "*i32", "*i32"] + ["i32", "i32", "fp32", "fp32", "i32"]
+    q_types = ["*fp32", "*fp32", p, p, "*i32", "*i32", "*fp32"] + ["i32", "i32", "fp32", "fp32", "i32", "fp32"]
+    jobs = []
+    for name in GPU_TARGETS:
+        t = TARGETS[name]
+        kv = attn_rows_kv_launch(M, W, NKV, D, S, t)
+        q = attn_rows_q_launch(M, W, NH, NKV, D, S, t)
+        jobs.append((f"attn_rows_kv_{dt}", "kestrel.kernels.attention:attn_rows_kv_kernel", kv_types,
+                     kv["constexprs"], kv["num_warps"], t.cc))
+        jobs.append((f"attn_rows_q_{dt}", "kestrel.kernels.attention:attn_rows_q_kernel", q_types, q["constexprs"],
+                     q["num_warps"], t.cc))
+    return jobs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def aot_procs(request):
+    """The compile subprocesses, started when the module starts (if its AOT tests are selected), so they
+    run alongside the interpreter tests."""
+    procs = {}
+    if any(item.module is request.module and item.name.startswith("test_aot") for item in request.session.items):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        for dt in PTR:
+            job, out, err = (tempfile.TemporaryFile("w+") for _ in range(3))
+            job.write(json.dumps(aot_jobs(dt)))
+            job.seek(0)
+            procs[dt] = (subprocess.Popen([sys.executable, "-c", _COMPILE_ALL], stdin=job, stdout=out, stderr=err,
+                                          env=env), out, err)
+    yield procs
+    for p, _, _ in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def aot_results(aot_procs):
+    results = {}
+    for dt, (p, out, err) in aot_procs.items():
+        rc = p.wait(timeout=600)
+        out.seek(0)
+        err.seek(0)
+        results[dt] = (rc, out.read(), err.read())
+    return results
+
+
+@pytest.mark.parametrize("dt", list(PTR))
+def test_aot_compiles_for_every_target(aot_results, dt):
+    rc, out, err = aot_results[dt]
+    assert rc == 0, f"AOT compile of attn_rows_*_{dt} failed:\n{err[-3000:]}"
+    res = json.loads(out.strip().splitlines()[-1])
+    jobs = aot_jobs(dt)
+    assert len(res) == len(jobs) == 2 * len(GPU_TARGETS)
+    for (kid, _, _, consts, nw, cc), r in zip(jobs, res):
+        assert r["elf"] and r["name"] and r["num_warps"] == nw, (kid, cc)
+        assert r["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}"
+        smem = next(t.smem_optin for t in TARGETS.values() if t.cc == cc)
+        assert r["shared"] <= smem, f"{kid} sm_{cc}: {r['shared']} B of shared memory > {smem}"
