@@ -16,12 +16,13 @@ from kestrel.runtime.gpu import GpuStep
 def main(path: str) -> None:
     plan = load_plan(path)
     max_seq = plan.manifest["max_seq"]
-    for use_graph in (True, False):
-        step = GpuStep(plan, use_graph=use_graph)
+    for use_graph in (True, False):  # (an M-row step's graph too: both graph modes of both programs)
+        step = GpuStep(plan, use_graph=use_graph, use_graph_m=use_graph)
         a = generate(step, [1, 2, 3, 4], 16, SamplingParams())
         b = generate(step, [1, 2, 3, 4], 16, SamplingParams(temperature=0.8, top_p=0.9, seed=7))
         c = generate(step, list(range(1, max_seq - 7)), 8, SamplingParams())
-        print(step.mode, len(a.tokens), len(b.tokens), len(c.tokens), flush=True)
+        print(step.mode, f"M-row graph {step.use_graph_m}" if step.prefill_rows else "no M-row step", len(a.tokens),
+              len(b.tokens), len(c.tokens), flush=True)
 
 
 if __name__ == "__main__":

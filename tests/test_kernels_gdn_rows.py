@@ -214,7 +214,8 @@ def test_launch_rules_at_27b():
 # kernel variant -> (kernel function, param types, launch); the chunked variant is the same kernel
 DELTA_TYPES = ["*fp32"] * 6 + ["*i32"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2
 NORM_TYPES = ["*fp32"] * 4 + ["*i32"] * 2 + ["*fp32"] + ["i32"] * 2 + ["fp32"]
-VARIANTS = {"gdn_rows_delta": ("gdn_rows_delta", DELTA_TYPES), "gdn_rows_delta_chunked": ("gdn_rows_delta", DELTA_TYPES),
+VARIANTS = {"gdn_rows_delta": ("gdn_rows_delta", DELTA_TYPES),
+            "gdn_rows_delta_chunked": ("gdn_rows_delta", DELTA_TYPES),
             "gdn_rows_norm": ("gdn_rows_norm", NORM_TYPES)}
 AOT_ROWS = 128
 
