@@ -76,6 +76,28 @@ def ttft_ms(step, prompt, rows_path: bool) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def profile_rows(step, plan, prompt) -> dict:
+    """One full chunk of the M-row step launched kernel by kernel, an event after each: device ms per
+    kernel id (summed over the layers), second of two runs."""
+    from kestrel.runtime import cuda as kc
+    cu = kc.driver()
+    lp = plan.launch_plan
+    ids = [lp["kernels"][x["kernel_index"]]["id"] for x in lp["prefill"]["launches"]]
+    evs = [kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(len(ids) + 1)]
+    per: dict = {}
+    for _ in range(2):
+        step.begin(prompt, 0.0, 1.0, 0)
+        kc.check(cu.cuEventRecord(evs[0], step.stream), "cuEventRecord")
+        for i, (kernel, grid, args) in enumerate(step.prefill_launches):
+            kc.launch(kernel, grid, args, step.stream)
+            kc.check(cu.cuEventRecord(evs[i + 1], step.stream), "cuEventRecord")
+        kc.check(cu.cuEventSynchronize(evs[-1]), "cuEventSynchronize")
+        per = {}
+        for k, a, b in zip(ids, evs, evs[1:]):
+            per[k] = per.get(k, 0.0) + kc.check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime")
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def check_plan(path: str) -> dict:
     plan = load_plan(path)
     m = plan.manifest
@@ -118,6 +140,7 @@ def check_plan(path: str) -> dict:
         sc = np.sort(lc)
         res["cpu_top2_margin"] = float(sc[-1] - sc[-2])
         del cpu
+    res["profile_ms_one_chunk"] = profile_rows(step, plan, prompt_ids(rows, vocab, 5))
     # speed
     lengths = [int(x) for x in os.environ.get("PROMPT_LENGTHS", "512,2048").split(",")]
     rounds = int(os.environ.get("ROUNDS", "3"))

@@ -41,7 +41,7 @@ def cli():
                    "TensorRT engine inside the .plan.")
 @click.option("--prefill-rows", type=int, default=None,
               help="Rows of the M-row step that prefills prompts M tokens a run (0: none, prompts go through the "
-                   "one-token step). Default: 64 on cpu; 0 on GPU targets (its GPU kernels are not written yet).")
+                   "one-token step). Default: 256 on GPU targets, 64 on cpu (at most --max-seq).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
 def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows, quiet):
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))

@@ -471,7 +471,8 @@ def _gdn_rows_norm(op: Op, t: Target) -> dict:
 def _attn_rows_kv(op: Op, t: Target) -> dict:
     rows, width = op.ins[0].type.shape
     s, hkv, d = op.ins[2].type.shape
-    return {"kernel": f"attn_rows_kv_{op.ins[2].type.dtype}", **attention.attn_rows_kv_launch(rows, width, hkv, d, s, t)}
+    return {"kernel": f"attn_rows_kv_{op.ins[2].type.dtype}",
+            **attention.attn_rows_kv_launch(rows, width, hkv, d, s, t)}
 
 
 def _attn_rows_q(op: Op, t: Target) -> dict:
@@ -575,7 +576,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("rmsnorm", "tw", ("eps",), _infer_rmsnorm, rmsnorm.rmsnorm_ref, Kernel(rmsnorm.rmsnorm_kernel, _rmsnorm),
           lambda ex, op, x, w: ex.rmsnorm(ex.f32(x), ex.f32(w), op.attrs["eps"]),
           doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
-    OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref, Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel),
+    OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref,
+          Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel),
           lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
     OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
           lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
@@ -628,7 +630,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("add_rmsnorm", "vvw", ("eps",), _infer_add_rmsnorm, rmsnorm.add_rmsnorm_ref,
           Kernel(rmsnorm.add_rmsnorm_kernel, _rmsnorm), _onnx_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
-          Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel), _onnx_matmul_swiglu, doc="silu(Wg @ x) * (Wu @ x)"),
+          Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel), _onnx_matmul_swiglu,
+          doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
                         "conv state shared by a key head's value heads)"),

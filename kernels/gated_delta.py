@@ -199,7 +199,9 @@ def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: 
     products need BLOCK_V >= 16 (sm_90: 16 columns, 8 warps; at Dk = 128 its 16-row chunks compile
     with almost no register spills, 32- and 64-row chunks spill kilobytes)."""
     r = target.rules["gdn_rows"]
-    chunk = r.chunk if chunk is None else chunk
+    if chunk is None:  # row by row needs many programs to hide its per-row latency; chunks of rows otherwise
+        row_programs = hv * -(-dv // min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div)))
+        chunk = r.chunk if row_programs < r.row_min_programs else 0
     if chunk:
         if chunk not in (16, 32, 64):
             raise ValueError(f"gdn_rows_delta: chunk of {chunk} rows (16, 32 or 64, or 0 for row by row)")

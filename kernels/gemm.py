@@ -59,8 +59,17 @@ def gemm_launch(m: int, n: int, k: int, group: int, target, swiglu: bool = False
 
 
 @triton.jit
+def _to_bf16(x, SOFT_ROUND: tl.constexpr):
+    """x (fp32) rounded to the nearest bf16, ties to even: the GPU's conversion does it in one
+    instruction; Triton's interpreter truncates, so the tests (SOFT_ROUND) round in software first."""
+    if SOFT_ROUND:
+        x = _round_bf16(x)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _w_tile(w_ptr, cols, k0, ks, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr):
+            BLOCK_K: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """W[cols, ks] as bf16 [BLOCK_N, BLOCK_K] (rows past N clamped by the caller, inputs past K zero)."""
     if GROUP > 0:
         j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds inputs 2j (low) and 2j + 1 (high)
@@ -68,8 +77,11 @@ def _w_tile(w_ptr, cols, k0, ks, N: tl.constexpr, K: tl.constexpr, GROUP: tl.con
         b = b.to(tl.int32)
         q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K]).to(tl.float32) - 8.0
         sp = (w_ptr + N * K // 2).to(tl.pointer_type(tl.float16)) + cols.to(tl.int64)[:, None] * (K // GROUP)
-        s = tl.load(sp + (ks // GROUP)[None, :], mask=(ks < K)[None, :], other=0.0).to(tl.float32)
-        return _round_bf16(q * s).to(tl.bfloat16)  # rounded to nearest even: the conversion is then exact
+        if GROUP % BLOCK_K == 0:  # the tile lies inside one group: one scale per row, broadcast
+            s = tl.load(sp + k0 // GROUP).to(tl.float32)
+        else:
+            s = tl.load(sp + (ks // GROUP)[None, :], mask=(ks < K)[None, :], other=0.0).to(tl.float32)
+        return _to_bf16(q * s, SOFT_ROUND)
     else:
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         return w.to(tl.bfloat16)
@@ -84,8 +96,8 @@ def _gemm_tile(x_ptr, w_ptr, rows_in, cols_in, N: tl.constexpr, K: tl.constexpr,
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows_in.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-        x = _round_bf16(x.to(tl.float32)).to(tl.bfloat16)
-        w = _w_tile(w_ptr, cols_in, k0, ks, N, K, GROUP, BLOCK_N, BLOCK_K)
+        x = _to_bf16(x.to(tl.float32), DOT_FP32)
+        w = _w_tile(w_ptr, cols_in, k0, ks, N, K, GROUP, BLOCK_N, BLOCK_K, DOT_FP32)
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         else:
@@ -98,8 +110,9 @@ def gemm_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.con
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     """Program p computes the [BLOCK_M, BLOCK_N] tile (p // tiles_n, p % tiles_n) of Y = X W^T: a K loop
     of bf16 tensor-core products accumulated in fp32. Deterministic (one program per output tile).
-    DOT_FP32 (tests only: Triton's interpreter computes bf16 dots wrongly) feeds the dot the same
-    bf16-rounded values as fp32, which gives the same products (exact in fp32 and in TF32)."""
+    DOT_FP32 (tests only: Triton's interpreter computes bf16 dots wrongly and truncates conversions)
+    feeds the dot the same bf16-rounded values (rounded in software) as fp32, which gives the same
+    products (exact in fp32 and in TF32)."""
     pid = tl.program_id(0)
     tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -89,7 +89,8 @@ class GdnDeltaRule(Rule):
 @dataclass(frozen=True, kw_only=True)
 class GdnRowsRule(Rule):
     """The M-row (prefill) Gated DeltaNet kernels of kernels/gated_delta.py."""
-    chunk: int                  # gdn_rows_delta: rows a step of the chunk-parallel form, 0: row by row
+    chunk: int                  # gdn_rows_delta: rows a step of the chunk-parallel form, 0: always row by row
+    row_min_programs: int       # ... taken when the row-by-row grid has fewer programs than this (latency-bound)
     min_block_v: int            # row by row: BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     max_block_v: int
     block_v_div: int
@@ -140,6 +141,7 @@ class GemmRule(Rule):
 
 
 _TUNING = "bench/results/tuning/"
+_RESULTS = "bench/results/"
 _ATTN_REPORTS = tuple(f"bench/results/kernels/attn-qwen3.5-{m}-pos{p}-h200.json"
                       for m in ("0.8b", "27b") for p in (80, 1000, 4000))
 
@@ -166,8 +168,9 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=32, block_v_div=4, num_warps=4,
                               provenance=(RULE_OF_THUMB,)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
-    "gdn_rows": GdnRowsRule(chunk=0, min_block_v=8, max_block_v=16, block_v_div=8, num_warps=4, chunk_block_v=16,
-                            chunk_num_warps=8, norm_block_m=16, norm_num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=16, block_v_div=8,
+                            num_warps=4, chunk_block_v=16, chunk_num_warps=8, norm_block_m=16, norm_num_warps=4,
+                            provenance=(_RESULTS + "stop17/prefill-big.json", RULE_OF_THUMB)),
     "rmsnorm": RmsnormRule(wide_n=2048, wide_warps=8, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "embedding": BlockRule(block=1024, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "sample": SampleRule(max_block=16384, min_block=512, num_warps=16,

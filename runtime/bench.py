@@ -5,8 +5,12 @@ saving with its range (a gain is claimed only when the effect is at least 5x the
 p50 / p99 per-token latency (device time of each decode step, from events between steps), first-request latency with the graph on and off (the graph is built at
 load, so it must not fall inside the request), the bytes one step must move (the launch plan's
 ``step_bytes``, at the run's mean KV length) and that over the copy bandwidth measured in the same run.
+With ``prompt_lengths`` (``--prompt-lengths``, plans with an M-row step): time to first token and
+prefill tokens/s per prompt length (the request's ids repeated to that length), the M-row step with its
+graph on and off and the one-token prefill, interleaved rounds, paired graph saving with its range.
 verify: the same prompt in graph and streaming mode, every step's dumped logits and hidden states
-compared byte for byte.
+compared byte for byte; with an M-row step, also the prompt prefilled by it (both its modes) and the
+logits, hidden states and tokens of every step after it.
 """
 from __future__ import annotations
 
@@ -47,16 +51,69 @@ def _percentile(xs, q):
     return float(np.percentile(np.asarray(xs), q))
 
 
-def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print) -> dict:
+class _OneToken:
+    """A step with its M-row step hidden: the prompt goes through the one-token step."""
+
+    prefill_rows = 0
+
+    def __init__(self, step):
+        self.step = step
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+def _ttft_ms(step, prompt) -> float:
+    step.sync()
+    t = time.perf_counter()
+    generate(step, prompt, 1, SamplingParams())
+    return (time.perf_counter() - t) * 1e3
+
+
+def bench_prefill(step, ids: list[int], lengths: list[int], rounds: int, log=print, one_token_max: int = 2048) -> list:
+    """TTFT per prompt length: the M-row step with its graph on and off, and (up to ``one_token_max``
+    tokens) the one-token prefill; interleaved rounds after one warm-up each."""
+    out = []
+    for n in lengths:
+        prompt = (ids * (n // len(ids) + 1))[:n]
+        modes = ["rows_graph", "rows_stream"] + (["one_token"] if n <= one_token_max else [])
+        times = {m: [] for m in modes}
+        for r in range(rounds + 1):  # round 0 warms up
+            for m in modes:
+                step.set_graph_m(m == "rows_graph")
+                t = _ttft_ms(_OneToken(step) if m == "one_token" else step, prompt)
+                if r:
+                    times[m].append(t)
+        step.set_graph_m(True)
+        saving = [b - a for a, b in zip(times["rows_graph"], times["rows_stream"])]
+        entry = {"prompt_tokens": n, "prefill_rows": step.prefill_rows,
+                 "ttft_ms": {m: statistics.median(v) for m, v in times.items()},
+                 "ttft_ms_range": {m: [min(v), max(v)] for m, v in times.items()},
+                 "prefill_tokens_per_s": {m: n / statistics.median(v) * 1e3 for m, v in times.items()},
+                 "graph_m_paired_saving_ms": statistics.median(saving),
+                 "graph_m_paired_range_ms": max(saving) - min(saving)}
+        out.append(entry)
+        log(f"prompt {n}: TTFT M-row graph {entry['ttft_ms']['rows_graph']:.1f} ms "
+            f"({entry['prefill_tokens_per_s']['rows_graph']:.0f} tokens/s), streaming "
+            f"{entry['ttft_ms']['rows_stream']:.1f} ms" + (f", one-token prefill {entry['ttft_ms']['one_token']:.1f} ms"
+                                                            if "one_token" in times else ""))
+    return out
+
+
+def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print, prompt_lengths: list[int] | None = None) -> dict:
     t0 = time.perf_counter()
-    step = GpuStep(plan, use_graph=True)  # one arena; the graph is built here, at load
+    step = GpuStep(plan, use_graph=True, use_graph_m=True)  # one arena; the graphs are built here, at load
     build_ms = (time.perf_counter() - t0) * 1e3
     first = {}
-    for name in ("graph", "stream"):  # first request after load, per mode
+    for name in ("graph", "stream"):  # first request after load, per mode (both programs' graphs)
         step.set_graph(name == "graph")
+        if step.prefill_rows:
+            step.set_graph_m(name == "graph")
         t = time.perf_counter()
         generate(step, ids, n_new, SamplingParams())
         first[name] = (time.perf_counter() - t) * 1e3
+    if step.prefill_rows:
+        step.set_graph_m(True)
     per_round, lat = [], {"graph": [], "stream": []}
     for r in range(rounds):
         row = {}
@@ -82,14 +139,28 @@ def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print) -> dict:
         "launches_per_token": len(step.launches), "bytes_per_token": nbytes, "copy_bandwidth_GBps": bw / 1e9,
         "roofline_ms": nbytes / bw * 1e3, "fraction_of_roofline": nbytes / bw * 1e3 / med["graph"],
         "weights": "random" if plan.random_weights else "checkpoint",
-        "prompt_tokens": len(ids), "new_tokens": n_new,
+        "prompt_tokens": len(ids), "new_tokens": n_new, "prefill_rows": step.prefill_rows,
+        "prefill": bench_prefill(step, ids, prompt_lengths, rounds, log) if prompt_lengths else None,
     }
 
 
+def _m_row_outputs(step, ids, n_new) -> list[bytes]:
+    """The prompt prefilled by the M-row step, then one step at a time: every step's logits, hidden
+    state and token, as bytes."""
+    seen = []
+
+    def grab(s, phase, pos, tok):
+        seen.extend([s.output("logits").tobytes(), s.output("hidden").tobytes()])
+
+    g = generate(step, ids, n_new, SamplingParams(), on_step=grab)
+    return seen + [np.asarray(g.tokens, dtype=np.int32).tobytes()]
+
+
 def verify(plan, ids: list[int], n_new: int) -> dict:
-    """Graph vs streaming: every dumped file byte for byte; raises DeviceError naming the first mismatch."""
+    """Graph vs streaming: every dumped file byte for byte; raises DeviceError naming the first mismatch.
+    A plan with an M-row step: also the M-row prefill and the steps after it, both programs in each mode."""
     dirs = {}
-    step = GpuStep(plan, use_graph=True)
+    step = GpuStep(plan, use_graph=True, use_graph_m=True)
     for name in ("graph", "stream"):
         step.set_graph(name == "graph")
         d = tempfile.mkdtemp(prefix=f"kestrel-verify-{name}-")
@@ -101,4 +172,15 @@ def verify(plan, ids: list[int], n_new: int) -> dict:
         b = open(os.path.join(dirs["stream"], f), "rb").read()
         if a != b:
             raise DeviceError(f"--verify: graph and streaming differ in {f}")
-    return {"verified": True, "files_compared": len(files), "steps": len(files) // 2}
+    res = {"verified": True, "files_compared": len(files), "steps": len(files) // 2}
+    if step.prefill_rows:
+        outs = {}
+        for name in ("graph", "stream"):
+            step.set_graph(name == "graph")
+            step.set_graph_m(name == "graph")
+            outs[name] = _m_row_outputs(step, ids, n_new)
+        bad = next((i for i, (a, b) in enumerate(zip(outs["graph"], outs["stream"])) if a != b), None)
+        if bad is not None or len(outs["graph"]) != len(outs["stream"]):
+            raise DeviceError(f"--verify: the M-row step's graph and streaming runs differ (output {bad})")
+        res["m_row_outputs_compared"] = len(outs["graph"])
+    return res

@@ -14,7 +14,7 @@ from kestrel.runtime import bench as gpu_bench
 from kestrel.runtime.chat import ChatTemplate
 from kestrel.runtime.cuda import NoGpuError
 from kestrel.runtime.generate import MIN_TEMPERATURE, SamplingParams, check_lengths, generate
-from kestrel.runtime.gpu import GpuStep, graph_enabled
+from kestrel.runtime.gpu import GpuStep, graph_enabled, graph_m_enabled
 from kestrel.runtime.tensorrt import TrtStep
 from kestrel.runtime.tokenizer import PlanTokenizer
 
@@ -22,10 +22,11 @@ from kestrel.runtime.tokenizer import PlanTokenizer
 _IDS = re.compile(r"[ ]*[0-9]+[ ]*(,[ ]*[0-9]+[ ]*)*")
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     """ASCII digits separated by commas, spaces allowed around the commas: ``1,2,3`` or ``1, 2, 3``."""
     if not _IDS.fullmatch(text):
-        raise InputError(f"--prompt-ids {text!r}: expected comma-separated integers (ASCII digits, spaces around commas allowed) like 1,2,3")
+        raise InputError(f"{option} {text!r}: expected comma-separated integers (ASCII digits, spaces around "
+                         f"commas allowed) like 1,2,3")
     return [int(t) for t in text.split(",")]
 
 
@@ -95,8 +96,8 @@ def printable(text: str) -> str:
               help="Random seed for sampling, in [0, 2^31): the same seed repeats a run exactly.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="gpu runs the plan's cubins (auto: gpu for GPU plans); cpu runs the torch reference path (any plan).")
-@click.option("--no-graph", is_flag=True, help="GPU: launch kernel by kernel instead of replaying the CUDA graph "
-              "(same as KESTREL_GRAPH=0).")
+@click.option("--no-graph", is_flag=True, help="GPU: launch kernel by kernel instead of replaying the CUDA graphs "
+              "(same as KESTREL_GRAPH=0 KESTREL_GRAPH_M=0).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streamed text.")
 @click.option("--dump", "dump_dir", metavar="DIR",
               help="Write per-step logits and hidden states (float32) with index.json into DIR (made if missing; "
@@ -104,6 +105,9 @@ def printable(text: str) -> str:
 @click.option("--bench", "bench_out", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
               help="GPU: interleaved graph off/on rounds; prints a table and the JSON (to FILE if given).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="--bench rounds (at least 3).")
+@click.option("--prompt-lengths", metavar="N,N,...",
+              help="--bench: also time the first token (prefill) at these prompt lengths (the prompt's ids "
+                   "repeated): the M-row step with its graph on and off, and the one-token prefill.")
 @click.option("--verify", is_flag=True, help="GPU: run graph and streaming, byte-compare every step's dumps.")
 @click.option("--chat", is_flag=True,
               help="Apply the checkpoint's chat template to --prompt as a user turn; without --prompt, chat "
@@ -111,7 +115,7 @@ def printable(text: str) -> str:
 @click.option("--system", help="--chat: a system message first.")
 @exit_on_error
 def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
-            dump_dir, bench_out, rounds, verify, chat, system):
+            dump_dir, bench_out, rounds, prompt_lengths, verify, chat, system):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     if prompt_file is not None:
         if prompt is not None:
@@ -134,6 +138,13 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         output_folder(dump_dir)
     if bench_out not in (None, "-"):
         bench_out = output_file(bench_out, "--bench")
+    lengths = None
+    if prompt_lengths is not None:
+        if bench_out is None:
+            raise InputError("--prompt-lengths goes with --bench")
+        lengths = _parse_ids(prompt_lengths, "--prompt-lengths")
+        if not lengths or min(lengths) < 1:
+            raise InputError(f"--prompt-lengths {prompt_lengths}: give positive lengths, e.g. 512,2048")
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
     template = ChatTemplate.from_manifest(plan.manifest) if chat else None
@@ -160,13 +171,19 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
     if bench_out is not None or verify:
         if device != "gpu":
             raise InputError("--bench and --verify run on the GPU: use a plan built with --target sm_XX")
-        _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify)
+        if lengths:
+            if not plan.prefill_rows:
+                raise UnsupportedError("--prompt-lengths times the M-row step: this plan has none; rebuild it with "
+                                       "--prefill-rows N")
+            check_lengths(max(lengths), 1, plan.manifest["max_seq"])
+        _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths)
         return
     try:
         if device == "tensorrt":
             step = TrtStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
         elif device == "gpu":
-            step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True))
+            step = GpuStep(plan, use_graph=graph_enabled(no_graph), log=lambda m: click.echo(m, err=True),
+                           use_graph_m=graph_m_enabled() and not no_graph)
         else:
             from kestrel.runtime.cpu import CpuStep  # the CPU reference path needs torch; nothing else here does
 
@@ -192,7 +209,8 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
             "ms_per_token": round(gen.ms_per_token, 4), "prompt_tokens": len(ids),
             "prefill_ms": round(gen.prefill_ms, 3), "ttft_ms": round(gen.prefill_ms, 3),
             "prefill_tokens_per_s": round(len(ids) / max(gen.prefill_ms, 1e-9) * 1e3, 1),
-            "prefill_rows": getattr(step, "prefill_rows", 0), "stopped_by": gen.stopped_by,
+            "prefill_rows": getattr(step, "prefill_rows", 0), "m_row_graph": getattr(step, "use_graph_m", False),
+            "stopped_by": gen.stopped_by,
             "graph_fallbacks": getattr(step, "graph_fallbacks", 0),
             "weights": "random" if plan.random_weights else "checkpoint",
         }))
@@ -226,13 +244,16 @@ def _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, voc
             stream.close()
 
 
-def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify) -> None:
+def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths=None) -> None:
     if verify:
         r = gpu_bench.verify(plan, ids, max_new_tokens)
+        m_row = (f"; the M-row prefill and the steps after it: {r['m_row_outputs_compared']} outputs"
+                 if "m_row_outputs_compared" in r else "")
         click.echo(json.dumps(r) if as_json else f"verified: graph and streaming byte-identical over "
-                   f"{r['steps']} steps ({r['files_compared']} files)")
+                   f"{r['steps']} steps ({r['files_compared']} files){m_row}")
         return
-    r = gpu_bench.bench(plan, ids, max_new_tokens, max(3, rounds), log=lambda m: click.echo(m, err=True))
+    r = gpu_bench.bench(plan, ids, max_new_tokens, max(3, rounds), log=lambda m: click.echo(m, err=True),
+                        prompt_lengths=lengths)
     text = json.dumps(r, indent=1)
     if bench_out != "-":
         with writing(bench_out, "--bench"), open(bench_out, "w") as f:

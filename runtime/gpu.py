@@ -5,7 +5,7 @@ Its only input is the plan's launch plan (bound to the arena by runtime/launch_b
 weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
 state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
 build the step's CUDA graph from explicit kernel nodes and instantiate it. A plan with an M-row
-step gets its launches packed too (``run_prefill``), and its own graph when KESTREL_GRAPH_M=1. Per token: one graph
+step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0. Per token: one graph
 launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
 sampled tokens), so generation needs no host write per token; sampled tokens come back to pinned
@@ -30,8 +30,9 @@ def graph_enabled(no_graph_flag: bool = False) -> bool:
 
 
 def graph_m_enabled() -> bool:
-    """The KESTREL_GRAPH_M gate (the M-row step's graph): off unless KESTREL_GRAPH_M=1."""
-    return os.environ.get("KESTREL_GRAPH_M", "0") == "1"
+    """The KESTREL_GRAPH_M gate (the M-row step's graph): on unless KESTREL_GRAPH_M=0 (the README's gate
+    table has the paired A/B that decided it)."""
+    return os.environ.get("KESTREL_GRAPH_M", "1") != "0"
 
 
 class _DynSlots:
@@ -131,7 +132,7 @@ class GpuStep:
     def set_graph_m(self, on: bool) -> None:
         """The same switch for the M-row step."""
         if on and self.graph_m_exec is None:
-            raise DeviceError("the CUDA graph of the M-row step was not built (KESTREL_GRAPH_M=1 builds it)")
+            raise DeviceError("the CUDA graph of the M-row step was not built (KESTREL_GRAPH_M=0 turned it off)")
         self.sync()
         self.use_graph_m = on
 

@@ -194,7 +194,8 @@ def test_launch_rules_at_27b():
             assert gx == hv and gy * k["BLOCK_V"] >= dv > (gy - 1) * k["BLOCK_V"] and gz == 1
             assert 128 <= gx * gy <= 1024, dl["grid"]  # enough programs for 132 SMs, each a serial loop
             assert k["BLOCK_DK"] == 128 and k["M"] == rows and k["W"] == 16480 and dl["num_warps"] in (1, 2, 4, 8)
-            assert k["CHUNK"] == (SM90.rules["gdn_rows"].chunk if chunk is None else chunk)
+            # by default row by row at 27B: its grid has 384 programs, above the rule's row_min_programs
+            assert k["CHUNK"] == (0 if chunk is None else chunk)
             assert k["CHUNK"] == 0 or k["BLOCK_V"] >= 16
         nl = gdn_rows_norm_launch(rows, 16480, hv, dv, c, kc, SM90)
         gx, gy, gz = nl["grid"]
@@ -205,6 +206,8 @@ def test_launch_rules_at_27b():
     assert gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=0)["grid"] == [48, 8, 1]  # 384
     assert gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=16)["grid"] == [48, 8, 1]
     assert gdn_rows_norm_launch(512, 16480, hv, dv, c, kc, SM90)["grid"] == [48, 32, 1]
+    # 0.8B (16 value heads): 128 row-by-row programs, fewer than row_min_programs: chunks of 16 rows
+    assert gdn_rows_delta_launch(256, 8224, 16, 16, 128, 128, 4, SM90)["constexprs"]["CHUNK"] == 16
     with pytest.raises(ValueError):
         gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=48)
     with pytest.raises(ValueError):

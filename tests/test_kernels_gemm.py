@@ -51,15 +51,15 @@ def test_gemm_swiglu_matches_reference(m, n, k, group):
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_gemm_compiles_for_every_target(target):
-    for m, n, k, group in [(256, 5120, 5120, 0), (256, 17408, 5120, 128), (128, 1024, 1024, 64)]:
-        c = gemm_launch(m, n, k, group, TARGETS[target])
-        types = ["*fp32", "*u8" if group else "*bf16", "*fp32"]
-        ck = compile_kernel("gemm_" + ("q4g%d" % group if group else "bf16"), gemm_kernel, types, c["constexprs"],
-                            c["num_warps"], TARGETS[target].cc, [True, True, True])
-        assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]
-    for m, n, k, group in [(256, 17408, 5120, 0), (128, 17408, 5120, 128)]:  # the 27B MLP at M rows
-        c = gemm_launch(m, n, k, group, TARGETS[target], swiglu=True)
+    """The 27B projections at M rows: bf16, q4 (a tile inside one scale group), q4 at group 32 (tiles
+    across groups), and the q4 MLP's gate/up pair."""
+    jobs = [(gemm_kernel, "gemm", (256, 5120, 5120, 0), False), (gemm_kernel, "gemm", (256, 17408, 5120, 128), False),
+            (gemm_kernel, "gemm", (128, 1024, 1024, 32), False),
+            (gemm_swiglu_kernel, "gemm_swiglu", (128, 17408, 5120, 128), True)]
+    for jit, name, (m, n, k, group), swiglu in jobs:
+        c = gemm_launch(m, n, k, group, TARGETS[target], swiglu=swiglu)
         w = "*u8" if group else "*bf16"
-        ck = compile_kernel("gemm_swiglu", gemm_swiglu_kernel, ["*fp32", w, w, "*fp32"], c["constexprs"],
-                            c["num_warps"], TARGETS[target].cc, [True] * 4)
-        assert ck.cubin[:4] == b"\x7fELF"
+        types = ["*fp32", w] + ([w] if swiglu else []) + ["*fp32"]
+        ck = compile_kernel(f"{name}_" + ("q4g%d" % group if group else "bf16"), jit, types, c["constexprs"],
+                            c["num_warps"], TARGETS[target].cc, [True] * len(types))
+        assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]

@@ -66,8 +66,10 @@ def test_gpu_runtime_runs_on_the_launch_plan_alone(plan, extra):
         assert calls["cuMemcpyHtoDAsync"] == 2  # the request's one host write: dyn slots + prompt ids
     else:
         assert not fill and calls["cuMemcpyHtoDAsync"] == len(lp["weights"]) + 2
-    steps = launched[len(fill):]
+    rows = [names[launch["kernel_index"]] for launch in lp["prefill"]["launches"]]
+    assert launched[len(fill):len(fill) + len(rows)] == rows  # the 3-token prompt: one run of the M-row step
+    steps = launched[len(fill) + len(rows):]
     n_steps = len(steps) // len(step)
-    assert steps == step * n_steps and n_steps == 3 + 6 - 1  # prompt + new tokens - 1 steps
-    assert calls.get("cuGraphLaunch", 0) == (0 if extra else n_steps)
+    assert steps == step * n_steps and n_steps == 6 - 1  # then one step per new token after the first
+    assert calls.get("cuGraphLaunch", 0) == (0 if extra else 1 + n_steps)  # --no-graph: neither graph
     assert calls["cuModuleLoadData"] == len(lp["kernels"])
