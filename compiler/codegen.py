@@ -133,24 +133,57 @@ def compile_op(op: Op, cc: int) -> CompiledKernel:
                           constexprs(op.launch), op.launch["num_warps"], cc, pointer_alignment(op))
 
 
+_REPLY = "kestrel-compiled "
+
+
+class _CompileServer:
+    """One clean process (no TRITON_INTERPRET) that compiles kernels sent to it, one JSON job a line:
+    Triton's interpreter mode (the test suite) replaces @triton.jit functions, so AOT compiles run
+    there. Started on first use and kept for the life of this process (starting Python with torch and
+    Triton costs seconds: more than most compiles)."""
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def compile(cls, job: list) -> dict:
+        if cls.proc is None or cls.proc.poll() is not None:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            cls.proc = subprocess.Popen(
+                [sys.executable, "-c", "from kestrel.compiler.codegen import _compile_main; _compile_main()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        cls.proc.stdin.write(json.dumps(job) + "\n")
+        cls.proc.stdin.flush()
+        while True:  # (skipping anything else the compiler may print)
+            line = cls.proc.stdout.readline()
+            if not line:
+                cls.proc = None
+                raise RuntimeError(f"AOT compile of {job[0]} for cc {job[5]}: the compile process died")
+            if line.startswith(_REPLY):
+                return json.loads(line[len(_REPLY):])
+
+
 def _compile_in_subprocess(kernel_id, jit, types, consts, num_warps, cc, aligned) -> CompiledKernel:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    job = json.dumps([kernel_id, jit, types, consts, num_warps, cc, aligned])
-    r = subprocess.run([sys.executable, "-c", "from kestrel.compiler.codegen import _compile_main; _compile_main()"],
-                       input=job, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        raise RuntimeError(f"AOT compile of {kernel_id} for cc {cc} failed:\n{r.stderr[-3000:]}")
-    d = json.loads(r.stdout.strip().splitlines()[-1])
+    d = _CompileServer.compile([kernel_id, jit, types, consts, num_warps, cc, aligned])
+    if "error" in d:
+        raise RuntimeError(f"AOT compile of {kernel_id} for cc {cc} failed:\n{d['error'][-3000:]}")
     d["cubin"] = base64.b64decode(d["cubin"])
     d["params"] = [tuple(p) for p in d["params"]]
     return CompiledKernel(**d)
 
 
 def _compile_main() -> None:
-    k = compile_kernel(*json.loads(sys.stdin.read()))
-    d = dataclasses.asdict(k)
-    d["cubin"] = base64.b64encode(k.cubin).decode()
-    print(json.dumps(d))
+    """The compile server's loop: a job a line in, its CompiledKernel (or the error) a line out."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            k = compile_kernel(*json.loads(line))
+            d = dataclasses.asdict(k)
+            d["cubin"] = base64.b64encode(k.cubin).decode()
+        except Exception:
+            d = {"error": traceback.format_exc()}
+        sys.stdout.write(_REPLY + json.dumps(d) + "\n")
+        sys.stdout.flush()
 
 
 def _table_entry(k: CompiledKernel, part: str, consts: dict) -> dict:
