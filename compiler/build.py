@@ -165,11 +165,14 @@ def default_prefill_rows(target: str, max_seq: int) -> int:
 
 def build(model: str, out: str, target: str = "cpu", quant: str | None = None, max_seq: int | None = None,
           log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
-          dump=print, weights: str = "checkpoint", seed: int = 0, prefill_rows: int | None = None) -> BuildResult:
+          dump=print, weights: str = "checkpoint", seed: int = 0, prefill_rows: int | None = None,
+          prefill_logits: str = "last") -> BuildResult:
     quant = quant or default_quant(target)
     check_options(target, quant, dump_ir_after)
     if prefill_rows is not None and prefill_rows < 0:
         raise InputError(f"--prefill-rows {prefill_rows}: must be 0 (no M-row step) or more")
+    if prefill_logits not in ("last", "all"):
+        raise InputError(f"--prefill-logits {prefill_logits}: choose last or all")
     if weights not in ("checkpoint", "random"):
         raise InputError(f"--weights {weights}: choose checkpoint or random")
     if not 0 <= seed < 2 ** 31:
@@ -179,11 +182,11 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
         not_an_input(real, m.ck.files())
         prefill_rows = default_prefill_rows(target, m.max_seq) if prefill_rows is None else prefill_rows
         return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
-                      seed if weights == "random" else None, prefill_rows)
+                      seed if weights == "random" else None, prefill_rows, prefill_logits)
 
 
 def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
-           random_seed: int | None, prefill_rows: int = 0) -> BuildResult:
+           random_seed: int | None, prefill_rows: int = 0, prefill_logits: str = "last") -> BuildResult:
     """Compile the opened model ``m`` into the plan at ``real`` (``out`` as the user wrote it, for the log)."""
     cfg = m.cfg
     n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
@@ -201,7 +204,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     program = run_passes(program, PassOptions(target, quant, q4_group), on_pass=on_pass)
     rows_program = None
     if prefill_rows:
-        rows_program = lower(cfg, m.max_seq, rows=prefill_rows)
+        rows_program = lower(cfg, m.max_seq, rows=prefill_rows, all_logits=prefill_logits == "all")
         verify(rows_program)
         rows_program = run_passes(rows_program, PassOptions(target, quant, q4_group, shares_arena_with=program))
         _share_arena(program, rows_program)
@@ -224,7 +227,8 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         kernel_of_launch, rows_of_launch = of_launch[0], (of_launch[1] if rows_program else None)
         if random_seed is not None:
             fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
-    info = _plan_info(m, target, quant, weights=weights_info, extra={"prefill_rows": prefill_rows})
+    info = _plan_info(m, target, quant, weights=weights_info, extra={"prefill_rows": prefill_rows,
+                                                                         "prefill_logits": prefill_logits})
     extra_parts = dict(cubins)
     if rows_program is not None:
         extra_parts[PREFILL_PROGRAM_PART] = print_program(rows_program).encode()

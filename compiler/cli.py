@@ -42,8 +42,12 @@ def cli():
 @click.option("--prefill-rows", type=int, default=None,
               help="Rows of the M-row step that prefills prompts M tokens a run (0: none, prompts go through the "
                    "one-token step). Default: 256 on GPU targets, 64 on cpu (at most --max-seq).")
+@click.option("--prefill-logits", type=click.Choice(["last", "all"]), default="last", show_default=True,
+              help="The M-row step's logits: of the chunk's last valid row (what prefill samples from), or of every "
+                   "row (for verifying drafted tokens; costs the lm_head over every row).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
-def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows, quiet):
+def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows,
+          prefill_logits, quiet):
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
         exit_on_error(driver.build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
@@ -51,7 +55,7 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
         return
     exit_on_error(driver.build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
-                            seed=seed, prefill_rows=prefill_rows)
+                            seed=seed, prefill_rows=prefill_rows, prefill_logits=prefill_logits)
 
 
 @cli.command("export-onnx")

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 
 import triton
@@ -173,8 +174,6 @@ def _compile_in_subprocess(kernel_id, jit, types, consts, num_warps, cc, aligned
 
 def _compile_main() -> None:
     """The compile server's loop: a job a line in, its CompiledKernel (or the error) a line out."""
-    import traceback
-
     for line in sys.stdin:
         try:
             k = compile_kernel(*json.loads(line))

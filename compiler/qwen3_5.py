@@ -27,7 +27,8 @@ def plan_weight_name(rel: str) -> str:
     return rel[: -len(".weight")] if rel.endswith(".weight") else rel
 
 
-def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0) -> Program:
+def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0,
+          all_logits: bool = False) -> Program:
     """Build the step program with every weight in its checkpoint layout, declared f32.
 
     ``rows`` > 0 builds the plan's second program, the M-row step: one replay processes a prompt chunk
@@ -35,8 +36,10 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0) 
     writes the same KV rows, GDN states and conv windows the one-token step reads, takes only the
     chunk's last valid row through the final norm and lm_head, samples at its position (dyn ``last``),
     and ends with ``prefill_end`` (pos past the chunk; after the prompt's last chunk the sampled token
-    is appended and fed in). Weights, states and dyn slots are declared in the same order as the
-    one-token step's, so the two programs share them."""
+    is appended and fed in). ``all_logits``: every row goes through the final norm and lm_head (outputs
+    hidden [rows, H] and logits [rows, V], what verifying drafted tokens needs); the last valid row's
+    logits are sampled. Weights, states and dyn slots are declared in the same order as the one-token
+    step's, so the two programs share them."""
     p = Program()
     dyn = {name: p.add_dyn(name, dt, host=True) for name, dt in DYN_SLOTS}
     if rows:
@@ -69,15 +72,17 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0) 
         gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
         up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
         y = emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
-        if rows and i == len(cfg.layer_types) - 1:  # only the last valid row goes on: the residual add after
-            h, y = (emit(p, "last_row", v, dyn["pos"], dyn["n_prompt"]) for v in (h, y))  # it (fused with the norm)
+        if rows and not all_logits and i == len(cfg.layer_types) - 1:  # only the last valid row goes on:
+            h, y = (emit(p, "last_row", v, dyn["pos"], dyn["n_prompt"]) for v in (h, y))  # the add after it fuses
+            # with the final norm
         h = emit(p, "add", h, y)
     hidden = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     logits = emit(p, "matmul", hidden, head)
     if rows:
         emit(p, "chunk_last", dyn["pos"], dyn["n_prompt"], rows=rows, out=dyn["last"])
-    emit(p, "sample", logits, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["last" if rows else "pos"],
+    sampled = emit(p, "last_row", logits, dyn["pos"], dyn["n_prompt"]) if rows and all_logits else logits
+    emit(p, "sample", sampled, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["last" if rows else "pos"],
          out=dyn["sampled"])
     if rows:
         emit(p, "prefill_end", dyn["pos"], dyn["sampled"], dyn["n_prompt"], tokens, rows=rows,

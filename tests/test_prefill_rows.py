@@ -109,3 +109,40 @@ def test_prompt_file_and_json_fields(plans, tmp_path):
     (tmp_path / "long.txt").write_text("x" * 200)
     r = run_cli("kestrel-run", plans[7], "--prompt-file", str(tmp_path / "long.txt"))
     assert r.returncode == InputError.exit_code and "exceeds the plan's max_seq 128" in r.stderr
+
+
+def test_all_rows_logits_equal_the_one_token_steps(tmp_path):
+    """--prefill-logits all: every row of a chunk goes through the final norm and lm_head; on the CPU
+    path each row's logits equal the one-token step's at that position bit for bit, and what is sampled
+    (the last valid row's) is unchanged. On a GPU target the M-row step's logits output is [M, V]."""
+    path = str(tmp_path / "all.plan")
+    build("tiny", path, max_seq=32, prefill_rows=4, prefill_logits="all", log=lambda m: None, progress=False)
+    plan = load_plan(path)
+    assert plan.manifest["prefill_logits"] == "all"
+    prompt = [5, 9, 3, 60, 17, 2, 11]  # a full chunk, then 3 valid rows of 4
+    rows = CpuStep(plan)
+    rows.begin(prompt, 0.0, 1.0, 0)
+    chunks = []
+    for _ in range(2):
+        rows.run_prefill(1)
+        chunks.append(rows.outputs["logits"].clone())
+    one = CpuStep(plan)
+    one.begin(prompt, 0.0, 1.0, 0)
+    ref = []
+    for _ in prompt:
+        one.run(1)
+        ref.append(one.outputs["logits"].clone())
+    vocab = ref[0].numel()
+    assert chunks[0].shape == (4, vocab)
+    for r in range(4):
+        assert torch.equal(chunks[0][r], ref[r])
+    for r in range(3):
+        assert torch.equal(chunks[1][r], ref[4 + r])
+    assert rows.dyn["sampled"] == one.dyn["sampled"] and rows.dyn["pos"] == one.dyn["pos"] == len(prompt)
+    gpu = str(tmp_path / "all-sm90.plan")
+    build("tiny", gpu, target="sm_90", max_seq=32, prefill_rows=4, prefill_logits="all", log=lambda m: None,
+          progress=False)
+    out = load_plan(gpu).launch_plan["prefill"]["outputs"]
+    assert out["logits"]["numel"] == 4 * vocab and out["hidden"]["numel"] == 4 * 128
+    with pytest.raises(InputError, match="--prefill-logits every"):
+        build("tiny", gpu, prefill_logits="every", log=lambda m: None, progress=False)
