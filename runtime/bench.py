@@ -70,7 +70,8 @@ def _ttft_ms(step, prompt) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def bench_prefill(step, ids: list[int], lengths: list[int], rounds: int, log=print, one_token_max: int = 2048) -> list:
+def bench_prefill(step, ids: list[int], lengths: list[int], rounds: int, log=print,
+                  one_token_max: int = 2048) -> list:
     """TTFT per prompt length: the M-row step with its graph on and off, and (up to ``one_token_max``
     tokens) the one-token prefill; interleaved rounds after one warm-up each."""
     out = []
@@ -95,12 +96,13 @@ def bench_prefill(step, ids: list[int], lengths: list[int], rounds: int, log=pri
         out.append(entry)
         log(f"prompt {n}: TTFT M-row graph {entry['ttft_ms']['rows_graph']:.1f} ms "
             f"({entry['prefill_tokens_per_s']['rows_graph']:.0f} tokens/s), streaming "
-            f"{entry['ttft_ms']['rows_stream']:.1f} ms" + (f", one-token prefill {entry['ttft_ms']['one_token']:.1f} ms"
-                                                            if "one_token" in times else ""))
+            f"{entry['ttft_ms']['rows_stream']:.1f} ms"
+            + (f", one-token prefill {entry['ttft_ms']['one_token']:.1f} ms" if "one_token" in times else ""))
     return out
 
 
-def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print, prompt_lengths: list[int] | None = None) -> dict:
+def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print,
+          prompt_lengths: list[int] | None = None) -> dict:
     t0 = time.perf_counter()
     step = GpuStep(plan, use_graph=True, use_graph_m=True)  # one arena; the graphs are built here, at load
     build_ms = (time.perf_counter() - t0) * 1e3

@@ -5,8 +5,8 @@ Its only input is the plan's launch plan (bound to the arena by runtime/launch_b
 weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
 state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
 build the step's CUDA graph from explicit kernel nodes and instantiate it. A plan with an M-row
-step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0. Per token: one graph
-launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
+step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
+Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
 sampled tokens), so generation needs no host write per token; sampled tokens come back to pinned
 host memory by asynchronous copies every few steps (see runtime/generate.py).
@@ -132,7 +132,8 @@ class GpuStep:
     def set_graph_m(self, on: bool) -> None:
         """The same switch for the M-row step."""
         if on and self.graph_m_exec is None:
-            raise DeviceError("the CUDA graph of the M-row step was not built (KESTREL_GRAPH_M=0 turned it off)")
+            raise DeviceError("the CUDA graph of the M-row step was not built (KESTREL_GRAPH_M=0, --no-graph, or its "
+                              "build failed)")
         self.sync()
         self.use_graph_m = on
 

@@ -75,7 +75,8 @@ def bind(lp: dict, base: int) -> Binding:
         prefill_rows=lp["prefill"]["rows"] if lp.get("prefill") else 0,
         prefill_launches=[_bind_launch(lp, launch, regions) for launch in lp["prefill"]["launches"]]
         if lp.get("prefill") else None,
-        prefill_outputs={name: buffer(p) for name, p in lp["prefill"]["outputs"].items()} if lp.get("prefill") else None)
+        prefill_outputs={name: buffer(p) for name, p in lp["prefill"]["outputs"].items()}
+        if lp.get("prefill") else None)
 
 
 def bytes_per_step(step_bytes: dict, mean_len: float) -> int:
