@@ -102,7 +102,9 @@ def exit_on_error(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if threading.current_thread() is threading.main_thread():
-            for s in STOP_SIGNALS:
+            # SIGINT too: recorded, so a Ctrl-C whose KeyboardInterrupt a library turns into another
+            # exception (safetensors mid-read) still exits as an interrupt
+            for s in STOP_SIGNALS + (signal.SIGINT,):
                 signal.signal(s, _stop)
         try:
             return fn(*args, **kwargs)
