@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from kestrel.artifacts.plan import load_plan
+from kestrel.runtime.bench import OneToken, ttft_ms
 from kestrel.runtime.generate import SamplingParams, generate
 from kestrel.runtime.gpu import GpuStep
 
@@ -33,17 +34,6 @@ N_NEW = 16
 
 def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, min(vocab, 50000), n)]
-
-
-class OneToken:
-    """The plan's step with its M-row step hidden: prompts go through the one-token step."""
-
-    def __init__(self, step):
-        self.step = step
-        self.prefill_rows = 0
-
-    def __getattr__(self, name):
-        return getattr(self.step, name)
 
 
 def first_logits(step, prompt):
@@ -65,15 +55,6 @@ def rel(a, b) -> float:
 
 def divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
-def ttft_ms(step, prompt, rows_path: bool) -> float:
-    s = step if rows_path else OneToken(step)
-    step.sync()
-    t0 = time.perf_counter()
-    g = generate(s, prompt, 1, SamplingParams())
-    assert len(g.tokens) == 1
-    return (time.perf_counter() - t0) * 1e3
 
 
 def profile_rows(step, plan, prompt) -> dict:
@@ -151,15 +132,15 @@ def check_plan(path: str) -> dict:
             continue
         p = prompt_ids(L, vocab, L)
         times = {"rows_graph": [], "rows_stream": [], "one_token": []}
-        ttft_ms(step, p, True)  # warm-up
+        ttft_ms(step, p)  # warm-up
         for _ in range(rounds):
             step.set_graph_m(True)
-            times["rows_graph"].append(ttft_ms(step, p, True))
+            times["rows_graph"].append(ttft_ms(step, p))
             step.set_graph_m(False)
-            times["rows_stream"].append(ttft_ms(step, p, True))
+            times["rows_stream"].append(ttft_ms(step, p))
             step.set_graph_m(True)
             if L <= one_max:
-                times["one_token"].append(ttft_ms(step, p, False))
+                times["one_token"].append(ttft_ms(OneToken(step), p))
         entry = {"prompt_len": L}
         for k, v in times.items():
             if v:

@@ -190,18 +190,21 @@ def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: 
                           chunk: int | None = None) -> dict:
     """``gdn_rows_delta_kernel`` over a chunk of ``rows`` projection rows of ``width`` columns: grid
     [Hv, Dv / BLOCK_V], one program per (value head, block of BLOCK_V state columns), each looping
-    over the valid rows with its state tile in registers. ``chunk`` (default: the rule's, 0 on
-    sm_90 until the chunked form is timed): 0 for the row-by-row form (exact fp32), 16 / 32 / 64 for
-    the chunk-parallel form with that many rows a step (TF32 products). Constants from
+    over the valid rows with its state tile in registers. ``chunk``: 0 for the row-by-row form
+    (exact fp32), 16 / 32 / 64 for the chunk-parallel form with that many rows a step (TF32
+    products); by default the rule's chunk when the row-by-row grid has fewer than
+    ``row_min_programs`` programs, else row by row (sm_90: 256, measured at M = 256 on the H200,
+    bench/results/stop17/prefill-big.json: 0.8B, 128 programs, 3.1 ms a chunk in chunks of 16 vs
+    5.5 ms row by row; 27B, 384 programs, 25.1 vs 17.8 ms). Constants from
     ``target.rules["gdn_rows"]`` (kernels/targets.py). Row by row the loop is latency-bound, so its
     blocks are narrower than the one-token kernel's, for more programs at once (sm_90: Dv / 8
     within [8, 16], 4 warps: 384 programs at 27B, 128 at 0.8B). The chunked form's tensor-core
     products need BLOCK_V >= 16 (sm_90: 16 columns, 8 warps; at Dk = 128 its 16-row chunks compile
     with almost no register spills, 32- and 64-row chunks spill kilobytes)."""
     r = target.rules["gdn_rows"]
+    row_block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
     if chunk is None:  # row by row needs many programs to hide its per-row latency; chunks of rows otherwise
-        row_programs = hv * -(-dv // min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div)))
-        chunk = r.chunk if row_programs < r.row_min_programs else 0
+        chunk = r.chunk if hv * -(-dv // row_block_v) < r.row_min_programs else 0
     if chunk:
         if chunk not in (16, 32, 64):
             raise ValueError(f"gdn_rows_delta: chunk of {chunk} rows (16, 32 or 64, or 0 for row by row)")
@@ -209,7 +212,7 @@ def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: 
     else:
         if not 2 <= kc <= 4:
             raise ValueError(f"gdn_rows_delta: a conv of {kc} taps (the row-by-row form takes 2 to 4)")
-        block_v, num_warps = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div)), r.num_warps
+        block_v, num_warps = row_block_v, r.num_warps
     return {"grid": [hv, -(-dv // block_v), 1], "num_warps": num_warps,
             "constexprs": {"M": rows, "W": width, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc,
                            "BLOCK_DK": max(16, pow2_at_least(dk)), "BLOCK_V": block_v, "CHUNK": chunk}}

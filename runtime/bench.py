@@ -51,7 +51,7 @@ def _percentile(xs, q):
     return float(np.percentile(np.asarray(xs), q))
 
 
-class _OneToken:
+class OneToken:
     """A step with its M-row step hidden: the prompt goes through the one-token step."""
 
     prefill_rows = 0
@@ -63,7 +63,8 @@ class _OneToken:
         return getattr(self.step, name)
 
 
-def _ttft_ms(step, prompt) -> float:
+def ttft_ms(step, prompt) -> float:
+    """Wall time of a greedy request that stops at its first new token (the prefill), in ms."""
     step.sync()
     t = time.perf_counter()
     generate(step, prompt, 1, SamplingParams())
@@ -82,7 +83,7 @@ def bench_prefill(step, ids: list[int], lengths: list[int], rounds: int, log=pri
         for r in range(rounds + 1):  # round 0 warms up
             for m in modes:
                 step.set_graph_m(m == "rows_graph")
-                t = _ttft_ms(_OneToken(step) if m == "one_token" else step, prompt)
+                t = ttft_ms(OneToken(step) if m == "one_token" else step, prompt)
                 if r:
                     times[m].append(t)
         step.set_graph_m(True)
