@@ -214,7 +214,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
             log(f"dyn check ({name}): the launch list is identical at two token states ({n_launches} launches, no "
                 f"per-token kernel argument)")
     log(memory_report(program, rows_program))
-    kernels, kernel_of_launch, cubins, fill = None, None, {}, None
+    kernels, kernel_of_launch, cubins, fill, probes = None, None, {}, None, None
     weights_info = {"kind": "checkpoint"}
     if random_seed is not None:
         weights_info = {"kind": "random", "seed": random_seed}
@@ -227,6 +227,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         kernel_of_launch, rows_of_launch = of_launch[0], (of_launch[1] if rows_program else None)
         if random_seed is not None:
             fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
+        probes = codegen.probe_kernels(kernels, cubins, target)
     info = _plan_info(m, target, quant, weights=weights_info, extra={"prefill_rows": prefill_rows,
                                                                          "prefill_logits": prefill_logits})
     extra_parts = dict(cubins)
@@ -243,7 +244,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     try:
         write_plan(real, info, print_program(program), weights, produce, m.tokenizer_json,
                    launch_plan=launch_plan(program, kernels, kernel_of_launch, fill,
-                                           (rows_program, rows_of_launch) if rows_program else None),
+                                           (rows_program, rows_of_launch) if rows_program else None, probes),
                    extra_parts=extra_parts, progress=lambda name, n: bar.update(n))
     finally:
         bar.close()

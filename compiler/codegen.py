@@ -31,7 +31,7 @@ from triton.runtime.jit import JITFunction
 
 from kestrel.compiler.ir import Dyn, Op, Program, is_q4
 from kestrel.compiler.ops import OPS, is_view
-from kestrel.kernels import fill
+from kestrel.kernels import bandwidth, fill
 from kestrel.kernels.targets import TARGETS
 
 PTR_TYPES = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32"}
@@ -216,6 +216,19 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
         f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches")
     return table, of_launch, cubins
+
+
+def probe_kernels(kernels: list[dict], cubins: dict, target: str) -> dict:
+    """The measuring kernels ``kestrel-run --bench`` / ``--profile`` launch besides the step (today the
+    read-only bandwidth stream of kernels/bandwidth.py), compiled into the kernel table: name ->
+    {kernel_index, programs_per_sm, block}."""
+    k = compile_kernel("read_stream", bandwidth.read_stream_kernel, bandwidth.READ_TYPES,
+                       {"BLOCK": bandwidth.READ_BLOCK}, bandwidth.READ_WARPS, TARGETS[target].cc)
+    part = f"__kestrel__/cubin/{len(kernels):03d}"
+    cubins[part] = k.cubin
+    kernels.append(_table_entry(k, part, {"BLOCK": bandwidth.READ_BLOCK}))
+    return {"read_stream": {"kernel_index": len(kernels) - 1, "programs_per_sm": bandwidth.READ_PROGRAMS_PER_SM,
+                            "block": bandwidth.READ_BLOCK}}
 
 
 def fill_launches(kernels: list[dict], cubins: dict, target: str, weights_bytes: int, seed: int) -> list[dict]:

@@ -16,17 +16,21 @@ as constants. The dyn-invariance check compares two of these lists.
     device, made once at load;
   * ``outputs`` (hidden, logits) and ``tokens`` (the request's token sequence): placements, dtype, size;
   * ``step_bytes``: the bytes one step moves, as a fixed part and the bytes per KV-cache row read;
+  * ``probes``: measuring kernels in the table that no step launches (the read-only bandwidth stream);
   * ``prefill`` (plans with an M-row step): its row count, its launches (same kernel table, same
     arena and dyn slots) and its outputs' placements.
 runtime/launch_binding.py turns it into device addresses; the runtime reads nothing else.
 """
 from __future__ import annotations
 
-from kestrel.compiler.ir import ALIGN, TOKENS_STATE, Dyn, Program, State, Value, Weight
+import re
+
+from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Program, State, Value, Weight
 from kestrel.compiler.ops import is_view
 
 REGIONS = ("weights", "state", "dyn", "act", "scratch")  # arena order
 RESET_REGIONS = ("state", "dyn")  # zeroed at the start of every request
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _arg(x, names: dict, state: dict | None):
@@ -44,7 +48,7 @@ def _arg(x, names: dict, state: dict | None):
 
 def launch_list(program: Program, state: dict | None = None) -> list[dict]:
     names: dict[int, str] = {}
-    out = []
+    out, counted = [], {}
     for op in program.ops:
         for o in op.outs:  # name results in definition order, views included
             if isinstance(o, Value):
@@ -61,32 +65,67 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
             "args": [_arg(x, names, state) for x in list(op.ins) + list(op.outs)],
             "scalars": list(op.attrs.values()),  # the kernel's scalar parameters, in ABI order
             "attrs": dict(op.attrs),  # the same by name, for reading (JSON objects carry no order)
+            "layer": _layer_of(op),
+            "bytes": _launch_bytes(op, counted),
         })
     return out
 
 
+def _layer_of(op) -> int | None:
+    """The decoder layer a launch belongs to (from its weights' and states' names), None outside the
+    layers (embedding, final norm, lm_head, sampling)."""
+    for x in op.ins:
+        if isinstance(x, (Weight, State)):
+            m = _LAYER.search(x.name)
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def _launch_bytes(op, counted: dict) -> dict:
+    """Bytes launch ``op`` moves that no earlier launch of the step was charged for: ``{"fixed",
+    "kv_row_bytes"}``. ``counted`` maps each weight / state (by id) to the bytes already charged and is
+    updated. An embedding gather reads one row of its table; any other op reads a weight whole, so an
+    embedding table that is also the lm_head (tied) is charged in full at the lm_head (the row the
+    gather read is then part of that). States are read and written (twice their size), the token
+    sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); ``scratch.*`` states
+    (a kernel's partials within one launch, L2-resident) none."""
+    fixed, rows = 0, []
+    for i, x in enumerate(op.ins):
+        if not isinstance(x, (Weight, State)) or x.name.startswith(SCRATCH_PREFIX):  # scratch: a kernel's own
+            continue
+        if isinstance(x, State) and x.name.endswith(("k_cache", "v_cache")):
+            if id(x) not in counted:
+                counted[id(x)] = 0
+                rows.append(x.type.nbytes // x.type.shape[0])
+            continue
+        if op.kind in ("embedding", "embedding_rows") and i == 0:
+            want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
+        elif isinstance(x, State) and x.name == TOKENS_STATE:
+            want = 8
+        elif isinstance(x, State):
+            want = 2 * x.type.nbytes
+        else:
+            want = x.type.nbytes
+        have = counted.get(id(x), 0)
+        if want > have:
+            fixed += want - have
+            counted[id(x)] = want
+    return {"fixed": fixed, "kv_row_bytes": rows}
+
+
 def step_bytes(program: Program) -> dict:
     """Bytes one decode step must move, as ``fixed + sum(row * rows read)`` over ``kv_row_bytes``:
-    every weight a kernel reads (one row of an embedding table), recurrent and conv states read and
-    written, one row of the token sequence read and written, and per KV cache its rows 0..pos."""
-    fixed, rows, seen = 0, [], set()
+    every weight a kernel reads (one row of an embedding table; the whole table when it is also the
+    tied lm_head), recurrent and conv states read and written, one row of the token sequence read and
+    written, and per KV cache its rows 0..pos. Activations are not counted (they stay in L2 at batch 1:
+    the largest, the logits, is 1 MB at a 248k vocabulary). The sum of ``_launch_bytes`` over the launches."""
+    fixed, rows, counted = 0, [], {}
     for op in program.ops:
-        if is_view(op):
-            continue
-        for i, x in enumerate(op.ins):
-            if id(x) in seen or not isinstance(x, (Weight, State)):
-                continue
-            seen.add(id(x))
-            if op.kind == "embedding" and i == 0:
-                fixed += x.type.nbytes // x.type.shape[0]
-            elif isinstance(x, State) and x.name == TOKENS_STATE:
-                fixed += 8
-            elif isinstance(x, State) and x.name.endswith(("k_cache", "v_cache")):
-                rows.append(x.type.nbytes // x.type.shape[0])
-            elif isinstance(x, State):
-                fixed += 2 * x.type.nbytes
-            else:
-                fixed += x.type.nbytes
+        if not is_view(op):
+            b = _launch_bytes(op, counted)
+            fixed += b["fixed"]
+            rows += b["kv_row_bytes"]
     return {"fixed": fixed, "kv_row_bytes": rows}
 
 
@@ -95,7 +134,8 @@ def _placement(v) -> dict:
 
 
 def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_launch: list[int] | None = None,
-                fill: list[dict] | None = None, prefill: tuple[Program, list[int]] | None = None) -> dict:
+                fill: list[dict] | None = None, prefill: tuple[Program, list[int]] | None = None,
+                probes: dict | None = None) -> dict:
     """The launch plan stored in the artifact (requires select_kernels and plan_memory). ``kernels`` is
     the compiled-kernel table (GPU targets) and ``kernel_of_launch`` each launch's entry in it; the
     ``scratch`` region is sized for the largest global scratch any launch needs. ``prefill``: the M-row
@@ -130,6 +170,7 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
           "outputs": {name: _placement(v) for name, v in program.outputs.items()},
           "tokens": _placement(tokens) if tokens is not None else None,
           "step_bytes": step_bytes(program),
+          "probes": probes or {},
           "launches": launches}
     if prefill is not None:
         for d in prefill[0].dyn.values():  # its own slots (dyn.last) beside the shared ones

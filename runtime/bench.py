@@ -4,7 +4,9 @@ bench: interleaved A/B rounds in one process (graph off, graph on), ms/token per
 saving with its range (a gain is claimed only when the effect is at least 5x the paired range),
 p50 / p99 per-token latency (device time of each decode step, from events between steps), first-request latency with the graph on and off (the graph is built at
 load, so it must not fall inside the request), the bytes one step must move (the launch plan's
-``step_bytes``, at the run's mean KV length) and that over the copy bandwidth measured in the same run.
+``step_bytes``, at the run's mean KV length: the whole embedding table when it is the tied lm_head) and
+that over the bandwidth measured in the same run: the larger of a device copy (read + write counted) and
+a read-only stream (the plan's probe kernel, kernels/bandwidth.py), both reported.
 With ``prompt_lengths`` (``--prompt-lengths``, plans with an M-row step): time to first token and
 prefill tokens/s per prompt length (the request's ids repeated to that length), the M-row step with its
 graph on and off and the one-token prefill, interleaved rounds, paired graph saving with its range.
@@ -45,6 +47,49 @@ def copy_bandwidth(stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
     kc.check(cu.cuMemFree(a), "cuMemFree")
     kc.check(cu.cuMemFree(b), "cuMemFree")
     return 2 * nbytes / statistics.median(times)
+
+
+def read_bandwidth(step, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
+    """Read-only stream with the plan's probe kernel (kernels/bandwidth.py), bytes read per second
+    (median of ``reps``); None for a plan built without the probe."""
+    probe = step.probes.get("read_stream")
+    if probe is None:
+        return None
+    cu = kc.driver()
+    n_words = nbytes // 4
+    buf = kc.check(cu.cuMemAlloc(nbytes), "cuMemAlloc")
+    tiles = -(-n_words // probe["block"])
+    sms = kc.check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                           step.dev), "cuDeviceGetAttribute")
+    programs = max(1, min(tiles, probe["programs_per_sm"] * sms))
+    out = kc.check(cu.cuMemAlloc(4 * programs), "cuMemAlloc")
+    start = kc.check(cu.cuEventCreate(0), "cuEventCreate")
+    end = kc.check(cu.cuEventCreate(0), "cuEventCreate")
+    try:
+        kc.check(cu.cuMemsetD32Async(buf, 1, n_words, step.stream), "cuMemsetD32Async")
+        kernel = step.kernels[probe["kernel_index"]]
+        args = kc.PackedArgs(["*i32", "*i32", "i32", "i32"], [int(buf), int(out), n_words, tiles])
+        kc.launch(kernel, (programs, 1, 1), args, step.stream)  # warm-up
+        times = []
+        for _ in range(reps):
+            kc.check(cu.cuEventRecord(start, step.stream), "cuEventRecord")
+            kc.launch(kernel, (programs, 1, 1), args, step.stream)
+            kc.check(cu.cuEventRecord(end, step.stream), "cuEventRecord")
+            kc.check(cu.cuEventSynchronize(end), "cuEventSynchronize")
+            times.append(kc.check(cu.cuEventElapsedTime(start, end), "cuEventElapsedTime") / 1e3)
+    finally:
+        step.sync()
+        kc.check(cu.cuMemFree(buf), "cuMemFree")
+        kc.check(cu.cuMemFree(out), "cuMemFree")
+    return n_words * 4 / statistics.median(times)
+
+
+def bandwidths(step) -> dict:
+    """DESIGN's bandwidth: the copy rate and the read-only rate measured now, and the larger ("used")."""
+    copy = copy_bandwidth(step.stream)
+    read = read_bandwidth(step)
+    return {"copy_GBps": copy / 1e9, "read_GBps": read / 1e9 if read else None,
+            "used_GBps": max(copy, read or 0.0) / 1e9}
 
 
 def _percentile(xs, q):
@@ -130,8 +175,9 @@ def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print,
     effect = statistics.median(savings)
     spread = max(savings) - min(savings)
     med = {k: statistics.median(row[k] for row in per_round) for k in ("graph", "stream")}
-    bw = copy_bandwidth(step.stream)
+    bw = bandwidths(step)
     nbytes = bytes_per_step(step.binding.step_bytes, len(ids) + n_new / 2)
+    used = bw["used_GBps"] * 1e9
     return {
         "rounds": per_round, "ms_per_token": med, "graph_speedup": med["stream"] / med["graph"],
         "paired_saving_ms": effect, "paired_range_ms": spread,
@@ -139,8 +185,9 @@ def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print,
         "gain_claimed": spread == 0 or effect >= 5 * spread,
         "latency_ms": {k: {"p50": _percentile(v, 50), "p99": _percentile(v, 99)} for k, v in lat.items()},
         "first_request_ms": first, "graph_build_ms_at_load": build_ms,
-        "launches_per_token": len(step.launches), "bytes_per_token": nbytes, "copy_bandwidth_GBps": bw / 1e9,
-        "roofline_ms": nbytes / bw * 1e3, "fraction_of_roofline": nbytes / bw * 1e3 / med["graph"],
+        "launches_per_token": len(step.launches), "bytes_per_token": nbytes, "copy_bandwidth_GBps": bw["copy_GBps"],
+        "read_bandwidth_GBps": bw["read_GBps"], "bandwidth_GBps": bw["used_GBps"],
+        "roofline_ms": nbytes / used * 1e3, "fraction_of_roofline": nbytes / used * 1e3 / med["graph"],
         "weights": "random" if plan.random_weights else "checkpoint",
         "prompt_tokens": len(ids), "new_tokens": n_new, "prefill_rows": step.prefill_rows,
         "prefill": bench_prefill(step, ids, prompt_lengths, rounds, log) if prompt_lengths else None,

@@ -15,6 +15,7 @@ from kestrel.runtime.chat import ChatTemplate
 from kestrel.runtime.cuda import NoGpuError
 from kestrel.runtime.generate import MIN_TEMPERATURE, SamplingParams, check_lengths, generate
 from kestrel.runtime.gpu import GpuStep, graph_enabled, graph_m_enabled
+from kestrel.runtime.profile import format_report, profile_plan
 from kestrel.runtime.tensorrt import TrtStep
 from kestrel.runtime.tokenizer import PlanTokenizer
 
@@ -108,6 +109,10 @@ def printable(text: str) -> str:
 @click.option("--prompt-lengths", metavar="N,N,...",
               help="--bench: also time the first token (prefill) at these prompt lengths (the prompt's ids "
                    "repeated): the M-row step with its graph on and off, and the one-token prefill.")
+@click.option("--profile", "profile_out", is_flag=False, flag_value="-", default=None, metavar="[FILE]",
+              help="Time every launch of --max-new-tokens decode steps (GPU: kernel by kernel between events, "
+                   "and the graph replay alone; cpu: each reference op): tables per kernel and per layer kind, "
+                   "the JSON to FILE if given (with --json: the JSON on standard output).")
 @click.option("--verify", is_flag=True, help="GPU: run graph and streaming, byte-compare every step's dumps.")
 @click.option("--chat", is_flag=True,
               help="Apply the checkpoint's chat template to --prompt as a user turn; without --prompt, chat "
@@ -115,7 +120,7 @@ def printable(text: str) -> str:
 @click.option("--system", help="--chat: a system message first.")
 @exit_on_error
 def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
-            dump_dir, bench_out, rounds, prompt_lengths, verify, chat, system):
+            dump_dir, bench_out, rounds, prompt_lengths, profile_out, verify, chat, system):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     if prompt_file is not None:
         if prompt is not None:
@@ -127,8 +132,11 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
                          "not --prompt-ids")
     if system is not None and not chat:
         raise InputError("--system needs --chat")
-    if interactive and (bench_out is not None or verify or dump_dir is not None):
-        raise InputError("interactive --chat does not combine with --bench, --verify or --dump: give --prompt")
+    if interactive and (bench_out is not None or verify or dump_dir is not None or profile_out is not None):
+        raise InputError("interactive --chat does not combine with --bench, --profile, --verify or --dump: give "
+                         "--prompt")
+    if sum([bench_out is not None, profile_out is not None, verify]) > 1:
+        raise InputError("give one of --bench, --profile and --verify")
     if not interactive and (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampling = SamplingParams(temperature, top_p, seed)
@@ -138,6 +146,8 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         output_folder(dump_dir)
     if bench_out not in (None, "-"):
         bench_out = output_file(bench_out, "--bench")
+    if profile_out not in (None, "-"):
+        profile_out = output_file(profile_out, "--profile")
     lengths = None
     if prompt_lengths is not None:
         if bench_out is None:
@@ -162,9 +172,9 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model['vocab_size']})")
     auto = device == "auto"
     if plan.backend == "tensorrt":  # the engine holds the weights: no CPU path, no launch list to bench
-        if device == "cpu" or bench_out is not None or verify:
+        if device == "cpu" or bench_out is not None or verify or profile_out is not None:
             raise UnsupportedError("this plan holds a TensorRT engine: run it on its GPU (without --device cpu, "
-                                   "--bench or --verify), or rebuild with --backend kernels")
+                                   "--bench, --profile or --verify), or rebuild with --backend kernels")
         device = "tensorrt"
     if device == "auto":
         device = "cpu" if plan.manifest["target"] == "cpu" else "gpu"
@@ -177,6 +187,9 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
                                        "--prefill-rows N")
             check_lengths(max(lengths), 1, plan.manifest["max_seq"])
         _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths)
+        return
+    if profile_out is not None:
+        _profile(plan, ids, max_new_tokens, device, auto, as_json, profile_out)
         return
     try:
         if device == "tensorrt":
@@ -244,6 +257,23 @@ def _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, voc
             stream.close()
 
 
+def _profile(plan, ids, steps, device, auto, as_json, out) -> None:
+    # the steps run kernel by kernel, then as many graph replays, each after one more
+    check_lengths(len(ids), 2 * steps + 2, plan.manifest["max_seq"])
+    try:
+        r = profile_plan(plan, ids, steps, device, log=lambda m: click.echo(m, err=True))
+    except NoGpuError as e:
+        if not auto:
+            raise
+        raise NoGpuError(f"this plan needs an {plan.manifest['target']} GPU and none is usable here "
+                         f"({e.message.split(';')[0]}): profile it with --device cpu") from None
+    text = json.dumps(r, indent=1)
+    if out != "-":
+        with writing(out, "--profile"), open(out, "w") as f:
+            f.write(text)
+    click.echo(text if as_json else format_report(r))
+
+
 def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths=None) -> None:
     if verify:
         r = gpu_bench.verify(plan, ids, max_new_tokens)
@@ -265,7 +295,8 @@ def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, veri
                f"p50/p99 graph {r['latency_ms']['graph']['p50']:.3f}/{r['latency_ms']['graph']['p99']:.3f} ms; "
                f"first request graph {r['first_request_ms']['graph']:.1f} ms vs streaming "
                f"{r['first_request_ms']['stream']:.1f} ms (graph built at load in {r['graph_build_ms_at_load']:.0f} ms)\n"
-               f"bytes/token {r['bytes_per_token'] / 1e6:.1f} MB; copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; "
+               f"bytes/token {r['bytes_per_token'] / 1e6:.1f} MB; bandwidth {r['bandwidth_GBps']:.0f} GB/s (copy "
+               f"{r['copy_bandwidth_GBps']:.0f}, read-only {r['read_bandwidth_GBps'] or float('nan'):.0f}); "
                f"roofline {r['roofline_ms']:.3f} ms; graph at {r['fraction_of_roofline']:.1%} of it")
 
 

@@ -14,7 +14,7 @@ import torch
 from kestrel.artifacts.plan import Plan
 from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
-from kestrel.compiler.ops import OPS
+from kestrel.compiler.ops import OPS, is_view
 from kestrel.kernels.fill import fill_random_ref
 from kestrel.kernels.matvec import q4_unpack
 from kestrel.kernels.sample import step_end_ref
@@ -71,6 +71,7 @@ class CpuStep:
         if prefill_program is not None:
             self.dyn.update({name: 0 for name in prefill_program.dyn})
         self.outputs: dict[str, torch.Tensor] = {}
+        self.op_ms: list | None = None  # when a list: each launch's (non-view op's) host time, in ms
 
     def reset(self) -> None:
         for s in self.states.values():
@@ -133,7 +134,10 @@ class CpuStep:
 
         for op in program.ops:
             d = OPS[op.kind]
+            t = time.perf_counter()
             res = d.reference(*[get(x) for x in op.ins], **op.attrs)
+            if self.op_ms is not None and not is_view(op):
+                self.op_ms.append((time.perf_counter() - t) * 1e3)
             if not isinstance(res, tuple):
                 res = (res,)
             if d.writes_dyn:  # sample, step_end: their results are dyn slots

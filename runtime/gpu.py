@@ -94,6 +94,7 @@ class GpuStep:
         self._copy_events = [kc.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                              for _ in range(4)]
         self._n_copies = 0
+        self.probes = lp.get("probes", {})  # measuring kernels in the table (runtime/bench.py)
         self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
         fill = [self._pack(launch) for launch in b.fill]  # a random-weights plan: the weights made on the device
         for kernel, grid, args in fill:

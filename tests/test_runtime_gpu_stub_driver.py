@@ -73,3 +73,53 @@ def test_gpu_runtime_runs_on_the_launch_plan_alone(plan, extra):
     assert steps == step * n_steps and n_steps == 6 - 1  # then one step per new token after the first
     assert calls.get("cuGraphLaunch", 0) == (0 if extra else 1 + n_steps)  # --no-graph: neither graph
     assert calls["cuModuleLoadData"] == len(lp["kernels"])
+
+
+def run_stub(plan_path, extra):
+    r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=plan_path, extra=extra)],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["forbidden"] == [], report["forbidden"]
+    return report
+
+
+def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
+    """--profile: after the prefill, 6 decode steps launched one by one (each launch between its own
+    two events, windows of launches behind a stream gate), then 7 graph replays; the report charges
+    each launch its bytes and divides by the bandwidth measured with the plan's read-only probe."""
+    from kestrel.runtime.profile import WINDOW
+
+    _, path = plan
+    out = tmp_path / "profile.json"
+    report = run_stub(path, ["--profile", str(out)])
+    rep = json.loads(out.read_text())
+    lp = load_plan(path).launch_plan
+    names = [k["name"] for k in lp["kernels"]]
+    step = [names[launch["kernel_index"]] for launch in lp["launches"]]
+    probe = lp["probes"]["read_stream"]
+    launched = [name for name, *_ in report["launches"]]
+    reads = [(name, grid) for name, grid, *_ in report["launches"] if name == names[probe["kernel_index"]]]
+    assert len(reads) == 11 and all(grid[0] == 8 * 132 for _, grid in reads)  # warm-up + 10 timed, 8 per SM
+    tail = launched[-13 * len(step):]
+    assert tail == step * 13  # 6 streamed steps, then 1 + 6 graph replays
+    calls = report["calls"]
+    windows = -(-len(step) // WINDOW)
+    assert calls["cuStreamWaitValue32"] == 1 + 6 * windows  # the gate's check, then one per window
+    assert calls["cuGraphLaunch"] == 7 + 1  # (+1: the prefill's M-row graph)
+    assert rep["launches_per_step"] == len(step) and rep["decode_steps"] == 6 and rep["host_gaps_hidden"]
+    assert rep["bandwidth"]["read_GBps"] > 0 and rep["bandwidth"]["used_GBps"] == max(
+        rep["bandwidth"]["read_GBps"], rep["bandwidth"]["copy_GBps"])
+    assert rep["sum_of_launches_ms"] == pytest.approx(0.01 * len(step))  # the stub's 0.01 ms per event pair
+    assert rep["fraction_of_roofline_graph"] == pytest.approx(rep["roofline_ms"] / rep["graph_replay_ms"])
+
+
+def test_bench_reports_both_bandwidths(plan, tmp_path):
+    _, path = plan
+    out = tmp_path / "bench.json"
+    run_stub(path, ["--bench", str(out)])
+    r = json.loads(out.read_text())
+    assert r["read_bandwidth_GBps"] > 0 and r["copy_bandwidth_GBps"] > 0
+    assert r["bandwidth_GBps"] == max(r["read_bandwidth_GBps"], r["copy_bandwidth_GBps"])
+    assert r["roofline_ms"] == pytest.approx(r["bytes_per_token"] / (r["bandwidth_GBps"] * 1e9) * 1e3)

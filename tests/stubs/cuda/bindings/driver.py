@@ -16,8 +16,16 @@ class CUresult(enum.IntEnum):
 
 
 class CUdevice_attribute(enum.IntEnum):
+    CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+
+
+class CUstreamWaitValue_flags(enum.IntEnum):
+    CU_STREAM_WAIT_VALUE_GEQ = 0
+
+
+CU_MEMHOSTALLOC_DEVICEMAP = 2
 
 
 class CUevent_flags(enum.IntEnum):
@@ -34,6 +42,7 @@ class CUDA_KERNEL_NODE_PARAMS:
 
 
 COMPUTE_CAPABILITY = (9, 0)
+SMS = 132
 CALLS: Counter = Counter()
 LAUNCHES: list = []  # (function name, grid, block, number of parameter cells) per launch
 _buffers: dict[int, ctypes.Array] = {}  # address -> buffer (device and pinned host allocations)
@@ -50,14 +59,30 @@ def _count(fn):
     return wrapper
 
 
+_virtual: dict[int, int] = {}  # address -> size of allocations too large to back (the bandwidth probes' GiB)
+VIRTUAL_FROM = 64 << 20
+_next_virtual = [1 << 60]
+
+
 def _alloc(n: int) -> int:
+    if n >= VIRTUAL_FROM:  # bounds-checked, never read or written
+        base = _next_virtual[0]
+        _next_virtual[0] += (int(n) + 4095) // 4096 * 4096
+        _virtual[base] = int(n)
+        return base
     buf = ctypes.create_string_buffer(max(int(n), 1))
     _buffers[ctypes.addressof(buf)] = buf
     return ctypes.addressof(buf)
 
 
+def _is_virtual(addr: int, n: int) -> bool:
+    return any(base <= addr and addr + n <= base + size for base, size in _virtual.items())
+
+
 def _check_range(addr: int, n: int, what: str) -> None:
     """[addr, addr + n) lies inside one allocation (device or pinned host), else the call fails."""
+    if _is_virtual(addr, n):
+        return
     for base, buf in _buffers.items():
         if base <= addr and addr + n <= base + len(buf):
             return
@@ -87,6 +112,8 @@ def cuCtxSetCurrent(ctx):
 @_count
 def cuDeviceGetAttribute(attr, dev):
     major, minor = COMPUTE_CAPABILITY
+    if attr == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+        return (OK, SMS)
     return (OK, major if attr == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else minor)
 
 
@@ -116,7 +143,36 @@ def cuMemAllocHost(n):
 
 
 @_count
+def cuMemHostAlloc(n, flags):
+    return (OK, _alloc(n))
+
+
+@_count
+def cuMemHostGetDevicePointer(p, flags):
+    return (OK, p)  # mapped: the same address
+
+
+@_count
 def cuMemFree(p):
+    return (OK,)
+
+
+@_count
+def cuMemFreeHost(p):
+    return (OK,)
+
+
+@_count
+def cuStreamWaitValue32(stream, addr, value, flags):
+    _check_range(int(addr), 4, "cuStreamWaitValue32")
+    return (OK,)
+
+
+@_count
+def cuMemsetD32Async(dst, value, n, stream):
+    _check_range(int(dst), 4 * n, "cuMemsetD32Async")
+    if not _is_virtual(int(dst), 4 * n):
+        (ctypes.c_uint32 * n).from_address(int(dst))[:] = [value] * n
     return (OK,)
 
 
@@ -145,7 +201,8 @@ def cuMemcpyDtoHAsync(dst, src, n, stream):
 def cuMemcpyDtoDAsync(dst, src, n, stream):
     _check_range(int(src), n, "cuMemcpyDtoDAsync (source)")
     _check_range(int(dst), n, "cuMemcpyDtoDAsync (destination)")
-    ctypes.memmove(int(dst), int(src), n)
+    if not (_is_virtual(int(src), n) or _is_virtual(int(dst), n)):
+        ctypes.memmove(int(dst), int(src), n)
     return (OK,)
 
 
@@ -221,3 +278,8 @@ def cuEventSynchronize(ev):
 @_count
 def cuEventElapsedTime(a, b):
     return (OK, 0.01)
+
+
+@_count
+def cuEventDestroy(ev):
+    return (OK,)
