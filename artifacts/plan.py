@@ -36,7 +36,7 @@ from kestrel.artifacts.errors import ArtifactError
 FORMAT = "kestrel.plan"
 # 2: the step feeds itself from a device token sequence (state "tokens", dyn n_prompt)
 # 3: the launch plan carries everything the runtime needs (regions, weights, outputs, tokens, fill, step bytes)
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
 LAUNCH_PLAN_PART = "__kestrel__/launch_plan"

@@ -2,8 +2,9 @@
 
 Here (no GPU):   python bench/matvec_sweep.py compile DIR [SET]     # cubins + index.json
 On the device:   python3 bench/matvec_sweep.py time DIR $OUT/sweep.json
-SET: q4-27b (the first sweep: bench/results/tuning/q4-sweep-h200.json) or small (0.8B and 4B shapes,
-bf16 and q4). Each variant (BLOCK_N, BLOCK_K, num_warps) is checked against the reference and timed
+SET: q4-27b (the first sweep: bench/results/tuning/q4-sweep-h200.json), small (0.8B and 4B shapes,
+bf16 and q4), or q4-decode (every q4 matvec shape of the 0.8B, 9B and 27B decode steps: the f16x2
+kernel of stop 18, whose rule was read off 5-12 configurations at 27B and 0.8B). Each variant (BLOCK_N, BLOCK_K, num_warps) is checked against the reference and timed
 as in bench/device_kernels.py (a CUDA graph of launches rotating over copies larger than L2); the
 report also names the variant the current launch rule picks.
 """
@@ -26,6 +27,26 @@ SETS = {
               for name, (kind, n, k) in shapes.items()},
 }
 GROUP = 128
+
+
+def decode_q4_shapes(presets=("qwen3.5-0.8b", "qwen3.5-9b", "qwen3.5-27b")) -> dict:
+    """Every distinct q4 matvec / matvec_swiglu (N, K) of these presets' decode steps, read off the
+    planned sm_90 programs (so the fused projections' real widths)."""
+    from kestrel.compiler.frontend import parse_config
+    from kestrel.compiler.presets import QWEN35_SHAPES
+    from kestrel.compiler.qwen3_5 import lower
+    from kestrel.passes.pipeline import PassOptions, run_passes
+
+    out = {}
+    for preset in presets:
+        p = run_passes(lower(parse_config(QWEN35_SHAPES[preset], preset), 64), PassOptions("sm_90", "q4"),
+                       until="select_kernels")
+        for op in p.ops:
+            if op.kind in ("matmul", "matmul_swiglu") and op.launch["GROUP"]:
+                kind = "matvec" if op.kind == "matmul" else "matvec_swiglu"
+                n, k = op.ins[1].type.shape
+                out.setdefault(f"{preset[8:]}-{kind}-{n}x{k}", (kind, n, k, "q4"))
+    return out
 
 
 def variants(dt):
@@ -60,7 +81,7 @@ def compile_all(folder, which="q4-27b"):
     from kestrel.kernels.targets import TARGETS
 
     os.makedirs(folder, exist_ok=True)
-    shapes = SETS[which]
+    shapes = decode_q4_shapes() if which == "q4-decode" else SETS[which]
     jobs = [(name, kind, n, k, dt, bn, bk, nw) for name, (kind, n, k, dt) in shapes.items()
             for bn, bk, nw in variants(dt)]
     index = []
@@ -87,7 +108,7 @@ def time_all(folder, out):
     import torch
 
     from graph_timing import launch_times_us
-    from kestrel.kernels.matvec import q4_pack, q4_unpack
+    from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack
     from kestrel.runtime import cuda as kc
 
     torch.zeros(1, device="cuda")
@@ -108,7 +129,9 @@ def time_all(folder, out):
                 bufs = [w.to(torch.bfloat16).contiguous() for w in ws]
                 deq = [b.float() for b in bufs]
             x = torch.randn(k, generator=gen, device="cuda")
-            ref = deq[0] @ x if len(deq) == 1 else torch.nn.functional.silu(deq[0] @ x) * (deq[1] @ x)
+            # (matvec_ref: a q4 weight's product as the kernel defines it, fp16 lanes and all)
+            ref = (matvec_ref(x, deq[0]) if len(deq) == 1 else
+                   torch.nn.functional.silu(matvec_ref(x, deq[0])) * matvec_ref(x, deq[1]))
             nbytes = sum(b.numel() * b.element_size() for b in bufs)
             copies = max(1, min(16, math.ceil(4 * (50 << 20) / nbytes)))
             sets = [[b if i == 0 else b.clone() for b in bufs] for i in range(copies)]

@@ -188,9 +188,17 @@ def _infer_attention(ins, a):
 
 
 def _infer_sample(ins, a):
-    logits, temp, top_p, seed, pos = ins
+    logits, temp, top_p, top_k, min_p, seed, pos, partials, ticket = ins
     _need(len(_t(logits).shape) == 1, "sample takes a [vocab] logits vector")
+    _need(top_k.dtype == "i32" and min_p.dtype == "f32", "sample's top_k slot must be i32, its min_p slot f32")
+    _need(_t(partials).dtype == "f32" and _t(ticket).dtype == "i32" and _t(ticket).shape == (1,),
+          "sample's scratch: f32 partials and one i32 ticket")
     return []
+
+
+def _sample_ref(logits, temperature, top_p, top_k, min_p, seed, pos, partials, ticket):
+    """sample_ref; the partials and the ticket are the GPU kernel's scratch."""
+    return sample.sample_ref(logits, temperature, top_p, top_k, min_p, seed, pos)
 
 
 def _infer_step_end(ins, a):
@@ -618,9 +626,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("swiglu", "vv", (), _infer_same, elementwise.swiglu_ref,
           NotApplicable("the GPU runs it inside matvec_swiglu (fuse: matmul_swiglu)"),
           lambda ex, op, gate, up: ex.g.node("Mul", [ex.silu(ex.f32(gate)), ex.f32(up)]), doc="silu(gate) * up"),
-    OpDef("sample", "vdddd", (), _infer_sample, sample.sample_ref, Kernel(sample.sample_kernel, _sample), _onnx_sample,
-          writes_dyn=True, doc="argmax if temperature == 0, else seeded top-p sampling; writes dyn.sampled "
-                               "(ONNX: greedy only, as next_token)"),
+    OpDef("sample", "vddddddss", (), _infer_sample, _sample_ref, Kernel(sample.sample_kernel, _sample), _onnx_sample,
+          writes_dyn=True, doc="argmax if temperature == 0, else seeded sampling with top-k, top-p and min-p; "
+                               "writes dyn.sampled (ONNX: greedy only, as next_token)"),
     OpDef("step_end", "ddds", (), _infer_step_end, sample.step_end_ref, Kernel(sample.step_end_kernel, _step_end),
           NotApplicable("made by hoist_dynamic; the ONNX step is exported before it and the host (or engine "
                         "runner) advances pos"),

@@ -16,11 +16,13 @@ the host copies back every few steps) of ``n_prompt`` prompt tokens.
 from __future__ import annotations
 
 from kestrel.compiler.frontend import ModelConfig
-from kestrel.compiler.ir import TOKENS_STATE, Program
+from kestrel.compiler.ir import SCRATCH_PREFIX, TOKENS_STATE, Program
 from kestrel.compiler.ops import emit
 
 DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
-             ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"), ("n_prompt", "i32"))
+             ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"), ("n_prompt", "i32"),
+             ("top_k", "i32"), ("min_p", "f32"))
+SAMPLE_PARTIALS, SAMPLE_TICKET = SCRATCH_PREFIX + "sample_partials", SCRATCH_PREFIX + "sample_ticket"
 
 
 def plan_weight_name(rel: str) -> str:
@@ -82,8 +84,12 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0,
     if rows:
         emit(p, "chunk_last", dyn["pos"], dyn["n_prompt"], rows=rows, out=dyn["last"])
     sampled = emit(p, "last_row", logits, dyn["pos"], dyn["n_prompt"]) if rows and all_logits else logits
-    emit(p, "sample", sampled, dyn["temperature"], dyn["top_p"], dyn["seed"], dyn["last" if rows else "pos"],
-         out=dyn["sampled"])
+    # the sampling kernel's per-program partials (one row here: select_kernels gives it the target's
+    # program count) and the ticket its last program takes to merge them
+    partials = p.add_state(SAMPLE_PARTIALS, "f32", (1, 1))
+    ticket = p.add_state(SAMPLE_TICKET, "i32", (1,))
+    emit(p, "sample", sampled, dyn["temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"], dyn["seed"],
+         dyn["last" if rows else "pos"], partials, ticket, out=dyn["sampled"])
     if rows:
         emit(p, "prefill_end", dyn["pos"], dyn["sampled"], dyn["n_prompt"], tokens, rows=rows,
              out=[dyn["pos"], dyn["token"]])

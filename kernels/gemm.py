@@ -1,7 +1,7 @@
 """The M-row step's projections: Y [M, N] = X [M, K] @ W [N, K]^T on tensor cores (issue 11, part 2).
 
-X is the fp32 activation rows; W is bf16, or q4 in the layout of kernels/matvec.py (N rows of K/2
-bytes of nibbles, input 2j in the low nibble of byte j, then N x K/G f16 scales), dequantised inside
+X is the fp32 activation rows; W is bf16, or q4 in the layout of kernels/matvec.py (N rows of K/8
+32-bit words of nibbles, interleaved within a word, then N x K/G f16 scales), dequantised inside
 the kernel. Both operands enter the tensor cores as bf16 (X rounded to bf16, a q4 weight's
 (q - 8) * scale rounded to bf16), products accumulate in fp32, Y is fp32. ``gemm_ref`` computes
 exactly those roundings with a plain fp32 product, so kernel and reference differ only in summation
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.attention import _round_bf16
-from kestrel.kernels.matvec import q4_unpack
+from kestrel.kernels.matvec import _q4_unpack_words, q4_unpack
 
 
 def gemm_ref(x: torch.Tensor, w: torch.Tensor, group: int = 0) -> torch.Tensor:
@@ -72,10 +72,10 @@ def _w_tile(w_ptr, cols, k0, ks, N: tl.constexpr, K: tl.constexpr, GROUP: tl.con
             BLOCK_K: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """W[cols, ks] as bf16 [BLOCK_N, BLOCK_K] (rows past N clamped by the caller, inputs past K zero)."""
     if GROUP > 0:
-        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds inputs 2j (low) and 2j + 1 (high)
-        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * (K // 2) + j[None, :], mask=(j < K // 2)[None, :], other=0)
-        b = b.to(tl.int32)
-        q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K]).to(tl.float32) - 8.0
+        j = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word j holds inputs 8j..8j+7 (kernels/matvec.py's layout)
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + cols.to(tl.int64)[:, None] * (K // 8) + j[None, :],
+                        mask=(j < K // 8)[None, :], other=0)
+        q = _q4_unpack_words(words, BLOCK_N, BLOCK_K).to(tl.float32) - 8.0
         sp = (w_ptr + N * K // 2).to(tl.pointer_type(tl.float16)) + cols.to(tl.int64)[:, None] * (K // GROUP)
         if GROUP % BLOCK_K == 0:  # the tile lies inside one group: one scale per row, broadcast
             s = tl.load(sp + k0 // GROUP).to(tl.float32)

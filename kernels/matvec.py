@@ -1,6 +1,8 @@
 """Matrix-vector product y = W @ x (W stored [out, in], as checkpoints store nn.Linear), fp32 accumulate."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -10,24 +12,40 @@ from kestrel.kernels.targets import pow2_at_least
 
 def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """W @ x for one row x [K]; for M rows x [M, K] each row's product the same way (the M-row step
-    computes row for row what the one-token step computes: the CPU reference keeps that exact)."""
+    computes row for row what the one-token step computes: the CPU reference keeps that exact). A q4
+    weight (``q4_unpack``'s, carrying ``q4``) takes the q4 product ``q4_matvec_ref``."""
     if x.dim() == 2:
-        return torch.stack([torch.mv(w.float(), row) for row in x.float()])
+        return torch.stack([matvec_ref(row, w) for row in x])
+    if getattr(w, "q4", None) is not None:
+        return q4_matvec_ref(x, *w.q4)
     return torch.mv(w.float(), x.float())
 
 
 # --- q4: weight-only int4, one f16 scale per group of G inputs (G = 32, 64 or 128) ---------------
 #
-# Layout of a q4 weight W [N, K] as one byte buffer (the contract with the GPU matvec kernels):
-#   nibbles: N rows of K/2 bytes, row-major; byte j of a row holds input 2j in its low nibble and
-#            2j+1 in its high nibble, so 16 bytes hold 32 consecutive inputs of one row: a warp
-#            reading a row with 16-byte loads is perfectly coalesced, and a group of 128 is 4 loads;
+# Layout of a q4 weight W [N, K] as one byte buffer (the contract with the GPU kernels):
+#   nibbles: N rows of K/8 little-endian 32-bit words, row-major; word j of a row holds inputs
+#            8j..8j+7, input 8j+i at nibble Q4_NIBBLE[i] = [0, 4, 1, 5, 2, 6, 3, 7][i]: the even inputs
+#            in the low 16 bits, the odd ones in the high 16 bits, so masking a word with 0x000F000F
+#            (or 0x00F000F0, or the same after a shift by 8) gives two consecutive inputs, one per 16-bit
+#            half: OR-ed with 0x6400 (fp16 1024) they are an f16x2 of 1024 + q (Marlin's conversion:
+#            one LOP3 for two weights). 16 bytes hold 32 consecutive inputs of one row;
 #   scales:  then N rows of K/G float16 scales, row-major.
 # Quantisation per group: the scale d is chosen to minimise the group's squared error. Candidates
 # d = m / c, m the value of largest magnitude and c in [-9, -7] (c = -8 is llama.cpp's Q4_0 rule), each
 # with q = clamp(round(w / d) + 8, 0, 15); the best is then refitted by least squares for its q
 # (d = sum(w (q-8)) / sum((q-8)^2)). Dequantised w' = (q - 8) * d, d stored as float16.
+#
+# The q4 matrix-vector product (``q4_matvec_ref``; the GPU kernel computes exactly this, in f16x2
+# instructions): x is scaled by 1/64 and rounded to fp16 (xh); for each word, two lanes (the even and
+# the odd inputs) each sum their four products (q - 8) * xh in fp16, one rounding per fused
+# multiply-add, in input order; the word's value is the sum of its two lanes in fp32; a 32-input chunk
+# sums its four words in fp32 and is multiplied by its group's scale; the row is 64 times the sum of
+# its chunks. The fp16 lanes bound the error to ~3e-4 of max |y| (measured at the 27B shapes;
+# bench/results/stop18/q4proto-h200.json), the x / 64 keeps every lane finite for |x| < 2**17.
 
+Q4_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
+Q4_X_SCALE = 64.0
 Q4_SCALE_CANDIDATES = [-9.0 + 0.2 * i for i in range(11)]
 
 
@@ -56,16 +74,44 @@ def q4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 def q4_pack(w: torch.Tensor, group: int) -> torch.Tensor:
     """w [N, K] float -> the q4 byte buffer described above (uint8, 1-D)."""
     q, scales = q4_quantize(w, group)
-    nib = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-    return torch.cat([nib.reshape(-1), scales.contiguous().view(torch.uint8).reshape(-1)])
+    n, k = q.shape
+    q8 = q.reshape(n, k // 8, 8).to(torch.int64)
+    word = torch.zeros(n, k // 8, dtype=torch.int64, device=q.device)
+    for i, pos in enumerate(Q4_NIBBLE):
+        word |= q8[:, :, i] << (4 * pos)
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return torch.cat([word.reshape(-1).view(torch.uint8), scales.contiguous().view(torch.uint8).reshape(-1)])
+
+
+def q4_codes(buf: torch.Tensor, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4 byte buffer -> (q - 8 as int8 [N, K], scales float32 [N, K/G])."""
+    words = buf[: n * k // 2].contiguous().view(torch.int32).reshape(n, k // 8, 1).to(torch.int64) & 0xFFFFFFFF
+    q = (words >> (4 * torch.tensor(Q4_NIBBLE, device=buf.device))) & 15
+    scales = buf[n * k // 2:].contiguous().view(torch.float16).reshape(n, k // group).float()
+    return (q.reshape(n, k) - 8).to(torch.int8), scales
 
 
 def q4_unpack(buf: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
-    """The q4 byte buffer -> dequantised float32 [N, K]."""
-    nib = buf[: n * k // 2].reshape(n, k // 2)
-    scales = buf[n * k // 2:].contiguous().view(torch.float16).reshape(n, k // group).float()
-    q = torch.stack([nib & 0xF, nib >> 4], dim=-1).reshape(n, k).float()
-    return ((q - 8.0).reshape(n, k // group, group) * scales[:, :, None]).reshape(n, k)
+    """The q4 byte buffer -> dequantised float32 [N, K], carrying ``q4`` = (q - 8, scales, group) for
+    ``matvec_ref``, which then computes the q4 product exactly as the GPU does."""
+    q, scales = q4_codes(buf, n, k, group)
+    w = (q.float().reshape(n, k // group, group) * scales[:, :, None]).reshape(n, k)
+    w.q4 = (q, scales, group)
+    return w
+
+
+def q4_matvec_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """The q4 product of the layout comment above, for one x [K]: fp16 lanes emulated exactly (each
+    fused multiply-add computed in float64, where it is exact, then rounded to fp16 once)."""
+    n, k = q.shape
+    xh = (x.float() / Q4_X_SCALE).half().double()
+    p = (q.double() * xh[None, :]).reshape(n, k // 8, 4, 2)  # (row, word, pair, lane): input 8j + 2 pair + lane
+    s = p[:, :, 0].half().double()
+    for i in (1, 2, 3):
+        s = (p[:, :, i] + s).half().double()
+    words = s.float().sum(-1)  # the two lanes, in fp32
+    chunks = words.reshape(n, k // 32, 4).sum(-1) * scales.repeat_interleave(group // 32, dim=1)
+    return chunks.sum(-1) * Q4_X_SCALE
 
 
 def matvec_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -83,25 +129,33 @@ def matvec_launch(n: int, k: int, group: int, target) -> dict:
     one warp per [4] rows, BLOCK_K [512] (at most the power of two >= K), halved while it does not
     divide K, down to [128]: a masked tail iteration remains only for odd K. Below small_matrix_bytes
     ([32 MiB] of bf16: the 0.8B-2B projections) BLOCK_K up to [2048], at most [4096] / BLOCK_K rows per
-    CTA, [4] warps. q4: at least [4] rows per CTA, BLOCK_K = [16384] / BLOCK_N up to [2048] (8 KB of
-    nibbles per tile), at most [2] warps, a masked tail tile where BLOCK_K does not divide K. The sm_90
-    values were measured on the H200 over 47-69 configurations per shape at the 0.8B, 4B and 27B shapes
-    (the row's provenance: bench/results/tuning/): the rule's pick is within 1.13x of the best
-    configuration at every measured shape but one (bf16 4B in_proj: 1.05x kept over 1.13x), 1.1-1.7x
-    faster than the previous rule where it changed.
+    CTA, [4] warps. The bf16 / f32 values were measured on the H200 over 47-69 configurations per shape
+    at the 0.8B, 4B and 27B shapes (bench/results/tuning/): the rule's pick is within 1.13x of the best
+    configuration at every measured shape but one (bf16 4B in_proj: 1.05x kept over 1.13x). q4 (the
+    f16x2 kernel): [4] to [16] rows per CTA (doubling while the grid keeps [3] CTAs per SM), BLOCK_K =
+    [8192] / BLOCK_N (at least [1024] for K <= [2048]), halved while it does not divide K, one warp per
+    [512] inputs of BLOCK_K: 27B 16 x 512 (lm_head, MLP, in_proj), 8 x 1024 (down, o_proj); read off 5-12
+    configurations per shape at the 27B and 0.8B shapes (bench/results/stop18/q4proto-h200.json).
     GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it."""
 
     r = target.rules["matvec"]
     block_n = 1
     while block_n < r.max_block_n and (n + 2 * block_n - 1) // (2 * block_n) >= r.ctas_per_sm * target.sms:
         block_n *= 2
-    # q4: tiles of 8 KB of nibbles (16 x 1024, 8 x 2048) and at most 2 warps, so each thread keeps
-    # several rows' 16-byte chunks in flight; at the 27B shapes this is the fastest configuration of
-    # the 47 measured (bench/results/tuning/q4-sweep-h200.json), 1.1-1.6x the 4-warp 4 KB tiles
-    if group:  # a K that BLOCK_K does not divide ends with one masked tile (down_proj: 8 x 2048 measured best)
-        block_n = max(block_n, r.q4_min_block_n)
-        block_k = max(group, min(r.q4_tile_nibbles // block_n, r.q4_max_block_k, pow2_at_least(k)))
-        num_warps = max(1, min(r.q4_max_warps, block_n * block_k // r.q4_nibbles_per_warp))
+    if group:  # q4: rows per CTA while the grid keeps q4_ctas_per_sm CTAs per SM (4 to 16 rows), tiles of
+        # q4_tile_nibbles (16 x 512, 8 x 1024, 4 x 2048; 1024 inputs for a short K), one warp per
+        # q4_inputs_per_warp inputs of the tile: the best or within 7% of the best of the configurations measured at the
+        # 27B and 0.8B shapes (bench/results/stop18/q4proto-h200.json)
+        block_n = r.q4_min_block_n
+        while block_n < r.max_block_n and n // (2 * block_n) >= r.q4_ctas_per_sm * target.sms:
+            block_n *= 2
+        block_k = r.q4_tile_nibbles // block_n
+        if k <= r.q4_short_k:
+            block_k = max(block_k, r.q4_short_k_block)
+        block_k = max(group, min(block_k, pow2_at_least(k)))
+        while block_k > group and k % block_k:  # a tile that divides K when one does (no masked tail)
+            block_k //= 2
+        num_warps = max(1, block_k // r.q4_inputs_per_warp)
     elif n * k * 2 < r.small_matrix_bytes:  # latency-bound: few rows per CTA, long K tiles, 4 warps
         block_k = min(r.small_max_block_k, pow2_at_least(k))
         block_n = max(1, min(block_n, r.small_tile_elems // block_k))
@@ -125,25 +179,79 @@ def matvec_launch(n: int, k: int, group: int, target) -> dict:
 # only after the K loop (no cross-thread reduction inside the loop). K tiles past a multiple of
 # BLOCK_K run once more, masked, after the loop. Deterministic: a fixed reduction order, no atomics.
 #
-# q4 dequantisation without int->float conversions (they run at 1/4 to 1/8 of the FMA rate): the
-# nibble buffer is read as little-endian 32-bit words, word j of a row holding inputs 8j..8j+7 in
-# nibbles 0..7. For nibble i, let p = i % 4 and h = the word's low (i < 4) or high 16 bits; then
-# ((h | M) & ((15 << 4p) | M)) with M = 0x4B000000 (2**23 as fp32 bits) is the fp32 2**23 + q * 16**p
-# (exact), and subtracting 2**23 + 8 * 16**p gives (q - 8) * 16**p exactly. x is pre-scaled by
-# 16**-p (exact: a power of two), so each input costs one AND, one FADD and one FFMA. The 32 inputs
-# of a 16-byte load all lie in one group (GROUP >= 32), so their partial sum is multiplied by the
-# group's scale once.
+# q4 (the product of the layout comment above): a thread's 16-byte load is 4 words of one row, 32
+# consecutive inputs in one group. Each word goes through one inline-assembly block (``_Q4_WORD_DOT``):
+# four LOP3s (and a shift) make four f16x2 of 1024 + q (16 (1024 + q) for the nibbles at bit 4 of a
+# half), two HSUB2 / two HFMA2 turn them into (q - 8) exactly, four HMUL2 / HFMA2 multiply by the x
+# pairs (x / 64 in f16x2, made once per tile and shared by the thread's rows) and sum per lane, and two
+# conversions and an FADD give the word's fp32 value: 16 instructions for 8 weights, against 3 per
+# weight for the fp32-exact conversion this replaced; the chunk's 4 words are summed in fp32 and scaled
+# once. Triton's interpreter (the tests) runs no inline assembly: there ``_q4_words_interpreted``
+# computes the same values (each fp16 rounding emulated in float64, where the operation is exact).
+
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+_Q4_WORD_DOT = tl.constexpr("""{
+ .reg .b32 a, b, c, d, t, m, s16, bias, s;
+ .reg .f16 lo, hi;
+ .reg .f32 flo, fhi;
+ mov.b32 m, 0x64086408;
+ mov.b32 s16, 0x2c002c00;
+ mov.b32 bias, 0xd480d480;
+ lop3.b32 a, $1, 0x000f000f, 0x64006400, 0xea;
+ lop3.b32 b, $1, 0x00f000f0, 0x64006400, 0xea;
+ shr.u32 t, $1, 8;
+ lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;
+ lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;
+ sub.f16x2 a, a, m;
+ fma.rn.f16x2 b, b, s16, bias;
+ sub.f16x2 c, c, m;
+ fma.rn.f16x2 d, d, s16, bias;
+ mul.rn.f16x2 s, a, $2;
+ fma.rn.f16x2 s, b, $3, s;
+ fma.rn.f16x2 s, c, $4, s;
+ fma.rn.f16x2 s, d, $5, s;
+ mov.b32 {lo, hi}, s;
+ cvt.f32.f16 flo, lo;
+ cvt.f32.f16 fhi, hi;
+ add.f32 $0, flo, fhi;
+}""")  # lop3 0xea: (a & b) | c; 0x6408: fp16 1032; 0x2c00: 1/16; 0xd480: -72 (16 (1024 + q) / 16 - 72 = q - 8)
+
 
 @triton.jit
-def _q4_nibble_plane(lo, hi, I: tl.constexpr):
-    """Nibble I (input 8j+I) of every word j, as fp32 (q - 8) * 16**(I % 4) exactly. ``lo`` / ``hi``:
-    the words (resp. the words >> 16) OR-ed with the magic, computed once for all eight nibbles."""
-    P: tl.constexpr = I % 4
-    if I < 4:
-        bits = lo & ((15 << (4 * P)) | 0x4B000000)
-    else:
-        bits = hi & ((15 << (4 * P)) | 0x4B000000)
-    return bits.to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (16 ** P))
+def _q4_unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """q (0..15, int32) of words [BLOCK_N, BLOCK_K / 8] as [BLOCK_N, BLOCK_K] in input order (input
+    8j + i at nibble Q4_NIBBLE[i]): the joins interleave within a thread."""
+    n0 = words & 15
+    n1 = (words >> 4) & 15
+    n2 = (words >> 8) & 15
+    n3 = (words >> 12) & 15
+    n4 = (words >> 16) & 15
+    n5 = (words >> 20) & 15
+    n6 = (words >> 24) & 15
+    n7 = (words >> 28) & 15
+    # inputs 0..7 sit at nibbles 0, 4, 1, 5, 2, 6, 3, 7; after the joins the trailing dims (a, b, c)
+    # hold input 4a + 2b + c
+    q = tl.join(tl.join(tl.join(n0, n2), tl.join(n1, n3)), tl.join(tl.join(n4, n6), tl.join(n5, n7)))
+    return tl.reshape(q, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _q4_words_interpreted(words, xh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What ``_Q4_WORD_DOT`` computes for every word (fp32 [BLOCK_N, BLOCK_K / 8]), for the interpreter:
+    xh [BLOCK_K] is x / 64 as fp16."""
+    w = (_q4_unpack_words(words, BLOCK_N, BLOCK_K) - 8).to(tl.float64)
+    p = tl.reshape(w * xh.to(tl.float64)[None, :], [BLOCK_N, BLOCK_K // 8, 2, 2, 2])  # (pair hi, lo, lane)
+    p = tl.permute(p, [0, 1, 4, 2, 3])  # (lane, pair hi, pair lo)
+    even, odd = tl.split(p)  # pair lo
+    p0, p2 = tl.split(even)
+    p1, p3 = tl.split(odd)
+    s = p0.to(tl.float16).to(tl.float64)
+    s = (p1 + s).to(tl.float16).to(tl.float64)
+    s = (p2 + s).to(tl.float16).to(tl.float64)
+    s = (p3 + s).to(tl.float16).to(tl.float32)
+    lo, hi = tl.split(s)
+    return lo + hi
 
 
 @triton.jit
@@ -158,26 +266,30 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, N: tl.constexpr, K: tl.constexpr, GROUP
     else:
         xv = tl.load(x_ptr + ks)
     if GROUP > 0:
-        # nibbles as 32-bit words: [BLOCK_N, BLOCK_K / 8], word j = inputs 8j..8j+7
         j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
-        if MASKED:
+        if MASKED:  # inputs past K: x = 0, so their products are 0 whatever the word holds
             words = tl.load(wp, mask=(j < K // 8)[None, :], other=0)
         else:
             words = tl.load(wp)
-        lo = words | 0x4B000000  # fp32 bits of 2**23 (see the comment above _q4_nibble_plane)
-        hi = (words >> 16) | 0x4B000000
-        # interleave the eight planes back into input order, all within a thread: after the joins
-        # the trailing dims (a, b, c) hold nibble 4a + 2b + c of each word
-        a0 = tl.join(_q4_nibble_plane(lo, hi, 0), _q4_nibble_plane(lo, hi, 4))
-        a1 = tl.join(_q4_nibble_plane(lo, hi, 2), _q4_nibble_plane(lo, hi, 6))
-        a2 = tl.join(_q4_nibble_plane(lo, hi, 1), _q4_nibble_plane(lo, hi, 5))
-        a3 = tl.join(_q4_nibble_plane(lo, hi, 3), _q4_nibble_plane(lo, hi, 7))
-        q = tl.reshape(tl.join(tl.join(a0, a1), tl.join(a2, a3)), [BLOCK_N, BLOCK_K // 32, 32])
-        # x * 16**-(k % 4) (k0 is a multiple of 32), the power of two built from its exponent bits
-        p4 = ((127 - 4 * (tl.arange(0, 32) % 4)) << 23).to(tl.float32, bitcast=True)
-        xs = tl.reshape(xv, [BLOCK_K // 32, 32]) * p4[None, :]
-        part = tl.sum(q * xs[None, :, :], axis=2)
+        xq = xv * (1.0 / 64.0)  # Q4_X_SCALE
+        if _INTERPRET:
+            d = _q4_words_interpreted(words, xq.to(tl.float16), BLOCK_N, BLOCK_K)
+        else:
+            # x / 64 as f16x2 pairs (inputs 8j + 2p, 8j + 2p + 1 for pair p), once per tile
+            xl, xh = tl.split(tl.reshape(xq, [BLOCK_K // 8, 4, 2]))
+            xp = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [xl, xh], dtype=tl.int32,
+                                           is_pure=True, pack=1)
+            xa, xb = tl.split(tl.reshape(xp, [BLOCK_K // 8, 2, 2]))  # pairs (0, 2), (1, 3)
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            shape: tl.constexpr = [BLOCK_N, BLOCK_K // 8]
+            d = tl.inline_asm_elementwise(_Q4_WORD_DOT, "=f,r,r,r,r,r",
+                                          [words, tl.broadcast_to(x0[None, :], shape),
+                                           tl.broadcast_to(x1[None, :], shape), tl.broadcast_to(x2[None, :], shape),
+                                           tl.broadcast_to(x3[None, :], shape)], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        part = tl.sum(tl.reshape(d, [BLOCK_N, BLOCK_K // 32, 4]), axis=2)
         # one f16 scale per 32-input chunk (CHUNK = 32; chunk c lies in group 32c / GROUP)
         c = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         sp = (w_ptr + N * K // 2).to(tl.pointer_type(tl.float16)) + rows.to(tl.int64)[:, None] * (K // GROUP)
@@ -220,6 +332,8 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
         acc += _matvec_tile(x_ptr, w_ptr, rows, k0, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False)
     if K_FULL < K:
         acc += _matvec_tile(x_ptr, w_ptr, rows, K_FULL, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True)
+    if GROUP > 0:
+        return tl.sum(acc, axis=1) * 64.0  # Q4_X_SCALE
     return tl.sum(acc, axis=1)
 
 

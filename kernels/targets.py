@@ -32,11 +32,12 @@ class Rule:
 class MatvecRule(Rule):
     ctas_per_sm: int            # BLOCK_N doubles while the grid keeps >= ctas_per_sm CTAs per SM ...
     max_block_n: int            # ... up to this many rows per CTA
-    q4_min_block_n: int         # q4: at least this many rows per CTA
-    q4_tile_nibbles: int        # q4: BLOCK_N * BLOCK_K (16384 nibbles = 8 KiB)
-    q4_max_block_k: int
-    q4_max_warps: int
-    q4_nibbles_per_warp: int    # q4: one warp per this many nibbles of the tile
+    q4_min_block_n: int         # q4: at least this many rows per CTA, doubling (to max_block_n) while ...
+    q4_ctas_per_sm: int         # ... the grid keeps this many CTAs per SM
+    q4_tile_nibbles: int        # q4: BLOCK_N * BLOCK_K ...
+    q4_short_k: int             # ... but K <= q4_short_k: BLOCK_K at least q4_short_k_block
+    q4_short_k_block: int
+    q4_inputs_per_warp: int     # q4: one warp per this many inputs of BLOCK_K
     small_matrix_bytes: int     # bf16 / f32 with N * K * 2 below this: latency-bound rule
     small_max_block_k: int
     small_tile_elems: int       # small: BLOCK_N <= small_tile_elems / BLOCK_K
@@ -121,9 +122,12 @@ class BlockRule(Rule):
 
 @dataclass(frozen=True, kw_only=True)
 class SampleRule(Rule):
-    max_block: int
-    min_block: int
+    """sample (kernels/sample.py): one program per ``tile`` logits, each keeping its top ``cand``."""
+    tile: int                   # logits per program (a power of two): G = ceil(V / tile) programs
+    cand: int                   # candidates per program for the truncated merge (a power of two, <= tile)
     num_warps: int
+    max_block: int              # the exact full-vocabulary fallback's slice: pow2(V) within these bounds
+    min_block: int
 
 
 @dataclass(frozen=True)
@@ -149,11 +153,13 @@ _ATTN_REPORTS = tuple(f"bench/results/kernels/attn-qwen3.5-{m}-pos{p}-h200.json"
 SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "matvec": MatvecRule(
         ctas_per_sm=4, max_block_n=16,
-        q4_min_block_n=4, q4_tile_nibbles=16384, q4_max_block_k=2048, q4_max_warps=2, q4_nibbles_per_warp=1024,
+        q4_min_block_n=4, q4_ctas_per_sm=3, q4_tile_nibbles=8192, q4_short_k=2048, q4_short_k_block=1024,
+        q4_inputs_per_warp=512,
         small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4,
-        provenance=(_TUNING + "q4-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
+        provenance=(_RESULTS + "stop18/q4proto-h200.json", _RESULTS + "stop18/device-call3-console.txt",
+                    _TUNING + "matvec-sweep-small-h200.json")),
     "attention": AttentionRule(
         split_programs=256, max_splits=64, min_rows_per_split=128,
         tile_elems=8192, min_block_s=16, max_block_s=64,
@@ -173,8 +179,10 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                             provenance=(_RESULTS + "stop17/prefill-big.json", RULE_OF_THUMB)),
     "rmsnorm": RmsnormRule(wide_n=2048, wide_warps=8, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "embedding": BlockRule(block=1024, num_warps=4, provenance=(RULE_OF_THUMB,)),
-    "sample": SampleRule(max_block=16384, min_block=512, num_warps=16,
-                         provenance=(_TUNING + "sample-sweep-h200.json",)),
+    # many-CTA sampling: not yet timed (sample-sweep-h200.json measured the one-program kernel before it)
+    # not swept: the rule's pick timed on the H200 (3.6 us greedy, 21.6 us at 0.7 / 0.8 / top-k 20)
+    "sample": SampleRule(tile=4096, cand=32, num_warps=8, max_block=2048, min_block=512,
+                         provenance=(RULE_OF_THUMB, _RESULTS + "stop18/device-call3-console.txt")),
     "step_end": WarpsRule(num_warps=1, provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),

@@ -8,7 +8,8 @@ family and the operand dtypes (``matvec_q4g128``, ``attn_step_bf16``). GPU targe
 program: an op with no GPU kernel (an unfused elementwise op) is an error that names it.
 
 Target-dependent shapes are decided here too: the attention scratch states (made by fuse with one
-split) get the target's number of sequence splits. plan_memory runs after this pass.
+split) get the target's number of sequence splits, the sampling partials (made by the lowering with
+one row) a row per program of the target's sampling kernel. plan_memory runs after this pass.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import copy
 from kestrel.compiler.ir import IRError, Program
 from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view
 from kestrel.kernels.attention import attn_splits
+from kestrel.kernels.sample import sample_scratch_shape
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 
@@ -30,6 +32,14 @@ def _size_attention_scratch(p: Program, target) -> None:
             part.type = type(part.type)("f32", (nh, attn_splits(nh, op.ins[5].type.shape[0], target), d + 2))
 
 
+def _size_sample_scratch(p: Program, target) -> None:
+    """The sample op's partials state (operand 7) gets a row per program of the target's kernel."""
+    for op in p.ops:
+        if op.kind == "sample":
+            part = op.ins[7]
+            part.type = type(part.type)("f32", sample_scratch_shape(op.ins[0].type.shape[0], target))
+
+
 def select_kernels(program: Program, target: str) -> Program:
     if target not in ALL_TARGETS:
         raise IRError(f"unknown target {target!r}; known: {', '.join(ALL_TARGETS)}")
@@ -37,6 +47,7 @@ def select_kernels(program: Program, target: str) -> Program:
     p.target = target
     if target != "cpu":
         _size_attention_scratch(p, TARGETS[target])
+        _size_sample_scratch(p, TARGETS[target])
     for op in p.ops:
         if is_view(op):
             op.launch = None

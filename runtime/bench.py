@@ -1,13 +1,15 @@
 """``kestrel-run PLAN --bench`` and ``--verify`` on the GPU (numpy + cuda.bindings, no torch).
 
-bench: interleaved A/B rounds in one process (graph off, graph on), ms/token per round, the paired
+bench: interleaved A/B rounds in one process (graph off, graph on, graph on sampling at temperature 0.7 /
+top-p 0.8 / top-k 20), ms/token per round, the paired
 saving with its range (a gain is claimed only when the effect is at least 5x the paired range),
 p50 / p99 per-token latency (device time of each decode step, from events between steps), first-request latency with the graph on and off (the graph is built at
 load, so it must not fall inside the request), the bytes one step must move (the launch plan's
 ``step_bytes``, at the run's mean KV length: the whole embedding table when it is the tied lm_head) and
 that over the bandwidth measured in the same run: the larger of a device copy (read + write counted) and
 a read-only stream (the plan's probe kernel, kernels/bandwidth.py), both reported.
-With ``prompt_lengths`` (``--prompt-lengths``, plans with an M-row step): time to first token and
+With ``positions`` (``--positions``): decode ms/token from each of those positions (``seek``: the KV
+rows up to it are read, not prefilled). With ``prompt_lengths`` (``--prompt-lengths``, plans with an M-row step): time to first token and
 prefill tokens/s per prompt length (the request's ids repeated to that length), the M-row step with its
 graph on and off and the one-token prefill, interleaved rounds, paired graph saving with its range.
 verify: the same prompt in graph and streaming mode, every step's dumped logits and hidden states
@@ -28,6 +30,11 @@ from kestrel.runtime import cuda as kc
 from kestrel.runtime.generate import SamplingParams, generate
 from kestrel.runtime.gpu import GpuStep
 from kestrel.runtime.launch_binding import bytes_per_step
+
+
+# the sampled setting the bench times beside greedy (Qwen's recommended one)
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.8, seed=1, top_k=20)
+SAMPLED_TEXT = "temperature 0.7, top-p 0.8, top-k 20"
 
 
 def copy_bandwidth(stream, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -147,8 +154,38 @@ def bench_prefill(step, ids: list[int], lengths: list[int], rounds: int, log=pri
     return out
 
 
+def seek(step, ids: list[int], position: int) -> None:
+    """Prefill ``ids`` (greedy, first token sampled and fed in), then move dyn.pos to ``position``: the
+    next step reads KV rows 0..position, rows past the prompt being zeros. For timing decode at a long
+    context without prefilling it (the bytes a step reads do not depend on what the rows hold)."""
+    generate(step, ids, 1, SamplingParams())
+    step.dyn["pos"] = position
+
+
+def decode_at(step, ids: list[int], positions: list[int], n: int, rounds: int, log=print) -> list:
+    """ms/token of ``n`` greedy graph steps from each position (``seek``), median of ``rounds``, with the
+    bytes a step moves there (the KV rows up to it counted) over the run's bandwidth."""
+    bw = bandwidths(step)
+    out = []
+    for p in positions:
+        times = []
+        for _ in range(rounds + 1):  # the first warms up
+            seek(step, ids, p)
+            marks: list = []
+            step.run(1, marks)
+            step.run(n, marks)
+            times.append(statistics.median(step.mark_ms(marks)))
+        ms = statistics.median(times[1:])
+        nbytes = bytes_per_step(step.binding.step_bytes, p + n / 2)
+        roof = nbytes / (bw["used_GBps"] * 1e9) * 1e3
+        out.append({"position": p, "ms_per_token": ms, "ms_range": [min(times[1:]), max(times[1:])],
+                    "bytes_per_token": nbytes, "roofline_ms": roof, "fraction_of_roofline": roof / ms})
+        log(f"position {p}: {ms:.3f} ms/token ({nbytes / 1e6:.0f} MB/token, {roof / ms:.1%} of the roofline)")
+    return out
+
+
 def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print,
-          prompt_lengths: list[int] | None = None) -> dict:
+          prompt_lengths: list[int] | None = None, positions: list[int] | None = None) -> dict:
     t0 = time.perf_counter()
     step = GpuStep(plan, use_graph=True, use_graph_m=True)  # one arena; the graphs are built here, at load
     build_ms = (time.perf_counter() - t0) * 1e3
@@ -162,25 +199,30 @@ def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print,
         first[name] = (time.perf_counter() - t) * 1e3
     if step.prefill_rows:
         step.set_graph_m(True)
-    per_round, lat = [], {"graph": [], "stream": []}
+    per_round, lat = [], {"graph": [], "stream": [], "graph_sampled": []}
     for r in range(rounds):
         row = {}
-        for name in ("stream", "graph"):
-            step.set_graph(name == "graph")
-            g = generate(step, ids, n_new, SamplingParams(), step_ms=lat[name])
+        for name in ("stream", "graph", "graph_sampled"):
+            step.set_graph(name != "stream")
+            g = generate(step, ids, n_new, SAMPLED if name == "graph_sampled" else SamplingParams(),
+                         step_ms=lat[name])
             row[name] = g.ms_per_token
         per_round.append(row)
-        log(f"round {r + 1}: graph off {row['stream']:.3f} ms/token, graph on {row['graph']:.3f} ms/token")
+        log(f"round {r + 1}: graph off {row['stream']:.3f} ms/token, graph on {row['graph']:.3f} ms/token, "
+            f"sampled ({SAMPLED_TEXT}) {row['graph_sampled']:.3f}")
     savings = [row["stream"] - row["graph"] for row in per_round]
     effect = statistics.median(savings)
     spread = max(savings) - min(savings)
-    med = {k: statistics.median(row[k] for row in per_round) for k in ("graph", "stream")}
+    med = {k: statistics.median(row[k] for row in per_round) for k in ("graph", "stream", "graph_sampled")}
+    sampling_cost = [row["graph_sampled"] - row["graph"] for row in per_round]
     bw = bandwidths(step)
     nbytes = bytes_per_step(step.binding.step_bytes, len(ids) + n_new / 2)
     used = bw["used_GBps"] * 1e9
     return {
         "rounds": per_round, "ms_per_token": med, "graph_speedup": med["stream"] / med["graph"],
         "paired_saving_ms": effect, "paired_range_ms": spread,
+        "sampled": SAMPLED_TEXT, "sampling_cost_ms": statistics.median(sampling_cost),
+        "sampling_cost_range_ms": [min(sampling_cost), max(sampling_cost)],
         "effect_over_range": effect / spread if spread > 0 else float("inf"),
         "gain_claimed": spread == 0 or effect >= 5 * spread,
         "latency_ms": {k: {"p50": _percentile(v, 50), "p99": _percentile(v, 99)} for k, v in lat.items()},
@@ -191,6 +233,7 @@ def bench(plan, ids: list[int], n_new: int, rounds: int = 3, log=print,
         "weights": "random" if plan.random_weights else "checkpoint",
         "prompt_tokens": len(ids), "new_tokens": n_new, "prefill_rows": step.prefill_rows,
         "prefill": bench_prefill(step, ids, prompt_lengths, rounds, log) if prompt_lengths else None,
+        "long_context": decode_at(step, ids, positions, n_new, rounds, log) if positions else None,
     }
 
 

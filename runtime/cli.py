@@ -93,6 +93,10 @@ def printable(text: str) -> str:
               help=f"0 = greedy (argmax); otherwise softmax at this temperature (>= {MIN_TEMPERATURE}).")
 @click.option("--top-p", type=float, default=1.0, show_default=True,
               help="Sample from the smallest set of tokens holding this much probability (0 < p <= 1).")
+@click.option("--top-k", type=int, default=0, show_default=True,
+              help="Sample from the k most likely tokens only (0: off); applied before --top-p.")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="Drop tokens less likely than this fraction of the most likely one (0: off), after --top-p.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Random seed for sampling, in [0, 2^31): the same seed repeats a run exactly.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
@@ -113,14 +117,18 @@ def printable(text: str) -> str:
               help="Time every launch of --max-new-tokens decode steps (GPU: kernel by kernel between events, "
                    "and the graph replay alone; cpu: each reference op): tables per kernel and per layer kind, "
                    "the JSON to FILE if given (with --json: the JSON on standard output).")
+@click.option("--positions", metavar="N,N,...",
+              help="--bench: also time decoding from these positions (the KV rows up to each are read; they are "
+                   "not prefilled: timing only); --profile: profile from the first of them.")
 @click.option("--verify", is_flag=True, help="GPU: run graph and streaming, byte-compare every step's dumps.")
 @click.option("--chat", is_flag=True,
               help="Apply the checkpoint's chat template to --prompt as a user turn; without --prompt, chat "
                    "interactively: one user turn per line of standard input, the model's state kept between turns.")
 @click.option("--system", help="--chat: a system message first.")
 @exit_on_error
-def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperature, top_p, seed, device, no_graph, as_json,
-            dump_dir, bench_out, rounds, prompt_lengths, profile_out, verify, chat, system):
+def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperature, top_p, top_k, min_p, seed, device,
+            no_graph, as_json, dump_dir, bench_out, rounds, prompt_lengths, profile_out, positions, verify, chat,
+            system):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     if prompt_file is not None:
         if prompt is not None:
@@ -139,7 +147,7 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         raise InputError("give one of --bench, --profile and --verify")
     if not interactive and (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    sampling = SamplingParams(temperature, top_p, seed)
+    sampling = SamplingParams(temperature, top_p, seed, top_k, min_p)
     sampling.check()
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     if dump_dir is not None:
@@ -155,6 +163,13 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         lengths = _parse_ids(prompt_lengths, "--prompt-lengths")
         if not lengths or min(lengths) < 1:
             raise InputError(f"--prompt-lengths {prompt_lengths}: give positive lengths, e.g. 512,2048")
+    seek = None
+    if positions is not None:
+        if bench_out is None and profile_out is None:
+            raise InputError("--positions goes with --bench or --profile")
+        seek = _parse_ids(positions, "--positions")
+        if not seek or min(seek) < 1:
+            raise InputError(f"--positions {positions}: give positive positions, e.g. 4096,32768")
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
     template = ChatTemplate.from_manifest(plan.manifest) if chat else None
@@ -186,10 +201,16 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
                 raise UnsupportedError("--prompt-lengths times the M-row step: this plan has none; rebuild it with "
                                        "--prefill-rows N")
             check_lengths(max(lengths), 1, plan.manifest["max_seq"])
-        _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths)
+        if seek:
+            check_lengths(max(seek) + 1, max_new_tokens + 1, plan.manifest["max_seq"])
+        _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths, seek)
         return
     if profile_out is not None:
-        _profile(plan, ids, max_new_tokens, device, auto, as_json, profile_out)
+        if seek:
+            if device != "gpu":
+                raise InputError("--profile --positions runs on the GPU")
+            check_lengths(seek[0] + 1, 2 * max_new_tokens + 2, plan.manifest["max_seq"])
+        _profile(plan, ids, max_new_tokens, device, auto, as_json, profile_out, seek[0] if seek else None)
         return
     try:
         if device == "tensorrt":
@@ -257,11 +278,11 @@ def _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, voc
             stream.close()
 
 
-def _profile(plan, ids, steps, device, auto, as_json, out) -> None:
+def _profile(plan, ids, steps, device, auto, as_json, out, position=None) -> None:
     # the steps run kernel by kernel, then as many graph replays, each after one more
     check_lengths(len(ids), 2 * steps + 2, plan.manifest["max_seq"])
     try:
-        r = profile_plan(plan, ids, steps, device, log=lambda m: click.echo(m, err=True))
+        r = profile_plan(plan, ids, steps, device, log=lambda m: click.echo(m, err=True), position=position)
     except NoGpuError as e:
         if not auto:
             raise
@@ -274,7 +295,8 @@ def _profile(plan, ids, steps, device, auto, as_json, out) -> None:
     click.echo(text if as_json else format_report(r))
 
 
-def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths=None) -> None:
+def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths=None,
+                     positions=None) -> None:
     if verify:
         r = gpu_bench.verify(plan, ids, max_new_tokens)
         m_row = (f"; the M-row prefill and the steps after it: {r['m_row_outputs_compared']} outputs"
@@ -283,13 +305,14 @@ def _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, veri
                    f"{r['steps']} steps ({r['files_compared']} files){m_row}")
         return
     r = gpu_bench.bench(plan, ids, max_new_tokens, max(3, rounds), log=lambda m: click.echo(m, err=True),
-                        prompt_lengths=lengths)
+                        prompt_lengths=lengths, positions=positions)
     text = json.dumps(r, indent=1)
     if bench_out != "-":
         with writing(bench_out, "--bench"), open(bench_out, "w") as f:
             f.write(text)
     click.echo(text if as_json else
                f"ms/token  graph {r['ms_per_token']['graph']:.3f}  streaming {r['ms_per_token']['stream']:.3f}"
+               f"  sampled {r['ms_per_token']['graph_sampled']:.3f} ({r['sampled']})"
                f"  (x{r['graph_speedup']:.2f}; saving {r['paired_saving_ms']:.3f} ms, paired range "
                f"{r['paired_range_ms']:.3f}: {'claimed' if r['gain_claimed'] else 'not claimed'})\n"
                f"p50/p99 graph {r['latency_ms']['graph']['p50']:.3f}/{r['latency_ms']['graph']['p99']:.3f} ms; "

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from kestrel.artifacts.errors import UnsupportedError
 from kestrel.artifacts.plan import Plan
 from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
@@ -79,14 +80,17 @@ class CpuStep:
         for k in self.dyn:
             self.dyn[k] = 0
 
-    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0) -> None:
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0,
+              top_k: int = 0, min_p: float = 0.0) -> None:
         """Start a request: zeroed states, the prompt ids in the token sequence, dyn slots set. ``start`` > 0
         continues the sequence (the states hold positions < start): only prompt[start:] is written."""
         if start == 0:
             self.reset()
         self.states[TOKENS_STATE][start:len(prompt)] = torch.tensor(prompt[start:], dtype=torch.int32)
+        if (top_k or min_p) and "top_k" not in self.dyn:
+            raise UnsupportedError("this plan samples without --top-k / --min-p (made by an older Kestrel): rebuild it")
         self.dyn.update(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
-                        seed=seed)
+                        seed=seed, top_k=top_k, min_p=min_p)
 
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """``n`` decode steps; each reads dyn.token at dyn.pos, leaves dyn.sampled, feeds the next

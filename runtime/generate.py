@@ -29,8 +29,10 @@ MIN_TEMPERATURE = 1e-5  # below it, logits / T overflow fp32: use 0 (greedy)
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
-    top_p: float = 1.0
+    top_p: float = 1.0  # 1 = off
     seed: int = 0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
 
     def check(self):
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
@@ -40,6 +42,15 @@ class SamplingParams:
             raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
         if not 0 <= self.seed < 2 ** 31:
             raise InputError(f"--seed {self.seed}: must be in [0, 2^31)")
+        if not 0 <= self.top_k < 2 ** 31:
+            raise InputError(f"--top-k {self.top_k}: must be 0 (off) or a positive number of tokens")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"--min-p {self.min_p}: must be in [0, 1] (0: off)")
+
+    @property
+    def truncating(self) -> bool:
+        """Top-k or min-p asked for (top-p is in every plan)."""
+        return self.top_k > 0 or self.min_p > 0
 
 
 @dataclass
@@ -115,7 +126,8 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     chunks = -(-(n - resume_from) // rows) if rows else 0
 
     t0 = time.perf_counter()
-    step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from)
+    step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from,
+               top_k=sampling.top_k, min_p=sampling.min_p)
     if hooks:  # one step at a time, the outputs of each read back
         seq = list(prompt)
         start = resume_from

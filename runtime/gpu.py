@@ -190,7 +190,8 @@ class GpuStep:
             kc.check(cu.cuMemsetD8(addr, 0, nbytes), "cuMemsetD8 (reset)")
         self.sync()
 
-    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0) -> None:
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0,
+              top_k: int = 0, min_p: float = 0.0) -> None:
         """Start a request: zero the states, upload the prompt ids and the dyn slots (the request's
         one host write; generate checked the lengths, and the kernels clamp anyway). ``start`` > 0
         continues the sequence instead: the states already hold positions < start (a chat's earlier
@@ -200,8 +201,10 @@ class GpuStep:
         self.sync()
         slots, base = self.dyn.table, self.binding.regions["dyn"]
         image = np.zeros(max(s.address - base for s in slots.values()) // 4 + 1, dtype=np.int32)
+        if (top_k or min_p) and "top_k" not in slots:
+            raise UnsupportedError("this plan samples without --top-k / --min-p (made by an older Kestrel): rebuild it")
         values = dict(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
-                      seed=seed)
+                      seed=seed, top_k=top_k, min_p=min_p)
         for name, v in values.items():
             if name in slots:
                 arr = image.view(np.float32) if slots[name].dtype == "f32" else image

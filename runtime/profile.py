@@ -176,7 +176,8 @@ class _Gate:
         self.kc.check(self.cu.cuMemFreeHost(self.host), "cuMemFreeHost")
 
 
-def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidth: dict | None) -> dict:
+def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidth: dict | None,
+                position: int | None = None) -> dict:
     """``steps`` decode steps launched one by one, every launch between two events (behind gates), then
     as many graph replays timed alone (when the step has a graph)."""
     cu = kc.driver()
@@ -185,6 +186,8 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
     use_graph = step.use_graph
     step.set_graph(False)
     _prefill(step, ids)
+    if position is not None:  # decode from there (the KV rows past the prompt are zeros: timing only)
+        step.dyn["pos"] = position
     gate = None
     try:
         gate = _Gate()
@@ -230,8 +233,9 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
     return report
 
 
-def profile_plan(plan, ids: list[int], steps: int, device: str, log=print) -> dict:
-    """Load the plan on ``device`` (gpu or cpu) and profile a request with prompt ``ids``."""
+def profile_plan(plan, ids: list[int], steps: int, device: str, log=print, position: int | None = None) -> dict:
+    """Load the plan on ``device`` (gpu or cpu) and profile a request with prompt ``ids`` (GPU: decoding
+    from ``position`` when given)."""
     launches = plan.launch_plan["launches"]
     if device == "gpu":
         step = GpuStep(plan, use_graph=True, use_graph_m=True, log=log)
@@ -239,7 +243,7 @@ def profile_plan(plan, ids: list[int], steps: int, device: str, log=print) -> di
         bandwidth = bench.bandwidths(step)
         log(f"bandwidth: copy {bandwidth['copy_GBps']:.0f} GB/s, read-only "
             f"{bandwidth['read_GBps'] or float('nan'):.0f} GB/s ({(time.perf_counter() - t) * 1e3:.0f} ms)")
-        return profile_gpu(step, launches, ids, steps, bandwidth)
+        return profile_gpu(step, launches, ids, steps, bandwidth, position)
     from kestrel.runtime.cpu import CpuStep
 
     return profile_cpu(CpuStep(plan), launches, ids, steps)

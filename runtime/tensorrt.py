@@ -57,7 +57,7 @@ class _Dyn:
 
     def __init__(self, step: "TrtStep"):
         self.step = step
-        self.host = {"pos": 0, "n_prompt": 0, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+        self.host = {"pos": 0, "n_prompt": 0, "temperature": 0.0, "top_p": 1.0, "seed": 0, "top_k": 0, "min_p": 0.0}
 
     def __contains__(self, name):
         return name in self.host or name in ("token", "sampled")
@@ -241,12 +241,13 @@ class TrtStep:
         self.parity = 0
         self.dyn.host.update(pos=0, n_prompt=0)
 
-    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0) -> None:
+    def begin(self, prompt: list[int], temperature: float, top_p: float, seed: int, start: int = 0,
+              top_k: int = 0, min_p: float = 0.0) -> None:
         """A new request: zeroed states, the prompt ids in the device token sequence (``start`` > 0:
         the sequence continues, see GpuStep.begin)."""
         if start == 0:
             self.reset()
-        self.dyn.update(temperature=temperature, top_p=top_p, seed=seed)
+        self.dyn.update(temperature=temperature, top_p=top_p, seed=seed, top_k=top_k, min_p=min_p)
         ids = np.array(prompt[start:], dtype=np.int64)
         kc.check(kc.driver().cuMemcpyHtoD(self.tokens + 8 * start, ids.ctypes.data, ids.nbytes), "cuMemcpyHtoD")
         self.dyn.host.update(pos=start, n_prompt=len(prompt))

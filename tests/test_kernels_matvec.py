@@ -117,9 +117,11 @@ def test_launch_rule_real_shapes(target, group):
         assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
         assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]
         assert c["grid"][0] >= 2 * t.sms, f"{name}: {c['grid'][0]} CTAs for {t.sms} SMs"
-        if group:  # tiles of up to 8 KB of nibbles, BLOCK_K up to 2048, 2 warps (measured best at these shapes)
-            assert e["BLOCK_K"] == min(2048, 16384 // e["BLOCK_N"]) and e["BLOCK_K"] % group == 0
-            assert c["num_warps"] == 2
+        if group:  # tiles of 8192 nibbles dividing K, one warp per 512 inputs (measured best at these shapes)
+            assert e["BLOCK_N"] * e["BLOCK_K"] == 8192 and k % e["BLOCK_K"] == 0
+            assert c["num_warps"] == e["BLOCK_K"] // 512
+            if target == "sm_90":
+                assert (e["BLOCK_N"], e["BLOCK_K"]) == ((8, 1024) if name == "down_proj" else (16, 512))
         else:
             assert e["BLOCK_K"] == 512 and k % e["BLOCK_K"] == 0  # no masked tail
             assert c["num_warps"] == max(1, e["BLOCK_N"] // 4)
@@ -135,7 +137,8 @@ def test_launch_rule_small_and_odd_shapes():
             assert bk >= group and bk % group == 0
     assert matvec_launch(1024, 3584, 0, t)["constexprs"]["BLOCK_K"] == 2048  # small bf16: a full tile + masked tail
     assert matvec_launch(5120, 17408, 0, t)["constexprs"]["BLOCK_K"] == 512  # large bf16: divides K, no tail
-    assert matvec_launch(5120, 17408, 128, t)["constexprs"]["BLOCK_K"] == 2048  # q4: 8 full tiles + a masked one
+    assert matvec_launch(5120, 17408, 128, t)["constexprs"]["BLOCK_K"] == 1024  # q4: 17 tiles, no tail
+    assert matvec_launch(1024, 3584, 128, t)["constexprs"]["BLOCK_K"] == 512  # q4: 7 tiles (2048 would leave a tail)
 
 
 # --- AOT compilation -----------------------------------------------------------------------------

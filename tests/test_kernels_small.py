@@ -11,9 +11,10 @@ from kestrel.kernels.embedding import (embedding_kernel, embedding_launch, embed
                                        embedding_rows_launch, embedding_rows_ref)
 from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
                                      rmsnorm_ref)
-from kestrel.kernels.sample import (_uniform, chunk_last_kernel, chunk_last_ref, last_row_kernel, last_row_ref,
-                                    prefill_end_kernel, prefill_end_ref, rows_tail_launch, sample_kernel, sample_launch,
-                                    sample_ref, step_end_kernel, step_end_launch, step_end_ref, uniform_from)
+from kestrel.kernels.sample import (SCRATCH_HEADER, _uniform, chunk_last_kernel, chunk_last_ref, last_row_kernel,
+                                    last_row_ref, prefill_end_kernel, prefill_end_ref, rows_tail_launch, sample_kernel,
+                                    sample_launch, sample_ref, sample_scratch_shape, step_end_kernel, step_end_launch,
+                                    step_end_ref, uniform_from)
 from kestrel.kernels.targets import TARGETS
 
 CCS = [t.cc for t in TARGETS.values()]
@@ -91,31 +92,142 @@ def test_rmsnorm_and_add_rmsnorm(shape):
     assert_close(n, rn, 1e-5, 1e-6, "add_rmsnorm")
 
 
-def run_sample(logits, temperature, top_p, seed, pos):
-    c = sample_launch(logits.numel(), TARGETS["sm_90"])
-    consts = dict(c["constexprs"], BLOCK=256)  # small block: several passes over a small vocabulary
-    out = i32(-1)
-    interpret(sample_kernel)[(1,)](logits, f32(temperature), f32(top_p), i32(seed), i32(pos), out, **consts)
-    return int(out[0])
+def run_sample(logits, temperature, top_p, top_k, min_p, seed, pos, tile=512, cand=16, block=512):
+    """sample_kernel in the interpreter over G = ceil(V / tile) programs (small tiles: several programs
+    and a real merge at a small vocabulary); returns (token, the merge's path: 0 greedy, 1 tiles,
+    2 candidates, 3 full-vocabulary fallback). The ticket must be back at 0 after every launch."""
+    v = logits.numel()
+    consts = dict(sample_launch(v, TARGETS["sm_90"])["constexprs"], TILE=tile, CAND=cand, BLOCK=block)
+    g = -(-v // tile)
+    partials = torch.full((g, SCRATCH_HEADER + 2 * cand), float("nan"))  # garbage between launches
+    ticket, out = i32(0), i32(-1)
+    interpret(sample_kernel)[(g,)](logits, f32(temperature), f32(top_p), i32(top_k), f32(min_p), i32(seed), i32(pos),
+                                   partials, ticket, out, **consts)
+    assert int(ticket[0]) == 0
+    return int(out[0]), int(partials[0, 5:6].view(torch.int32)[0])
 
 
-def test_sample_greedy_matches_argmax_first_index():
+def test_sample_launch_and_scratch_shape():
+    t = TARGETS["sm_90"]
+    c = sample_launch(248320, t)
+    r = t.rules["sample"]
+    assert c["grid"] == [-(-248320 // r.tile), 1, 1] and c["constexprs"]["TILE"] == r.tile
+    assert sample_scratch_shape(248320, t) == (c["grid"][0], SCRATCH_HEADER + 2 * c["constexprs"]["CAND"])
+    small = sample_launch(1000, t)  # one program over a power-of-two tile
+    assert small["grid"] == [1, 1, 1] and small["constexprs"]["TILE"] == 1024 and small["constexprs"]["CAND"] <= 1024
+
+
+def test_sample_greedy_first_index_across_tiles():
     g = torch.Generator().manual_seed(3)
-    for v in (1000, 777):
+    for v in (3000, 2049):
         logits = torch.randn(v, generator=g)
-        assert run_sample(logits, 0.0, 1.0, 0, 0) == sample_ref(logits, 0.0, 1.0, 0, 0)
-    tied = torch.zeros(600)
-    tied[[5, 300, 599]] = 3.0
-    assert run_sample(tied, 0.0, 1.0, 0, 0) == 5
+        assert run_sample(logits, 0.0, 1.0, 0, 0.0, 0, 0) == (sample_ref(logits, 0.0, 1.0, 0, 0.0, 0, 0), 0)
+    tied = torch.randn(3000, generator=g)
+    tied[[2900, 700, 1500, 701]] = 9.0  # equal maxima in three tiles: the first index wins
+    assert run_sample(tied, 0.0, 1.0, 0, 0.0, 5, 1) == (700, 0) and sample_ref(tied, 0.0, 1.0, 0, 0.0, 5, 1) == 700
+    assert run_sample(tied, 0.0, 0.5, 5, 0.1, 5, 1) == (700, 0)  # truncation settings do not matter at T = 0
 
 
-def test_sample_seeded_matches_reference():
-    g = torch.Generator().manual_seed(4)
-    logits = 3 * torch.randn(700, generator=g)
-    agree = sum(run_sample(logits, t, p, seed, pos) == sample_ref(logits, t, p, seed, pos)
-                for t, p, seed, pos in [(1.0, 1.0, 1, 5), (0.7, 0.9, 2, 11), (1.3, 0.5, 3, 0), (1.0, 0.95, 7, 99),
-                                        (0.5, 1.0, 9, 3), (2.0, 0.8, 4, 42)])
-    assert agree == 6  # float sums differ in order from torch; a boundary case may flip, none does here
+def _sample_logits(kind: str, v: int = 3000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(len(kind))
+    x = torch.randn(v, generator=g)
+    if kind == "sharp":  # top-p 0.9 keeps a handful of tokens
+        return 6 * x
+    if kind == "ties":  # 30 tokens at 2.0 and 40 at 1.0, spread over the tiles: top-50 cuts the 1.0 ties by index
+        x = torch.zeros(v)
+        perm = torch.randperm(v, generator=g)
+        x[perm[:30]], x[perm[30:70]] = 2.0, 1.0
+        return x
+    if kind == "flat":
+        return torch.zeros(v)
+    if kind == "front":  # the top-30 all in tile 0, more than its CAND candidates
+        x[:40] = 6.0
+        return x
+    return 3 * x
+
+
+# (id, logits, (temperature, top_p, top_k, min_p), tile, cand, fallback slice, the merge's path, seeds): 16 seeds
+# per case keeps these interpreter runs near 45 s on two cores (the fallback's passes are slow there: fewer)
+SAMPLE_CASES = [
+    ("temperature", "randn", (1.0, 1.0, 0, 0.0), 512, 16, 512, 1, 16),
+    ("top_k", "randn", (1.0, 1.0, 12, 0.0), 512, 16, 512, 2, 16),
+    ("top_p", "sharp", (1.0, 0.9, 0, 0.0), 512, 16, 512, 2, 16),
+    ("min_p", "randn", (1.0, 1.0, 0, 0.1), 1024, 8, 512, 2, 16),
+    ("top_k_top_p", "randn", (0.7, 0.8, 20, 0.0), 512, 16, 512, 2, 16),
+    ("all_three", "randn", (0.7, 0.8, 20, 0.05), 512, 16, 512, 2, 16),
+    ("top_k_at_least_vocab", "sharp", (0.8, 0.9, 3005, 0.0), 1024, 8, 512, 2, 16),
+    ("top_p_tiny_is_greedy", "randn", (1.0, 1e-6, 0, 0.0), 512, 16, 512, 2, 16),
+    ("ties_straddle_top_k", "ties", (1.0, 1.0, 50, 0.0), 512, 16, 512, 2, 12),
+    ("fallback_flat_top_p", "flat", (1.0, 0.9, 0, 0.0), 512, 16, 1024, 3, 4),
+    ("fallback_top_k_in_one_tile", "front", (1.0, 0.95, 30, 0.05), 512, 16, 1024, 3, 4),
+]
+
+
+@pytest.mark.parametrize("kind,params,tile,cand,block,path,seeds", [c[1:] for c in SAMPLE_CASES],
+                         ids=[c[0] for c in SAMPLE_CASES])
+def test_sample_matches_reference_for_every_seed(kind, params, tile, cand, block, path, seeds):
+    """The many-program kernel draws sample_ref's token for every seed, through the expected merge
+    path (the fallback cases: kept sets the candidates cannot prove)."""
+    logits = _sample_logits(kind)
+    for seed in range(seeds):
+        pos = 17 * seed + 3
+        want = sample_ref(logits, *params, seed, pos)
+        assert run_sample(logits, *params, seed, pos, tile, cand, block) == (want, path), seed
+    if kind == "ties":  # the 50 kept: the 30 twos and the first 20 ones by index; both groups drawn
+        drawn = {sample_ref(logits, *params, s, 0) for s in range(200)}
+        ones = (logits == 1.0).nonzero().flatten()
+        assert drawn <= set((logits == 2.0).nonzero().flatten().tolist()) | set(ones[:20].tolist())
+        assert drawn & set(ones[:20].tolist())
+    if kind == "randn" and params[1] < 1e-3:
+        assert sample_ref(logits, *params, 0, 0) == int(torch.argmax(logits))
+
+
+def _truncated(p: list[float], top_k: int, top_p: float, min_p: float, k_first: bool = True) -> list[float]:
+    """The renormalised truncated distribution over probabilities p, computed directly: top-k, then
+    top-p over the top-k set renormalised (the smallest prefix in sorted order reaching top_p of its
+    mass), then min-p (p >= min_p * p_max). k_first=False: top-p over all tokens first (wrong)."""
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+
+    def top_p_of(keep):
+        total, acc, out = sum(p[i] for i in keep), 0.0, []
+        for i in keep:
+            out.append(i)
+            acc += p[i]
+            if acc >= top_p * total:
+                break
+        return out
+
+    keep = order
+    if not k_first and top_p < 1:
+        keep = top_p_of(keep)
+    if top_k > 0:
+        keep = keep[:top_k]
+    if k_first and top_p < 1:
+        keep = top_p_of(keep)
+    if min_p > 0:
+        keep = [i for i in keep if p[i] >= min_p * p[order[0]]] or keep[:1]
+    z = sum(p[i] for i in keep)
+    return [p[i] / z if i in keep else 0.0 for i in range(len(p))]
+
+
+def test_sample_ref_truncated_distributions():
+    """sample_ref's empirical frequencies over many seeds match the renormalised truncated distribution
+    (6 tokens, not in sorted order), for top-k, top-p, min-p and their combinations and a temperature;
+    top-p applied before top-k would give a clearly different distribution for (k 4, p 0.6)."""
+    probs = [0.12, 0.30, 0.05, 0.25, 0.08, 0.20]
+    n = 3000
+    for t, top_k, top_p, min_p in [(1.0, 3, 1.0, 0.0), (1.0, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.5), (1.0, 4, 0.6, 0.0),
+                                   (1.0, 5, 0.9, 0.3), (0.5, 0, 0.9, 0.0)]:
+        sharp = [q ** (1 / t) for q in probs]
+        want = _truncated([q / sum(sharp) for q in sharp], top_k, top_p, min_p)
+        logits = torch.log(torch.tensor(probs))
+        draws = torch.bincount(torch.tensor([sample_ref(logits, t, top_p, top_k, min_p, s, 11) for s in range(n)]),
+                               minlength=6) / n
+        assert all((d == 0) == (w == 0) for d, w in zip(draws.tolist(), want)), (t, top_k, top_p, min_p, draws, want)
+        assert max(abs(d - w) for d, w in zip(draws.tolist(), want)) < 0.03, (t, top_k, top_p, min_p, draws, want)
+    right, wrong = _truncated(probs, 4, 0.6, 0.0), _truncated(probs, 4, 0.6, 0.0, k_first=False)
+    assert sum(w > 0 for w in right) == 2 and sum(w > 0 for w in wrong) == 3
+    assert max(abs(a - b) for a, b in zip(right, wrong)) > 0.1  # far beyond the 0.03 the check allows
 
 
 @triton.jit
@@ -157,7 +269,8 @@ def test_aot_compiles_for_every_target(cc):
         ("embedding_bf16", embedding_kernel, ["*bf16", "*i32", "*fp32"], embedding_launch(5120, t)),
         ("rmsnorm", rmsnorm_kernel, ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
         ("add_rmsnorm", add_rmsnorm_kernel, ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
-        ("sample", sample_kernel, ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32"], sample_launch(248320, t)),
+        ("sample", sample_kernel, ["*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32", "*i32"],
+         sample_launch(248320, t)),
         ("step_end", step_end_kernel, ["*i32"] * 6, step_end_launch(4096, t)),
         ("embedding_rows_bf16", embedding_rows_kernel, ["*bf16", "*i32", "*i32", "*i32", "*fp32", "i32"],
          embedding_rows_launch(128, 5120, 4096, t)),

@@ -25,6 +25,10 @@ MAX_SEQ = 32
 TOL = 1e-4  # fp32 (the bar)
 # bf16 KV caches (--quant bf16 and q4): one ulp of one cache element may flip (see above), worth ~5e-5
 TOL_BF16_CACHE = 5e-4
+# q4: the ONNX step multiplies the dequantised weights in fp32; Kestrel's q4 product (kernels/matvec.py)
+# rounds x / 64 to fp16 and sums each word's lanes in fp16 (~3e-4 of a product's magnitude), which
+# compounds over the layers: measured 2.0e-3 on this model
+TOL_Q4 = 4e-3
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 
 
@@ -97,7 +101,8 @@ def test_onnx_step_matches_cpu_reference(exported):
     assert [t for t, _ in got] == [t for t, _ in want], f"{quant}: greedy tokens differ"
     worst = max(float(np.abs(a - b).max() / np.abs(b).max()) for (_, a), (_, b) in zip(got, want))
     print(f"{quant}: max |dlogits| / max |logit| over {STEPS} steps = {worst:.2e}")
-    assert worst <= (TOL if quant == "none" else TOL_BF16_CACHE), f"{quant}: logits differ by {worst:.2e} (relative to the largest logit)"
+    tol = {"none": TOL, "q4": TOL_Q4}.get(quant, TOL_BF16_CACHE)
+    assert worst <= tol, f"{quant}: logits differ by {worst:.2e} (relative to the largest logit)"
 
 
 def test_onnx_step_passes_checker_and_strict_shape_inference(exported):

@@ -53,15 +53,20 @@ def test_sampling_is_seeded(tiny_plan):
     assert run_json(*base, "--seed", "2")["tokens"] != a
     greedy = run_json(tiny_plan, "--prompt", "The", "--max-new-tokens", "24")["tokens"]
     assert a != greedy
-    # top-p keeping only the most likely token is greedy
+    # top-p keeping only the most likely token is greedy; so are top-k 1 and min-p 1
     assert run_json(*base, "--seed", "1", "--top-p", "1e-9")["tokens"] == greedy
+    assert run_json(*base, "--seed", "1", "--top-k", "1")["tokens"] == greedy
+    assert run_json(*base, "--seed", "1", "--min-p", "1")["tokens"] == greedy
+    # the truncations change the draw: each against plain temperature sampling with the same seed
+    for extra in (["--top-k", "3"], ["--min-p", "0.3"], ["--top-k", "20", "--top-p", "0.8"]):
+        assert run_json(*base, "--seed", "1", *extra)["tokens"] not in (a, greedy), extra
 
 
 def test_sample_ref_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2, 1e-9]))
-    draws = np.bincount([sample_ref(logits, 1.0, 1.0, seed, 0) for seed in range(4000)], minlength=4) / 4000
+    draws = np.bincount([sample_ref(logits, 1.0, 1.0, 0, 0.0, seed, 0) for seed in range(4000)], minlength=4) / 4000
     assert np.allclose(draws[:3], [0.5, 0.3, 0.2], atol=0.03) and draws[3] == 0
-    top = np.bincount([sample_ref(logits, 1.0, 0.6, seed, 7) for seed in range(2000)], minlength=4)
+    top = np.bincount([sample_ref(logits, 1.0, 0.6, 0, 0.0, seed, 7) for seed in range(2000)], minlength=4)
     assert top[2] == 0 and top[3] == 0  # 0.5 + 0.3 reaches top_p 0.6: only the first two remain
     assert all(0 <= uniform_from(s, p) < 1 for s in range(50) for p in range(50))
 
@@ -154,6 +159,11 @@ def test_eos_stops(tiny_plan):
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
     (["--prompt", "a", "--top-p", "0"], "--top-p"),
+    (["--prompt", "a", "--top-k", "-1"], "--top-k"),
+    (["--prompt", "a", "--min-p", "1.5"], "--min-p"),
+    (["--prompt", "a", "--positions", "100"], "--positions goes with --bench or --profile"),
+    (["--prompt", "a", "--profile", "--positions", "100", "--device", "cpu"], "--profile --positions runs on the GPU"),
+    (["--prompt", "a", "--bench", "--profile"], "one of --bench, --profile and --verify"),
 ])
 def test_input_errors(tiny_plan, args, message):
     r = run_cli("kestrel-run", tiny_plan, *args)

@@ -45,12 +45,16 @@ dyn temperature:f32 host
 dyn top_p:f32 host
 dyn seed:i32 host
 dyn n_prompt:i32 host
+dyn top_k:i32 host
+dyn min_p:f32 host
 weight embed_tokens : f32[16,32] <- ["ckpt","embed_tokens.weight"]
 weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
 state tokens : i32[8]
+state scratch.sample_partials : f32[1,1]
+state scratch.sample_ticket : i32[1]
 %0 : f32[32] = embedding embed_tokens, dyn.token
 %1 : f32[16] = matmul %0, lm_head
-dyn.sampled = sample %1, dyn.temperature, dyn.top_p, dyn.seed, dyn.pos
+dyn.sampled = sample %1, dyn.temperature, dyn.top_p, dyn.top_k, dyn.min_p, dyn.seed, dyn.pos, scratch.sample_partials, scratch.sample_ticket
 output hidden %0
 output logits %1
 """
@@ -63,6 +67,8 @@ dyn temperature:f32
 dyn top_p:f32
 dyn seed:i32
 dyn n_prompt:i32
+dyn top_k:i32
+dyn min_p:f32
 weight embed_tokens : f32[16,32] <- ["ckpt","embed_tokens.weight"]
 weight w1 : f32[64,32] <- ["ckpt","w1"]
 weight w2 : f32[32,64] <- ["ckpt","w2"]
@@ -71,6 +77,8 @@ weight w4 : f32[32,64] <- ["ckpt","w4"]
 weight norm : f32[32] <- ["ckpt","norm"]
 weight lm_head : f32[16,32] <- ["ckpt","lm_head.weight"]
 state tokens : i32[8]
+state scratch.sample_partials : f32[1,1]
+state scratch.sample_ticket : i32[1]
 %0 : f32[32] = embedding embed_tokens, dyn.token
 %1 : f32[64] = matmul %0, w1
 %2 : f32[32] = matmul %1, w2
@@ -78,7 +86,7 @@ state tokens : i32[8]
 %4 : f32[32] = matmul %3, w4
 %5 : f32[32], %6 : f32[32] = add_rmsnorm %0, %4, norm {eps=1e-06}
 %7 : f32[16] = matmul %6, lm_head
-dyn.sampled = sample %7, dyn.temperature, dyn.top_p, dyn.seed, dyn.pos
+dyn.sampled = sample %7, dyn.temperature, dyn.top_p, dyn.top_k, dyn.min_p, dyn.seed, dyn.pos, scratch.sample_partials, scratch.sample_ticket
 dyn.pos, dyn.token = step_end dyn.pos, dyn.sampled, dyn.n_prompt, tokens
 output hidden %6
 output logits %7
