@@ -223,7 +223,8 @@ def probe_kernels(kernels: list[dict], cubins: dict, target: str) -> dict:
     read-only bandwidth stream of kernels/bandwidth.py), compiled into the kernel table: name ->
     {kernel_index, programs_per_sm, block}."""
     k = compile_kernel("read_stream", bandwidth.read_stream_kernel, bandwidth.READ_TYPES,
-                       {"BLOCK": bandwidth.READ_BLOCK}, bandwidth.READ_WARPS, TARGETS[target].cc)
+                       {"BLOCK": bandwidth.READ_BLOCK}, bandwidth.READ_WARPS, TARGETS[target].cc,
+                       bandwidth.READ_ALIGNED)
     part = f"__kestrel__/cubin/{len(kernels):03d}"
     cubins[part] = k.cubin
     kernels.append(_table_entry(k, part, {"BLOCK": bandwidth.READ_BLOCK}))

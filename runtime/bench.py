@@ -63,7 +63,7 @@ def read_bandwidth(step, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
     if probe is None:
         return None
     cu = kc.driver()
-    n_words = nbytes // 4
+    n_words = nbytes // 64 * 16  # a multiple of 16 words (the probe is compiled knowing it)
     buf = kc.check(cu.cuMemAlloc(nbytes), "cuMemAlloc")
     tiles = -(-n_words // probe["block"])
     sms = kc.check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
