@@ -11,7 +11,6 @@ import time
 import numpy as np
 import torch
 
-from kestrel.artifacts.errors import UnsupportedError
 from kestrel.artifacts.plan import Plan
 from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
@@ -87,8 +86,6 @@ class CpuStep:
         if start == 0:
             self.reset()
         self.states[TOKENS_STATE][start:len(prompt)] = torch.tensor(prompt[start:], dtype=torch.int32)
-        if (top_k or min_p) and "top_k" not in self.dyn:
-            raise UnsupportedError("this plan samples without --top-k / --min-p (made by an older Kestrel): rebuild it")
         self.dyn.update(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
                         seed=seed, top_k=top_k, min_p=min_p)
 

@@ -47,11 +47,6 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise InputError(f"--min-p {self.min_p}: must be in [0, 1] (0: off)")
 
-    @property
-    def truncating(self) -> bool:
-        """Top-k or min-p asked for (top-p is in every plan)."""
-        return self.top_k > 0 or self.min_p > 0
-
 
 @dataclass
 class Generation:

@@ -201,8 +201,6 @@ class GpuStep:
         self.sync()
         slots, base = self.dyn.table, self.binding.regions["dyn"]
         image = np.zeros(max(s.address - base for s in slots.values()) // 4 + 1, dtype=np.int32)
-        if (top_k or min_p) and "top_k" not in slots:
-            raise UnsupportedError("this plan samples without --top-k / --min-p (made by an older Kestrel): rebuild it")
         values = dict(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
                       seed=seed, top_k=top_k, min_p=min_p)
         for name, v in values.items():

@@ -154,23 +154,26 @@ def profile_cpu(step, launches: list[dict], ids: list[int], steps: int) -> dict:
 
 
 class _Gate:
-    """A 4-byte flag in mapped pinned host memory the stream waits on (cuStreamWaitValue32 >= 1)."""
+    """A 4-byte counter in mapped pinned host memory the stream waits on: ``hold`` enqueues a wait for
+    the next value (cuStreamWaitValue32 >= n), ``release`` writes it. The counter only grows, so a
+    release never re-blocks a wait enqueued before it."""
 
     def __init__(self):
         cu = kc.driver()
         self.kc, self.cu = kc, cu
         self.host = kc.check(cu.cuMemHostAlloc(4, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
         self.dev = kc.check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer")
-        self.flag = (ctypes.c_int32 * 1).from_address(int(self.host))
+        self.flag = (ctypes.c_uint32 * 1).from_address(int(self.host))
+        self.flag[0] = self.n = 0
 
     def hold(self, stream) -> None:
-        self.flag[0] = 0
-        self.kc.check(self.cu.cuStreamWaitValue32(stream, self.dev, 1,
+        self.n += 1
+        self.kc.check(self.cu.cuStreamWaitValue32(stream, self.dev, self.n,
                                                   self.cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
                       "cuStreamWaitValue32")
 
     def release(self) -> None:
-        self.flag[0] = 1
+        self.flag[0] = self.n
 
     def close(self) -> None:
         self.kc.check(self.cu.cuMemFreeHost(self.host), "cuMemFreeHost")
