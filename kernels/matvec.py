@@ -104,12 +104,16 @@ def q4_matvec_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group:
     """The q4 product of the layout comment above, for one x [K]: fp16 lanes emulated exactly (each
     fused multiply-add computed in float64, where it is exact, then rounded to fp16 once)."""
     n, k = q.shape
-    xh = (x.float() / Q4_X_SCALE).half().double()
-    p = (q.double() * xh[None, :]).reshape(n, k // 8, 4, 2)  # (row, word, pair, lane): input 8j + 2 pair + lane
-    s = p[:, :, 0].half().double()
+    # (row, word, pair, lane) -> pair first: input 8j + 2 pair + lane; each pair's slice made contiguous
+    # as it is converted
+    # as it is converted. The lane sums stay fp32 (fp16 values are exact there); the product and the
+    # add run in float64 (mixed operands promote), where they are exact, and round to fp16 once
+    xh = (x.float() / Q4_X_SCALE).half().double().reshape(k // 8, 4, 2).permute(1, 0, 2)
+    qp = q.reshape(n, k // 8, 4, 2).permute(2, 0, 1, 3)
+    s = (qp[0].double() * xh[0]).half().float()
     for i in (1, 2, 3):
-        s = (p[:, :, i] + s).half().double()
-    words = s.float().sum(-1)  # the two lanes, in fp32
+        s = (qp[i].double() * xh[i] + s).half().float()
+    words = s.sum(-1)  # the two lanes, in fp32
     chunks = words.reshape(n, k // 32, 4).sum(-1) * scales.repeat_interleave(group // 32, dim=1)
     return chunks.sum(-1) * Q4_X_SCALE
 

@@ -57,9 +57,9 @@ def test_sampling_is_seeded(tiny_plan):
     assert run_json(*base, "--seed", "1", "--top-p", "1e-9")["tokens"] == greedy
     assert run_json(*base, "--seed", "1", "--top-k", "1")["tokens"] == greedy
     assert run_json(*base, "--seed", "1", "--min-p", "1")["tokens"] == greedy
-    # the truncations change the draw: each against plain temperature sampling with the same seed
-    for extra in (["--top-k", "3"], ["--min-p", "0.3"], ["--top-k", "20", "--top-p", "0.8"]):
-        assert run_json(*base, "--seed", "1", *extra)["tokens"] not in (a, greedy), extra
+    # truncation changes the draw (against plain temperature sampling with the same seed)
+    assert run_json(*base, "--seed", "1", "--top-k", "20", "--top-p", "0.8", "--min-p", "0.05")["tokens"] not in (
+        a, greedy)
 
 
 def test_sample_ref_distribution():
