@@ -8,8 +8,10 @@ of op ``op`` with ``op.launch = {kernel, grid, num_warps, CONSTEXPRS...}`` passe
      read per-token values from device memory, never from their arguments);
   2. one scalar per op attribute, in attribute order (floats as fp32, ints as i32);
   3. Triton's two trailing pointers (global scratch, profile scratch; 0 when their sizes are 0).
-The UPPER-case launch keys are the kernel's constexpr parameters, by name. Pointer element types
-follow the buffer's dtype (f32 -> *fp32, bf16 -> *bf16, q4 -> *u8, i32 dyn -> *i32).
+The UPPER-case launch keys are the kernel's constexpr parameters, by name; codegen adds one more,
+``PDL`` (kernels/pdl.py: true from sm_90), to every kernel that takes it, and records it in the
+kernel table, where the runtime reads whether the step's graph may chain its nodes programmatically.
+Pointer element types follow the buffer's dtype (f32 -> *fp32, bf16 -> *bf16, q4 -> *u8, i32 dyn -> *i32).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import base64
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -32,6 +35,7 @@ from triton.runtime.jit import JITFunction
 from kestrel.compiler.ir import Dyn, Op, Program, is_q4
 from kestrel.compiler.ops import OPS, is_view
 from kestrel.kernels import bandwidth, fill
+from kestrel.kernels.pdl import PDL_MIN_CC
 from kestrel.kernels.targets import TARGETS
 
 PTR_TYPES = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32"}
@@ -63,6 +67,16 @@ def param_types(op: Op) -> list[str]:
 
 def constexprs(launch: dict) -> dict:
     return {k: v for k, v in launch.items() if k.isupper()}
+
+
+def op_constexprs(op: Op, cc: int) -> dict:
+    """The constexprs ``op``'s kernel is compiled with: its launch rule's, plus ``PDL`` where the
+    kernel takes it (true on targets with programmatic dependent launch)."""
+    consts = constexprs(op.launch)
+    fn = OPS[op.kind].kernel.jit_for(op)
+    if "PDL" in inspect.signature(fn.fn).parameters:
+        consts["PDL"] = cc >= PDL_MIN_CC
+    return consts
 
 
 @dataclass
@@ -131,7 +145,7 @@ def pointer_alignment(op: Op) -> list[bool]:
 
 def compile_op(op: Op, cc: int) -> CompiledKernel:
     return compile_kernel(op.launch["kernel"], OPS[op.kind].kernel.jit_for(op), param_types(op),
-                          constexprs(op.launch), op.launch["num_warps"], cc, pointer_alignment(op))
+                          op_constexprs(op, cc), op.launch["num_warps"], cc, pointer_alignment(op))
 
 
 _REPLY = "kestrel-compiled "
@@ -204,14 +218,15 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
         for op in program.ops:
             if is_view(op):
                 continue
-            key = (op.launch["kernel"], json.dumps(constexprs(op.launch), sort_keys=True), op.launch["num_warps"],
+            consts = op_constexprs(op, cc)
+            key = (op.launch["kernel"], json.dumps(consts, sort_keys=True), op.launch["num_warps"],
                    tuple(param_types(op)), tuple(pointer_alignment(op)))
             if key not in index:
                 k = compile_op(op, cc)
                 part = f"__kestrel__/cubin/{len(table):03d}"
                 cubins[part] = k.cubin
                 index[key] = len(table)
-                table.append(_table_entry(k, part, constexprs(op.launch)))
+                table.append(_table_entry(k, part, consts))
             of_launch[-1].append(index[key])
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
         f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches")

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.elementwise import sigmoid_gate_ref
+from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import TARGETS, pow2_at_least
 
@@ -223,7 +224,7 @@ def _norm_rope(x_ptr, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexp
 def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_ptr,
                      ticket_ptr, out_ptr, eps, theta, rotary_dim, scale,
                      NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr, PDL: tl.constexpr = False):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
     For query head h (kv head g = h // (NH / NKV)) at position p = clamp(*pos_ptr, 0, S - 1):
@@ -260,6 +261,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     one program, split 0 of the first query head of the group (h % (NH / NKV) == 0); the others of the
     group compute the same values but do not store them.
     """
+    pdl_wait(PDL)
     h = tl.program_id(0)
     sp = tl.program_id(1)
     REP: tl.constexpr = NH // NKV
@@ -363,7 +365,7 @@ def _chunk_rows(pos_ptr, n_prompt_ptr, M: tl.constexpr, S: tl.constexpr):
 @triton.jit
 def attn_rows_kv_kernel(x_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, k, v, eps, theta,
                         rotary_dim, M: tl.constexpr, W: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        S: tl.constexpr, BLOCK_D: tl.constexpr):
+                        S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """The chunk's K/V rows (``attn_rows_kv_ref``), kernel ids attn_rows_kv_bf16 / attn_rows_kv_f32.
 
     x is the fp32 projection rows [M, W] (keys at columns k + g * D, values at v + g * D). For valid
@@ -379,6 +381,7 @@ def attn_rows_kv_kernel(x_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_
     holding element d. Race-free and deterministic: each program writes its own cache row slot
     (pos + r, g) and nothing else, and reads only x and k_norm, which no program writes.
     """
+    pdl_wait(PDL)
     r = tl.program_id(0)
     g = tl.program_id(1)
     pos, n_valid = _chunk_rows(pos_ptr, n_prompt_ptr, M, S)
@@ -461,7 +464,8 @@ def _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, kmask, causal, m_i, 
 def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, out_ptr, q, heads, eps,
                        theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr, NKV: tl.constexpr,
                        D: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """The chunk's gated attention (``attn_rows_q_ref``), after attn_rows_kv_kernel on the same stream;
     kernel ids attn_rows_q_bf16 / attn_rows_q_f32.
 
@@ -500,6 +504,7 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
     no atomics, and each program's loop order is fixed by pos and n_prompt alone, so runs repeat bit
     for bit. Offsets are int32: M * W, M * heads * D and S * NKV * D < 2^31.
     """
+    pdl_wait(PDL)
     g = tl.program_id(0)
     b = tl.num_programs(1) - 1 - tl.program_id(1)
     rep = heads // NKV

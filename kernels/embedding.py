@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.pdl import pdl_wait
+
 
 def embedding_ref(table: torch.Tensor, token: int) -> torch.Tensor:
     return table[token].float()
@@ -19,8 +21,9 @@ def embedding_launch(hidden: int, target) -> dict:
 
 
 @triton.jit
-def embedding_kernel(table_ptr, token_ptr, out_ptr, H: tl.constexpr, BLOCK: tl.constexpr):
+def embedding_kernel(table_ptr, token_ptr, out_ptr, H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = table[token] as fp32; the token id is read from the dyn buffer. Grid: H / BLOCK."""
+    pdl_wait(PDL)
     tok = tl.load(token_ptr).to(tl.int64)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -46,9 +49,10 @@ def embedding_rows_launch(rows: int, hidden: int, max_seq: int, target) -> dict:
 
 @triton.jit
 def embedding_rows_kernel(table_ptr, tokens_ptr, pos_ptr, n_prompt_ptr, out_ptr, rows, H: tl.constexpr,
-                          S: tl.constexpr, BLOCK: tl.constexpr):
+                          S: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``embedding_rows_ref``: program (r, c) writes columns c * BLOCK.. of row r: the table row of
     tokens[pos + r] while pos + r < n_prompt, zeros after (the index clamped into the sequence)."""
+    pdl_wait(PDL)
     r = tl.program_id(0)
     p = tl.load(pos_ptr) + r
     valid = p < tl.load(n_prompt_ptr)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.elementwise import l2norm_ref
+from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
 
@@ -270,7 +271,7 @@ def _store_window(conv_state_ptr, window, ch, ch_mask, KC: tl.constexpr):
 def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr,
                      o_raw_ptr, l2_eps, scale,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
-                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr):
+                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
     """``gdn_delta_ref``: conv1d + SiLU over [conv state | x] (the state is only read), L2 norms of q
     and k, gates, delta rule on the fp32 state [HV, DK, DV] (in place); writes o_raw = S^T q.
 
@@ -281,6 +282,7 @@ def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_pt
     writes. Each program recomputes q and k of its key head j // (HV / HK) (2 * DK channels x KC
     taps, L2 hits) and the BLOCK_V channels of v it needs. The conv state is shifted later by
     ``gdn_norm_kernel``. Fixed reduction order: results do not depend on scheduling."""
+    pdl_wait(PDL)
     R: tl.constexpr = HV // HK
     QKD: tl.constexpr = HK * DK
     j = tl.program_id(0)
@@ -321,7 +323,7 @@ def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_pt
 @triton.jit
 def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_ptr, eps,
                     HV: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr):
+                    CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr, PDL: tl.constexpr = False):
     """``gdn_norm_ref``: out = norm_w * o * rsqrt(mean(o^2) + eps) * silu(z) per value head, and the
     conv-state update (shift left, append the raw input x) of all C channels.
 
@@ -329,6 +331,7 @@ def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_p
     the conv-state rows of channels [j * CH_PER_PROG, (j + 1) * CH_PER_PROG): every channel has one
     owner, so the in-place update is race-free. It runs after ``gdn_delta_kernel`` (same stream),
     the last reader of the old conv state."""
+    pdl_wait(PDL)
     KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
     tl.static_assert(KC <= 16)
     j = tl.program_id(0)
@@ -558,7 +561,7 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
                           n_prompt_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
                           M: tl.constexpr, W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                           DV: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
-                          CHUNK: tl.constexpr):
+                          CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """``gdn_rows_delta_ref``: for each valid row r (r < clamp(n_prompt - pos, 0, M)) in order, the
     one-token ``gdn_delta_kernel`` on x[r]: conv1d + SiLU over the window [conv state | x[0..r]]
     (the state only read), L2 norms of q and k, gates from x[r, a + j], x[r, b + j], delta rule on
@@ -582,6 +585,7 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
     Race-free: the delta rule is independent per state column, so no program reads what another
     writes; x and the conv state are only read (``gdn_rows_norm_kernel`` shifts the conv state next).
     Deterministic: every reduction and product has a fixed order, nothing depends on scheduling."""
+    pdl_wait(PDL)
     tl.static_assert(M * W < 2**31)
     R: tl.constexpr = HV // HK
     QKD: tl.constexpr = HK * DK
@@ -616,7 +620,7 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
 def gdn_rows_norm_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, out_ptr, z, qkv, eps,
                          M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                          KC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, CH_PER_PROG: tl.constexpr,
-                         BLOCK_CH: tl.constexpr):
+                         BLOCK_CH: tl.constexpr, PDL: tl.constexpr = False):
     """``gdn_rows_norm_ref``: out[r, head j] = norm_w * o * rsqrt(mean(o^2) + eps) * silu(z) with
     o = o_raw[r, head j], z = x[r, z + head j] for all M rows (invalid rows' o_raw is 0, so their
     out is 0), and the conv state advanced by the valid rows: new column i = the raw input of chunk
@@ -627,6 +631,7 @@ def gdn_rows_norm_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, 
     every channel has exactly one owner, which alone reads its old state and writes the new one, so
     the in-place update is race-free (and the result is a copy of inputs: deterministic). It runs
     after ``gdn_rows_delta_kernel`` (same stream), the last reader of the old conv state."""
+    pdl_wait(PDL)
     tl.static_assert(M * W < 2**31)
     KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
     tl.static_assert(KC <= 16)

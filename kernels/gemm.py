@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kestrel.kernels.attention import _round_bf16
 from kestrel.kernels.matvec import _q4_unpack_words, q4_unpack
+from kestrel.kernels.pdl import pdl_wait
 
 
 def gemm_ref(x: torch.Tensor, w: torch.Tensor, group: int = 0) -> torch.Tensor:
@@ -107,12 +108,14 @@ def _gemm_tile(x_ptr, w_ptr, rows_in, cols_in, N: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def gemm_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                PDL: tl.constexpr = False):
     """Program p computes the [BLOCK_M, BLOCK_N] tile (p // tiles_n, p % tiles_n) of Y = X W^T: a K loop
     of bf16 tensor-core products accumulated in fp32. Deterministic (one program per output tile).
     DOT_FP32 (tests only: Triton's interpreter computes bf16 dots wrongly and truncates conversions)
     feeds the dot the same bf16-rounded values (rounded in software) as fp32, which gives the same
     products (exact in fp32 and in TF32)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,9 +130,10 @@ def gemm_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.con
 @triton.jit
 def gemm_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_FP32: tl.constexpr):
+                       DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """``gemm_swiglu_ref``: the tile of silu(X Wg^T) * (X Wu^T), both products as in gemm_kernel (two
     fp32 accumulators; the launch rule halves BLOCK_N for them)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.pdl import l2_prefetch, pdl_wait
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -140,7 +141,8 @@ def matvec_launch(n: int, k: int, group: int, target) -> dict:
     [8192] / BLOCK_N (at least [1024] for K <= [2048]), halved while it does not divide K, one warp per
     [512] inputs of BLOCK_K: 27B 16 x 512 (lm_head, MLP, in_proj), 8 x 1024 (down, o_proj); read off 5-12
     configurations per shape at the 27B and 0.8B shapes (bench/results/stop18/q4proto-h200.json).
-    GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it."""
+    GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it. PREFETCH: the bytes of its rows a
+    CTA prefetches into L2 before its PDL wait ([16 KB]; a multiple of 16)."""
 
     r = target.rules["matvec"]
     block_n = 1
@@ -170,7 +172,8 @@ def matvec_launch(n: int, k: int, group: int, target) -> dict:
             block_k //= 2
         num_warps = max(1, min(r.max_warps, block_n // r.rows_per_warp))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
-            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k}}
+            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                           "PREFETCH": r.pdl_prefetch_bytes}}
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -342,22 +345,50 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, row0, nbytes_max, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """L2 prefetch of the first ``nbytes_max`` bytes of rows [row0, row0 + BLOCK_N) of W (contiguous:
+    row-major, the q4 nibbles first), when a row is a whole number of 16-byte units."""
+    if GROUP > 0:
+        ROW_BYTES: tl.constexpr = K // 2
+    else:
+        ROW_BYTES: tl.constexpr = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if ROW_BYTES % 16 == 0:
+        rows = tl.minimum(N - row0, BLOCK_N).to(tl.int64)
+        l2_prefetch(w_ptr.to(tl.int64) + row0.to(tl.int64) * ROW_BYTES, tl.minimum(rows * ROW_BYTES, nbytes_max))
+
+
+@triton.jit
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                  PDL: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
-    programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. Under PDL each program first
+    prefetches the first PREFETCH bytes of its rows into L2 (weights: no earlier kernel writes them),
+    then waits for the previous kernel (kernels/pdl.py)."""
+    row0 = tl.program_id(0) * BLOCK_N
+    if PDL and PREFETCH > 0:
+        _prefetch_rows(w_ptr, row0, PREFETCH, N, K, GROUP, BLOCK_N)
+    pdl_wait(PDL)
+    rows = row0 + tl.arange(0, BLOCK_N)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
     tl.store(y_ptr + rows, y, mask=rows < N)
 
 
 @triton.jit
 def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
-                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
-    the same split: each program computes BLOCK_N rows of both products, gate then up."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    the same split: each program computes BLOCK_N rows of both products, gate then up (the PDL
+    prefetch: PREFETCH / 2 bytes of each)."""
+    row0 = tl.program_id(0) * BLOCK_N
+    if PDL and PREFETCH > 0:
+        _prefetch_rows(wg_ptr, row0, PREFETCH // 2, N, K, GROUP, BLOCK_N)
+        _prefetch_rows(wu_ptr, row0, PREFETCH // 2, N, K, GROUP, BLOCK_N)
+    pdl_wait(PDL)
+    rows = row0 + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)

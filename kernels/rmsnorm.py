@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -52,8 +53,9 @@ def _rmsnorm_row(x, w_ptr, cols, mask, eps, N: tl.constexpr):
 
 
 @triton.jit
-def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Zero-centred RMSNorm of one row of N per program (grid: rows), in fp32."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -62,8 +64,10 @@ def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """s = x + y (the residual stream), out = rmsnorm(s): one row of N per program."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
     mask = cols < N

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.targets import pow2_at_least
 
 _M32 = 0xFFFFFFFF
@@ -580,7 +581,7 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
 @triton.jit
 def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, pos_ptr,
                   partials_ptr, ticket_ptr, sampled_ptr, V: tl.constexpr, TILE: tl.constexpr,
-                  CAND: tl.constexpr, BLOCK: tl.constexpr):
+                  CAND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """sample_ref on the device: one launch of G = ceil(V / TILE) programs; the last to finish merges.
 
     Operands: logits fp32 [V]; temperature, top_p, min_p fp32 [1]; top_k, seed, pos int32 [1];
@@ -628,6 +629,7 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
         inside this one program: exact but slow (10-30 passes over the vocabulary, milliseconds at
         V = 248320).
     """
+    pdl_wait(PDL)
     G: tl.constexpr = (V + TILE - 1) // TILE
     Q1: tl.constexpr = (G - 1) | ((G - 1) >> 1)
     Q2: tl.constexpr = Q1 | (Q1 >> 2)
@@ -699,9 +701,11 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
 
 
 @triton.jit
-def step_end_kernel(pos_ptr, sampled_ptr, n_prompt_ptr, tokens_ptr, pos_out_ptr, token_out_ptr, S: tl.constexpr):
+def step_end_kernel(pos_ptr, sampled_ptr, n_prompt_ptr, tokens_ptr, pos_out_ptr, token_out_ptr, S: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """step_end_ref on the device: the next step reads its input token from the dyn buffer, and the
     host reads the sampled tokens from ``tokens`` every few steps."""
+    pdl_wait(PDL)
     nxt = tl.load(pos_ptr) + 1
     i = tl.minimum(tl.maximum(nxt, 0), S - 1)
     sampled = tl.load(sampled_ptr)
@@ -727,8 +731,9 @@ def _chunk_rows(pos, n_prompt, ROWS: tl.constexpr):
 
 @triton.jit
 def last_row_kernel(x_ptr, pos_ptr, n_prompt_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``last_row_ref``: out = x[the chunk's last valid row] (row 0 when none is valid)."""
+    pdl_wait(PDL)
     r = tl.maximum(_chunk_rows(tl.load(pos_ptr), tl.load(n_prompt_ptr), ROWS) - 1, 0)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -736,18 +741,21 @@ def last_row_kernel(x_ptr, pos_ptr, n_prompt_ptr, out_ptr, ROWS: tl.constexpr, N
 
 
 @triton.jit
-def chunk_last_kernel(pos_ptr, n_prompt_ptr, last_ptr, rows, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def chunk_last_kernel(pos_ptr, n_prompt_ptr, last_ptr, rows, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """``chunk_last_ref``: dyn.last = pos + (valid rows - 1), or pos when none is valid."""
+    pdl_wait(PDL)
     pos = tl.load(pos_ptr)
     tl.store(last_ptr, pos + tl.maximum(_chunk_rows(pos, tl.load(n_prompt_ptr), ROWS) - 1, 0))
 
 
 @triton.jit
 def prefill_end_kernel(pos_ptr, sampled_ptr, n_prompt_ptr, tokens_ptr, pos_out_ptr, token_out_ptr, rows,
-                       ROWS: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+                       ROWS: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``prefill_end_ref``: step_end at the chunk's last valid row (pos advances past the valid rows;
     at the prompt's end the sampled token is appended and fed in); with no valid row, pos stays and
     the token is re-read. One program: every read happens before the writes to the same slots."""
+    pdl_wait(PDL)
     pos = tl.load(pos_ptr)
     n_prompt = tl.load(n_prompt_ptr)
     sampled = tl.load(sampled_ptr)

@@ -47,6 +47,7 @@ class MatvecRule(Rule):
     min_block_k: int            # ... down to this
     rows_per_warp: int          # large: one warp per this many rows
     max_warps: int
+    pdl_prefetch_bytes: int     # under PDL, bytes of its rows each CTA prefetches into L2 before its wait
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +158,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         q4_inputs_per_warp=512,
         small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
-        block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4,
+        block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_prefetch_bytes=16384,
         provenance=(_RESULTS + "stop18/q4proto-h200.json", _RESULTS + "stop18/device-call3-console.txt",
                     _TUNING + "matvec-sweep-small-h200.json")),
     "attention": AttentionRule(

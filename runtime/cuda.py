@@ -61,8 +61,9 @@ def compute_capability(dev) -> int:
 class Kernel:
     """A loaded cubin entry point with its launch metadata."""
 
-    def __init__(self, cubin: bytes, name: str, num_warps: int, shared: int):
+    def __init__(self, cubin: bytes, name: str, num_warps: int, shared: int, pdl: bool = False):
         cu = driver()
+        self.pdl = pdl  # compiled with the programmatic-dependent-launch wait (kernels/pdl.py)
         self.module = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         self.function = check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         self.name, self.block, self.shared = name, 32 * num_warps, shared

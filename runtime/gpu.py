@@ -4,7 +4,10 @@ Its only input is the plan's launch plan (bound to the arena by runtime/launch_b
 (before any request) check the plan's arch against the GPU, allocate the one arena, upload the
 weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
 state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
-build the step's CUDA graph from explicit kernel nodes and instantiate it. A plan with an M-row
+build the step's CUDA graph from explicit kernel nodes and instantiate it. Where every kernel of the
+step was compiled with the PDL wait (sm_90 plans; kernels/pdl.py) the nodes are chained by
+programmatic edges, so each kernel's programs start while the previous one finishes (KESTREL_PDL=0:
+plain edges). A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
 Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
@@ -27,6 +30,12 @@ from kestrel.runtime.launch_binding import bind
 def graph_enabled(no_graph_flag: bool = False) -> bool:
     """The KESTREL_GRAPH gate (M=1 step graph): on unless KESTREL_GRAPH=0 or --no-graph."""
     return not no_graph_flag and os.environ.get("KESTREL_GRAPH", "1") != "0"
+
+
+def pdl_enabled() -> bool:
+    """The KESTREL_PDL gate: programmatic edges between the graph's kernel nodes where every kernel
+    supports them; on unless KESTREL_PDL=0 (the same bytes either way: kernels/pdl.py)."""
+    return os.environ.get("KESTREL_PDL", "1") != "0"
 
 
 def graph_m_enabled() -> bool:
@@ -95,7 +104,8 @@ class GpuStep:
                              for _ in range(4)]
         self._n_copies = 0
         self.probes = lp.get("probes", {})  # measuring kernels in the table (runtime/bench.py)
-        self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"]) for k in lp["kernels"]]
+        self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"],
+                                  bool(k["constexprs"].get("PDL"))) for k in lp["kernels"]]
         fill = [self._pack(launch) for launch in b.fill]  # a random-weights plan: the weights made on the device
         for kernel, grid, args in fill:
             kc.launch(kernel, grid, args, self.stream)
@@ -111,6 +121,8 @@ class GpuStep:
         self.prefill_rows = b.prefill_rows
         self.prefill_launches = [self._pack(launch) for launch in b.prefill_launches or []]
         self.dyn = _DynSlots(self, b.dyn)
+        # the step graph's nodes chained by programmatic edges (what --bench reports)
+        self.pdl = use_graph and pdl_enabled() and all(kernel.pdl for kernel, _, _ in self.launches)
         self.graph_fallbacks = 0
         self.graph_exec = self._try_graph(self.launches, log) if use_graph else None
         self.use_graph = self.graph_exec is not None
@@ -168,8 +180,15 @@ class GpuStep:
 
     # --- the step ----------------------------------------------------------------------------
     def _build_graph(self, launches):
+        """The launches as a chain of kernel nodes; programmatic edges when every kernel waits for its
+        predecessor itself (``pdl``), else plain ones."""
         cu = kc.driver()
         graph = kc.check(cu.cuGraphCreate(0), "cuGraphCreate")
+        pdl = pdl_enabled() and all(kernel.pdl for kernel, _, _ in launches)
+        if pdl:
+            edge = cu.CUgraphEdgeData()
+            edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+            edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
         prev = None
         for kernel, grid, args in launches:
             p = cu.CUDA_KERNEL_NODE_PARAMS()
@@ -178,8 +197,11 @@ class GpuStep:
             p.blockDimX, p.blockDimY, p.blockDimZ = kernel.block, 1, 1
             p.sharedMemBytes = kernel.shared
             p.kernelParams = args.address
-            deps = [prev] if prev is not None else []
-            prev = kc.check(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), "cuGraphAddKernelNode")
+            node = kc.check(cu.cuGraphAddKernelNode(graph, [], 0, p), "cuGraphAddKernelNode")
+            if prev is not None:
+                kc.check(cu.cuGraphAddDependencies(graph, [prev], [node], [edge] if pdl else None, 1),
+                         "cuGraphAddDependencies")
+            prev = node
         self._graphs = getattr(self, "_graphs", []) + [graph]
         return kc.check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
 

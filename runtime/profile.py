@@ -233,6 +233,7 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
             step.set_graph(use_graph)
     report = summarize(launches, launch_ms, positions, bandwidth, replay_ms, "gpu")
     report["host_gaps_hidden"] = gate is not None
+    report["graph_pdl"] = step.pdl  # the replay's nodes chained by programmatic edges (kernels/pdl.py)
     return report
 
 

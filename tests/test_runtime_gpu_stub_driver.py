@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,7 @@ except SystemExit as e:
 forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton") and sys.modules[m] is not None
                    or m.startswith(("kestrel.compiler", "kestrel.kernels", "kestrel.passes")))
 print(json.dumps({{"calls": stub.CALLS, "launches": stub.LAUNCHES, "forbidden": forbidden,
-                   "driver": stub.__file__}}))
+                   "driver": stub.__file__, "edges": list(stub.GRAPH_EDGES.values())}}))
 """
 
 
@@ -75,14 +76,57 @@ def test_gpu_runtime_runs_on_the_launch_plan_alone(plan, extra):
     assert calls["cuModuleLoadData"] == len(lp["kernels"])
 
 
-def run_stub(plan_path, extra):
+def run_stub(plan_path, extra, **env):
     r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=plan_path, extra=extra)],
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                            if k != "TRITON_INTERPRET"})
+                                                            if k != "TRITON_INTERPRET"} | env)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["forbidden"] == [], report["forbidden"]
     return report
+
+
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_graph_chains_kernels_with_programmatic_edges(plan, pdl):
+    """An sm_90 plan's kernels are compiled with the PDL wait (kernels/pdl.py), so both graphs (the
+    step's and the M-row step's) chain their nodes by programmatic edges from the programmatic port;
+    KESTREL_PDL=0 builds plain edges. The stub checks that each graph is a chain in launch order."""
+    _, path = plan
+    lp = load_plan(path).launch_plan
+    step_kernels = {launch["kernel_index"] for launch in lp["launches"] + lp["prefill"]["launches"]}
+    assert all(lp["kernels"][i]["constexprs"]["PDL"] is True for i in step_kernels)
+    report = run_stub(path, [], KESTREL_PDL=pdl)
+    graphs = report["edges"]
+    assert len(graphs) == 2 and [len(g) for g in graphs] == [len(lp["launches"]) - 1,
+                                                              len(lp["prefill"]["launches"]) - 1]
+    want = (1, 1) if pdl == "1" else (0, 0)  # (PROGRAMMATIC, PORT_PROGRAMMATIC) or the default edge
+    assert {(t, port) for g in graphs for _, _, t, port in g} == {want}
+
+
+def test_pdl_is_compiled_in_from_sm_90_only(tmp_path):
+    """PDL is a constexpr codegen sets from the target: true on sm_90, false on sm_80 (no griddepcontrol).
+    Read off each step kernel's SASS (the cuobjdump Triton ships): griddepcontrol.wait is ACQBULK,
+    launch_dependents PREEXIT, and the matvec kernels' L2 prefetch of their rows UBLKPF.L2."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    for target, want in (("sm_90", True), ("sm_80", False)):
+        path = str(tmp_path / f"{target}.plan")
+        r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", target, "--max-seq", "32",
+                    "--weights", "random")
+        assert r.returncode == 0, r.stderr
+        plan = load_plan(path)
+        lp = plan.launch_plan
+        step = {launch["kernel_index"] for launch in lp["launches"]}
+        assert {lp["kernels"][i]["constexprs"].get("PDL") for i in step} == {want}
+        for i in step:
+            k = lp["kernels"][i]
+            cubin = tmp_path / f"{target}-{i}.cubin"
+            cubin.write_bytes(plan.cubin(k["part"]))
+            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                                  check=True).stdout
+            assert ("ACQBULK" in sass and "PREEXIT" in sass) == want, (target, k["id"])
+            assert ("UBLKPF.L2" in sass) == (want and k["id"].startswith("matvec")), (target, k["id"])
 
 
 def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):

@@ -41,6 +41,22 @@ class CUDA_KERNEL_NODE_PARAMS:
     pass
 
 
+class CUgraphDependencyType(enum.IntEnum):
+    CU_GRAPH_DEPENDENCY_TYPE_DEFAULT = 0
+    CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC = 1
+
+
+CU_GRAPH_KERNEL_NODE_PORT_DEFAULT = 0
+CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC = 1
+CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER = 2
+
+
+class CUgraphEdgeData:
+    from_port = 0
+    to_port = 0
+    type = 0
+
+
 COMPUTE_CAPABILITY = (9, 0)
 SMS = 132
 CALLS: Counter = Counter()
@@ -48,6 +64,7 @@ LAUNCHES: list = []  # (function name, grid, block, number of parameter cells) p
 _buffers: dict[int, ctypes.Array] = {}  # address -> buffer (device and pinned host allocations)
 _functions: dict[int, str] = {}
 _graph_nodes: dict[int, list] = {}
+GRAPH_EDGES: dict[int, list] = {}  # graph -> (from node, to node, dependency type, from port) per edge
 OK = CUresult.CUDA_SUCCESS
 
 
@@ -249,7 +266,22 @@ def cuGraphAddKernelNode(graph, deps, n_deps, p):
 
 
 @_count
+def cuGraphAddDependencies(graph, from_, to, edge_data, n):
+    assert len(from_) == len(to) == n and (edge_data is None or len(edge_data) == n)
+    for i in range(n):
+        e = edge_data[i] if edge_data else CUgraphEdgeData()
+        if e.type == CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC:  # the driver's rule
+            assert e.from_port in (CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER)
+        assert e.to_port == 0
+        GRAPH_EDGES.setdefault(graph, []).append((int(from_[i]), int(to[i]), int(e.type), int(e.from_port)))
+    return (OK,)
+
+
+@_count
 def cuGraphInstantiate(graph, flags):
+    # the runtime's graphs are chains: node i + 1 depends on node i alone (the order the stub replays)
+    edges = GRAPH_EDGES.get(graph, [])
+    assert [(a, b) for a, b, _, _ in edges] == [(i, i + 1) for i in range(1, len(_graph_nodes[graph]))], edges
     return (OK, graph)
 
 
