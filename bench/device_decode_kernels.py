@@ -14,6 +14,7 @@ their CPU references, and timed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -105,6 +106,7 @@ def q4_section(read_bw: float) -> list:
             gate, up = want, q4_ref_rows(wu, n, k, x)
             ref = gate * torch.sigmoid(gate) * up
             wud = wu
+            nw = matvec_launch(n, k, 128, T, pair=True)["num_warps"]  # (the pair's warps)
             matvec_swiglu_kernel[grid](xd, bufs[0], wud, y, num_warps=nw, **c)
             row["swiglu_rel_err_vs_ref"] = ((y[:m] - ref).abs().max() / ref.abs().max()).item()
             ups = [wud] + [wud.clone() for _ in range(copies - 1)]
@@ -159,11 +161,54 @@ def sample_section(seeds: int = 48) -> list:
     return out
 
 
+def sample_sweep(seeds: int = 8) -> list:
+    """The sample rule's (tile, cand, num_warps) around its pick, at Qwen's 0.7 / 0.8 / top-k 20 and
+    greedy over the flat logits: equality with sample_ref for ``seeds`` seeds, us per launch."""
+    import dataclasses
+    from types import MappingProxyType
+
+    v = 248320
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(v, generator=g) * 3
+    ld = logits.to(DEV)
+    out = []
+    for tile in (2048, 4096, 8192, 16384):
+        for cand in (32, 64):
+            for nw in (4, 8, 16):
+                rule = dataclasses.replace(T.rules["sample"], tile=tile, cand=cand, num_warps=nw)
+                t2 = dataclasses.replace(T, rules=MappingProxyType({**T.rules, "sample": rule}))
+                L = sample_launch(v, t2)
+                grid, c = tuple(L["grid"]), L["constexprs"]
+                partials = torch.zeros(sample_scratch_shape(v, t2), dtype=torch.float32, device=DEV)
+                ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
+                for name, t, p, k in (("qwen", 0.7, 0.8, 20), ("greedy", 0.0, 1.0, 0)):
+                    args = [torch.tensor([t], device=DEV), torch.tensor([p], device=DEV),
+                            torch.tensor([k], dtype=torch.int32, device=DEV), torch.tensor([0.0], device=DEV)]
+                    seed_t = torch.zeros(1, dtype=torch.int32, device=DEV)
+                    pos_t = torch.zeros(1, dtype=torch.int32, device=DEV)
+                    out_t = torch.zeros(1, dtype=torch.int32, device=DEV)
+                    agree = 0
+                    for sd in range(seeds if t else 1):
+                        seed_t.fill_(sd)
+                        pos_t.fill_(5 * sd + 1)
+                        sample_kernel[grid](ld, *args, seed_t, pos_t, partials, ticket, out_t, num_warps=nw, **c)
+                        agree += int(out_t.item()) == sample_ref(logits, t, p, k, 0.0, sd, 5 * sd + 1)
+                    us = time_launches(lambda r: sample_kernel[grid](ld, *args, seed_t, pos_t, partials, ticket, out_t,
+                                                                    num_warps=nw, **c))
+                    out.append({"tile": tile, "cand": cand, "num_warps": nw, "setting": name, "us": us,
+                                "equal_to_reference": agree, "seeds": seeds if t else 1})
+                    print(f"sample sweep tile {tile:5} cand {cand:2} warps {nw:2} {name:6} {us:6.1f} us  equal {agree}",
+                          flush=True)
+    return out
+
+
 def main():
     t0 = time.time()
     rb = read_bandwidth()
     print(f"read-only {rb / 1e9:.0f} GB/s", flush=True)
     rep = {"read_GBps": rb / 1e9, "sample": sample_section(), "q4": q4_section(rb)}
+    if os.environ.get("SAMPLE_SWEEP") == "1":
+        rep["sample_sweep"] = sample_sweep()
     json.dump(rep, open(sys.argv[1], "w"), indent=1)
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -93,7 +93,7 @@ def compile_all(folder, which="q4-27b"):
             name, kind, n, k, dt, bn, bk, nw, fn, cubin, shared, scratch = res
             f = f"{name}-{bn}-{bk}-{nw}.cubin"
             open(os.path.join(folder, f), "wb").write(cubin)
-            rule = matvec_launch(n, k, GROUP if dt == "q4" else 0, TARGETS["sm_90"])
+            rule = matvec_launch(n, k, GROUP if dt == "q4" else 0, TARGETS["sm_90"], pair=kind == "matvec_swiglu")
             is_rule = (rule["constexprs"]["BLOCK_N"], rule["constexprs"]["BLOCK_K"], rule["num_warps"]) == (bn, bk, nw)
             index.append(dict(shape=name, kind=kind, dtype=dt, N=n, K=k, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
                               name=fn, cubin=f, shared=shared, scratch=scratch, rule=is_rule))

@@ -69,14 +69,17 @@ def constexprs(launch: dict) -> dict:
     return {k: v for k, v in launch.items() if k.isupper()}
 
 
+def with_pdl(fn, consts: dict, cc: int) -> dict:
+    """``consts`` plus ``PDL`` where the kernel ``fn`` takes it and it is not given: true on targets with
+    programmatic dependent launch (kernels/pdl.py)."""
+    if "PDL" in consts or "PDL" not in inspect.signature(fn.fn).parameters:
+        return dict(consts)
+    return dict(consts) | {"PDL": cc >= PDL_MIN_CC}
+
+
 def op_constexprs(op: Op, cc: int) -> dict:
-    """The constexprs ``op``'s kernel is compiled with: its launch rule's, plus ``PDL`` where the
-    kernel takes it (true on targets with programmatic dependent launch)."""
-    consts = constexprs(op.launch)
-    fn = OPS[op.kind].kernel.jit_for(op)
-    if "PDL" in inspect.signature(fn.fn).parameters:
-        consts["PDL"] = cc >= PDL_MIN_CC
-    return consts
+    """The constexprs ``op``'s kernel is compiled with: its launch rule's, and ``PDL`` (``with_pdl``)."""
+    return with_pdl(OPS[op.kind].kernel.jit_for(op), constexprs(op.launch), cc)
 
 
 @dataclass
@@ -101,6 +104,7 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
     ``aligned[i]``: runtime parameter i is a pointer known to be 16-byte aligned (lets Triton
     vectorise its loads); the arena base is 256-byte aligned, so this follows from placements."""
     fn = jit_function(jit) if isinstance(jit, str) else jit
+    consts = with_pdl(fn, consts, cc)
     if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 (the test suite): compile in a clean process
         return _compile_in_subprocess(kernel_id, jit_name(fn), types, consts, num_warps, cc, aligned)
     names = [n for n in fn.arg_names if n not in consts]

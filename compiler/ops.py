@@ -406,7 +406,7 @@ def _matvec(op: Op, t: Target) -> dict:
         return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
                 **gemm.gemm_launch(op.ins[0].type.shape[0], n, k, group, t, swiglu=swiglu)}
     prefix = "matvec_swiglu_" if swiglu else "matvec_"
-    return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t)}
+    return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t, pair=swiglu)}
 
 
 def _embedding(op: Op, t: Target) -> dict:

@@ -127,7 +127,7 @@ def matvec_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor)
 # --- launch rules ------------------------------------------------------------------------------
 
 
-def matvec_launch(n: int, k: int, group: int, target) -> dict:
+def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dict:
     """Constants: ``target.rules["matvec"]`` (kernels/targets.py; the sm_90 values in brackets).
     Rows per CTA (BLOCK_N, at most [16]) chosen so the grid has at least [4] CTAs per SM when there are
     enough rows (down_proj's 5120 rows: 640 CTAs of 8 rows on sm_90; lm_head: 15520 of 16). bf16 / f32:
@@ -136,32 +136,32 @@ def matvec_launch(n: int, k: int, group: int, target) -> dict:
     ([32 MiB] of bf16: the 0.8B-2B projections) BLOCK_K up to [2048], at most [4096] / BLOCK_K rows per
     CTA, [4] warps. The bf16 / f32 values were measured on the H200 over 47-69 configurations per shape
     at the 0.8B, 4B and 27B shapes (bench/results/tuning/): the rule's pick is within 1.13x of the best
-    configuration at every measured shape but one (bf16 4B in_proj: 1.05x kept over 1.13x). q4 (the
-    f16x2 kernel): [4] to [16] rows per CTA (doubling while the grid keeps [3] CTAs per SM), BLOCK_K =
-    [8192] / BLOCK_N (at least [1024] for K <= [2048]), halved while it does not divide K, one warp per
-    [512] inputs of BLOCK_K: 27B 16 x 512 (lm_head, MLP, in_proj), 8 x 1024 (down, o_proj); read off 5-12
-    configurations per shape at the 27B and 0.8B shapes (bench/results/stop18/q4proto-h200.json).
-    GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it. PREFETCH: the bytes of its rows a
-    CTA prefetches into L2 before its PDL wait ([16 KB]; a multiple of 16)."""
+    configuration at every measured shape but one (bf16 4B in_proj: 1.05x kept over 1.13x).
+
+    q4 (the f16x2 kernel), two regimes. Many rows (N >= 16 x [5] CTAs per SM: lm_head, the 27B / 9B
+    in_proj and MLP): 16 rows x [512] inputs per tile, one warp ([2] for the swiglu ``pair``). Fewer
+    rows (the 4096- to 10240-row projections, the 0.8B ones): [4] rows per CTA, [8] while the grid keeps
+    [3] CTAs per SM, BLOCK_K [1024] ([2048] from K >= [12288]: down_proj) and [4] warps. Read off the
+    sweep of every q4 shape of the 0.8B, 9B and 27B decode steps (990 configurations;
+    bench/results/tuning/q4-decode-sweep-h200.json): within 1.0x of the best at 12 of the 18 shapes, at
+    most 1.15x. GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it; with many rows it is halved
+    while it leaves a tail, with fewer it is not (a masked last tile measured faster than shorter tiles:
+    27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048).
+    PREFETCH: the bytes of its rows a CTA prefetches into L2 before its PDL wait ([16 KB]; a multiple of 16)."""
 
     r = target.rules["matvec"]
     block_n = 1
     while block_n < r.max_block_n and (n + 2 * block_n - 1) // (2 * block_n) >= r.ctas_per_sm * target.sms:
         block_n *= 2
-    if group:  # q4: rows per CTA while the grid keeps q4_ctas_per_sm CTAs per SM (4 to 16 rows), tiles of
-        # q4_tile_nibbles (16 x 512, 8 x 1024, 4 x 2048; 1024 inputs for a short K), one warp per
-        # q4_inputs_per_warp inputs of the tile: the best or within 7% of the best of the configurations measured at the
-        # 27B and 0.8B shapes (bench/results/stop18/q4proto-h200.json)
+    if group and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:  # q4, many rows
+        block_n, block_k = 16, r.q4_wide_block_k
+        num_warps = 2 if pair else 1
+    elif group:  # q4, fewer rows
         block_n = r.q4_min_block_n
-        while block_n < r.max_block_n and n // (2 * block_n) >= r.q4_ctas_per_sm * target.sms:
+        while block_n < r.q4_max_block_n and n // (2 * block_n) >= r.q4_ctas_per_sm * target.sms:
             block_n *= 2
-        block_k = r.q4_tile_nibbles // block_n
-        if k <= r.q4_short_k:
-            block_k = max(block_k, r.q4_short_k_block)
-        block_k = max(group, min(block_k, pow2_at_least(k)))
-        while block_k > group and k % block_k:  # a tile that divides K when one does (no masked tail)
-            block_k //= 2
-        num_warps = max(1, block_k // r.q4_inputs_per_warp)
+        block_k = r.q4_long_block_k if k >= r.q4_long_k else r.q4_block_k
+        num_warps = r.q4_warps
     elif n * k * 2 < r.small_matrix_bytes:  # latency-bound: few rows per CTA, long K tiles, 4 warps
         block_k = min(r.small_max_block_k, pow2_at_least(k))
         block_n = max(1, min(block_n, r.small_tile_elems // block_k))
@@ -171,6 +171,12 @@ def matvec_launch(n: int, k: int, group: int, target) -> dict:
         while block_k > r.min_block_k and block_k <= k and k % block_k:
             block_k //= 2
         num_warps = max(1, min(r.max_warps, block_n // r.rows_per_warp))
+    if group:  # a multiple of the group, at most K rounded up; many rows: halved while it leaves a tail
+        block_k = max(group, min(block_k, pow2_at_least(k)))
+        while block_n == 16 and block_k > group and k % block_k:
+            block_k //= 2
+        # no more warps than 16-byte chunks in a tile row band (32 inputs each per row)
+        num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PREFETCH": r.pdl_prefetch_bytes}}

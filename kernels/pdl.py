@@ -27,27 +27,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 PDL_MIN_CC = 90  # griddepcontrol needs sm_90
 
-# cp.async.bulk.prefetch.L2 of [base, base + nbytes) split over the CTA's threads: thread t takes the
-# 16-byte-aligned chunk t (ceil(nbytes / threads) rounded up to 16 bytes); base 16-byte aligned and
-# nbytes a multiple of 16 (the callers guarantee both)
+# cp.async.bulk.prefetch.L2 of [base, base + nbytes), issued by the CTA's thread 0 (one bulk copy-engine
+# request; base 16-byte aligned and nbytes a multiple of 16: the callers guarantee both)
 _L2_PREFETCH = tl.constexpr("""{
- .reg .u32 t, n, n16, ch, off, rem, sz;
- .reg .u64 a;
+ .reg .u32 t;
  .reg .pred p;
  mov.u32 t, %tid.x;
- mov.u32 n, %ntid.x;
- shl.b32 n16, n, 4;
- add.u32 ch, $2, n16;
- sub.u32 ch, ch, 1;
- div.u32 ch, ch, n16;
- shl.b32 ch, ch, 4;
- mul.lo.u32 off, t, ch;
- setp.lt.u32 p, off, $2;
- sub.u32 rem, $2, off;
- min.u32 sz, rem, ch;
- cvt.u64.u32 a, off;
- add.u64 a, $1, a;
- @p cp.async.bulk.prefetch.L2.global [a], sz;
+ setp.eq.u32 p, t, 0;
+ @p cp.async.bulk.prefetch.L2.global [$1], $2;
  mov.u32 $0, 0;
 }""")
 
@@ -63,6 +50,6 @@ def pdl_wait(PDL: tl.constexpr):
 @triton.jit
 def l2_prefetch(base, nbytes):
     """Prefetch bytes [base, base + nbytes) into L2 (``base`` an int64 address, 16-byte aligned;
-    ``nbytes`` an int32 multiple of 16), one bulk prefetch per thread. sm_90 only (PDL kernels)."""
+    ``nbytes`` an int32 multiple of 16), one bulk prefetch by thread 0. sm_90 only (PDL kernels)."""
     tl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,r", [base, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False,
                               pack=1)

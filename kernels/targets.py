@@ -32,12 +32,15 @@ class Rule:
 class MatvecRule(Rule):
     ctas_per_sm: int            # BLOCK_N doubles while the grid keeps >= ctas_per_sm CTAs per SM ...
     max_block_n: int            # ... up to this many rows per CTA
-    q4_min_block_n: int         # q4: at least this many rows per CTA, doubling (to max_block_n) while ...
-    q4_ctas_per_sm: int         # ... the grid keeps this many CTAs per SM
-    q4_tile_nibbles: int        # q4: BLOCK_N * BLOCK_K ...
-    q4_short_k: int             # ... but K <= q4_short_k: BLOCK_K at least q4_short_k_block
-    q4_short_k_block: int
-    q4_inputs_per_warp: int     # q4: one warp per this many inputs of BLOCK_K
+    q4_wide_ctas_per_sm: int    # q4, many rows (N >= 16 * q4_wide_ctas_per_sm * SMs): 16-row CTAs, ...
+    q4_wide_block_k: int        # ... BLOCK_K q4_wide_block_k, one warp (two for the swiglu pair)
+    q4_min_block_n: int         # q4, fewer rows: q4_min_block_n rows per CTA, doubled (to q4_max_block_n) ...
+    q4_max_block_n: int
+    q4_ctas_per_sm: int         # ... while the grid keeps this many CTAs per SM;
+    q4_block_k: int             # BLOCK_K q4_block_k, or q4_long_block_k from K >= q4_long_k (halved, not
+    q4_long_k: int              # below q4_block_k, while it leaves a tail), q4_warps warps
+    q4_long_block_k: int
+    q4_warps: int
     small_matrix_bytes: int     # bf16 / f32 with N * K * 2 below this: latency-bound rule
     small_max_block_k: int
     small_tile_elems: int       # small: BLOCK_N <= small_tile_elems / BLOCK_K
@@ -154,13 +157,12 @@ _ATTN_REPORTS = tuple(f"bench/results/kernels/attn-qwen3.5-{m}-pos{p}-h200.json"
 SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "matvec": MatvecRule(
         ctas_per_sm=4, max_block_n=16,
-        q4_min_block_n=4, q4_ctas_per_sm=3, q4_tile_nibbles=8192, q4_short_k=2048, q4_short_k_block=1024,
-        q4_inputs_per_warp=512,
+        q4_wide_ctas_per_sm=5, q4_wide_block_k=512, q4_min_block_n=4, q4_max_block_n=8, q4_ctas_per_sm=3,
+        q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4,
         small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_prefetch_bytes=16384,
-        provenance=(_RESULTS + "stop18/q4proto-h200.json", _RESULTS + "stop18/device-call3-console.txt",
-                    _TUNING + "matvec-sweep-small-h200.json")),
+        provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
     "attention": AttentionRule(
         split_programs=256, max_splits=64, min_rows_per_split=128,
         tile_elems=8192, min_block_s=16, max_block_s=64,

@@ -113,15 +113,15 @@ def test_launch_rule_real_shapes(target, group):
     for name, (n, k) in REAL_SHAPES.items():
         c = matvec_launch(n, k, group, t)
         e = c["constexprs"]
-        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K"}
+        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PREFETCH"}
         assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
         assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]
         assert c["grid"][0] >= 2 * t.sms, f"{name}: {c['grid'][0]} CTAs for {t.sms} SMs"
-        if group:  # tiles of 8192 nibbles dividing K, one warp per 512 inputs (measured best at these shapes)
-            assert e["BLOCK_N"] * e["BLOCK_K"] == 8192 and k % e["BLOCK_K"] == 0
-            assert c["num_warps"] == e["BLOCK_K"] // 512
-            if target == "sm_90":
-                assert (e["BLOCK_N"], e["BLOCK_K"]) == ((8, 1024) if name == "down_proj" else (16, 512))
+        if group:  # many rows: 16 x 512 tiles dividing K, one warp; down_proj: 8 x 2048 (a masked tail), 4 warps
+            if name == "down_proj":
+                assert (e["BLOCK_N"], e["BLOCK_K"], c["num_warps"]) == (8, 2048, 4)
+            else:
+                assert (e["BLOCK_N"], e["BLOCK_K"], c["num_warps"]) == (16, 512, 1) and k % 512 == 0
         else:
             assert e["BLOCK_K"] == 512 and k % e["BLOCK_K"] == 0  # no masked tail
             assert c["num_warps"] == max(1, e["BLOCK_N"] // 4)
@@ -137,8 +137,10 @@ def test_launch_rule_small_and_odd_shapes():
             assert bk >= group and bk % group == 0
     assert matvec_launch(1024, 3584, 0, t)["constexprs"]["BLOCK_K"] == 2048  # small bf16: a full tile + masked tail
     assert matvec_launch(5120, 17408, 0, t)["constexprs"]["BLOCK_K"] == 512  # large bf16: divides K, no tail
-    assert matvec_launch(5120, 17408, 128, t)["constexprs"]["BLOCK_K"] == 1024  # q4: 17 tiles, no tail
-    assert matvec_launch(1024, 3584, 128, t)["constexprs"]["BLOCK_K"] == 512  # q4: 7 tiles (2048 would leave a tail)
+    assert matvec_launch(5120, 17408, 128, t)["constexprs"]["BLOCK_K"] == 2048  # q4, few rows: 8 tiles + masked tail
+    assert matvec_launch(1024, 3584, 128, t)["constexprs"]["BLOCK_K"] == 1024  # (3 tiles + masked tail)
+    assert matvec_launch(248320, 4480, 128, t)["constexprs"]["BLOCK_K"] == 128  # q4, many rows: divides K
+    assert matvec_launch(17408, 5120, 128, t, pair=True)["num_warps"] == 2  # the swiglu pair: 2 warps
 
 
 # --- AOT compilation -----------------------------------------------------------------------------
@@ -190,6 +192,7 @@ def _ptx_job(job):
     group, aligned = job
     n, k = REAL_SHAPES["lm_head"]
     c = matvec_launch(n, k, group, TARGETS["sm_90"])
+    c["constexprs"]["PDL"] = True  # as codegen compiles it for sm_90
     names = ["x_ptr", "w_ptr", "y_ptr"]
     types = ["*fp32", "*u8" if group else "*bf16", "*fp32"]
     attrs = {(matvec_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in names} if aligned else {}

@@ -25,18 +25,18 @@ def L(grid, num_warps, **constexprs):
 
 
 EXPECTED_SM_90 = [
-    (matvec_launch, (1024, 1024, 0), L([1024, 1, 1], 4, N=1024, K=1024, GROUP=0, BLOCK_N=1, BLOCK_K=1024)),
-    (matvec_launch, (6144, 1024, 0), L([1536, 1, 1], 4, N=6144, K=1024, GROUP=0, BLOCK_N=4, BLOCK_K=1024)),
-    (matvec_launch, (1024, 3584, 0), L([1024, 1, 1], 4, N=1024, K=3584, GROUP=0, BLOCK_N=1, BLOCK_K=2048)),
-    (matvec_launch, (248320, 1024, 0), L([15520, 1, 1], 4, N=248320, K=1024, GROUP=0, BLOCK_N=16, BLOCK_K=512)),
-    (matvec_launch, (5120, 17408, 0), L([640, 1, 1], 2, N=5120, K=17408, GROUP=0, BLOCK_N=8, BLOCK_K=512)),
-    (matvec_launch, (17408, 5120, 0), L([1088, 1, 1], 4, N=17408, K=5120, GROUP=0, BLOCK_N=16, BLOCK_K=512)),
-    (matvec_launch, (5120, 17408, 128), L([640, 1, 1], 2, N=5120, K=17408, GROUP=128, BLOCK_N=8, BLOCK_K=1024)),
-    (matvec_launch, (34816, 5120, 32), L([2176, 1, 1], 1, N=34816, K=5120, GROUP=32, BLOCK_N=16, BLOCK_K=512)),
-    (matvec_launch, (6144, 1024, 64), L([768, 1, 1], 2, N=6144, K=1024, GROUP=64, BLOCK_N=8, BLOCK_K=1024)),
-    (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128)),
-    (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32)),
-    (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8)),
+    (matvec_launch, (1024, 1024, 0), L([1024, 1, 1], 4, N=1024, K=1024, GROUP=0, BLOCK_N=1, BLOCK_K=1024, PREFETCH=16384)),
+    (matvec_launch, (6144, 1024, 0), L([1536, 1, 1], 4, N=6144, K=1024, GROUP=0, BLOCK_N=4, BLOCK_K=1024, PREFETCH=16384)),
+    (matvec_launch, (1024, 3584, 0), L([1024, 1, 1], 4, N=1024, K=3584, GROUP=0, BLOCK_N=1, BLOCK_K=2048, PREFETCH=16384)),
+    (matvec_launch, (248320, 1024, 0), L([15520, 1, 1], 4, N=248320, K=1024, GROUP=0, BLOCK_N=16, BLOCK_K=512, PREFETCH=16384)),
+    (matvec_launch, (5120, 17408, 0), L([640, 1, 1], 2, N=5120, K=17408, GROUP=0, BLOCK_N=8, BLOCK_K=512, PREFETCH=16384)),
+    (matvec_launch, (17408, 5120, 0), L([1088, 1, 1], 4, N=17408, K=5120, GROUP=0, BLOCK_N=16, BLOCK_K=512, PREFETCH=16384)),
+    (matvec_launch, (5120, 17408, 128), L([640, 1, 1], 4, N=5120, K=17408, GROUP=128, BLOCK_N=8, BLOCK_K=2048, PREFETCH=16384)),
+    (matvec_launch, (34816, 5120, 32), L([2176, 1, 1], 1, N=34816, K=5120, GROUP=32, BLOCK_N=16, BLOCK_K=512, PREFETCH=16384)),
+    (matvec_launch, (6144, 1024, 64), L([768, 1, 1], 4, N=6144, K=1024, GROUP=64, BLOCK_N=8, BLOCK_K=1024, PREFETCH=16384)),
+    (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128, PREFETCH=16384)),
+    (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32, PREFETCH=16384)),
+    (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8, PREFETCH=16384)),
     (attn_splits, (8, 4096), 32),
     (attn_splits, (24, 4096), 8),
     (attn_splits, (16, 4096), 16),
@@ -71,7 +71,8 @@ EXPECTED_SM_90 = [
 ]
 # sm_120 (untuned: sm_90's rows, but 170 SMs and 99 KiB of opt-in shared memory): where it differs
 SM_120_DIFFERS = {
-    (matvec_launch, (5120, 17408, 0)): L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512),
+    (matvec_launch, (5120, 17408, 0)): L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512,
+                                         PREFETCH=16384),
     (attn_step_launch, (8, 2, 256, 4096, 32)):
         L([8, 32, 1], 8, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=84992),
     (attn_step_launch, (24, 4, 256, 4096, 8)):
@@ -116,7 +117,7 @@ def test_sm90_rows_are_tuned_and_name_existing_files():
                 continue
             assert p.startswith("bench/results/") and (ROOT / p).is_file(), f"{fam}: {p} does not exist"
             files.add(p)
-    for p in ("bench/results/stop18/q4proto-h200.json", "bench/results/tuning/matvec-sweep-small-h200.json"):
+    for p in ("bench/results/tuning/q4-decode-sweep-h200.json", "bench/results/tuning/matvec-sweep-small-h200.json"):
         assert p in t.rules["matvec"].provenance
     assert "bench/results/stop18/device-call3-console.txt" in t.rules["sample"].provenance
     assert any("attn-" in p for p in t.rules["attention"].provenance)
@@ -142,7 +143,8 @@ def test_smem_optin_is_a_target_fact():
 # one call per family and the row field it must read: changing that field must change the output
 READS = [
     (matvec_launch, (248320, 5120, 0), "matvec", "max_block_n", 8),
-    (matvec_launch, (17408, 5120, 128), "matvec", "q4_tile_nibbles", 16384),
+    (matvec_launch, (17408, 5120, 128), "matvec", "q4_wide_block_k", 1024),
+    (matvec_launch, (5120, 17408, 128), "matvec", "q4_long_block_k", 1024),
     (matvec_launch, (1024, 3584, 0), "matvec", "small_max_block_k", 1024),
     (attn_splits, (24, 4096), "attention", "split_programs", 512),
     (attn_step_launch, (8, 2, 256, 4096, 32), "attention", "pipe_bytes_max", 64 * 1024),
