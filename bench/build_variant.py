@@ -1,7 +1,7 @@
 """Build a plan with fields of one sm_90 launch-rule row replaced: an experiment's variant, never a
 shipped default (the rows in kernels/targets.py are what builds use).
 
-    python bench/build_variant.py matvec pdl_prefetch_bytes=0 -- qwen3.5-0.8b --weights random \
+    python bench/build_variant.py matvec q4_warps=2 -- qwen3.5-0.8b --weights random --quant q4 \
         --target sm_90 -o bench/plans/variant.plan
 
 Everything after ``--`` goes to ``kestrelc build``.

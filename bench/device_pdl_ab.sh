@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The programmatic-dependent-launch A/B (stop 19): every plan in bench/plans matching the NAME_GLOBs
-# (variants built by bench/build_variant.py, e.g. *-pf0 / *-pf65536 for the matvec L2 prefetch before
-# the PDL wait), --bench with the graph's programmatic edges (KESTREL_PDL=1) and without (0), 3 rounds
+# (variants built by bench/build_variant.py: stop 19's *-pf0 / *-pf65536 were builds of its matvec L2
+# prefetch before the PDL wait, since removed), --bench with the graph's programmatic edges (KESTREL_PDL=1) and without (0), 3 rounds
 # of 64 new tokens after a 40-token prompt each. Reports in OUTDIR/pdl-ab.tar, one line per run here.
 #   bash bench/device_pdl_ab.sh OUTDIR NAME_GLOB...   (kestrel importable; bench/plans carried)
 set -u

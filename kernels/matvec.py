@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.pdl import l2_prefetch, pdl_wait
+from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -146,8 +146,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     bench/results/tuning/q4-decode-sweep-h200.json): within 1.0x of the best at 12 of the 18 shapes, at
     most 1.15x. GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it; with many rows it is halved
     while it leaves a tail, with fewer it is not (a masked last tile measured faster than shorter tiles:
-    27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048).
-    PREFETCH: the bytes of its rows a CTA prefetches into L2 before its PDL wait ([16 KB]; a multiple of 16)."""
+    27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048)."""
 
     r = target.rules["matvec"]
     block_n = 1
@@ -178,8 +177,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
         # no more warps than 16-byte chunks in a tile row band (32 inputs each per row)
         num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
-            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                           "PREFETCH": r.pdl_prefetch_bytes}}
+            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k}}
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -322,81 +320,73 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, N: tl.constexpr, K: tl.constexpr, GROUP
 
 
 @triton.jit
-def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _matvec_rows(x_ptr, w_ptr, w2_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
-    ``rows`` must be in bounds (the callers clamp them)."""
+    ``rows`` must be in bounds (the callers clamp them). PAIR: the same rows of a second weight ``w2``
+    (same dtype and shape) in the same K loop, both tiles of an iteration in flight together; returns
+    (W x, W2 x) (else (W x, W x))."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
-        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K // 2
+        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K // 2 * (2 if PAIR else 1)
     else:
         BITS: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth
         if BLOCK_K >= 128 // BITS:
             CHUNK: tl.constexpr = 128 // BITS  # elements per 16 bytes
         else:
             CHUNK: tl.constexpr = BLOCK_K  # a tiny K
-        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K * BITS // 8
+        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K * BITS // 8 * (2 if PAIR else 1)
     # pipeline depth: 3 stages of tiles up to 16 KB (q4, bf16 at the launch rule's blocks), else 2
     STAGES: tl.constexpr = 3 if TILE_BYTES <= 16384 else 2
     K_FULL: tl.constexpr = K - K % BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
         acc += _matvec_tile(x_ptr, w_ptr, rows, k0, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False)
+        if PAIR:
+            acc2 += _matvec_tile(x_ptr, w2_ptr, rows, k0, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False)
     if K_FULL < K:
         acc += _matvec_tile(x_ptr, w_ptr, rows, K_FULL, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True)
-    if GROUP > 0:
-        return tl.sum(acc, axis=1) * 64.0  # Q4_X_SCALE
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, row0, nbytes_max, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """L2 prefetch of the first ``nbytes_max`` bytes of rows [row0, row0 + BLOCK_N) of W (contiguous:
-    row-major, the q4 nibbles first), when a row is a whole number of 16-byte units."""
-    if GROUP > 0:
-        ROW_BYTES: tl.constexpr = K // 2
-    else:
-        ROW_BYTES: tl.constexpr = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if ROW_BYTES % 16 == 0:
-        rows = tl.minimum(N - row0, BLOCK_N).to(tl.int64)
-        l2_prefetch(w_ptr.to(tl.int64) + row0.to(tl.int64) * ROW_BYTES, tl.minimum(rows * ROW_BYTES, nbytes_max))
+        if PAIR:
+            acc2 += _matvec_tile(x_ptr, w2_ptr, rows, K_FULL, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True)
+    y = tl.sum(acc, axis=1)
+    y2 = tl.sum(acc2, axis=1)
+    if GROUP > 0:  # Q4_X_SCALE
+        y = y * 64.0
+        y2 = y2 * 64.0
+    if PAIR:
+        return y, y2
+    return y, y
 
 
 @triton.jit
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                  PDL: tl.constexpr = False):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
-    programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. Under PDL each program first
-    prefetches the first PREFETCH bytes of its rows into L2 (weights: no earlier kernel writes them),
-    then waits for the previous kernel (kernels/pdl.py)."""
-    row0 = tl.program_id(0) * BLOCK_N
-    if PDL and PREFETCH > 0:
-        _prefetch_rows(w_ptr, row0, PREFETCH, N, K, GROUP, BLOCK_N)
+    programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles."""
     pdl_wait(PDL)
-    rows = row0 + tl.arange(0, BLOCK_N)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y, _ = _matvec_rows(x_ptr, w_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, False)
     tl.store(y_ptr + rows, y, mask=rows < N)
 
 
 @triton.jit
 def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
-    the same split: each program computes BLOCK_N rows of both products, gate then up (the PDL
-    prefetch: PREFETCH / 2 bytes of each)."""
-    row0 = tl.program_id(0) * BLOCK_N
-    if PDL and PREFETCH > 0:
-        _prefetch_rows(wg_ptr, row0, PREFETCH // 2, N, K, GROUP, BLOCK_N)
-        _prefetch_rows(wu_ptr, row0, PREFETCH // 2, N, K, GROUP, BLOCK_N)
+    the same split: each program computes BLOCK_N rows of both products. q4: one K loop over both
+    weights (their tiles in flight together: no pipeline drain between the two); bf16 / f32: gate
+    then up, one loop each (the bf16 pair measured at 91% of the bandwidth that way, 27B)."""
     pdl_wait(PDL)
-    rows = row0 + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
-    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
+    if GROUP > 0:
+        g, u = _matvec_rows(x_ptr, wg_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, True)
+    else:
+        g, _ = _matvec_rows(x_ptr, wg_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, False)
+        u, _ = _matvec_rows(x_ptr, wu_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, False)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + rows, y, mask=rows < N)

@@ -11,9 +11,9 @@ may start while kernel i is still running, once every program of kernel i has pa
 
 Every kernel of the chain waits before it reads or writes step data, so kernel i + 1 finishing
 implies kernel i finished: the chain keeps the full order of a plain graph (and the same bytes);
-what PDL removes is the launch gap and the ramp between nodes. Work that reads only constant data
-may come before the wait: the matvec kernels prefetch their first weight bytes into L2 there
-(``l2_prefetch``), overlapping the previous kernel's tail.
+what PDL removes is the launch gap between nodes (measured on the H200: bench/results/stop19). An L2
+prefetch of each matvec CTA's first weight bytes before the wait was measured too and lost (27B q4
+5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB), so no kernel reads before it.
 
 ``PDL`` is a constexpr that codegen sets from the target (compiler/codegen.py: true from sm_90); it is
 false in Triton's interpreter and on older targets, where these are no-ops. Outside a programmatic
@@ -27,17 +27,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 PDL_MIN_CC = 90  # griddepcontrol needs sm_90
 
-# cp.async.bulk.prefetch.L2 of [base, base + nbytes), issued by the CTA's thread 0 (one bulk copy-engine
-# request; base 16-byte aligned and nbytes a multiple of 16: the callers guarantee both)
-_L2_PREFETCH = tl.constexpr("""{
- .reg .u32 t;
- .reg .pred p;
- mov.u32 t, %tid.x;
- setp.eq.u32 p, t, 0;
- @p cp.async.bulk.prefetch.L2.global [$1], $2;
- mov.u32 $0, 0;
-}""")
-
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
@@ -45,11 +34,3 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def l2_prefetch(base, nbytes):
-    """Prefetch bytes [base, base + nbytes) into L2 (``base`` an int64 address, 16-byte aligned;
-    ``nbytes`` an int32 multiple of 16), one bulk prefetch by thread 0. sm_90 only (PDL kernels)."""
-    tl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,r", [base, nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                              pack=1)

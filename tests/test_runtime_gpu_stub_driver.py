@@ -106,7 +106,7 @@ def test_graph_chains_kernels_with_programmatic_edges(plan, pdl):
 def test_pdl_is_compiled_in_from_sm_90_only(tmp_path):
     """PDL is a constexpr codegen sets from the target: true on sm_90, false on sm_80 (no griddepcontrol).
     Read off each step kernel's SASS (the cuobjdump Triton ships): griddepcontrol.wait is ACQBULK,
-    launch_dependents PREEXIT, and the matvec kernels' L2 prefetch of their rows UBLKPF.L2."""
+    launch_dependents PREEXIT."""
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -126,7 +126,6 @@ def test_pdl_is_compiled_in_from_sm_90_only(tmp_path):
             sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
                                   check=True).stdout
             assert ("ACQBULK" in sass and "PREEXIT" in sass) == want, (target, k["id"])
-            assert ("UBLKPF.L2" in sass) == (want and k["id"].startswith("matvec")), (target, k["id"])
 
 
 def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
