@@ -2,11 +2,11 @@
 # Issue 13 on the GPU, one call (stop 19): the whole-plan report with llama.cpp beside it. llama.cpp is
 # built in the background first (lowest priority: about 4 minutes, GPU idle); meanwhile, in order (the
 # tar in OUTDIR is rewritten after every step, so a call stopped at its limit still returns what ran):
-#   1. per plan (27B q4, 0.8B bf16, 0.8B q4, 27B bf16): --bench with the graph's programmatic edges
-#      (KESTREL_PDL=1; greedy and sampled; 27B also at positions 4k / 32k / 128k) and without
-#      (KESTREL_PDL=0), --verify (graph vs streaming, byte for byte), --profile;
+#   1. per plan (27B q4, 0.8B bf16, 0.8B q4, 27B bf16): --bench as built (the launch plan's PDL choice;
+#      greedy and sampled; 27B also at positions 4k / 32k / 128k), then with the graph's programmatic
+#      edges forced on (KESTREL_PDL=1) and off (0), --verify (graph vs streaming, byte for byte), --profile;
 #   2. compute-sanitizer on the tiny M-row plans (PDL graphs, every sampling path);
-#   3. the decode kernels against their references (bench/device_decode_kernels.py);
+#   3. KERNELS=1: the decode kernels against their references (bench/device_decode_kernels.py);
 #   4. SWEEP=1: the q4 matvec sweep (bench/matvec_sweep.py, compiled into bench/sweep-q4d here);
 #   5. PEER=1: llama-bench pp512 / tg128 on 0.8B bf16 and Q4_0 (GPU otherwise idle).
 #   bash bench/device_stop19.sh OUTDIR   (kestrel importable; bench/plans, .peers carried; bench/sweep-q4d
@@ -17,7 +17,8 @@ ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))
 save() { tar -C "$w" -cf "$out/stop19.tar" .; echo "[$(( $(date +%s) - t0 )) s] $1"; }
 run() {  # run NAME PLAN [extra --bench args]: bench PDL on / off, verify, profile
   local n=$1 p=bench/plans/$2.plan; shift 2
-  KESTREL_PDL=1 kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 64 --bench "$w/bench-$n-pdl.json" "$@" 2>&1 | tail -5
+  kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 64 --bench "$w/bench-$n.json" "$@" 2>&1 | tail -5
+  KESTREL_PDL=1 kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 64 --bench "$w/bench-$n-pdl.json" 2>&1 | tail -3
   KESTREL_PDL=0 kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 64 --bench "$w/bench-$n-nopdl.json" 2>&1 | tail -3
   save "$n bench"
   kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 32 --verify --json > "$w/verify-$n.json" 2> "$w/verify-$n.err"
@@ -42,9 +43,11 @@ for q in bf16 q4; do
   echo "sanitizer tiny-$q-m8: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$w/sanitizer-tiny-$q-m8.txt") clean summaries)"
 done
 save sanitizer
-python3 bench/device_decode_kernels.py "$w/decode-kernels.json" > "$w/decode-kernels.txt" 2>&1
-grep -v -i warn "$w/decode-kernels.txt" | tail -12
-save "decode kernels"
+if [ "${KERNELS:-0}" = 1 ]; then
+  python3 bench/device_decode_kernels.py "$w/decode-kernels.json" > "$w/decode-kernels.txt" 2>&1
+  grep -v -i warn "$w/decode-kernels.txt" | tail -12
+  save "decode kernels"
+fi
 if [ "${SWEEP:-0}" = 1 ]; then
   (cd bench && PYTHONUNBUFFERED=1 python3 matvec_sweep.py time sweep-q4d "$w/q4-decode-sweep.json") > "$w/q4-decode-sweep.txt" 2>&1
   tail -60 "$w/q4-decode-sweep.txt"

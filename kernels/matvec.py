@@ -320,44 +320,32 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, N: tl.constexpr, K: tl.constexpr, GROUP
 
 
 @triton.jit
-def _matvec_rows(x_ptr, w_ptr, w2_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr):
+def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
-    ``rows`` must be in bounds (the callers clamp them). PAIR: the same rows of a second weight ``w2``
-    (same dtype and shape) in the same K loop, both tiles of an iteration in flight together; returns
-    (W x, W2 x) (else (W x, W x))."""
+    ``rows`` must be in bounds (the callers clamp them)."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
-        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K // 2 * (2 if PAIR else 1)
+        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K // 2
     else:
         BITS: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth
         if BLOCK_K >= 128 // BITS:
             CHUNK: tl.constexpr = 128 // BITS  # elements per 16 bytes
         else:
             CHUNK: tl.constexpr = BLOCK_K  # a tiny K
-        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K * BITS // 8 * (2 if PAIR else 1)
+        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K * BITS // 8
     # pipeline depth: 3 stages of tiles up to 16 KB (q4, bf16 at the launch rule's blocks), else 2
     STAGES: tl.constexpr = 3 if TILE_BYTES <= 16384 else 2
     K_FULL: tl.constexpr = K - K % BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
         acc += _matvec_tile(x_ptr, w_ptr, rows, k0, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False)
-        if PAIR:
-            acc2 += _matvec_tile(x_ptr, w2_ptr, rows, k0, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False)
     if K_FULL < K:
         acc += _matvec_tile(x_ptr, w_ptr, rows, K_FULL, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True)
-        if PAIR:
-            acc2 += _matvec_tile(x_ptr, w2_ptr, rows, K_FULL, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True)
-    y = tl.sum(acc, axis=1)
-    y2 = tl.sum(acc2, axis=1)
-    if GROUP > 0:  # Q4_X_SCALE
-        y = y * 64.0
-        y2 = y2 * 64.0
-    if PAIR:
-        return y, y2
-    return y, y
+    if GROUP > 0:
+        return tl.sum(acc, axis=1) * 64.0  # Q4_X_SCALE
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -368,7 +356,7 @@ def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: 
     programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles."""
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y, _ = _matvec_rows(x_ptr, w_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, False)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
     tl.store(y_ptr + rows, y, mask=rows < N)
 
 
@@ -377,16 +365,13 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
-    the same split: each program computes BLOCK_N rows of both products. q4: one K loop over both
-    weights (their tiles in flight together: no pipeline drain between the two); bf16 / f32: gate
-    then up, one loop each (the bf16 pair measured at 91% of the bandwidth that way, 27B)."""
+    the same split: each program computes BLOCK_N rows of both products, gate then up. (One K loop
+    streaming both weights' tiles together was measured for q4 and lost: 27B q4 5.56 ms/token against
+    5.42, bench/results/stop19.)"""
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
-    if GROUP > 0:
-        g, u = _matvec_rows(x_ptr, wg_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, True)
-    else:
-        g, _ = _matvec_rows(x_ptr, wg_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, False)
-        u, _ = _matvec_rows(x_ptr, wu_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, False)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + rows, y, mask=rows < N)

@@ -4,10 +4,10 @@ Its only input is the plan's launch plan (bound to the arena by runtime/launch_b
 (before any request) check the plan's arch against the GPU, allocate the one arena, upload the
 weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
 state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
-build the step's CUDA graph from explicit kernel nodes and instantiate it. Where every kernel of the
-step was compiled with the PDL wait (sm_90 plans; kernels/pdl.py) the nodes are chained by
-programmatic edges, so each kernel's programs start while the previous one finishes (KESTREL_PDL=0:
-plain edges). A plan with an M-row
+build the step's CUDA graph from explicit kernel nodes and instantiate it. Where the launch plan says
+so (``pdl``: kernels/pdl.py) and every kernel of the step was compiled with the PDL wait, the nodes
+are chained by programmatic edges, so each kernel's programs start while the previous one finishes
+(KESTREL_PDL=0 / 1 overrides the plan). The M-row step's graph has plain edges. A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
 Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
@@ -32,10 +32,10 @@ def graph_enabled(no_graph_flag: bool = False) -> bool:
     return not no_graph_flag and os.environ.get("KESTREL_GRAPH", "1") != "0"
 
 
-def pdl_enabled() -> bool:
-    """The KESTREL_PDL gate: programmatic edges between the graph's kernel nodes where every kernel
-    supports them; on unless KESTREL_PDL=0 (the same bytes either way: kernels/pdl.py)."""
-    return os.environ.get("KESTREL_PDL", "1") != "0"
+def pdl_enabled(plan_choice: bool) -> bool:
+    """The KESTREL_PDL gate for the step graph's programmatic edges: the launch plan's choice unless
+    KESTREL_PDL=0 (off) or 1 (on); the same bytes either way (kernels/pdl.py)."""
+    return {"0": False, "1": True}.get(os.environ.get("KESTREL_PDL", ""), plan_choice)
 
 
 def graph_m_enabled() -> bool:
@@ -122,12 +122,14 @@ class GpuStep:
         self.prefill_launches = [self._pack(launch) for launch in b.prefill_launches or []]
         self.dyn = _DynSlots(self, b.dyn)
         # the step graph's nodes chained by programmatic edges (what --bench reports)
-        self.pdl = use_graph and pdl_enabled() and all(kernel.pdl for kernel, _, _ in self.launches)
+        self.pdl = (use_graph and pdl_enabled(bool(lp.get("pdl")))
+                    and all(kernel.pdl for kernel, _, _ in self.launches))
         self.graph_fallbacks = 0
-        self.graph_exec = self._try_graph(self.launches, log) if use_graph else None
+        self.graph_exec = self._try_graph(self.launches, log, self.pdl) if use_graph else None
         self.use_graph = self.graph_exec is not None
         use_graph_m = graph_m_enabled() if use_graph_m is None else use_graph_m
-        self.graph_m_exec = self._try_graph(self.prefill_launches, log) if use_graph_m and self.prefill_rows else None
+        self.graph_m_exec = (self._try_graph(self.prefill_launches, log, False) if use_graph_m and self.prefill_rows
+                             else None)
         self.use_graph_m = self.graph_m_exec is not None
         self.sync()
 
@@ -150,9 +152,9 @@ class GpuStep:
         self.sync()
         self.use_graph_m = on
 
-    def _try_graph(self, launches, log):
+    def _try_graph(self, launches, log, pdl: bool):
         try:
-            return self._build_graph(launches)
+            return self._build_graph(launches, pdl)
         except DeviceError as e:
             self.graph_fallbacks += 1
             if log:
@@ -179,12 +181,11 @@ class GpuStep:
         kc.check(kc.driver().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     # --- the step ----------------------------------------------------------------------------
-    def _build_graph(self, launches):
-        """The launches as a chain of kernel nodes; programmatic edges when every kernel waits for its
-        predecessor itself (``pdl``), else plain ones."""
+    def _build_graph(self, launches, pdl: bool):
+        """The launches as a chain of kernel nodes: programmatic edges when ``pdl`` (every kernel then
+        waits for its predecessor itself: kernels/pdl.py), else plain ones."""
         cu = kc.driver()
         graph = kc.check(cu.cuGraphCreate(0), "cuGraphCreate")
-        pdl = pdl_enabled() and all(kernel.pdl for kernel, _, _ in launches)
         if pdl:
             edge = cu.CUgraphEdgeData()
             edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC

@@ -86,21 +86,36 @@ def run_stub(plan_path, extra, **env):
     return report
 
 
-@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("pdl", ["", "1", "0"])
 def test_graph_chains_kernels_with_programmatic_edges(plan, pdl):
-    """An sm_90 plan's kernels are compiled with the PDL wait (kernels/pdl.py), so both graphs (the
-    step's and the M-row step's) chain their nodes by programmatic edges from the programmatic port;
-    KESTREL_PDL=0 builds plain edges. The stub checks that each graph is a chain in launch order."""
+    """An sm_90 plan's kernels are compiled with the PDL wait (kernels/pdl.py) and its launch plan
+    chooses programmatic edges for the step graph (tiny: a few KB per launch): the step graph chains
+    its nodes by programmatic edges from the programmatic port, the M-row step's graph by plain ones;
+    KESTREL_PDL=0 makes both plain, 1 keeps the plan's choice here. The stub checks that each graph is
+    a chain in launch order."""
     _, path = plan
     lp = load_plan(path).launch_plan
+    assert lp["pdl"] is True
     step_kernels = {launch["kernel_index"] for launch in lp["launches"] + lp["prefill"]["launches"]}
     assert all(lp["kernels"][i]["constexprs"]["PDL"] is True for i in step_kernels)
-    report = run_stub(path, [], KESTREL_PDL=pdl)
-    graphs = report["edges"]
-    assert len(graphs) == 2 and [len(g) for g in graphs] == [len(lp["launches"]) - 1,
-                                                              len(lp["prefill"]["launches"]) - 1]
-    want = (1, 1) if pdl == "1" else (0, 0)  # (PROGRAMMATIC, PORT_PROGRAMMATIC) or the default edge
-    assert {(t, port) for g in graphs for _, _, t, port in g} == {want}
+    report = run_stub(path, [], **({"KESTREL_PDL": pdl} if pdl else {}))
+    step, rows = report["edges"]
+    assert [len(step), len(rows)] == [len(lp["launches"]) - 1, len(lp["prefill"]["launches"]) - 1]
+    want = (0, 0) if pdl == "0" else (1, 1)  # (PROGRAMMATIC, PORT_PROGRAMMATIC) or the default edge
+    assert {(t, port) for _, _, t, port in step} == {want}
+    assert {(t, port) for _, _, t, port in rows} == {(0, 0)}
+
+
+def test_pdl_choice_follows_bytes_per_launch():
+    """The compiler's choice (kernels/pdl.py ``pdl_for_step``): programmatic edges where the step moves
+    at most 64 MB per launch on average on sm_90 (the 0.8B and 27B q4 steps), plain ones above (27B
+    bf16: 103 MB per launch, measured slower with them), never below sm_90."""
+    from kestrel.kernels.pdl import pdl_for_step
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    assert pdl_for_step(1547 << 20, 191, t) and pdl_for_step(13540 << 20, 501, t)
+    assert not pdl_for_step(51573 << 20, 501, t) and not pdl_for_step(1 << 20, 191, TARGETS["sm_80"])
 
 
 def test_pdl_is_compiled_in_from_sm_90_only(tmp_path):
