@@ -33,8 +33,8 @@ if [ "${PEER:-0}" = 1 ]; then
   nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz "$peer" > "$w/llamacpp-build.txt" 2>&1 &
   build=$!
 fi
-run 27b-q4 qwen3.5-27b-sm90-q4 --positions 4096,32768,131072
-run 0.8b-bf16 qwen3.5-0.8b-sm90-bf16
+run 27b-q4 qwen3.5-27b-sm90-q4 --positions 4096,32768,131072 --prompt-lengths 2048
+run 0.8b-bf16 qwen3.5-0.8b-sm90-bf16 --prompt-lengths 2048
 run 0.8b-q4 qwen3.5-0.8b-sm90-q4
 run 27b-bf16 qwen3.5-27b-sm90-bf16 --positions 4096,32768,131072
 for q in bf16 q4; do
