@@ -16,9 +16,9 @@ prefetch of each matvec CTA's first weight bytes before the wait was measured to
 5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB), so no kernel reads before it.
 
 Whether a plan's step graph uses programmatic edges is the compiler's choice (``pdl_for_step``, in the
-launch plan): on the H200 they cut 0.8B's step by 7-12% and 27B q4's by 3.5%, and cost 27B bf16 2.9%,
-whose 501 launches move 103 MB each on average (a launch gap is then a small share, and the
-programmatic wait costs more than it hides); the M-row step's graph keeps plain edges (not measured).
+launch plan): on the H200 they cut 0.8B's step by 7-12% and 27B q4's by 3.5%, and cost 27B bf16 2-3%,
+whose 501 launches move ~100 MB each on average (a launch gap is then a small share, and the
+programmatic chain costs more than it hides); the M-row step's graph keeps plain edges (not measured).
 
 ``PDL`` is a constexpr that codegen sets from the target (compiler/codegen.py: true from sm_90); it is
 false in Triton's interpreter and on older targets, where these are no-ops. Outside a programmatic

@@ -37,8 +37,8 @@ class MatvecRule(Rule):
     q4_min_block_n: int         # q4, fewer rows: q4_min_block_n rows per CTA, doubled (to q4_max_block_n) ...
     q4_max_block_n: int
     q4_ctas_per_sm: int         # ... while the grid keeps this many CTAs per SM;
-    q4_block_k: int             # BLOCK_K q4_block_k, or q4_long_block_k from K >= q4_long_k (halved, not
-    q4_long_k: int              # below q4_block_k, while it leaves a tail), q4_warps warps
+    q4_block_k: int             # BLOCK_K q4_block_k, or q4_long_block_k from K >= q4_long_k (a masked
+    q4_long_k: int              # last tile allowed), q4_warps warps
     q4_long_block_k: int
     q4_warps: int
     small_matrix_bytes: int     # bf16 / f32 with N * K * 2 below this: latency-bound rule
