@@ -20,17 +20,21 @@ launch plan): on the H200 they cut 0.8B's step by 7-12% and 27B q4's by 3.5%, an
 whose 501 launches move ~100 MB each on average (a launch gap is then a small share, and the
 programmatic chain costs more than it hides); the M-row step's graph keeps plain edges (not measured).
 
-``PDL`` is a constexpr that codegen sets from the target (compiler/codegen.py: true from sm_90); it is
-false in Triton's interpreter and on older targets, where these are no-ops. Outside a programmatic
-launch (streaming launches, a graph built with KESTREL_PDL=0) the wait returns at once.
+``PDL`` is a constexpr that codegen sets from the target (compiler/codegen.py: true from sm_90), false
+on older targets. Triton's interpreter (which runs launches one at a time, and no inline assembly)
+skips the instructions whatever PDL says (a plan's sm_90 launch list runs there in the tests). Outside
+a programmatic launch (streaming launches, a graph built with KESTREL_PDL=0) the wait returns at once.
 """
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 PDL_MIN_CC = 90  # griddepcontrol needs sm_90
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def pdl_for_step(step_bytes: int, launches: int, target) -> bool:
@@ -42,6 +46,6 @@ def pdl_for_step(step_bytes: int, launches: int, target) -> bool:
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the previous kernel of the step, then let the next one launch (see the module doc)."""
-    if PDL:
+    if PDL and not _INTERPRET:
         gdc_wait()
         gdc_launch_dependents()
