@@ -86,13 +86,12 @@ def run_stub(plan_path, extra, **env):
     return report
 
 
-@pytest.mark.parametrize("pdl", ["", "1", "0"])
+@pytest.mark.parametrize("pdl", ["", "0"])
 def test_graph_chains_kernels_with_programmatic_edges(plan, pdl):
     """An sm_90 plan's kernels are compiled with the PDL wait (kernels/pdl.py) and its launch plan
     chooses programmatic edges for the step graph (tiny: a few KB per launch): the step graph chains
     its nodes by programmatic edges from the programmatic port, the M-row step's graph by plain ones;
-    KESTREL_PDL=0 makes both plain, 1 keeps the plan's choice here. The stub checks that each graph is
-    a chain in launch order."""
+    KESTREL_PDL=0 makes both plain. The stub checks that each graph is a chain in launch order."""
     _, path = plan
     lp = load_plan(path).launch_plan
     assert lp["pdl"] is True
@@ -118,29 +117,36 @@ def test_pdl_choice_follows_bytes_per_launch():
     assert not pdl_for_step(51573 << 20, 501, t) and not pdl_for_step(1 << 20, 191, TARGETS["sm_80"])
 
 
-def test_pdl_is_compiled_in_from_sm_90_only(tmp_path):
-    """PDL is a constexpr codegen sets from the target: true on sm_90, false on sm_80 (no griddepcontrol).
-    Read off each step kernel's SASS (the cuobjdump Triton ships): griddepcontrol.wait is ACQBULK,
-    launch_dependents PREEXIT."""
+def test_pdl_is_compiled_in_from_sm_90_only(plan, tmp_path):
+    """PDL is a constexpr codegen sets from the target: true from sm_90, false below (no griddepcontrol).
+    Every step kernel of the sm_90 plan has it; one kernel of each family has its SASS read (the
+    cuobjdump Triton ships): griddepcontrol.wait is ACQBULK, launch_dependents PREEXIT."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import triton
 
+    from kestrel.compiler.codegen import with_pdl
+    from kestrel.kernels.matvec import matvec_kernel
+
+    _, path = plan
+    plan_ = load_plan(path)
+    lp = plan_.launch_plan
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for target, want in (("sm_90", True), ("sm_80", False)):
-        path = str(tmp_path / f"{target}.plan")
-        r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", target, "--max-seq", "32",
-                    "--weights", "random")
-        assert r.returncode == 0, r.stderr
-        plan = load_plan(path)
-        lp = plan.launch_plan
-        step = {launch["kernel_index"] for launch in lp["launches"]}
-        assert {lp["kernels"][i]["constexprs"].get("PDL") for i in step} == {want}
-        for i in step:
-            k = lp["kernels"][i]
-            cubin = tmp_path / f"{target}-{i}.cubin"
-            cubin.write_bytes(plan.cubin(k["part"]))
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                                  check=True).stdout
-            assert ("ACQBULK" in sass and "PREEXIT" in sass) == want, (target, k["id"])
+    step = [lp["kernels"][i] for i in sorted({launch["kernel_index"]
+                                              for launch in lp["launches"] + lp["prefill"]["launches"]})]
+    assert all(k["constexprs"]["PDL"] is True for k in step)
+    families = list({k["jit"]: k for k in step}.values())
+
+    def sass(k):
+        cubin = tmp_path / f"{k['name']}-{k['part'].rsplit('/', 1)[1]}.cubin"
+        cubin.write_bytes(plan_.cubin(k["part"]))
+        return subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+
+    with ThreadPoolExecutor(4) as ex:
+        for k, text in zip(families, ex.map(sass, families)):
+            assert "ACQBULK" in text and "PREEXIT" in text, k["id"]
+    assert with_pdl(matvec_kernel, {}, 80) == {"PDL": False} and with_pdl(matvec_kernel, {}, 90) == {"PDL": True}
 
 
 def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
