@@ -17,8 +17,6 @@ as constants. The dyn-invariance check compares two of these lists.
   * ``outputs`` (hidden, logits) and ``tokens`` (the request's token sequence): placements, dtype, size;
   * ``step_bytes``: the bytes one step moves, as a fixed part and the bytes per KV-cache row read;
   * ``probes``: measuring kernels in the table that no step launches (the read-only bandwidth stream);
-  * ``pdl``: whether the step's graph chains its kernel nodes by programmatic edges (kernels/pdl.py
-    ``pdl_for_step``; the runtime's KESTREL_PDL can override it);
   * ``prefill`` (plans with an M-row step): its row count, its launches (same kernel table, same
     arena and dyn slots) and its outputs' placements.
 runtime/launch_binding.py turns it into device addresses; the runtime reads nothing else.
@@ -29,8 +27,6 @@ import re
 
 from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Program, State, Value, Weight
 from kestrel.compiler.ops import is_view
-from kestrel.kernels.pdl import pdl_for_step
-from kestrel.kernels.targets import TARGETS
 
 REGIONS = ("weights", "state", "dyn", "act", "scratch")  # arena order
 RESET_REGIONS = ("state", "dyn")  # zeroed at the start of every request
@@ -165,7 +161,6 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
         regions[r] = {"offset": offset, "size": size}
         offset += size
     tokens = program.states.get(TOKENS_STATE)
-    moved = step_bytes(program)
     lp = {"target": program.target, "arena": sizes, "regions": regions, "arena_bytes": max(offset, ALIGN),
           "reset": list(RESET_REGIONS), "kernels": kernels or [],
           "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
@@ -174,10 +169,8 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
           "fill": fill or [],
           "outputs": {name: _placement(v) for name, v in program.outputs.items()},
           "tokens": _placement(tokens) if tokens is not None else None,
-          "step_bytes": moved,
+          "step_bytes": step_bytes(program),
           "probes": probes or {},
-          "pdl": bool(kernels) and program.target in TARGETS and pdl_for_step(moved["fixed"], len(launches),
-                                                                                TARGETS[program.target]),
           "launches": launches}
     if prefill is not None:
         for d in prefill[0].dyn.values():  # its own slots (dyn.last) beside the shared ones

@@ -15,10 +15,10 @@ what PDL removes is the launch gap between nodes (measured on the H200: bench/re
 prefetch of each matvec CTA's first weight bytes before the wait was measured too and lost (27B q4
 5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB), so no kernel reads before it.
 
-Whether a plan's step graph uses programmatic edges is the compiler's choice (``pdl_for_step``, in the
-launch plan): on the H200 they cut 0.8B's step by 7-12% and 27B q4's by 3.5%, and cost 27B bf16 2-3%,
-whose 501 launches move ~100 MB each on average (a launch gap is then a small share, and the
-programmatic chain costs more than it hides); the M-row step's graph keeps plain edges (not measured).
+Whether a step graph keeps programmatic edges is decided at load by timing (runtime/gpu.py): on the
+H200 they cut 0.8B's step by 7-13%, 2B bf16's by 6% and 27B q4's by 3.6%, and cost 2B q4, 4B, 9B
+bf16 and 27B bf16 2-4%, with no rule of size that predicts which; the M-row step's graph keeps plain
+edges (not measured).
 
 ``PDL`` is a constexpr that codegen sets from the target (compiler/codegen.py: true from sm_90), false
 on older targets. Triton's interpreter (which runs launches one at a time, and no inline assembly)
@@ -35,12 +35,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 PDL_MIN_CC = 90  # griddepcontrol needs sm_90
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-def pdl_for_step(step_bytes: int, launches: int, target) -> bool:
-    """Chain the step graph programmatically: the target has PDL and the step moves at most
-    ``target.rules["pdl"].max_mean_launch_bytes`` per launch on average ([64 MB] on sm_90)."""
-    return target.cc >= PDL_MIN_CC and step_bytes <= target.rules["pdl"].max_mean_launch_bytes * max(launches, 1)
 
 
 @triton.jit

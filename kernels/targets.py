@@ -133,13 +133,6 @@ class SampleRule(Rule):
     min_block: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class PdlRule(Rule):
-    """Programmatic dependent launch (kernels/pdl.py): chain the step graph's nodes programmatically
-    when the step moves at most ``max_mean_launch_bytes`` per launch on average."""
-    max_mean_launch_bytes: int
-
-
 @dataclass(frozen=True)
 class GemmRule(Rule):
     """The M-row GEMM (kernels/gemm.py): tiles for many rows (m >= many_rows) and for few, per weight
@@ -193,9 +186,6 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "sample": SampleRule(tile=4096, cand=32, num_warps=8, max_block=2048, min_block=512,
                          provenance=(RULE_OF_THUMB, _RESULTS + "stop18/device-call3-console.txt")),
     "step_end": WarpsRule(num_warps=1, provenance=(RULE_OF_THUMB,)),
-    # 0.8B bf16 / q4 (8.1 / 2.3 MB per launch): -12% / -7% ms/token with PDL; 27B q4 (27 MB): -3.5%;
-    # 27B bf16 (103 MB): +2.9%
-    "pdl": PdlRule(max_mean_launch_bytes=64 << 20, provenance=(_RESULTS + "stop19/README.md",)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

@@ -4,10 +4,13 @@ Its only input is the plan's launch plan (bound to the arena by runtime/launch_b
 (before any request) check the plan's arch against the GPU, allocate the one arena, upload the
 weights (checksummed as they are read) or make the fill launches of a random-weights plan, zero the
 state, load the cubins, pack every launch's arguments once, and — unless KESTREL_GRAPH=0 —
-build the step's CUDA graph from explicit kernel nodes and instantiate it. Where the launch plan says
-so (``pdl``: kernels/pdl.py) and every kernel of the step was compiled with the PDL wait, the nodes
-are chained by programmatic edges, so each kernel's programs start while the previous one finishes
-(KESTREL_PDL=0 / 1 overrides the plan). The M-row step's graph has plain edges. A plan with an M-row
+build the step's CUDA graph from explicit kernel nodes and instantiate it. Where every kernel of the
+step was compiled with the PDL wait (sm_90 and later; kernels/pdl.py) a second graph chains the same
+nodes by programmatic edges, so each kernel's programs are resident and waiting when the previous one
+ends; the two are timed against each other at load (``PDL_TRIAL_STEPS`` replays each, interleaved)
+and the faster kept: on the H200 the chained graph was 4-13% faster on some plans and 2-4% slower on
+others, with no rule of size that predicts which (bench/results/stop19). KESTREL_PDL=0 / 1 skips the
+trial. The M-row step's graph has plain edges. A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
 Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
@@ -32,10 +35,21 @@ def graph_enabled(no_graph_flag: bool = False) -> bool:
     return not no_graph_flag and os.environ.get("KESTREL_GRAPH", "1") != "0"
 
 
-def pdl_enabled(plan_choice: bool) -> bool:
-    """The KESTREL_PDL gate for the step graph's programmatic edges: the launch plan's choice unless
-    KESTREL_PDL=0 (off) or 1 (on); the same bytes either way (kernels/pdl.py)."""
-    return {"0": False, "1": True}.get(os.environ.get("KESTREL_PDL", ""), plan_choice)
+PDL_TRIAL_STEPS = 5  # replays of each step graph timed at load (after one each to warm up)
+PDL_MARGIN = 0.01  # the chained graph is kept when its median step is faster by more than this fraction
+
+
+def pdl_choice() -> bool | None:
+    """The KESTREL_PDL gate for the step graph's programmatic edges: None (unset: time both graphs at
+    load, keep the faster), False (0: plain edges), True (1: programmatic, no trial)."""
+    return {"0": False, "1": True}.get(os.environ.get("KESTREL_PDL", ""))
+
+
+def pdl_wins(plain_ms: list[float], programmatic_ms: list[float]) -> bool:
+    """The load-time trial's verdict: the chained graph's median step beats the plain one's by more
+    than PDL_MARGIN (a tie keeps plain edges)."""
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return med(programmatic_ms) < med(plain_ms) * (1 - PDL_MARGIN)
 
 
 def graph_m_enabled() -> bool:
@@ -121,17 +135,40 @@ class GpuStep:
         self.prefill_rows = b.prefill_rows
         self.prefill_launches = [self._pack(launch) for launch in b.prefill_launches or []]
         self.dyn = _DynSlots(self, b.dyn)
-        # the step graph's nodes chained by programmatic edges (what --bench reports)
-        self.pdl = (use_graph and pdl_enabled(bool(lp.get("pdl")))
-                    and all(kernel.pdl for kernel, _, _ in self.launches))
         self.graph_fallbacks = 0
-        self.graph_exec = self._try_graph(self.launches, log, self.pdl) if use_graph else None
+        self.graph_exec = self._try_graph(self.launches, log, False) if use_graph else None
         self.use_graph = self.graph_exec is not None
+        # the step graph's nodes chained by programmatic edges, when the trial (or KESTREL_PDL) says so
+        self.pdl, self.pdl_trial = False, None
+        choice = pdl_choice()
+        if self.use_graph and choice is not False and all(kernel.pdl for kernel, _, _ in self.launches):
+            chained = self._try_graph(self.launches, log, True)
+            if chained is not None:
+                if choice is None:
+                    self.pdl_trial = self._time_graphs(self.graph_exec, chained)
+                keep = choice or pdl_wins(**self.pdl_trial)
+                drop = self.graph_exec if keep else chained
+                kc.check(cu.cuGraphExecDestroy(drop), "cuGraphExecDestroy")
+                if keep:
+                    self.graph_exec, self.pdl = chained, True
         use_graph_m = graph_m_enabled() if use_graph_m is None else use_graph_m
         self.graph_m_exec = (self._try_graph(self.prefill_launches, log, False) if use_graph_m and self.prefill_rows
                              else None)
         self.use_graph_m = self.graph_m_exec is not None
         self.sync()
+
+    def _time_graphs(self, plain, chained) -> dict:
+        """Median-ready step times (ms) of two graphs of the same step, replayed alternately at load
+        (before any request: begin() zeroes the states and dyn slots the replays advance)."""
+        marks: list = []
+        self._replay(1, chained, None, None)
+        self._replay(1, plain, None, marks)
+        for _ in range(PDL_TRIAL_STEPS):
+            self._replay(1, plain, None, marks)
+            self._replay(1, chained, None, marks)
+        ms = self.mark_ms(marks)
+        self._n_marks = 0
+        return {"plain_ms": ms[0::2], "programmatic_ms": ms[1::2]}
 
     @property
     def mode(self) -> str:

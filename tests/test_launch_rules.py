@@ -12,7 +12,6 @@ from kestrel.kernels.embedding import embedding_launch
 from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch
 from kestrel.kernels.gemm import gemm_launch
 from kestrel.kernels.matvec import matvec_launch
-from kestrel.kernels.pdl import pdl_for_step
 from kestrel.kernels.rmsnorm import rmsnorm_launch
 from kestrel.kernels.sample import sample_launch, step_end_launch
 from kestrel.kernels.targets import (FAMILIES, RULE_OF_THUMB, SM90_RULES, TARGETS, TUNED_ON, UNTUNED, Rule,
@@ -97,7 +96,7 @@ def test_launch_outputs_unchanged(target, expected):
 
 def test_every_target_has_every_family():
     assert set(FAMILIES) == {"matvec", "attention", "gdn_delta", "gdn_norm", "rmsnorm", "embedding", "sample",
-                             "step_end", "gemm", "attn_rows", "gdn_rows", "pdl"}
+                             "step_end", "gemm", "attn_rows", "gdn_rows"}
     for t in TARGETS.values():
         assert set(t.rules) == set(FAMILIES), t.name
         for fam, row in t.rules.items():
@@ -156,7 +155,6 @@ READS = [
     (step_end_launch, (4096,), "step_end", "num_warps", 2),
     (gemm_launch, (512, 5120, 17408, 0), "gemm", "bf16_many", (64, 64, 64, 4)),
     (gemm_launch, (128, 5120, 6144, 128), "gemm", "q4_few", (64, 64, 128, 4)),
-    (pdl_for_step, (100 << 20, 1), "pdl", "max_mean_launch_bytes", 128 << 20),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from kestrel.artifacts.plan import load_plan
+from kestrel.runtime.gpu import PDL_TRIAL_STEPS
 
 STUBS = os.path.join(REPO, "tests", "stubs")
 RUN = r"""
@@ -67,12 +68,16 @@ def test_gpu_runtime_runs_on_the_launch_plan_alone(plan, extra):
         assert calls["cuMemcpyHtoDAsync"] == 2  # the request's one host write: dyn slots + prompt ids
     else:
         assert not fill and calls["cuMemcpyHtoDAsync"] == len(lp["weights"]) + 2
+    # with the graphs: at load, the step's plain and programmatic graphs replayed alternately (the PDL trial)
+    trial = 0 if extra else 2 * (1 + PDL_TRIAL_STEPS)
+    assert launched[len(fill):len(fill) + trial * len(step)] == step * trial
     rows = [names[launch["kernel_index"]] for launch in lp["prefill"]["launches"]]
-    assert launched[len(fill):len(fill) + len(rows)] == rows  # the 3-token prompt: one run of the M-row step
-    steps = launched[len(fill) + len(rows):]
+    start = len(fill) + trial * len(step)
+    assert launched[start:start + len(rows)] == rows  # the 3-token prompt: one run of the M-row step
+    steps = launched[start + len(rows):]
     n_steps = len(steps) // len(step)
     assert steps == step * n_steps and n_steps == 6 - 1  # then one step per new token after the first
-    assert calls.get("cuGraphLaunch", 0) == (0 if extra else 1 + n_steps)  # --no-graph: neither graph
+    assert calls.get("cuGraphLaunch", 0) == (0 if extra else trial + 1 + n_steps)  # --no-graph: neither graph
     assert calls["cuModuleLoadData"] == len(lp["kernels"])
 
 
@@ -86,35 +91,41 @@ def run_stub(plan_path, extra, **env):
     return report
 
 
-@pytest.mark.parametrize("pdl", ["", "0"])
-def test_graph_chains_kernels_with_programmatic_edges(plan, pdl):
-    """An sm_90 plan's kernels are compiled with the PDL wait (kernels/pdl.py) and its launch plan
-    chooses programmatic edges for the step graph (tiny: a few KB per launch): the step graph chains
-    its nodes by programmatic edges from the programmatic port, the M-row step's graph by plain ones;
-    KESTREL_PDL=0 makes both plain. The stub checks that each graph is a chain in launch order."""
+@pytest.mark.parametrize("env,chained", [({}, False), ({"KESTREL_STUB_PDL_FACTOR": "0.9"}, True),
+                                         ({"KESTREL_STUB_PDL_FACTOR": "1.1"}, False), ({"KESTREL_PDL": "1"}, True),
+                                         ({"KESTREL_PDL": "0", "KESTREL_STUB_PDL_FACTOR": "0.5"}, False)])
+def test_step_graph_keeps_programmatic_edges_when_faster(plan, env, chained, tmp_path):
+    """An sm_90 plan's kernels are compiled with the PDL wait (kernels/pdl.py), so the runtime builds the
+    step graph twice, with plain and with programmatic edges (from the programmatic port), times both
+    at load and keeps the faster: programmatic only when its steps are more than 1% faster (the stub's
+    virtual clock makes them 10% faster or slower; equal times keep plain edges). KESTREL_PDL=1 keeps
+    programmatic edges untimed, 0 never builds them. The M-row step's graph always has plain edges;
+    the stub checks that every graph is a chain in launch order, and --bench reports the choice."""
     _, path = plan
     lp = load_plan(path).launch_plan
-    assert lp["pdl"] is True
     step_kernels = {launch["kernel_index"] for launch in lp["launches"] + lp["prefill"]["launches"]}
     assert all(lp["kernels"][i]["constexprs"]["PDL"] is True for i in step_kernels)
-    report = run_stub(path, [], **({"KESTREL_PDL": pdl} if pdl else {}))
-    step, rows = report["edges"]
-    assert [len(step), len(rows)] == [len(lp["launches"]) - 1, len(lp["prefill"]["launches"]) - 1]
-    want = (0, 0) if pdl == "0" else (1, 1)  # (PROGRAMMATIC, PORT_PROGRAMMATIC) or the default edge
-    assert {(t, port) for _, _, t, port in step} == {want}
-    assert {(t, port) for _, _, t, port in rows} == {(0, 0)}
+    out = tmp_path / "bench.json"
+    report = run_stub(path, ["--bench", str(out)], **env)
+    graphs = report["edges"]
+    n, rows = len(lp["launches"]) - 1, len(lp["prefill"]["launches"]) - 1
+    built = 1 if env.get("KESTREL_PDL") == "0" else 2
+    assert [len(g) for g in graphs] == [n] * built + [rows]  # step (plain, then chained), then the M-row step
+    assert {(t, port) for _, _, t, port in graphs[0]} == {(0, 0)}
+    if built == 2:
+        assert {(t, port) for _, _, t, port in graphs[1]} == {(1, 1)}
+    assert {(t, port) for _, _, t, port in graphs[-1]} == {(0, 0)}
+    assert report["calls"].get("cuGraphExecDestroy", 0) == built - 1  # the graph not kept
+    bench = json.loads(out.read_text())
+    assert bench["graph_pdl"] is chained
+    assert (bench["pdl_trial_ms"] is None) == ("KESTREL_PDL" in env)
 
 
-def test_pdl_choice_follows_bytes_per_launch():
-    """The compiler's choice (kernels/pdl.py ``pdl_for_step``): programmatic edges where the step moves
-    at most 64 MB per launch on average on sm_90 (the 0.8B and 27B q4 steps), plain ones above (27B
-    bf16: 103 MB per launch, measured slower with them), never below sm_90."""
-    from kestrel.kernels.pdl import pdl_for_step
-    from kestrel.kernels.targets import TARGETS
+def test_pdl_trial_verdict():
+    from kestrel.runtime.gpu import pdl_wins
 
-    t = TARGETS["sm_90"]
-    assert pdl_for_step(1547 << 20, 191, t) and pdl_for_step(13540 << 20, 501, t)
-    assert not pdl_for_step(51573 << 20, 501, t) and not pdl_for_step(1 << 20, 191, TARGETS["sm_80"])
+    assert pdl_wins([1.0, 1.0, 1.2], [0.95, 0.9, 2.0]) and not pdl_wins([1.0] * 3, [0.995] * 3)
+    assert not pdl_wins([1.0] * 5, [1.0] * 5) and not pdl_wins([1.0] * 5, [1.1] * 5)
 
 
 def test_pdl_is_compiled_in_from_sm_90_only(plan, tmp_path):
@@ -171,7 +182,8 @@ def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
     calls = report["calls"]
     windows = -(-len(step) // WINDOW)
     assert calls["cuStreamWaitValue32"] == 1 + 6 * windows  # the gate's check, then one per window
-    assert calls["cuGraphLaunch"] == 7 + 1  # (+1: the prefill's M-row graph)
+    assert calls["cuGraphLaunch"] == 7 + 1 + 2 * (1 + PDL_TRIAL_STEPS)  # (+1: the prefill's M-row graph; the
+    # load-time PDL trial)
     assert rep["launches_per_step"] == len(step) and rep["decode_steps"] == 6 and rep["host_gaps_hidden"]
     assert rep["bandwidth"]["read_GBps"] > 0 and rep["bandwidth"]["used_GBps"] == max(
         rep["bandwidth"]["read_GBps"], rep["bandwidth"]["copy_GBps"])

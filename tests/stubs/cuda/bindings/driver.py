@@ -2,11 +2,14 @@
 answered on the host. "Device" memory is host memory (ctypes buffers), so copies and memsets really
 move bytes and are bounds-checked against their allocation; kernels are recorded, not run. The
 calls are counted in ``CALLS`` and every kernel launch (direct or as a graph node) in ``LAUNCHES``.
+Timing: every event pair measures 0.01 ms, plus a virtual clock that graph launches advance by 1 us a
+node, times KESTREL_STUB_PDL_FACTOR for a graph of programmatic edges (unset: the clock stands still).
 Used by tests/test_runtime_gpu_stub_driver.py to run the GPU runtime's whole load-and-generate path
 with torch and triton unimportable, on any machine (with or without a GPU).
 """
 import ctypes
 import enum
+import os
 from collections import Counter
 
 
@@ -286,19 +289,38 @@ def cuGraphInstantiate(graph, flags):
 
 
 @_count
+def cuGraphExecDestroy(exec_):
+    assert exec_ in _graph_nodes
+    return (OK,)
+
+
+@_count
 def cuGraphLaunch(exec_, stream):
+    factor = os.environ.get("KESTREL_STUB_PDL_FACTOR")
+    if factor is not None:
+        programmatic = any(t == CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+                           for _, _, t, _ in GRAPH_EDGES.get(exec_, []))
+        _clock[0] += 1e-3 * len(_graph_nodes[exec_]) * (float(factor) if programmatic else 1.0)
     for f, grid, block, params in _graph_nodes[exec_]:
         _record(f, grid, block, params)
     return (OK,)
 
 
+class _Event:
+    t = 0.0
+
+
+_clock = [0.0]  # ms
+
+
 @_count
 def cuEventCreate(flags):
-    return (OK, object())
+    return (OK, _Event())
 
 
 @_count
 def cuEventRecord(ev, stream):
+    ev.t = _clock[0]
     return (OK,)
 
 
@@ -309,7 +331,7 @@ def cuEventSynchronize(ev):
 
 @_count
 def cuEventElapsedTime(a, b):
-    return (OK, 0.01)
+    return (OK, 0.01 + b.t - a.t)
 
 
 @_count
