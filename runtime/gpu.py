@@ -8,7 +8,7 @@ build the step's CUDA graph from explicit kernel nodes and instantiate it. Where
 step was compiled with the PDL wait (sm_90 and later; kernels/pdl.py) a second graph chains the same
 nodes by programmatic edges, so each kernel's programs are resident and waiting when the previous one
 ends; the two are timed against each other at load (``PDL_TRIAL_STEPS`` replays each, interleaved)
-and the faster kept: on the H200 the chained graph was 4-13% faster on some plans and 2-4% slower on
+and the faster kept: on the H200 the chained graph was 3-13% faster on some plans and 2-4% slower on
 others, with no rule of size that predicts which (bench/results/stop19). KESTREL_PDL=0 / 1 skips the
 trial. The M-row step's graph has plain edges. A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
@@ -142,7 +142,12 @@ class GpuStep:
         self.pdl, self.pdl_trial = False, None
         choice = pdl_choice()
         if self.use_graph and choice is not False and all(kernel.pdl for kernel, _, _ in self.launches):
-            chained = self._try_graph(self.launches, log, True)
+            try:
+                chained = self._build_graph(self.launches, True)
+            except DeviceError as e:  # the plain graph stays
+                chained = None
+                if log:
+                    log(f"note: the step graph with programmatic edges was not built ({e}); plain edges")
             if chained is not None:
                 if choice is None:
                     self.pdl_trial = self._time_graphs(self.graph_exec, chained)
