@@ -58,9 +58,6 @@ def compute_capability(dev) -> int:
     return 10 * major + minor
 
 
-CARVEOUT_MAX_SHARED = 100  # cudaSharedmemCarveoutMaxShared: percent of the unified L1 given to shared memory
-
-
 class Kernel:
     """A loaded cubin entry point with its launch metadata."""
 
@@ -70,13 +67,6 @@ class Kernel:
         self.module = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         self.function = check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         self.name, self.block, self.shared = name, 32 * num_warps, shared
-        # Every kernel prefers the largest shared-memory carveout, so kernels that share an SM (the next
-        # one resident and waiting under programmatic dependent launch) need no other split of L1: on
-        # the H200 it left plain graphs unchanged (4B bf16, 2B q4, 27B bf16 within 0.2%) and made their
-        # programmatic ones 2-10% faster (bench/results/stop19/call8)
-        check(cu.cuFuncSetAttribute(self.function,
-                                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                    CARVEOUT_MAX_SHARED), f"cuFuncSetAttribute({name}, carveout)")
         if shared > 48 * 1024:
             check(cu.cuFuncSetAttribute(self.function,
                                         cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -38,7 +38,6 @@ class CUevent_flags(enum.IntEnum):
 
 class CUfunction_attribute(enum.IntEnum):
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
 class CUDA_KERNEL_NODE_PARAMS:
@@ -68,8 +67,7 @@ LAUNCHES: list = []  # (function name, grid, block, number of parameter cells) p
 _buffers: dict[int, ctypes.Array] = {}  # address -> buffer (device and pinned host allocations)
 _functions: dict[int, str] = {}
 _graph_nodes: dict[int, list] = {}
-GRAPH_EDGES: dict[int, list] = {}
-FUNC_ATTRIBUTES: dict[tuple, int] = {}  # (function, attribute) -> value  # graph -> (from node, to node, dependency type, from port) per edge
+GRAPH_EDGES: dict[int, list] = {}  # graph -> (from node, to node, dependency type, from port) per edge
 OK = CUresult.CUDA_SUCCESS
 
 
@@ -243,8 +241,6 @@ def cuModuleGetFunction(module, name):
 
 @_count
 def cuFuncSetAttribute(f, attr, value):
-    assert f in _functions
-    FUNC_ATTRIBUTES[(f, int(attr))] = int(value)
     return (OK,)
 
 
