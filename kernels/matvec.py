@@ -152,7 +152,8 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     block_n = 1
     while block_n < r.max_block_n and (n + 2 * block_n - 1) // (2 * block_n) >= r.ctas_per_sm * target.sms:
         block_n *= 2
-    if group and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:  # q4, many rows
+    wide = n >= 16 * r.q4_wide_ctas_per_sm * target.sms
+    if group and wide:  # q4, many rows
         block_n, block_k = 16, r.q4_wide_block_k
         num_warps = 2 if pair else 1
     elif group:  # q4, fewer rows
@@ -172,7 +173,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
         num_warps = max(1, min(r.max_warps, block_n // r.rows_per_warp))
     if group:  # a multiple of the group, at most K rounded up; many rows: halved while it leaves a tail
         block_k = max(group, min(block_k, pow2_at_least(k)))
-        while block_n == 16 and block_k > group and k % block_k:
+        while wide and block_k > group and k % block_k:
             block_k //= 2
         # no more warps than 16-byte chunks in a tile row band (32 inputs each per row)
         num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
