@@ -220,6 +220,26 @@ def _infer_matmul_swiglu(ins, a):
     return _infer_matmul([x, wg], a)
 
 
+def _infer_matmul_add(ins, a):
+    """x [K], W [N, K], r [N] -> s [N], ss [ceil(N / partial_rows)]."""
+    x, w, r = ins
+    _need(len(_t(x).shape) == 1, "matmul_add takes one row")
+    (n,) = _infer_matmul([x, w], a)[0].shape
+    _need(_t(r).shape == (n,), f"matmul_add residual {_t(r).shape} vs the product's ({n},)")
+    rows = a["partial_rows"]
+    _need(isinstance(rows, int) and rows > 0, "matmul_add partial_rows must be a positive int")
+    return [_f32((n,)), _f32(((n + rows - 1) // rows,))]
+
+
+def _infer_rmsnorm_matmul(ins, a):
+    """s [K], ss [P], norm weight [K], then the matmul's (or matmul_swiglu's) weights."""
+    s, ss, nw, *ws = ins
+    _need(len(_t(s).shape) == 1, "rmsnorm_matmul takes one row")
+    _need(len(_t(ss).shape) == 1 and _t(ss).dtype == "f32", "rmsnorm_matmul partials must be f32[P]")
+    _need(_t(nw).shape == _t(s).shape, f"rmsnorm weight {_t(nw).shape} vs the input {_t(s).shape}")
+    return _infer_matmul_swiglu([s, *ws], a) if len(ws) == 2 else _infer_matmul([s, *ws], a)
+
+
 def _infer_gdn_step(ins, a):
     qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec = ins
     hv, _, dv = _t(rec).shape
@@ -409,6 +429,26 @@ def _matvec(op: Op, t: Target) -> dict:
     return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t, pair=swiglu)}
 
 
+def _matvec_add(op: Op, t: Target) -> dict:
+    """matvec_kernel's launch rule; partial_rows (select_kernels sets it) is its BLOCK_N."""
+    w = op.ins[1]
+    n, k = w.type.shape
+    group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+    return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(n, k, group, t)}
+
+
+def _rmsnorm_matvec(op: Op, t: Target) -> dict:
+    """matvec_kernel's (matvec_swiglu_kernel's) launch rule; P: the producer's partials."""
+    w = op.ins[3]
+    n, k = w.type.shape
+    group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+    swiglu = op.kind == "rmsnorm_matmul_swiglu"
+    launch = matvec.matvec_launch(n, k, group, t, pair=swiglu)
+    p = op.ins[1].type.shape[0]
+    return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype, **launch,
+            "constexprs": {**launch["constexprs"], "P": p, "BLOCK_P": matvec.partials_block(p)}}
+
+
 def _embedding(op: Op, t: Target) -> dict:
     return {"kernel": f"embedding_{op.ins[0].type.dtype}", **embedding.embedding_launch(op.outs[0].type.shape[0], t)}
 
@@ -527,6 +567,23 @@ def _onnx_matmul_swiglu(ex, op, x, wg, wu):
     return ex.g.node("Mul", [ex.silu(ex.matmul(x, wg)), ex.matmul(x, wu)])
 
 
+def _onnx_matmul_add(ex, op, x, w, r):
+    """s = r + W x; ss: the sums of s^2 over groups of partial_rows rows (ReduceSumSquare)."""
+    s = ex.g.node("Add", [ex.f32(r), ex.matmul(ex.f32(x), w)])
+    n, rows = op.outs[0].type.shape[0], op.attrs["partial_rows"]
+    if n % rows:
+        raise IRError(f"matmul_add: ONNX export needs partial_rows ({rows}) to divide the rows ({n})")
+    ss = ex.g.node("ReduceSumSquare", [ex.reshape(s, [n // rows, rows])], axes=[1], keepdims=0)
+    return s, ss
+
+
+def _onnx_rmsnorm_matmul(ex, op, s, ss, nw, *ws):  # the partials are the GPU's way to the mean: unused
+    n = ex.rmsnorm(ex.f32(s), ex.f32(nw), op.attrs["eps"])
+    if len(ws) == 2:
+        return ex.g.node("Mul", [ex.silu(ex.matmul(n, ws[0])), ex.matmul(n, ws[1])])
+    return ex.matmul(n, ws[0])
+
+
 def _onnx_gdn_delta(ex, op, qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec):
     hk, hv, _, dv = gdn_layer_heads(qkv, rec)
     mixed = ex.conv1d(ex.conv_window(ex.f32(qkv), conv_state), conv_w, "silu")  # state only read
@@ -640,6 +697,16 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
           Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
+    OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
+          Kernel(matvec.matvec_add_kernel, _matvec_add), _onnx_matmul_add,
+          doc="s = r + W @ x; ss[i] = sum of s^2 over rows [i*partial_rows, (i+1)*partial_rows) (the next "
+              "rmsnorm's partial sums)"),
+    OpDef("rmsnorm_matmul", "vvww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_ref,
+          Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec), _onnx_rmsnorm_matmul,
+          doc="W @ rmsnorm(s, nw) (the mean square from matmul_add's partials ss)"),
+    OpDef("rmsnorm_matmul_swiglu", "vvwww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_swiglu_ref,
+          Kernel(matvec.rmsnorm_matvec_swiglu_kernel, _rmsnorm_matvec), _onnx_rmsnorm_matmul,
+          doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square from matmul_add's partials ss)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
                         "conv state shared by a key head's value heads)"),

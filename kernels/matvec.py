@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -267,16 +268,24 @@ def _q4_words_interpreted(words, xh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _matvec_tile(x_ptr, w_ptr, rows, k0, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, MASKED: tl.constexpr):
+def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, MASKED: tl.constexpr,
+                 NORM: tl.constexpr):
     """Partial products of rows ``rows`` (clamped, in bounds) with inputs [k0, k0 + BLOCK_K): fp32
     [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK inputs, a thread's 16-byte load (32 inputs for q4,
-    8 bf16, 4 f32). MASKED: the tile runs past K (inputs >= K contribute 0)."""
+    8 bf16, 4 f32). MASKED: the tile runs past K (inputs >= K contribute 0). NORM: the input is
+    rmsnorm(x) = x * rstd * (1 + nw), made here per tile as kernels/rmsnorm.py's row norm makes it."""
     ks = k0 + tl.arange(0, BLOCK_K)
     if MASKED:
         xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
     else:
         xv = tl.load(x_ptr + ks)
+    if NORM:
+        if MASKED:
+            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
+        else:
+            nw = tl.load(nw_ptr + ks)
+        xv = xv.to(tl.float32) * rstd * (1.0 + nw.to(tl.float32))
     if GROUP > 0:
         j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
@@ -322,9 +331,10 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, N: tl.constexpr, K: tl.constexpr, GROUP
 
 @triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, NORM: tl.constexpr = False):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
-    ``rows`` must be in bounds (the callers clamp them)."""
+    ``rows`` must be in bounds (the callers clamp them). NORM: x[k] * rstd * (1 + nw[k]) in place of
+    x[k] (_matvec_tile)."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
@@ -341,9 +351,9 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     K_FULL: tl.constexpr = K - K % BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
-        acc += _matvec_tile(x_ptr, w_ptr, rows, k0, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False)
+        acc += _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False, NORM)
     if K_FULL < K:
-        acc += _matvec_tile(x_ptr, w_ptr, rows, K_FULL, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True)
+        acc += _matvec_tile(x_ptr, w_ptr, rows, K_FULL, nw_ptr, rstd, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True, NORM)
     if GROUP > 0:
         return tl.sum(acc, axis=1) * 64.0  # Q4_X_SCALE
     return tl.sum(acc, axis=1)
@@ -374,5 +384,99 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
     rows_in = tl.minimum(rows, N - 1)
     g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + rows, y, mask=rows < N)
+
+
+# --- the residual add and the next RMSNorm, fused into the matvecs on either side -------------------
+#
+# A decoder layer's residual add and the RMSNorm after it (add_rmsnorm: s = r + W x; n = rmsnorm(s))
+# sit between two matrix products. One program cannot norm the vector on its own (the norm needs
+# the sum of squares over all of s, which the producer's programs make piece by piece), so the work
+# is split over the two matvecs it sits between, without a launch of its own:
+#   * matvec_add_kernel (op ``matmul_add``): s = W x + r, and each program's sum of s^2 over its own
+#     BLOCK_N rows in ss[program] (partial_rows = BLOCK_N rows per partial, the last one short);
+#   * rmsnorm_matvec_kernel / rmsnorm_matvec_swiglu_kernel (``rmsnorm_matmul`` / ``_swiglu``): every
+#     program sums the P partials in index order (the same fixed order in every program: the norm is
+#     deterministic and the same for all rows), rstd = 1 / sqrt(sum / K + eps), then streams the
+#     weight with x[k] * rstd * (1 + nw[k]) as its input, made per tile from s and the norm weight.
+# The partials are a few KB, read from L2; the norm costs no launch and no pass of one program over
+# the whole vector (add_rmsnorm's). The CPU references compose the unfused references (matmul then
+# add; rmsnorm then matmul), so the CPU path is bit-identical to the unfused program's.
+
+
+def matvec_add_ref(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, partial_rows: int):
+    """(s, ss): s = r + W @ x (add_rmsnorm's sum, in its operand order), ss[i] = sum of s^2 over rows
+    [i * partial_rows, (i + 1) * partial_rows)."""
+    s = r + matvec_ref(x, w)
+    n = s.shape[0]
+    ss = torch.stack([(s[i:i + partial_rows].float() ** 2).sum() for i in range(0, n, partial_rows)])
+    return s, ss
+
+
+def rmsnorm_matvec_ref(s: torch.Tensor, ss: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, eps: float):
+    """W @ rmsnorm(s) (kernels/rmsnorm.py's zero-centred norm). ss (the partial sums of s^2) is how the
+    GPU gets the mean square; the reference takes it from s, as the unfused rmsnorm does."""
+    return matvec_ref(rmsnorm_ref(s, nw, eps), w)
+
+
+def rmsnorm_matvec_swiglu_ref(s, ss, nw, w_gate, w_up, eps: float):
+    """silu(Wg @ n) * (Wu @ n), n = rmsnorm(s) (rmsnorm_matvec_ref)."""
+    return matvec_swiglu_ref(rmsnorm_ref(s, nw, eps), w_gate, w_up)
+
+
+def partials_block(p: int) -> int:
+    """BLOCK_P of the rmsnorm matvecs: the P partials in one vector (a power of two)."""
+    return pow2_at_least(p)
+
+
+@triton.jit
+def _partials_rstd(ss_ptr, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """1 / sqrt(mean(s^2) + eps) from the P partial sums of s^2 (K elements in all)."""
+    i = tl.arange(0, BLOCK_P)
+    ss = tl.load(ss_ptr + i, mask=i < P, other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.constexpr, K: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """s = r + W @ x (matvec_kernel's product, the same split) and ss[program] = the sum of s^2 over
+    the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read)."""
+    pdl_wait(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
+    live = rows < N
+    s = tl.load(r_ptr + rows, mask=live, other=0.0) + y
+    tl.store(s_ptr + rows, s, mask=live)
+    tl.store(ss_ptr + tl.program_id(0), tl.sum(tl.where(live, s * s, 0.0), axis=0))
+
+
+@triton.jit
+def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, K: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
+                          BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+    """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
+    (matvec_add_kernel's); matvec_kernel's split."""
+    pdl_wait(PDL)
+    rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
+    tl.store(y_ptr + rows, y, mask=rows < N)
+
+
+@triton.jit
+def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, eps, N: tl.constexpr,
+                                 K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                                 PDL: tl.constexpr = False):
+    """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split of
+    matvec_swiglu_kernel."""
+    pdl_wait(PDL)
+    rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + rows, y, mask=rows < N)

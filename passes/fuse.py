@@ -24,7 +24,14 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      for the same reason, as 2); ``attn_rows`` -> ``attn_rows_kv`` (the chunk's keys and values into
      the caches) then ``attn_rows_q`` (the queries over the caches: every row's K/V is in place before
      any query reads it)
-  7. ops whose results nobody reads, and that write no state, are dropped.
+  7. at one row, an ``add_rmsnorm`` between two matrix products (the residual add after a mixer's or
+     MLP's output projection, and the next norm, read only by ``matmul`` / ``matmul_swiglu``s) is
+     folded into them: the producer becomes ``matmul_add`` (s = r + W x, and the partial sums of s^2
+     per ``partial_rows`` rows: one partial here, select_kernels sets the GPU kernel's), each consumer
+     ``rmsnorm_matmul`` / ``rmsnorm_matmul_swiglu`` (W @ rmsnorm(s), the mean square from the
+     partials): no launch of its own, and no pass of one program over the whole vector
+     (kernels/matvec.py). The final norm stays (its result is the ``hidden`` output)
+  8. ops whose results nobody reads, and that write no state, are dropped.
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
 ``check`` proves the invariant: every rewrite, run again on the result, finds nothing to do.
@@ -302,6 +309,32 @@ def _fuse_rows(p: Program) -> int:
     return n
 
 
+def _fuse_norm_into_matmuls(p: Program) -> int:
+    g, n = _Graph(p), 0
+    for op in list(p.ops):
+        if op.kind != "add_rmsnorm" or len(op.ins[0].type.shape) != 1:
+            continue
+        r, y, nw = op.ins
+        mm = g.prod(y, "matmul")
+        if mm is None or not g.only_user(y):  # the product is the add's second operand (the residual's first)
+            continue
+        s, normed = op.outs
+        users = g.users.get(id(normed), [])
+        if not users or id(normed) in g.outputs or any(
+                u.kind not in ("matmul", "matmul_swiglu") or u.ins[0] is not normed for u in users):
+            continue
+        ss = Value(TensorType("f32", (1,)))
+        p.ops[p.ops.index(op)] = Op("matmul_add", [s, ss], [mm.ins[0], mm.ins[1], r],
+                                    {"partial_rows": y.type.shape[0]})
+        p.ops.remove(mm)
+        for u in users:
+            kind = "rmsnorm_matmul" if u.kind == "matmul" else "rmsnorm_matmul_swiglu"
+            p.ops[p.ops.index(u)] = Op(kind, u.outs, [s, ss, nw, *u.ins[1:]], {"eps": op.attrs["eps"]})
+        g = _Graph(p)
+        n += 1
+    return n
+
+
 def _drop_dead(p: Program) -> int:
     n = 0
     while True:
@@ -318,7 +351,7 @@ def _drop_dead(p: Program) -> int:
 
 REWRITES = (("matmul_swiglu", _fuse_swiglu), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
             ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
-            ("dead ops", _drop_dead))
+            ("norm into matmuls", _fuse_norm_into_matmuls), ("dead ops", _drop_dead))
 
 
 def fuse(program: Program) -> Program:

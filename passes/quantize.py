@@ -1,6 +1,6 @@
 """quantize: give every weight the precision ``--quant`` asks for its role.
 
-Invariant established: every weight read as a matrix by ``matmul`` / ``matmul_swiglu`` (all
+Invariant established: every weight read as a matrix (``MATRIX_OPERANDS``: the matmul family; all
 projections and lm_head) has the requested precision; the embedding table is f32 (none) or bf16;
 small tensors (norms, A_log, dt_bias, conv taps) stay f32; KV caches are bf16 unless --quant none.
 Weights change only their declared dtype and source recipe: the bytes are made when the plan is
@@ -24,7 +24,8 @@ from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight
 
 QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
-MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2)}
+MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2), "matmul_add": (1,), "rmsnorm_matmul": (3,),
+                   "rmsnorm_matmul_swiglu": (3, 4)}
 TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
 
 

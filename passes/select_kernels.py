@@ -40,6 +40,17 @@ def _size_sample_scratch(p: Program, target) -> None:
             part.type = type(part.type)("f32", sample_scratch_shape(op.ins[0].type.shape[0], target))
 
 
+def _size_norm_partials(p: Program, target) -> None:
+    """Each matmul_add's partials (result 1, read by the rmsnorm matmuls after it) get one entry per
+    program of its kernel: partial_rows = the launch's rows per program."""
+    for op in p.ops:
+        if op.kind == "matmul_add":
+            rows = OPS[op.kind].kernel.launch(op, target)["constexprs"]["BLOCK_N"]
+            n = op.outs[0].type.shape[0]
+            op.attrs["partial_rows"] = rows
+            op.outs[1].type = type(op.outs[1].type)("f32", ((n + rows - 1) // rows,))
+
+
 def select_kernels(program: Program, target: str) -> Program:
     if target not in ALL_TARGETS:
         raise IRError(f"unknown target {target!r}; known: {', '.join(ALL_TARGETS)}")
@@ -48,6 +59,7 @@ def select_kernels(program: Program, target: str) -> Program:
     if target != "cpu":
         _size_attention_scratch(p, TARGETS[target])
         _size_sample_scratch(p, TARGETS[target])
+        _size_norm_partials(p, TARGETS[target])
     for op in p.ops:
         if is_view(op):
             op.launch = None

@@ -8,6 +8,7 @@ caches) of the reference relative to the largest logit (max |d| / max |logit|). 
 KV caches: an fp32 difference of ~1e-7 in k (onnxruntime's and torch's reduction orders differ)
 flips the bf16 rounding of one cache element by one ulp at one step, the rest is bit-identical.
 """
+import copy
 import importlib.util
 import os
 
@@ -143,8 +144,23 @@ def _with_gdn_step(prog):
     return prog
 
 
+def _fused_without(prog, rewrite: str):
+    """``prog`` through every fuse rewrite but the one named (valid IR; e.g. without "norm into matmuls"
+    the one-row MLPs keep matmul_swiglu)."""
+    from kestrel.compiler.ops import verify
+    from kestrel.passes import fuse
+
+    p = copy.deepcopy(prog)
+    for name, run in fuse.REWRITES:
+        if name != rewrite:
+            run(p)
+    verify(p)
+    return p
+
+
 def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
-    """The unfused lowering (quantize only) and a program with gdn_step cover every op kind but step_end."""
+    """The unfused lowering (quantize only), a program with gdn_step and one fused but for the norms
+    folded into the matmuls cover every op kind but step_end."""
     from kestrel.compiler.build import open_model
     from kestrel.compiler.onnx_export import export_program
     from kestrel.compiler.ops import OPS
@@ -157,7 +173,8 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
         raw = {n: bytes(weight_bytes(w, m.ck.read)) for n, w in unfused.weights.items()}
     fused, fused_raw, _, _ = _tiny("none")
     kinds = set()
-    for prog, weights in ((unfused, raw), (_with_gdn_step(fused), fused_raw)):
+    for prog, weights in ((unfused, raw), (_with_gdn_step(fused), fused_raw),
+                          (_fused_without(unfused, "norm into matmuls"), fused_raw)):
         kinds |= {op.kind for op in prog.ops}
         model, sig = export_program(prog, lambda n: weights[n])
         got, want = ort_decode(session(model), sig, PROMPT, 8), cpu_decode(prog, weights, PROMPT, 8)

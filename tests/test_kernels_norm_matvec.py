@@ -1,0 +1,141 @@
+"""The residual add and RMSNorm folded into the matvecs around them (fuse's "norm into matmuls"):
+matvec_add_kernel (s = r + W x and per-program partial sums of s^2) and rmsnorm_matvec_kernel /
+rmsnorm_matvec_swiglu_kernel (W @ rmsnorm(s) from those partials), in Triton's interpreter against
+the torch references for f32, bf16 and q4 weights, chained the way a plan chains them; AOT
+compilation for every target at the 27B shapes (one subprocess, the suite runs interpreted)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.kernels.matvec import (matvec_add_kernel, matvec_add_ref, matvec_launch, matvec_ref, partials_block,
+                                    rmsnorm_matvec_kernel, rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_kernel,
+                                    rmsnorm_matvec_swiglu_ref)
+from kestrel.kernels.rmsnorm import add_rmsnorm_ref
+from kestrel.kernels.targets import TARGETS
+from test_kernels_matvec import consts_for, make_weight
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+RTOL = 1e-5
+EPS = 1e-6
+
+# (weight kind, hidden H, producer input K0, consumer rows N, producer overrides, consumer overrides):
+# the producer is [H, K0] (its partials one per BLOCK_N rows, the last program's rows clamped), the
+# consumer [N, H] (the rmsnorm over H inputs).
+CASES = [
+    ("f32", 40, 300, 24, None, None),
+    ("f32", 37, 200, 45, {"BLOCK_N": 8, "BLOCK_K": 128}, {"BLOCK_N": 8, "BLOCK_K": 16}),  # 5 partials, tails
+    ("bf16", 64, 96, 30, {"BLOCK_N": 16}, {"BLOCK_N": 4, "BLOCK_K": 32}),
+    ("q4g32", 96, 64, 21, {"BLOCK_N": 4}, {"BLOCK_N": 8, "BLOCK_K": 32}),                  # 24 partials
+    ("q4g64", 192, 128, 37, {"BLOCK_N": 16, "BLOCK_K": 64}, {"BLOCK_N": 16, "BLOCK_K": 128}),  # masked tile
+    ("q4g128", 384, 256, 10, {"BLOCK_N": 8}, {"BLOCK_N": 8, "BLOCK_K": 256}),
+]
+
+
+def _produce(kind, h, k0, override, g):
+    """matvec_add_kernel on a random [H, K0] weight: (s, ss), checked against matvec_add_ref at the
+    launch's partial rows (BLOCK_N)."""
+    w, w_ref, group = make_weight(kind, h, k0, g)
+    x, r = torch.randn(k0, generator=g), 4 * torch.randn(h, generator=g)
+    c = consts_for(h, k0, group, override)
+    p = math.ceil(h / c["BLOCK_N"])
+    s = torch.full((h + 16,), float("nan"))
+    ss = torch.full((p + 4,), float("nan"))
+    interpret(matvec_add_kernel)[(p,)](x, w, r, s, ss, c["BLOCK_N"], **c)
+    assert torch.isnan(s[h:]).all() and torch.isnan(ss[p:]).all(), "stored past the rows / partials"
+    s_ref, ss_ref = matvec_add_ref(x, w_ref, r, c["BLOCK_N"])
+    assert_close(s[:h], s_ref, RTOL, 0.0, f"matvec_add {kind} s")
+    assert_close(ss[:p], ss_ref, 1e-5, 0.0, f"matvec_add {kind} ss")
+    # the sum the unfused program makes (add_rmsnorm's first result)
+    assert_close(s[:h], add_rmsnorm_ref(r, matvec_ref(x, w_ref), torch.zeros(h), EPS)[0], RTOL, 0.0, "s")
+    return s[:h], ss[:p]
+
+
+@pytest.mark.parametrize("kind,h,k0,n,prod,cons", CASES)
+def test_norm_folded_into_matvecs(kind, h, k0, n, prod, cons):
+    g = torch.Generator().manual_seed(h * 31 + k0 + n)
+    s, ss = _produce(kind, h, k0, prod, g)
+    nw = 0.5 * torch.randn(h, generator=g)
+    w, w_ref, group = make_weight(kind, n, h, g)
+    c = consts_for(n, h, group, cons) | {"P": ss.numel(), "BLOCK_P": partials_block(ss.numel())}
+    y = torch.full((n + 16,), float("nan"))
+    interpret(rmsnorm_matvec_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, ss, nw, w, y, EPS, **c)
+    assert torch.isnan(y[n:]).all(), "stored past N"
+    assert_close(y[:n], rmsnorm_matvec_ref(s, ss, nw, w_ref, EPS), 2e-5, 0.0, f"rmsnorm_matvec {kind} {c}")
+    # the partials carry the norm: a kernel that ignored them (or summed too few) would be off by far more
+    wrong = ss.clone()
+    wrong[-1] += ss.sum()
+    y2 = torch.full((n + 16,), float("nan"))
+    interpret(rmsnorm_matvec_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, wrong, nw, w, y2, EPS, **c)
+    assert (y2[:n] - y[:n]).abs().max() > 0.1 * y[:n].abs().max(), "the partials do not reach the norm"
+
+    wg, wg_ref, _ = make_weight(kind, n, h, g)
+    wu, wu_ref, _ = make_weight(kind, n, h, g)
+    y = torch.full((n + 16,), float("nan"))
+    interpret(rmsnorm_matvec_swiglu_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, ss, nw, wg, wu, y, EPS, **c)
+    assert torch.isnan(y[n:]).all(), "stored past N"
+    ref = rmsnorm_matvec_swiglu_ref(s, ss, nw, wg_ref, wu_ref, EPS)
+    assert_close(y[:n], ref, 5e-5, 0.0, f"rmsnorm_matvec_swiglu {kind} {c}")
+
+
+# --- AOT compilation: every target, the 27B shapes (down_proj feeding the MLP / GDN input projection) ---
+
+H, INTER, IN_PROJ = 5120, 17408, 16480
+
+
+def _jobs():
+    jobs = [(t, kernel, 128) for t in TARGETS for kernel in ("add", "norm", "norm_swiglu")]
+    return jobs + [("sm_90", kernel, 0) for kernel in ("add", "norm", "norm_swiglu")]
+
+
+def _compile(job):
+    from kestrel.compiler.codegen import compile_kernel
+
+    target, kernel, group = job
+    t, wt = TARGETS[target], "*u8" if group else "*bf16"
+    if kernel == "add":  # down_proj: s = r + W x, ss
+        c = matvec_launch(H, INTER, group, t)
+        fn, types = matvec_add_kernel, ["*fp32", wt, "*fp32", "*fp32", "*fp32", "i32"]
+        consts = c["constexprs"]
+    else:
+        n = INTER if kernel == "norm_swiglu" else IN_PROJ
+        c = matvec_launch(n, H, group, t, pair=kernel == "norm_swiglu")
+        p = math.ceil(H / matvec_launch(H, INTER, group, t)["constexprs"]["BLOCK_N"])
+        consts = c["constexprs"] | {"P": p, "BLOCK_P": partials_block(p)}
+        fn = rmsnorm_matvec_swiglu_kernel if kernel == "norm_swiglu" else rmsnorm_matvec_kernel
+        types = ["*fp32", "*fp32", "*fp32"] + [wt] * (2 if kernel == "norm_swiglu" else 1) + ["*fp32", "fp32"]
+    ck = compile_kernel(f"{kernel}_{group}", fn, types, consts, c["num_warps"], t.cc,
+                        aligned=[ty.startswith("*") for ty in types])
+    return {"job": list(job), "cubin": len(ck.cubin), "shared": ck.shared, "arch": ck.arch,
+            "params": [ty for _, ty in ck.params], "types": types}
+
+
+def _aot_main():
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(max(1, min(4, len(os.sched_getaffinity(0))))) as pool:
+        print(json.dumps(pool.map(_compile, _jobs(), chunksize=1)))
+
+
+@pytest.fixture(scope="module")
+def aot():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); "
+                        "import test_kernels_norm_matvec as t; t._aot_main()"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {tuple(d["job"]): d for d in json.loads(r.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("job", _jobs(), ids=lambda j: f"{j[0]}-{j[1]}-{'q4g128' if j[2] else 'bf16'}")
+def test_aot_compile(aot, job):
+    d = aot[job]
+    assert d["cubin"] > 0 and d["params"] == d["types"]
+    cc = TARGETS[job[0]].cc
+    assert d["arch"] == f"sm_{cc}" + ("a" if cc >= 90 else "")
+    assert d["shared"] <= 99 * 1024, "pipeline buffers must fit the 99 KB of sm_86/89/120 CTAs"
