@@ -235,13 +235,17 @@ def _search(key, wt, goal, lo, hi, top):
 
 
 @triton.jit
-def _kth_key(key, member, goal, top):
-    """A key v with count(key > v) <= goal <= count(key >= v) over the members (the goal-th largest, or
-    a threshold with exactly goal members at or above it; the key of -inf when there are fewer): a
-    search whose steps each count four thresholds in one reduction (no vector results to exchange):
-    the first step's on a float ladder below ``top`` (the members' largest logit: top - 64, - 8, - 1,
-    - 1/8), then lo + 1 and three even steps over (lo, hi]; it stops at a threshold with exactly goal
-    members at or above it, and as soon as lo + 1 has fewer than goal."""
+def _kth_key(key, member, goal, top, cap):
+    """A key v with goal <= count(key >= v) <= cap over the members (any prefix of the order of at
+    least goal and at most cap members: the search stops at the first threshold that makes one), or
+    when ties leave none such, the goal-th largest key (count(key > v) <= goal <= count(key >= v));
+    the key of -inf when there are fewer than goal. cap = goal: exactly the goal-th largest (or a
+    threshold with exactly goal members at or above it). A search whose steps each count four
+    thresholds in one reduction (no vector results to exchange): the first step's on a float ladder
+    below ``top`` (the members' largest logit: top - 64, - 8, - 1, - 1/8), then lo + 1 and three even
+    steps over (lo, hi]; it stops at a threshold with goal..cap members at or above it, and as soon
+    as lo + 1 has fewer than goal. A wider [goal, cap] ends the search in a few steps (a handful of
+    thresholds brackets some count in it) where an exact count takes ~10."""
     lo = tl.full([], _KEY_NEG_INF, tl.int64)
     hi = _order_key(top).to(tl.int64)
     l1 = _order_key(top - 64.0).to(tl.int64)
@@ -270,7 +274,7 @@ def _kth_key(key, member, goal, top):
         nlo = tl.where(j == 0, lo, tl.where(j == 1, t1, tl.where(j == 2, t2, tl.where(j == 3, t3, t4))))
         nxt = tl.where(j == 0, t1, tl.where(j == 1, t2, tl.where(j == 2, t3, tl.where(j == 3, t4, hi + 1))))
         cj = tl.where(j == 1, c1, tl.where(j == 2, c2, tl.where(j == 3, c3, c4)))
-        hi = tl.where((j > 0) & (cj == goal), nlo, tl.minimum(nxt - 1, hi))
+        hi = tl.where((j > 0) & (cj <= cap), nlo, tl.minimum(nxt - 1, hi))
         lo = nlo
         first = tl.full([], False, tl.int1)
     return lo.to(tl.int32)
@@ -474,14 +478,16 @@ def _sample_full(logits_ptr, m, arg, inv_t, u, k_on, top_k, p_on, top_p, mp_on, 
 
 
 @triton.jit
-def _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, n, p_on, top_p, mp_on, min_p, V: tl.constexpr,
-                  CAND: tl.constexpr):
-    """Top-p, min-p and the draw over the exact top-k set (n <= CAND kept candidates): the set is
-    compacted in vocabulary order into CAND slots (written to partials row 0, free once every row has
-    been read, and read back), then each slot's exclusive prefix mass in the order (logit desc, index
-    asc) is a sum over the slots ahead of it (a [CAND, CAND] compare: the reference's cumsum without a
-    sort); top-p keeps the slots whose prefix stays below top_p * the set's mass (and the first),
-    min-p those with key >= the smallest kept key whose w reaches min_p; the draw is _pick."""
+def _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, n, top_k, p_on, top_p, mp_on, min_p,
+                  V: tl.constexpr, CAND: tl.constexpr):
+    """Top-k, top-p, min-p and the draw over a prefix of the order holding the top-k set (n kept
+    candidates, top_k <= n <= CAND, or all of them when fewer): the prefix is compacted in vocabulary
+    order into CAND slots (written to partials row 0, free once every row has been read, and read
+    back); a [CAND, CAND] compare gives each slot the slots ahead of it in the order (logit desc,
+    index asc): its rank (top-k: rank < top_k) and its exclusive prefix mass over the top-k set (the
+    reference's cumsum without a sort); top-p keeps the slots whose prefix stays below top_p * the
+    set's mass (and the first), min-p those with key >= the smallest kept key whose w reaches min_p;
+    the draw is _pick."""
     pos = tl.cumsum(kept.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every thread has read the rows before they are reused
     tl.store(partials_ptr + _HDR + pos, x, mask=kept)
@@ -493,13 +499,13 @@ def _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, n, p_on, top_p, 
     ids = tl.load(partials_ptr + _HDR + CAND + c, mask=live, other=0.0, cache_modifier=".cg")
     ids = tl.where(live, ids.to(tl.int32, bitcast=True), V)
     ks = _order_key(xs)
-    ws = tl.where(live & (xs > float("-inf")), tl.exp((xs - m) * inv_t), 0.0)
-    keep = live
+    ahead = live[None, :] & ((ks[None, :] > ks[:, None]) |
+                             ((ks[None, :] == ks[:, None]) & (ids[None, :] < ids[:, None])))  # [i, j]: j before i
+    keep = live & (tl.sum(ahead.to(tl.int32), axis=1) < top_k)  # the top-k set (its slots ahead are in it too)
+    ws = tl.where(keep & (xs > float("-inf")), tl.exp((xs - m) * inv_t), 0.0)
     if p_on:
-        ahead = live[None, :] & ((ks[None, :] > ks[:, None]) |
-                                 ((ks[None, :] == ks[:, None]) & (ids[None, :] < ids[:, None])))  # [i, j]: j before i
         excl = tl.sum(tl.where(ahead, ws[None, :], 0.0), axis=1)  # [i]: the mass of the slots ahead of slot i
-        keep = live & ((excl < top_p * tl.sum(ws, axis=0)) | (ids == arg))
+        keep = keep & ((excl < top_p * tl.sum(ws, axis=0)) | (ids == arg))
     if mp_on:
         kappa = tl.min(tl.where(keep & (ws >= min_p), ks, _KEY_MAX), axis=0)
         keep = (keep & (ks >= kappa)) | (ids == arg)
@@ -526,9 +532,10 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
     key = _order_key(x)
     w = tl.where(valid & (x > float("-inf")), tl.exp((x - m) * inv_t), 0.0)
     path = tl.full([], 2, tl.int32)
-    if k_on & (top_k <= CAND):  # the top-k set is inside the candidates (each tile holds at most k of it)
-        kept = _take_top(key, valid, _kth_key(key, valid, top_k, m), top_k)
-        token = _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, top_k, p_on, top_p, mp_on, min_p, V,
+    if k_on & (top_k <= CAND):  # the top-k set is inside the candidates (each tile holds its share of it)
+        kept = _take_top(key, valid, _kth_key(key, valid, top_k, m, CAND), CAND)  # a prefix of top_k..CAND
+        token = _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, tl.sum(kept.to(tl.int32), axis=0), top_k,
+                              p_on, top_p, mp_on, min_p, V,
                               CAND)
     else:
         e_tile = tl.load(partials_ptr + g * W + 3, mask=g < G, other=0.0, cache_modifier=".cg")
@@ -542,7 +549,7 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
         if k_on:
             n_cand = tl.sum(tl.load(partials_ptr + g * W + 4, mask=g < G, other=0.0, cache_modifier=".cg")
                             .to(tl.int32, bitcast=True), axis=0)
-            kept = _take_top(key, valid, _kth_key(key, valid, top_k, m), top_k)
+            kept = _take_top(key, valid, _kth_key(key, valid, top_k, m, top_k), top_k)
             exact = none_left | ((n_cand >= top_k) & _global_prefix(key, idx, kept, e_tile, g, TILE))
             closed = tl.full([], True, tl.int1)
         if p_on:
@@ -592,10 +599,12 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
 
     Phase 1, program g over logits [g * TILE, (g + 1) * TILE) (masked past V), loaded once and kept in
     registers. Row g of partials: word 0 the tile max m_g, word 2 its first argmax (int32 bits); with
-    temperature > 0, word 1 s_g = sum exp((x - m_g) / T); with truncation, the tile's top-CAND
-    candidates in the order (logit desc, index asc): the CAND-th largest key by _kth_key (a 4-5-ary
-    search whose steps each count four thresholds in one reduction), every key above it and the first
-    ties at it by index. They are written compacted in index order (slot = prefix count - 1): logits in
+    temperature > 0, word 1 s_g = sum exp((x - m_g) / T); with truncation, the tile's first
+    candidates in the order (logit desc, index asc): the top CAND (by _kth_key, a 4-5-ary search
+    whose steps each count four thresholds in one reduction: the CAND-th largest key, every key above
+    it and the first ties at it by index), or with top-k <= CAND any prefix of top_k to CAND of them
+    (the search stops at the first threshold with that many at or above it: a few steps, not ~10).
+    They are written compacted in index order (slot = prefix count - 1): logits in
     words [8, 8 + CAND), indices in [8 + CAND, 8 + 2 * CAND) (int32 bits), padded with -inf / V; word 3
     e_g, the largest key NOT taken (-2^31 when all were), word 4 the count. Word 5 of row 0 gets the
     merge's path (0 greedy, 1 tiles, 2 candidates, 3 full fallback), for tests and profiles.
@@ -609,9 +618,11 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
         tile masses in tile order with target u * D, then the token inside it by inverse CDF with the
         rest of the target, its logits re-read (L2-hot); the last tile / index when rounding leaves none.
       truncation: the G * CAND candidates as one vector in vocabulary order, w = exp((x - m) / T).
-        top-k <= CAND (the common case): the k-th largest key by _kth_key, ties by index: the exact
-        top-k set (no tile holds more than k of it); _sample_small compacts it and does top-p and
-        min-p there, by pairwise prefix masses in the sorted order, then the draw.
+        top-k <= CAND (the common case): a prefix of top_k to CAND candidates of the merged order by
+        _kth_key (every tile's share of the top-k set is among its candidates: it took a prefix of at
+        least k); _sample_small compacts it, ranks it pairwise (the top-k set: rank < k, ties by
+        index) and does top-p and min-p there, by pairwise prefix masses in the sorted order, then the
+        draw.
         otherwise: top-k (k > CAND) as above; top-p: the largest key v whose mass over the top-k set
         (key >= v) reaches top_p * total (total: the top-k set's mass, or D without top-k; _search, a
         mass search), the ties at v kept while their exclusive prefix mass in vocabulary order stays
@@ -659,18 +670,21 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
         tl.store(row + 1, tl.sum(tl.where(x > float("-inf"), tl.exp((x - m_t) * inv_t), 0.0), axis=0))
         if trunc:
             key = _order_key(x)
-            cnt = tl.minimum(V - pid * TILE, CAND)  # what _take_top takes
-            v = _kth_key(key, valid, cnt, m_t)
-            take = _take_top(key, valid, v, CAND)
+            cnt = tl.minimum(V - pid * TILE, CAND)  # the most _take_top takes
+            # top-k <= CAND: any prefix of top_k..cnt holds the tile's share of the top-k set
+            goal = tl.where(k_on & (top_k < cnt), top_k, cnt)
+            take = _take_top(key, valid, _kth_key(key, valid, goal, m_t, cnt), cnt)
             slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+            n_take = tl.sum(take.to(tl.int32), axis=0)
             tl.store(row + _HDR + slot, x, mask=take)
             tl.store(row + _HDR + CAND + slot, offs.to(tl.float32, bitcast=True), mask=take)
             c = tl.arange(0, CAND)
-            tl.store(row + _HDR + c, tl.full([CAND], float("-inf"), tl.float32), mask=c >= cnt)
-            tl.store(row + _HDR + CAND + c, tl.full([CAND], V, tl.int32).to(tl.float32, bitcast=True), mask=c >= cnt)
+            tl.store(row + _HDR + c, tl.full([CAND], float("-inf"), tl.float32), mask=c >= n_take)
+            tl.store(row + _HDR + CAND + c, tl.full([CAND], V, tl.int32).to(tl.float32, bitcast=True),
+                     mask=c >= n_take)
             e_t = tl.max(tl.where(valid & ~take, key, _KEY_NONE), axis=0)
             tl.store(row + 3, e_t.to(tl.float32, bitcast=True))
-            tl.store(row + 4, cnt.to(tl.float32, bitcast=True))
+            tl.store(row + 4, n_take.to(tl.float32, bitcast=True))
 
     tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
