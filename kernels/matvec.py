@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.pdl import pdl_launch, pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
 
@@ -179,7 +179,8 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
         # no more warps than 16-byte chunks in a tile row band (32 inputs each per row)
         num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
-            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k}}
+            "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                           "PDL_LATE": r.pdl_late}}
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -361,29 +362,35 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
 
 @triton.jit
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                  PDL_LATE: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
     programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles."""
-    pdl_wait(PDL)
+    pdl_wait(PDL, not PDL_LATE)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
+    if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
+        pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
 
 
 @triton.jit
 def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False,
+                         PDL_LATE: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
     the same split: each program computes BLOCK_N rows of both products, gate then up. (One K loop
     streaming both weights' tiles together was measured for q4 and lost: 27B q4 5.56 ms/token against
     5.42, bench/results/stop19.)"""
-    pdl_wait(PDL)
+    pdl_wait(PDL, not PDL_LATE)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
+    if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
+        pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + rows, y, mask=rows < N)
 
@@ -440,12 +447,15 @@ def _partials_rstd(ss_ptr, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.co
 
 @triton.jit
 def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.constexpr, K: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                      PDL_LATE: tl.constexpr = False):
     """s = r + W @ x (matvec_kernel's product, the same split) and ss[program] = the sum of s^2 over
     the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read)."""
-    pdl_wait(PDL)
+    pdl_wait(PDL, not PDL_LATE)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
+    if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
+        pdl_launch(PDL)
     live = rows < N
     s = tl.load(r_ptr + rows, mask=live, other=0.0) + y
     tl.store(s_ptr + rows, s, mask=live)
@@ -455,13 +465,16 @@ def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.co
 @triton.jit
 def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, K: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
-                          BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK_P: tl.constexpr, PDL: tl.constexpr = False,
+                          PDL_LATE: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
     (matvec_add_kernel's); matvec_kernel's split."""
-    pdl_wait(PDL)
+    pdl_wait(PDL, not PDL_LATE)
     rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
+    if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
+        pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
 
 
@@ -469,14 +482,17 @@ def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.conste
 def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, eps, N: tl.constexpr,
                                  K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-                                 PDL: tl.constexpr = False):
+                                 PDL: tl.constexpr = False,
+                                 PDL_LATE: tl.constexpr = False):
     """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split of
     matvec_swiglu_kernel."""
-    pdl_wait(PDL)
+    pdl_wait(PDL, not PDL_LATE)
     rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
+    if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
+        pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + rows, y, mask=rows < N)

@@ -9,7 +9,10 @@ may start while kernel i is still running, once every program of kernel i has pa
   griddepcontrol.launch_dependents lets the next kernel's programs start (they then sit in their
                                    own wait, already resident, while this kernel runs).
 
-Every kernel of the chain waits before it reads or writes step data, so kernel i + 1 finishing
+Where a kernel lets the next one launch is its choice: at its start (most kernels: one wave, or few
+programs), or after its main loop (``pdl_launch``; the matvec family when its launch rule says
+``PDL_LATE``: measured against the start on the H200, bench/results/stop20). Every kernel of the
+chain waits before it reads or writes step data, so kernel i + 1 finishing
 implies kernel i finished: the chain keeps the full order of a plain graph (and the same bytes);
 what PDL removes is the launch gap between nodes (measured on the H200: bench/results/stop19). An L2
 prefetch of each matvec CTA's first weight bytes before the wait was measured too and lost (27B q4
@@ -38,8 +41,19 @@ _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Wait for the previous kernel of the step, then let the next one launch (see the module doc)."""
+def pdl_wait(PDL: tl.constexpr, LAUNCH: tl.constexpr = True):
+    """Wait for the previous kernel of the step, then (LAUNCH) let the next one launch (see the module
+    doc). A kernel that passes LAUNCH=False calls ``pdl_launch`` itself, later."""
     if PDL and not _INTERPRET:
         gdc_wait()
+        if LAUNCH:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_launch(PDL: tl.constexpr):
+    """Let the next kernel of the step launch: a multi-wave kernel calls it after its main loop (``LATE``
+    triggers), so the next kernel's programs, resident and waiting, do not take SM slots its own
+    later waves need; they still start before its last programs end."""
+    if PDL and not _INTERPRET:
         gdc_launch_dependents()
