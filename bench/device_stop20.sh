@@ -7,12 +7,15 @@
 #   --profile; then compute-sanitizer on the tiny M-row plans (SANITIZE=1), the decode kernels against
 #   their references and the sampling timings (KERNELS=1), and llama-bench on 0.8B bf16 / Q4_0 with
 #   llama.cpp built in the background at the start (PEER=1; .peers carried).
-#   PLANS="..." bash bench/device_stop20.sh OUTDIR   (kestrel importable; bench/plans carried)
+#   PLANS="..." [BENCH_PLANS="..."] [VERIFY=0] [LONG=0] [SANITIZE=1] [KERNELS=1] [PEER=1] bash bench/device_stop20.sh OUTDIR
+#   (kestrel importable; bench/plans carried; BENCH_PLANS and VERIFY=0: --bench only; LONG=0: no long-context
+#   or prefill runs)
 set -u
 out=$1; w=$(mktemp -d); t0=$(date +%s)
 ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
 save() { tar -C "$w" -cf "$out/stop20.tar" .; echo "[$(( $(date +%s) - t0 )) s] $1"; }
-extra() {  # the bench's extra arguments per plan
+extra() {  # the bench's extra arguments per plan (LONG=0: none)
+  [ "${LONG:-1}" = 1 ] || return 0
   case $1 in
     qwen3.5-27b-*) echo "--positions 4096,32768,131072 --prompt-lengths 2048" ;;
     qwen3.5-0.8b-*) echo "--prompt-lengths 2048" ;;
@@ -24,11 +27,11 @@ if [ "${PEER:-0}" = 1 ]; then
   nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz "$peer" > "$w/llamacpp-build.txt" 2>&1 &
   build=$!
 fi
-for n in ${PLANS:-}; do
+for n in ${PLANS:-} ${BENCH_PLANS:-}; do
   p=bench/plans/$n.plan
   # shellcheck disable=SC2046
   kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 64 --bench "$w/bench-$n.json" $(extra "$n") 2>&1 | tail -4
-  if [ "${VERIFY:-1}" = 1 ]; then
+  if [ "${VERIFY:-1}" = 1 ] && [[ " ${PLANS:-} " == *" $n "* ]]; then
     kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 32 --verify --json > "$w/verify-$n.json" 2> "$w/verify-$n.err"
     echo "$n verify: $(cat "$w/verify-$n.json") $(tail -1 "$w/verify-$n.err")"
     kestrel-run "$p" --prompt-ids "$ids" --max-new-tokens 8 --profile "$w/profile-$n.json" > "$w/profile-$n.txt" 2>&1
