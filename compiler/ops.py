@@ -445,8 +445,9 @@ def _rmsnorm_matvec(op: Op, t: Target) -> dict:
     swiglu = op.kind == "rmsnorm_matmul_swiglu"
     launch = matvec.matvec_launch(n, k, group, t, pair=swiglu)
     p = op.ins[1].type.shape[0]
+    norm = matvec.norm_mode(k, launch["constexprs"]["BLOCK_K"], group)
     return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype, **launch,
-            "constexprs": {**launch["constexprs"], "P": p, "BLOCK_P": matvec.partials_block(p)}}
+            "constexprs": {**launch["constexprs"], "P": p, "BLOCK_P": matvec.partials_block(p), "NORM": norm}}
 
 
 def _embedding(op: Op, t: Target) -> dict:

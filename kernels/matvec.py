@@ -147,7 +147,14 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     bench/results/tuning/q4-decode-sweep-h200.json): within 1.0x of the best at 12 of the 18 shapes, at
     most 1.15x. GROUP is the q4 group (0: not q4); BLOCK_K is a multiple of it; with many rows it is halved
     while it leaves a tail, with fewer it is not (a masked last tile measured faster than shorter tiles:
-    27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048)."""
+    27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048).
+
+    PDL_LATE (programmatic dependent launch, kernels/pdl.py): from pdl_late_bytes [32 MiB] of weight the
+    kernel lets the next one launch after its K loop, not at its start: on the H200 the 27B q4 step's
+    programmatic graph took 6.01 ms with every matvec triggering at its start (the next kernel's
+    waiting programs held SM slots the matvec's later waves needed) and 5.44 with all of them after
+    the loop, while 0.8B bf16's small matrices ran 0.778 ms triggering at the start and 0.805 after
+    (bench/results/stop20)."""
 
     r = target.rules["matvec"]
     block_n = 1
@@ -180,7 +187,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
         num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                           "PDL_LATE": r.pdl_late}}
+                           "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes}}
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -204,6 +211,11 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
 # computes the same values (each fp16 rounding emulated in float64, where the operation is exact).
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# how a matvec norms its input (rmsnorm_matvec_kernel's NORM; norm_mode picks one)
+NORM_NONE = tl.constexpr(0)
+NORM_PARTIALS = tl.constexpr(1)  # rstd from the producer's partial sums of squares, before the K loop
+NORM_TILE = tl.constexpr(2)  # K in one tile: rstd from that tile
+NORM_AFTER = tl.constexpr(3)  # fp weights: the sum of squares gathered along the K loop, rstd applied after it
 
 _Q4_WORD_DOT = tl.constexpr("""{
  .reg .b32 a, b, c, d, t, m, s16, bias, s;
@@ -269,24 +281,35 @@ def _q4_words_interpreted(words, xh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, MASKED: tl.constexpr,
-                 NORM: tl.constexpr):
-    """Partial products of rows ``rows`` (clamped, in bounds) with inputs [k0, k0 + BLOCK_K): fp32
-    [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK inputs, a thread's 16-byte load (32 inputs for q4,
-    8 bf16, 4 f32). MASKED: the tile runs past K (inputs >= K contribute 0). NORM: the input is
-    rmsnorm(x) = x * rstd * (1 + nw), made here per tile as kernels/rmsnorm.py's row norm makes it."""
+def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                 MASKED: tl.constexpr, NORM: tl.constexpr):
+    """(partial products, sum of x^2 over the tile): partial products of rows ``rows`` (clamped, in
+    bounds) with inputs [k0, k0 + BLOCK_K): fp32 [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK
+    inputs, a thread's 16-byte load (32 inputs for q4, 8 bf16, 4 f32). MASKED: the tile runs past K
+    (inputs >= K contribute 0). NORM (``NORM_*``): the input is rmsnorm(x) = x * rstd * (1 + nw),
+    made per tile as kernels/rmsnorm.py's row norm makes it: rstd given (NORM_PARTIALS), or from
+    this tile, the whole of x (NORM_TILE), or applied by the caller after the K loop (NORM_AFTER:
+    the products are of x * (1 + nw), and the tile's sum of x^2 is returned)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     if MASKED:
         xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
     else:
         xv = tl.load(x_ptr + ks)
-    if NORM:
+    ssq = 0.0
+    if NORM != NORM_NONE:
         if MASKED:
             nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
         else:
             nw = tl.load(nw_ptr + ks)
-        xv = xv.to(tl.float32) * rstd * (1.0 + nw.to(tl.float32))
+        xv = xv.to(tl.float32)
+        if NORM == NORM_TILE:
+            rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps)
+        if NORM == NORM_AFTER:
+            ssq = tl.sum(xv * xv, axis=0)
+            xv = xv * (1.0 + nw.to(tl.float32))
+        else:
+            xv = xv * rstd * (1.0 + nw.to(tl.float32))
     if GROUP > 0:
         j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
@@ -319,7 +342,7 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, N: tl.constexpr, K: tl.co
             scale = tl.load(sp + (c * 32 // GROUP)[None, :], mask=(c < K // 32)[None, :], other=0.0)
         else:
             scale = tl.load(sp + (c * 32 // GROUP)[None, :])
-        return part * scale.to(tl.float32)
+        return part * scale.to(tl.float32), ssq
     else:
         wp = w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
         if MASKED:
@@ -327,15 +350,17 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, N: tl.constexpr, K: tl.co
         else:
             w = tl.load(wp)
         prod = w.to(tl.float32) * xv[None, :]
-        return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), axis=2)
+        return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), axis=2), ssq
 
 
 @triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, NORM: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, eps=0.0,
+                 NORM: tl.constexpr = 0):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
-    ``rows`` must be in bounds (the callers clamp them). NORM: x[k] * rstd * (1 + nw[k]) in place of
-    x[k] (_matvec_tile)."""
+    ``rows`` must be in bounds (the callers clamp them). NORM: rmsnorm(x)[k] = x[k] * rstd * (1 + nw[k])
+    in place of x[k] (_matvec_tile; NORM_AFTER: the rstd of the sum of x^2 over the tiles, applied to
+    the row sums)."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
@@ -351,13 +376,23 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     STAGES: tl.constexpr = 3 if TILE_BYTES <= 16384 else 2
     K_FULL: tl.constexpr = K - K % BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    ssq = tl.zeros([], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
-        acc += _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, False, NORM)
+        part, t = _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
+                               False, NORM)
+        acc += part
+        ssq += t
     if K_FULL < K:
-        acc += _matvec_tile(x_ptr, w_ptr, rows, K_FULL, nw_ptr, rstd, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, True, NORM)
+        part, t = _matvec_tile(x_ptr, w_ptr, rows, K_FULL, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
+                               True, NORM)
+        acc += part
+        ssq += t
+    y = tl.sum(acc, axis=1)
     if GROUP > 0:
-        return tl.sum(acc, axis=1) * 64.0  # Q4_X_SCALE
-    return tl.sum(acc, axis=1)
+        y = y * 64.0  # Q4_X_SCALE
+    if NORM == NORM_AFTER:
+        y = y * (1.0 / tl.sqrt(ssq / K + eps))
+    return y
 
 
 @triton.jit
@@ -403,12 +438,16 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
 # is split over the two matvecs it sits between, without a launch of its own:
 #   * matvec_add_kernel (op ``matmul_add``): s = W x + r, and each program's sum of s^2 over its own
 #     BLOCK_N rows in ss[program] (partial_rows = BLOCK_N rows per partial, the last one short);
-#   * rmsnorm_matvec_kernel / rmsnorm_matvec_swiglu_kernel (``rmsnorm_matmul`` / ``_swiglu``): every
-#     program sums the P partials in index order (the same fixed order in every program: the norm is
-#     deterministic and the same for all rows), rstd = 1 / sqrt(sum / K + eps), then streams the
-#     weight with x[k] * rstd * (1 + nw[k]) as its input, made per tile from s and the norm weight.
-# The partials are a few KB, read from L2; the norm costs no launch and no pass of one program over
-# the whole vector (add_rmsnorm's). The CPU references compose the unfused references (matmul then
+#   * rmsnorm_matvec_kernel / rmsnorm_matvec_swiglu_kernel (``rmsnorm_matmul`` / ``_swiglu``) stream
+#     the weight with x[k] * rstd * (1 + nw[k]) as the input, made per tile from s and the norm
+#     weight, rstd = 1 / sqrt(sum(s^2) / K + eps) from one of three places (NORM, ``norm_mode``):
+#     the input in one tile (the small models): that tile (NORM_TILE); fp weights: the sum of
+#     squares gathered along the K loop, rstd applied to the row sums after it (NORM_AFTER); q4
+#     (its f16x2 product wants the normed input): the P partials summed in index order before the
+#     loop (NORM_PARTIALS; the same fixed order in every program, so the norm is deterministic and
+#     the same for all rows). On the H200 the partials before the loop cost the small models what
+#     the launch saved (0.8B bf16 0.778 ms/token against 0.769 unfused; bench/results/stop20).
+# The norm costs no launch and no pass of one program over the whole vector (add_rmsnorm's). The CPU references compose the unfused references (matmul then
 # add; rmsnorm then matmul), so the CPU path is bit-identical to the unfused program's.
 
 
@@ -435,6 +474,17 @@ def rmsnorm_matvec_swiglu_ref(s, ss, nw, w_gate, w_up, eps: float):
 def partials_block(p: int) -> int:
     """BLOCK_P of the rmsnorm matvecs: the P partials in one vector (a power of two)."""
     return pow2_at_least(p)
+
+
+def norm_mode(k: int, block_k: int, group: int) -> int:
+    """NORM of the rmsnorm matvecs: the whole input in one tile: its own sum of squares (NORM_TILE);
+    fp weights: the sum gathered along the K loop and rstd applied to the row sums after it
+    (NORM_AFTER: fp32 products, the factor commutes up to rounding); q4: rstd from the producer's
+    partials before the loop (NORM_PARTIALS: the f16x2 product takes the normed input, as its
+    reference does, and the input's fp16 range stays the normed one's)."""
+    if k <= block_k:
+        return NORM_TILE.value
+    return NORM_PARTIALS.value if group else NORM_AFTER.value
 
 
 @triton.jit
@@ -465,14 +515,16 @@ def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.co
 @triton.jit
 def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, K: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
-                          BLOCK_P: tl.constexpr, PDL: tl.constexpr = False,
+                          BLOCK_P: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
                           PDL_LATE: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
     (matvec_add_kernel's); matvec_kernel's split."""
     pdl_wait(PDL, not PDL_LATE)
-    rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
+    rstd = 1.0
+    if NORM == NORM_PARTIALS:
+        rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -481,17 +533,19 @@ def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.conste
 @triton.jit
 def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, eps, N: tl.constexpr,
                                  K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
                                  PDL: tl.constexpr = False,
                                  PDL_LATE: tl.constexpr = False):
     """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split of
     matvec_swiglu_kernel."""
     pdl_wait(PDL, not PDL_LATE)
-    rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
+    rstd = 1.0
+    if NORM == NORM_PARTIALS:
+        rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
-    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, True)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u

@@ -50,7 +50,8 @@ class MatvecRule(Rule):
     min_block_k: int            # ... down to this
     rows_per_warp: int          # large: one warp per this many rows
     max_warps: int
-    pdl_late: bool = True       # PDL_LATE: the next kernel may launch after the K loop (not at the start)
+    pdl_late_bytes: int = 32 << 20  # PDL_LATE (the next kernel launches after the K loop, not at the start)
+    #                                 from this many weight bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +162,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4,
         small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
-        block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late=True,
+        block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
     "attention": AttentionRule(
         split_programs=256, max_splits=64, min_rows_per_split=128,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kernel_harness import assert_close, interpret
-from kestrel.kernels.matvec import (matvec_add_kernel, matvec_add_ref, matvec_launch, matvec_ref, partials_block,
-                                    rmsnorm_matvec_kernel, rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_kernel,
-                                    rmsnorm_matvec_swiglu_ref)
+from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, matvec_add_kernel, matvec_add_ref,
+                                    matvec_launch, matvec_ref, norm_mode, partials_block, rmsnorm_matvec_kernel,
+                                    rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref
 from kestrel.kernels.targets import TARGETS
 from test_kernels_matvec import consts_for, make_weight
@@ -34,6 +34,10 @@ CASES = [
     ("q4g32", 96, 64, 21, {"BLOCK_N": 4}, {"BLOCK_N": 8, "BLOCK_K": 32}),                  # 24 partials
     ("q4g64", 192, 128, 37, {"BLOCK_N": 16, "BLOCK_K": 64}, {"BLOCK_N": 16, "BLOCK_K": 128}),  # masked tile
     ("q4g128", 384, 256, 10, {"BLOCK_N": 8}, {"BLOCK_N": 8, "BLOCK_K": 256}),
+    # the whole input in one tile (NORM_TILE), full and masked
+    ("bf16", 64, 96, 30, {"BLOCK_N": 16}, {"BLOCK_N": 4, "BLOCK_K": 64}),
+    ("f32", 37, 200, 45, {"BLOCK_N": 8, "BLOCK_K": 128}, {"BLOCK_N": 8, "BLOCK_K": 64}),
+    ("q4g128", 384, 256, 10, {"BLOCK_N": 8}, {"BLOCK_N": 8, "BLOCK_K": 512}),
 ]
 
 
@@ -56,26 +60,43 @@ def _produce(kind, h, k0, override, g):
     return s[:h], ss[:p]
 
 
+def _modes(kind, h, block_k):
+    """The NORM modes a consumer of this dtype and tiling may run: norm_mode's pick first, then the
+    others that apply (NORM_TILE needs the input in one tile; q4 never takes NORM_AFTER)."""
+    group = 0 if kind in ("f32", "bf16") else int(kind[3:])
+    first = norm_mode(h, block_k, group)
+    others = [m.value for m in (NORM_PARTIALS, NORM_AFTER, NORM_TILE)
+              if not (m.value == NORM_TILE.value and h > block_k) and not (group and m.value == NORM_AFTER.value)]
+    return [first] + [m for m in others if m != first]
+
+
 @pytest.mark.parametrize("kind,h,k0,n,prod,cons", CASES)
 def test_norm_folded_into_matvecs(kind, h, k0, n, prod, cons):
     g = torch.Generator().manual_seed(h * 31 + k0 + n)
     s, ss = _produce(kind, h, k0, prod, g)
     nw = 0.5 * torch.randn(h, generator=g)
     w, w_ref, group = make_weight(kind, n, h, g)
-    c = consts_for(n, h, group, cons) | {"P": ss.numel(), "BLOCK_P": partials_block(ss.numel())}
+    wg, wg_ref, _ = make_weight(kind, n, h, g)
+    wu, wu_ref, _ = make_weight(kind, n, h, g)
+    base = consts_for(n, h, group, cons) | {"P": ss.numel(), "BLOCK_P": partials_block(ss.numel())}
+    modes = _modes(kind, h, base["BLOCK_K"])
+    assert modes[0] == norm_mode(h, base["BLOCK_K"], group)
+    for mode in modes:
+        _consume(s, ss, nw, (w, w_ref), (wg, wg_ref), (wu, wu_ref), n, base | {"NORM": mode}, kind)
+
+
+def _consume(s, ss, nw, w, wg, wu, n, c, kind):
+    (w, w_ref), (wg, wg_ref), (wu, wu_ref) = w, wg, wu
     y = torch.full((n + 16,), float("nan"))
     interpret(rmsnorm_matvec_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, ss, nw, w, y, EPS, **c)
     assert torch.isnan(y[n:]).all(), "stored past N"
     assert_close(y[:n], rmsnorm_matvec_ref(s, ss, nw, w_ref, EPS), 2e-5, 0.0, f"rmsnorm_matvec {kind} {c}")
-    # the partials carry the norm: a kernel that ignored them (or summed too few) would be off by far more
-    wrong = ss.clone()
-    wrong[-1] += ss.sum()
-    y2 = torch.full((n + 16,), float("nan"))
-    interpret(rmsnorm_matvec_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, wrong, nw, w, y2, EPS, **c)
-    assert (y2[:n] - y[:n]).abs().max() > 0.1 * y[:n].abs().max(), "the partials do not reach the norm"
-
-    wg, wg_ref, _ = make_weight(kind, n, h, g)
-    wu, wu_ref, _ = make_weight(kind, n, h, g)
+    if c["NORM"] == NORM_PARTIALS.value:  # the partials carry the norm: ignoring them is off by far more
+        wrong = ss.clone()
+        wrong[-1] += ss.sum()
+        y2 = torch.full((n + 16,), float("nan"))
+        interpret(rmsnorm_matvec_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, wrong, nw, w, y2, EPS, **c)
+        assert (y2[:n] - y[:n]).abs().max() > 0.1 * y[:n].abs().max(), "the partials do not reach the norm"
     y = torch.full((n + 16,), float("nan"))
     interpret(rmsnorm_matvec_swiglu_kernel)[(math.ceil(n / c["BLOCK_N"]),)](s, ss, nw, wg, wu, y, EPS, **c)
     assert torch.isnan(y[n:]).all(), "stored past N"
@@ -106,7 +127,8 @@ def _compile(job):
         n = INTER if kernel == "norm_swiglu" else IN_PROJ
         c = matvec_launch(n, H, group, t, pair=kernel == "norm_swiglu")
         p = math.ceil(H / matvec_launch(H, INTER, group, t)["constexprs"]["BLOCK_N"])
-        consts = c["constexprs"] | {"P": p, "BLOCK_P": partials_block(p)}
+        consts = c["constexprs"] | {"P": p, "BLOCK_P": partials_block(p),
+                                    "NORM": norm_mode(H, c["constexprs"]["BLOCK_K"], group)}
         fn = rmsnorm_matvec_swiglu_kernel if kernel == "norm_swiglu" else rmsnorm_matvec_kernel
         types = ["*fp32", "*fp32", "*fp32"] + [wt] * (2 if kernel == "norm_swiglu" else 1) + ["*fp32", "fp32"]
     ck = compile_kernel(f"{kernel}_{group}", fn, types, consts, c["num_warps"], t.cc,
