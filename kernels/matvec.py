@@ -284,19 +284,20 @@ def _q4_words_interpreted(words, xh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                  MASKED: tl.constexpr, NORM: tl.constexpr):
-    """(partial products, sum of x^2 over the tile): partial products of rows ``rows`` (clamped, in
+    """(partial products, x^2): partial products of rows ``rows`` (clamped, in
     bounds) with inputs [k0, k0 + BLOCK_K): fp32 [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK
     inputs, a thread's 16-byte load (32 inputs for q4, 8 bf16, 4 f32). MASKED: the tile runs past K
     (inputs >= K contribute 0). NORM (``NORM_*``): the input is rmsnorm(x) = x * rstd * (1 + nw),
     made per tile as kernels/rmsnorm.py's row norm makes it: rstd given (NORM_PARTIALS), or from
     this tile, the whole of x (NORM_TILE), or applied by the caller after the K loop (NORM_AFTER:
-    the products are of x * (1 + nw), and the tile's sum of x^2 is returned)."""
+    the products are of x * (1 + nw), and x^2 is returned per input, summed by the caller once after
+    the loop: a sum per tile would be a reduction across the warps in every iteration)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     if MASKED:
         xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
     else:
         xv = tl.load(x_ptr + ks)
-    ssq = 0.0
+    ssq = 0.0  # x^2 (NORM_AFTER)
     if NORM != NORM_NONE:
         if MASKED:
             nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
@@ -306,7 +307,7 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
         if NORM == NORM_TILE:
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps)
         if NORM == NORM_AFTER:
-            ssq = tl.sum(xv * xv, axis=0)
+            ssq = xv * xv
             xv = xv * (1.0 + nw.to(tl.float32))
         else:
             xv = xv * rstd * (1.0 + nw.to(tl.float32))
@@ -376,7 +377,7 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     STAGES: tl.constexpr = 3 if TILE_BYTES <= 16384 else 2
     K_FULL: tl.constexpr = K - K % BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    ssq = tl.zeros([], tl.float32)
+    ssq = tl.zeros([BLOCK_K], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
         part, t = _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
                                False, NORM)
@@ -391,7 +392,7 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     if GROUP > 0:
         y = y * 64.0  # Q4_X_SCALE
     if NORM == NORM_AFTER:
-        y = y * (1.0 / tl.sqrt(ssq / K + eps))
+        y = y * (1.0 / tl.sqrt(tl.sum(ssq, axis=0) / K + eps))
     return y
 
 
