@@ -474,7 +474,7 @@ def _attn_step(op: Op, t: Target) -> dict:
     kc = op.ins[5]
     splits = op.ins[8].type.shape[1]
     return {"kernel": f"attn_step_{kc.type.dtype}",
-            **attention.attn_step_launch(nh, nkv, d, kc.type.shape[0], splits, t)}
+            **attention.attn_step_launch(nh, nkv, d, kc.type.shape[0], splits, kc.type.dtype, t)}
 
 
 def _embedding_rows(op: Op, t: Target) -> dict:

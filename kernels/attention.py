@@ -112,34 +112,65 @@ def attn_rows_q_ref(x, q_norm, k_cache, v_cache, pos: int, n_prompt: int, q: int
 SMEM_OPTIN = {t.cc: t.smem_optin for t in TARGETS.values()}
 
 
-def attn_splits(n_heads: int, max_seq: int, target) -> int:
-    """Sequence splits per query head (a power of two), from ``target.rules["attention"]`` (sm_90:
-    about 256 programs in all, at most 64, and at least 128 cache rows per split at max_seq).
-    27B (24 heads): 8; 0.8B (8 heads): 32; 4B/9B: 16."""
+def attn_splits(n_kv: int, max_seq: int, target) -> int:
+    """Sequence splits per kv head (a power of two) for attn_step_kernel's grid [NKV, SPLITS], from
+    ``target.rules["attention"]``: about split_programs programs in all (sm_90: 128, about one per
+    SM of the H200: a program holds most of an SM's shared memory), at most max_splits (64), and at
+    least min_rows_per_split (128) cache rows per split at max_seq. sm_90 from max_seq 8192: 0.8B
+    and 2B (2 kv heads) 64 splits, 4B, 9B and 27B (4 kv heads) 32: 128 programs each; at max_seq
+    4096 every preset gets 32 (64 and 128 programs)."""
     r = target.rules["attention"]
-    cap = min(r.max_splits, max(1, r.split_programs // n_heads), max(1, max_seq // r.min_rows_per_split))
+    cap = min(r.max_splits, max(1, r.split_programs // n_kv), max(1, max_seq // r.min_rows_per_split))
     return 1 << (cap.bit_length() - 1)
 
 
-def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, splits: int, target) -> dict:
-    """Grid [NH, SPLITS]: one CTA per query head and split of the sequence, walking its rows in
-    BLOCK_S-row tiles (flash-decoding; see attn_step_kernel for the combine). Constants from
-    ``target.rules["attention"]`` (kernels/targets.py); on sm_90: 8 warps, tiles of 8K elements,
-    BLOCK_S in [16, 64].
+def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, splits: int, cache_dtype: str,
+                     target) -> dict:
+    """Grid [NKV, SPLITS]: one CTA per kv head and split of the sequence, taking all REP = n_heads /
+    n_kv query heads of the kv head's group, walking its rows in BLOCK_S-row tiles (flash-decoding;
+    see attn_step_kernel for the products and the combine). Constants from
+    ``target.rules["attention"]`` (kernels/targets.py; sm_90 values in brackets), per cache dtype
+    (bf16: tensor-core dots; f32: fp32 FMA dots), which is why the rule is told it:
 
-    PIPE_BYTES (added key): shared memory the kernel's software pipeline may fill with K/V tiles in
-    flight, at most pipe_bytes_max (128 KiB on sm_90: about what one SM can usefully keep in flight),
-    leaving smem_reserve (16 KiB) of the target's ``smem_optin`` for the kernel's other scratch; the
-    kernel derives its stage count from it and the cache's element size (which this rule is not
-    told). Kernels above 48 KiB of dynamic shared memory need the opt-in attribute set at load time."""
+    * BLOCK_H: REP rounded up to a power of two, with bf16 caches at least mma_min_heads [16] (the
+      mma tile height: smaller tiles are padded by Triton anyway, at a cost in instructions);
+    * BLOCK_S = tile_bytes [32 KiB] / (BLOCK_D * element size) within [min_block_s, max_block_s]
+      [16, 64] (16: a dot's smallest K): 64 rows at D = 256 with bf16 caches, 32 with fp32; halved
+      (down to min_block_s) until PIPE_BYTES holds min_tiles_in_flight [2] K/V tile pairs (with one,
+      the next tile's copy would wait for the current tile's dots): on the 99 KiB targets 32 rows
+      at D = 256 with bf16 caches, 16 with fp32;
+    * num_warps [4] with bf16 caches (the mma tile [16, BLOCK_S] is split by columns over the warps,
+      and every warp reads the whole query tile, 24 KiB of bf16 parts, from shared memory per K/V
+      tile: with 4 warps 1.5x the tile's 64 KiB, with 8 warps 3x), fma_num_warps [8] with fp32 caches;
+    * PIPE_BYTES (added key): shared memory the kernel's software pipeline may fill with K/V tiles
+      in flight, at most pipe_bytes_max [128 KiB: about what one SM can usefully keep in flight],
+      leaving the query tile (three bf16 parts, or fp32) and smem_reserve [8 KiB] of the target's
+      ``smem_optin`` for the rest; the kernel derives its stage count from it and the element size;
+    * DOT_FP32: False (True only in interpreter tests, where Triton computes bf16 dots wrongly: the
+      same bf16 parts then go through fp32 dots).
 
+    At 27B on sm_90 (bf16, D = 256): grid [4, 32], BLOCK_H 16 (6 heads), BLOCK_S 64, 4 warps, two
+    64 KiB tile pairs in flight plus the 24 KiB query parts: 158 KiB of shared memory (one CTA per
+    SM), 168 registers and no spills (ptxas, Triton 3.7); per 64-row tile a warp issues 192
+    m16n8k16 mma and ~600 instructions in all, against the ~3000 cycles an SM's share of HBM
+    bandwidth takes to deliver the tile. Kernels above 48 KiB of dynamic shared memory need the
+    opt-in attribute set at load time."""
+    if cache_dtype not in ("bf16", "f32"):
+        raise ValueError(f"attn_step: no kernel for {cache_dtype} caches (bf16 or f32)")
     r = target.rules["attention"]
-    block_d = pow2_at_least(head_dim)
-    block_s = max(r.min_block_s, min(r.max_block_s, r.tile_elems // block_d))
-    pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve)
-    return {"grid": [n_heads, splits, 1], "num_warps": r.num_warps,
+    block_d = max(16, pow2_at_least(head_dim))
+    mma = cache_dtype == "bf16"
+    elem = 2 if mma else 4
+    block_h = max(r.mma_min_heads if mma else 1, pow2_at_least(n_heads // n_kv))
+    block_s = max(r.min_block_s, min(r.max_block_s, r.tile_bytes // (block_d * elem)))
+    q_bytes = (3 * 2 if mma else 4) * block_h * block_d
+    pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
+    while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
+        block_s //= 2
+    return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps,
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
-                           "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe}}
+                           "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe,
+                           "DOT_FP32": False}}
 
 
 def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
@@ -221,13 +252,29 @@ def _norm_rope(x_ptr, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexp
 
 
 @triton.jit
+def _bf16_parts(x, DOT_FP32: tl.constexpr):
+    """fp32 x as three bf16 terms hi + mid + lo whose sum is x exactly: each term keeps the leading 8
+    significant bits of what the previous ones left (the residuals are exact fp32 differences), so
+    24 bits in all, the whole fp32 significand (whether the conversion rounds, as the GPU's does, or
+    truncates, as Triton's interpreter does). DOT_FP32 returns them widened to fp32 (interpreter tests)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    if DOT_FP32:
+        return hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
+    return hi, mid, lo
+
+
+@triton.jit
 def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_ptr,
                      ticket_ptr, out_ptr, eps, theta, rotary_dim, scale,
                      NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr,
+                     DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
-    For query head h (kv head g = h // (NH / NKV)) at position p = clamp(*pos_ptr, 0, S - 1):
+    For query head h (kv head g = h // REP, REP = NH / NKV) at position p = clamp(*pos_ptr, 0, S - 1):
       q = rope(rmsnorm(qg[h, :D]) * (1 + q_norm)),  k = rope(rmsnorm(k[g]) * (1 + k_norm)),
       k_cache[p, g] = k,  v_cache[p, g] = v[g]   (stored in the cache dtype),
       out[h] = softmax(q . K[0..p, g]^T * scale) V[0..p, g] * sigmoid(qg[h, D:]),
@@ -236,40 +283,75 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     fp32 division), angle = p * inv_freq, full-range cos/sin (Triton compiles tl.cos/tl.sin to
     accurate code, not the approximate instructions). Offsets are int32: S * NKV * D < 2^31.
 
-    Work split: grid [NH, SPLITS], program (h, j) for query head h and split j of rows 0..p-1. The
-    splits with work are A = clamp(ceil(p / BLOCK_S), 1, SPLITS) (at least one tile each, so a short
-    context runs on few programs), split j < A taking rows [j * C, min((j + 1) * C, p)) with
-    C = ceil(ceil(p / A) / BLOCK_S) * BLOCK_S; all fixed by p alone. Split 0 also holds row p. Lane d of a [BLOCK_D] vector holds
-    head element d (BLOCK_D = D rounded up to a power of two). A program walks its rows in BLOCK_S-row
-    tiles [BLOCK_S, BLOCK_D], contiguous along D (16-byte cp.async copies), software-pipelined through
-    shared memory: up to 4 K/V tile pairs in flight, as many as PIPE_BYTES holds for the cache's element
-    size. Each tile row slot keeps its own online softmax (max, sum, fp32 accumulator), so the loop
-    needs no reduction across warps; the slots are merged once at the end into the split's partial
-    (m, l, acc[D]), stored in ``part`` [NH, SPLITS, D + 2] (a scratch state of the plan).
+    Work split: grid [NKV, SPLITS], program (g, j) for kv head g and split j of rows 0..p-1, taking
+    all REP query heads of g's group at once: each K/V tile is loaded once and used for every head
+    of the group, so a step reads each cache row once (not REP times, as one program per query head
+    did). The splits with work are A = clamp(ceil(p / BLOCK_S), 1, SPLITS) (at least one tile each,
+    so a short context runs on few programs), split j < A taking rows [j * C, min((j + 1) * C, p))
+    with C = ceil(ceil(p / A) / BLOCK_S) * BLOCK_S; all fixed by p alone. Split 0 also holds row p.
 
-    Combine (deterministic, no floating-point atomics): after storing its partial, an active program
-    takes a ticket from ``ticket[h]`` (an integer atomic, acquire-release at GPU scope, after a CTA
-    barrier); the program that draws ticket A - 1 reads the A partials of head h back from L2 in split
-    order (split 0 holds row p), merges them, applies the output gate, stores out[h] and resets the
-    ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
-    partial is read from memory, in a fixed order), so runs repeat bit for bit.
+    Tiles: the group's queries are one [BLOCK_H, BLOCK_D] tile, row i holding head g * REP + i
+    (BLOCK_H = REP rounded up to a power of two, at least 16 with bf16 caches, the tensor cores' tile
+    height; padded rows repeat the group's last head, are computed and never stored), column d head
+    element d (BLOCK_D = D rounded up to a power of two), pre-scaled by scale * log2(e) so exp2 gives
+    the softmax weights. A program walks its rows in [BLOCK_S, BLOCK_D] K/V tiles, contiguous along
+    D (16-byte cp.async copies; rows past the split's end re-read its last row and get weight 0, so
+    the copies need no row mask), software-pipelined through shared memory: as many tile pairs in
+    flight as PIPE_BYTES holds for the cache's element size, at most 4. Per tile, for all the heads:
+    scores S = Q K^T [BLOCK_H, BLOCK_S], then the online softmax and acc = acc * alpha + P V.
+
+    Products: with bf16 caches both are tensor-core dots (mma, fp32 accumulation) that keep fp32
+    accuracy: the fp32 operands, q (once) and the weights P (per tile), are each split into three
+    bf16 terms whose sum is exact (``_bf16_parts``: 24 significant bits), and K and V are bf16
+    already, so every product is exact: S = Q_hi K^T + (Q_mid K^T + Q_lo K^T) and
+    acc += P_lo V + P_mid V + P_hi V equal the fp32 sums up to the accumulator's rounding (three
+    separate score dots: three short dependency chains rather than one long one). Why not CUDA
+    cores: at REP = 6 a cache row (1 KiB of bf16 K and V at D = 256) costs 2 * REP * D = 3072 FMAs,
+    ~100 warp instructions before conversions and reductions, while an SM's share of the H200's
+    bandwidth delivers that row every ~50 cycles (at most 200 warp instructions issued): the kernel
+    would be compute-bound or close to it; the mma form issues ~40 per row, all included. fp32 caches
+    use fp32 dots with input_precision="ieee" (FMA, not the default tf32), at half the rows per tile.
+
+    Softmax state per head, in the score tile's layout (its columns spread over the warps): the
+    running max m [BLOCK_H] (one cross-warp max per tile), the accumulator [BLOCK_H, BLOCK_D], and
+    the running sum kept per tile column, l [BLOCK_H, BLOCK_S], reduced once after the loop (so the
+    loop's only cross-warp reduction is the max). The previous kernel's per-row-slot softmax (no
+    cross-warp reduction at all) does not fit: a tensor-core P V sums over the tile's rows inside
+    the dot, so every slot of a head must share its max.
+
+    The split's partial (m, l, acc[D]) of each real head is stored in ``part`` [NH, SPLITS, D + 2]
+    (a scratch state of the plan). Combine (deterministic, no floating-point atomics): after storing
+    them, an active program takes a ticket from ``ticket[g]`` (an integer atomic, acquire-release
+    at GPU scope, after a CTA barrier; only the first NKV of the NH tickets are used); the program
+    that draws ticket A - 1 merges, head by head of the group in order, the A partials of that head
+    in split order (read back from L2; the next head's are copied in while one is merged), applies
+    the output gate, stores out[h], and resets the ticket to 0 for the next launch. Which program
+    combines varies; what it computes does not (every partial is read from memory, in a fixed
+    order), so runs repeat bit for bit. With one active split (p <= BLOCK_S) its program stores the
+    outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
+    ticket or serial merge, which made a short context's step 6-12 us slower per attention layer
+    than the per-query-head kernel this replaced (H200, bench/results/stop20 call 3).
 
     Ordering (race-free under any CTA schedule): row p is never read from memory. Every program
-    computes its kv head's roped k and v in registers, rounds them to the cache dtype (what the
-    reference reads back after the append) and seeds the online softmax with them; the tiles cover
-    rows < p only, which no program of this launch writes. Row p of kv head g is stored by exactly
-    one program, split 0 of the first query head of the group (h % (NH / NKV) == 0); the others of the
-    group compute the same values but do not store them.
+    computes its kv head's roped k and v in registers and rounds them to the cache dtype (what the
+    reference reads back after the append); split 0 seeds every head's softmax with row p (m = its
+    score, l = 1, acc = v); the tiles cover rows < p only, which no program of this launch writes.
+    Row p of kv head g is stored by exactly one program, split 0 of group g.
     """
     pdl_wait(PDL)
-    h = tl.program_id(0)
+    g = tl.program_id(0)
     sp = tl.program_id(1)
     REP: tl.constexpr = NH // NKV
-    g = h // REP
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr), 0), S - 1)
+
+    BF16: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.bfloat16  # tensor-core dots (else fp32 FMA dots)
+    tl.static_assert(v_cache_ptr.dtype.element_ty == k_cache_ptr.dtype.element_ty)
 
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
+    r = tl.arange(0, BLOCK_H)
+    hmask = r < REP
+    heads = g * REP + tl.minimum(r, REP - 1)  # the group's query heads; padded rows repeat the last (never stored)
 
     # Splits with work: at least one BLOCK_S tile each, so a short context runs on few programs (and
     # few ticket atomics); the others exit at once. Every program derives the same count from pos.
@@ -280,66 +362,102 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
         cos = tl.cos(angle)
         sin = tl.sin(angle)
 
-        q = _norm_rope(qg_ptr + h * 2 * D, q_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
+        q = _norm_rope_rows(qg_ptr + heads * (2 * D), q_norm_ptr, d, dmask, eps, cos[None, :], sin[None, :],
+                            rotary_dim, D)
         kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
         vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
 
-        # Append row p (one writer per kv head) and use the cache-rounded values for it.
-        if k_cache_ptr.dtype.element_ty == tl.bfloat16:
+        # Append row p (one writer per kv head: split 0) and use the cache-rounded values for it.
+        if BF16:
             kr = _round_bf16(kr)
-        if v_cache_ptr.dtype.element_ty == tl.bfloat16:
             vr = _round_bf16(vr)
         row = pos * (NKV * D) + g * D
-        writer = ((h % REP) == 0) & (sp == 0)
+        writer = sp == 0
         tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask & writer)
         tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask & writer)
 
-        # Row p's score (log2 domain: q pre-scaled by scale * log2(e), so exp2 gives the softmax weights).
+        # Online softmax state per head (log2 domain: q pre-scaled by scale * log2(e)): max m, sum l
+        # kept per tile column (reduced after the loop), accumulator acc; split 0 starts from row p
+        # (m = its score, l = 1, acc = v), the others empty (finite m: an empty split's weight is 0).
+        s_off = tl.arange(0, BLOCK_S)
         qs = q * (scale * 1.4426950408889634)
-        s_p = tl.sum(qs * kr, axis=0)
+        s_p = tl.sum(qs * kr[None, :], axis=1)
+        m_i = tl.where(writer, s_p, -1.0e30)
+        l_j = tl.where((s_off == 0)[None, :] & writer, 1.0, 0.0) + tl.zeros([BLOCK_H, BLOCK_S], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + tl.where(writer, vr, 0.0)[None, :]
 
-        # This split's rows of 0..p-1: one online softmax per tile row slot j (rows j, j + BLOCK_S, ...),
-        # so the loop needs no reduction across warps; the slots are combined once at the end.
+        # This split's rows of 0..p-1, in [BLOCK_S, BLOCK_D] tiles: K/V tiles in flight as many as
+        # PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
         chunk = tl.cdiv(tl.cdiv(pos, active), BLOCK_S) * BLOCK_S
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, pos)
-        s_off = tl.arange(0, BLOCK_S)
-        m_j = tl.full([BLOCK_S], -1.0e30, tl.float32)  # finite: an empty slot has weight exp2(-1e30 - m) = 0
-        l_j = tl.zeros([BLOCK_S], tl.float32)
-        acc_j = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-        # K/V tiles in flight: as many as PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
         ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
         NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
         STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
+        MASK_D: tl.constexpr = BLOCK_D != D
+        if BF16:
+            q_hi, q_mid, q_lo = _bf16_parts(qs, DOT_FP32)
         for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
             rows = start + s_off
             rmask = rows < hi
-            offs = (rows * (NKV * D) + g * D)[:, None] + d[None, :]
-            tmask = rmask[:, None] & dmask[None, :]
-            kt = tl.load(k_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
-            vt = tl.load(v_cache_ptr + offs, mask=tmask, other=0.0).to(tl.float32)
-            s = tl.where(rmask, tl.sum(kt * qs[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m_j, s)
-            alpha = tl.exp2(m_j - m_new)
-            pr = tl.exp2(s - m_new)
-            l_j = l_j * alpha + pr
-            acc_j = acc_j * alpha[:, None] + pr[:, None] * vt
-            m_j = m_new
+            # rows past hi (in the last tile) re-read row hi - 1 (< p: written, finite) and get weight 0
+            offs = (tl.minimum(rows, hi - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
+            if MASK_D:
+                kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
+                vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
+            else:
+                kt = tl.load(k_cache_ptr + offs)
+                vt = tl.load(v_cache_ptr + offs)
+            if BF16:  # S = Q K^T from the exact bf16 parts of Q (three short mma chains)
+                if DOT_FP32:
+                    kt = kt.to(tl.float32)
+                    vt = vt.to(tl.float32)
+                ktt = tl.trans(kt)
+                s = tl.dot(q_hi, ktt, input_precision="ieee") + (tl.dot(q_mid, ktt, input_precision="ieee")
+                                                                 + tl.dot(q_lo, ktt, input_precision="ieee"))
+            else:
+                s = tl.dot(qs, tl.trans(kt), input_precision="ieee")
+            s = tl.where(rmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_j = l_j * alpha[:, None] + p
+            acc = acc * alpha[:, None]
+            if BF16:  # acc += P V from the exact bf16 parts of P, smallest first
+                p_hi, p_mid, p_lo = _bf16_parts(p, DOT_FP32)
+                acc = tl.dot(p_lo, vt, acc, input_precision="ieee")
+                acc = tl.dot(p_mid, vt, acc, input_precision="ieee")
+                acc = tl.dot(p_hi, vt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p, vt, acc, input_precision="ieee")
+            m_i = m_new
 
-        # The split's partial (m, l, acc); split 0 also holds row p (an empty split: -1e30, 0, 0).
-        s_p = tl.where(sp == 0, s_p, -1.0e30)
-        m_s = tl.maximum(tl.max(m_j, axis=0), s_p)
-        w_j = tl.exp2(m_j - m_s)
-        w_p = tl.where(sp == 0, tl.exp2(s_p - m_s), 0.0)
-        part = part_ptr + (h * SPLITS + sp) * (D + 2)
-        tl.store(part + d, tl.sum(acc_j * w_j[:, None], axis=0) + vr * w_p, mask=dmask)
-        tl.store(part + D, m_s)
-        tl.store(part + D + 1, tl.sum(l_j * w_j, axis=0) + w_p)
-        tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
-        ticket = tl.atomic_add(ticket_ptr + h, 1, sem="acq_rel", scope="gpu")
-        if ticket == active - 1:  # the last active split of head h merges their partials, in order
-            j = tl.arange(0, SPLITS)
-            jm = j < active
+        if active == 1:  # one split (a short context): its own result, no partials, ticket or merge
+            gate = tl.load(qg_ptr + heads[:, None] * (2 * D) + D + d[None, :], mask=dmask[None, :], other=0.0)
+            o = acc / tl.sum(l_j, axis=1)[:, None]
+            tl.store(out_ptr + heads[:, None] * D + d[None, :], o * tl.sigmoid(gate.to(tl.float32)),
+                     mask=hmask[:, None] & dmask[None, :])
+        else:
+            _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d,
+                              dmask, REP, D, SPLITS)
+
+
+@triton.jit
+def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d, dmask,
+                      REP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    """attn_step_kernel's combine over the active splits of kv head g (its docstring)."""
+    # The split's partial (m, l, acc) of each real head of the group.
+    prow = part_ptr + (heads * SPLITS + sp) * (D + 2)
+    tl.store(prow[:, None] + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+    tl.store(prow + D, m_i, mask=hmask)
+    tl.store(prow + D + 1, tl.sum(l_j, axis=1), mask=hmask)
+    tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
+    ticket = tl.atomic_add(ticket_ptr + g, 1, sem="acq_rel", scope="gpu")
+    if ticket == active - 1:  # the last active split of kv head g merges, head by head, in split order
+        j = tl.arange(0, SPLITS)
+        jm = j < active
+        for i in tl.range(0, REP, num_stages=2):  # the next head's partials copied in while one is merged
+            h = g * REP + i
             rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
             m_all = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
             l_all = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
@@ -350,7 +468,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
             o = tl.sum(acc_all * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
             gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
             tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
-            tl.atomic_xchg(ticket_ptr + h, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        tl.atomic_xchg(ticket_ptr + g, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit

@@ -56,15 +56,18 @@ class MatvecRule(Rule):
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionRule(Rule):
-    split_programs: int         # attn_splits: about this many programs in all
+    split_programs: int         # attn_splits: about this many programs (kv heads x splits) in all
     max_splits: int
     min_rows_per_split: int     # cache rows per split at max_seq, at least
-    tile_elems: int             # BLOCK_S * BLOCK_D
+    tile_bytes: int             # bytes of one K (or V) tile: BLOCK_S * BLOCK_D * cache element size ...
     min_block_s: int
-    max_block_s: int
+    max_block_s: int            # ... BLOCK_S within these bounds
+    mma_min_heads: int          # BLOCK_H (query heads a program takes, padded) at least this with tensor cores
     pipe_bytes_max: int         # PIPE_BYTES cap ...
-    smem_reserve: int           # ... and the opt-in shared memory left for other scratch
-    num_warps: int
+    smem_reserve: int           # ... and the opt-in shared memory left for other scratch (besides the query parts)
+    min_tiles_in_flight: int    # BLOCK_S halves (to min_block_s) until PIPE_BYTES holds this many K/V tile pairs
+    num_warps: int              # bf16 caches (tensor-core dots)
+    fma_num_warps: int          # fp32 caches (fp32 FMA dots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,10 +167,14 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
+    # the grouped decode kernel (one program per kv head and split) is not yet timed: its constants are
+    # rules of thumb checked only statically (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no
+    # spills); the reports are the per-query-head kernel it replaced (the baseline to beat)
     "attention": AttentionRule(
-        split_programs=256, max_splits=64, min_rows_per_split=128,
-        tile_elems=8192, min_block_s=16, max_block_s=64,
-        pipe_bytes_max=128 * 1024, smem_reserve=16 * 1024, num_warps=8,
+        split_programs=128, max_splits=64, min_rows_per_split=128,
+        tile_bytes=32 * 1024, min_block_s=16, max_block_s=64, mma_min_heads=16,
+        pipe_bytes_max=128 * 1024, smem_reserve=8 * 1024, min_tiles_in_flight=2, num_warps=4,
+        fma_num_warps=8,
         provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS),
     # query tiles of at most 32 rows: ptxas -v at D = 256 (sm_80 / sm_90) gives ~240 registers and no
     # spills for 32 rows with 8 warps and 16 with 4; 64 rows spilled (8 warps) or spilled heavily (4)

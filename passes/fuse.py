@@ -11,9 +11,9 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      of each value head's state (the conv state's q/k rows are shared by a key head's value heads
      and can only be shifted once all of them have read it; the norm needs a head's whole row)
   3. the gated attention chain after its projections   -> ``attn_step`` (q|gate split, q/k rmsnorm,
-     rope, kv_append, attention split over the sequence, sigmoid_gate), with the scratch states its
-     split needs (``scratch.attn_partials``, ``scratch.attn_tickets``, shared by all its layers), made
-     with one split: the target's split count is select_kernels' decision
+     rope, kv_append, attention split over kv heads and the sequence, sigmoid_gate), with the
+     scratch states its split needs (``scratch.attn_partials``, ``scratch.attn_tickets``, shared by
+     all its layers), made with one split: the target's split count is select_kernels' decision
   4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
      row-concatenated weight, its result sliced back (slices of a vector are free views; at M rows
@@ -186,7 +186,8 @@ def _fuse_attention(p: Program) -> int:
 
 def _attention_scratch(p: Program, cache_shape, qg_size: int):
     """The scratch states every attn_step of the program shares (attention layers run one after the
-    other): per query head and sequence split a partial (m, l, acc[D]), and one ticket per head. Made
+    other): per query head and sequence split a partial (m, l, acc[D]), and a ticket per query head
+    (the kernel, one program per kv head and split, counts on the first NKV: one per kv head). Made
     with one split: how many the target's kernel uses is select_kernels' decision (it resizes them)."""
     _, _, d = cache_shape
     nh = qg_size // (2 * d)

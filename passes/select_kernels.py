@@ -27,9 +27,9 @@ def _size_attention_scratch(p: Program, target) -> None:
     split count."""
     for op in p.ops:
         if op.kind == "attn_step":
-            nh, _, d = attn_heads(op)
+            nh, nkv, d = attn_heads(op)
             part = op.ins[8]
-            part.type = type(part.type)("f32", (nh, attn_splits(nh, op.ins[5].type.shape[0], target), d + 2))
+            part.type = type(part.type)("f32", (nh, attn_splits(nkv, op.ins[5].type.shape[0], target), d + 2))
 
 
 def _size_sample_scratch(p: Program, target) -> None:

@@ -1,6 +1,8 @@
 """The fused gated-attention decode step (attn_step_kernel): Triton's interpreter against attn_step_ref on
-copies of the caches (fresh random inputs, bf16 and fp32 caches), and AOT compilation for every target at
-a tiny shape and at the real 27B shape with the launch rule's constexprs."""
+copies of the caches (fresh random inputs, bf16 and fp32 caches; GQA groups of 1, 2, 3, 4 and 6 query
+heads per kv head), and AOT compilation for every target at tiny shapes and at the real 27B shape with
+the launch rule's constexprs. The interpreter runs the bf16 path with DOT_FP32 (its bf16 dots are
+wrong): the same exact bf16 parts of q and of the weights, through fp32 dots."""
 import json
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from kestrel.kernels.targets import TARGETS
 EPS, THETA = 1e-6, 1e7
 SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (8, 2, 64, 130)]  # (NH, NKV, D, S)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-3}
+CACHE = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +57,9 @@ def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
-    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nh, s, TARGETS["sm_90"]), TARGETS["sm_90"])
-    consts = dict(c["constexprs"], **({"BLOCK_S": block_s} if block_s else {}))
+    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, TARGETS["sm_90"]), CACHE[dtype],
+                         TARGETS["sm_90"])
+    consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s} if block_s else {}))
     before_k, before_v = kc.clone(), vc.clone()
     out = run_kernel(*inputs, pos, rotary_dim, consts, c["grid"])
     what = f"attn_step {dtype} NH={nh} NKV={nkv} D={d} S={s} pos={pos} rotary_dim={rotary_dim}"
@@ -89,6 +93,29 @@ def test_attn_step_many_tiles(dtype):
     check_step(2, 1, 16, 600, 520, 8, dtype, seed=3, splits=8)
 
 
+def split_rows(pos, block_s, splits):
+    """The rows [lo, hi) of each active split, as attn_step_kernel derives them from pos."""
+    active = max(min(-(-pos // block_s), splits), 1)
+    chunk = -(-(-(-pos // active)) // block_s) * block_s
+    return [(j * chunk, min((j + 1) * chunk, pos)) for j in range(active)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("nh,nkv", [(24, 4), (6, 2)], ids=["rep6", "rep3"])
+def test_attn_step_gqa_groups(nh, nkv, dtype):
+    """One program takes all the query heads of a kv head: REP = 6 (27B's 24 / 4; the bf16 path's
+    16-row tile has 10 padded rows) and REP = 3 (odd: padded with bf16 and with fp32 caches alike), 16-row
+    tiles and 8 splits, at positions from row p alone (0) through one partial tile, a full one, splits
+    left without rows (129, 130, and S - 1: chunks of 32 rows leave the last active splits empty), to
+    the cache's last row. Every head of every group must match the reference, row p be stored once."""
+    d, s, block_s, splits = 32, 200, 16, 8
+    positions = (0, 1, 16, 17, 129, 130, s - 1)
+    assert sum(lo >= hi for p in positions for lo, hi in split_rows(p, block_s, splits)) >= 6  # empty splits
+    for pos in positions:
+        check_step(nh, nkv, d, s, pos, d // 4 if pos % 2 else d // 2, dtype, seed=100 * nh + pos, block_s=block_s,
+                   splits=splits)
+
+
 def test_attn_step_clamps_pos():
     """pos past the cache end behaves as S - 1: nothing outside the cache is read or written."""
     nh, nkv, d, s = 4, 2, 32, 40
@@ -98,8 +125,9 @@ def test_attn_step_clamps_pos():
     kbuf[:s], vbuf[:s] = kc, vc
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, s - 1, EPS, THETA, d // 2, d ** -0.5)
-    c = attn_step_launch(nh, nkv, d, s, 2, TARGETS["sm_90"])
-    out = run_kernel(qg, k, v, qn, kn, kbuf[:s], vbuf[:s], s + 5, d // 2, c["constexprs"], c["grid"])
+    c = attn_step_launch(nh, nkv, d, s, 2, "f32", TARGETS["sm_90"])
+    out = run_kernel(qg, k, v, qn, kn, kbuf[:s], vbuf[:s], s + 5, d // 2, dict(c["constexprs"], DOT_FP32=True),
+                     c["grid"])
     assert_close(out, ref, 1e-4, 0.0, "attn_step pos > S - 1")
     assert torch.equal(kbuf[:s - 1], kc_ref[:s - 1]) and torch.equal(vbuf[:s], vc_ref)
     assert_close(kbuf[s - 1], kc_ref[s - 1], 1e-5, 0.0, "attn_step pos > S - 1: k row S - 1")
@@ -108,8 +136,8 @@ def test_attn_step_clamps_pos():
 
 def test_launch_rule():
     for t in TARGETS.values():
-        c = attn_step_launch(24, 4, 256, 4096, attn_splits(24, 4096, t), t)
-        assert c["grid"] == [24, 8, 1]  # 192 programs at 27B
+        c = attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), "bf16", t)
+        assert c["grid"] == [4, 32, 1]  # 128 programs at 27B
         assert {"NH", "NKV", "D", "S", "SPLITS", "BLOCK_D", "BLOCK_S"} <= set(c["constexprs"])
         assert c["constexprs"]["PIPE_BYTES"] + 16 * 1024 <= SMEM_OPTIN[t.cc]
 
@@ -126,13 +154,13 @@ for kid, types, consts, nw, cc in json.loads(sys.stdin.read()):
                 "num_warps": k.num_warps})
 print(json.dumps(res))
 """
-AOT_SHAPES = [(4, 2, 32, 64), (24, 4, 256, 4096)]
+AOT_SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (6, 2, 64, 256), (24, 4, 256, 4096)]  # REP 2, 1, 3, 6
 PTR = {"bf16": "*bf16", "f32": "*fp32"}
 
 
 def aot_jobs(dt):
     types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
-    launches = [attn_step_launch(*shape, attn_splits(shape[0], shape[3], t), t) for shape in AOT_SHAPES
+    launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape in AOT_SHAPES
                 for t in TARGETS.values()]
     ccs = [t.cc for _ in AOT_SHAPES for t in TARGETS.values()]
     return [(f"attn_step_{dt}", types, c["constexprs"], c["num_warps"], cc) for c, cc in zip(launches, ccs)]

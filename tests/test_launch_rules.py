@@ -37,19 +37,27 @@ EXPECTED_SM_90 = [
     (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128, PDL_LATE=False)),
     (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32, PDL_LATE=False)),
     (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8, PDL_LATE=False)),
-    (attn_splits, (8, 4096), 32),
-    (attn_splits, (24, 4096), 8),
-    (attn_splits, (16, 4096), 16),
-    (attn_splits, (4, 256), 2),
-    (attn_splits, (2, 16), 1),
-    (attn_step_launch, (8, 2, 256, 4096, 32),
-     L([8, 32, 1], 8, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=131072)),
-    (attn_step_launch, (24, 4, 256, 4096, 8),
-     L([24, 8, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=8, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=131072)),
-    (attn_step_launch, (4, 2, 64, 256, 2),
-     L([4, 2, 1], 8, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_D=64, BLOCK_S=64, PIPE_BYTES=131072)),
-    (attn_step_launch, (2, 1, 16, 16, 1),
-     L([2, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_D=16, BLOCK_S=64, PIPE_BYTES=131072)),
+    (attn_splits, (2, 4096), 32),
+    (attn_splits, (2, 131072), 64),
+    (attn_splits, (4, 4096), 32),
+    (attn_splits, (4, 131072), 32),
+    (attn_splits, (1, 256), 2),
+    (attn_splits, (1, 16), 1),
+    (attn_step_launch, (8, 2, 256, 4096, 32, "bf16"),
+     L([2, 32, 1], 4, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=64, PIPE_BYTES=131072,
+       DOT_FP32=False)),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"),
+     L([4, 32, 1], 4, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=64, PIPE_BYTES=131072,
+       DOT_FP32=False)),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "f32"),
+     L([4, 32, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=8, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=131072,
+       DOT_FP32=False)),
+    (attn_step_launch, (4, 2, 64, 256, 2, "bf16"),
+     L([2, 2, 1], 4, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, PIPE_BYTES=131072,
+       DOT_FP32=False)),
+    (attn_step_launch, (2, 1, 16, 16, 1, "f32"),
+     L([1, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_H=2, BLOCK_D=16, BLOCK_S=64, PIPE_BYTES=131072,
+       DOT_FP32=False)),
     (gdn_delta_launch, (16, 48, 128, 128, 4),
      L([48, 4, 1], 4, HK=16, HV=48, DK=128, DV=128, KC=4, BLOCK_DK=128, BLOCK_V=32)),
     (gdn_delta_launch, (2, 4, 16, 16, 4), L([4, 2, 1], 4, HK=2, HV=4, DK=16, DV=16, KC=4, BLOCK_DK=16, BLOCK_V=8)),
@@ -69,17 +77,25 @@ EXPECTED_SM_90 = [
     (sample_launch, (16,), L([1, 1, 1], 8, V=16, TILE=16, CAND=16, BLOCK=512)),
     (step_end_launch, (4096,), L([1, 1, 1], 1, S=4096)),
 ]
-# sm_120 (untuned: sm_90's rows, but 170 SMs and 99 KiB of opt-in shared memory): where it differs
+# sm_120 (untuned: sm_90's rows, but 170 SMs and 99 KiB of opt-in shared memory): where it differs (attention
+# at D = 256: half the rows per tile, so that two K/V tile pairs fit in the pipeline)
 SM_120_DIFFERS = {
     (matvec_launch, (5120, 17408, 0)): L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512, PDL_LATE=True),
-    (attn_step_launch, (8, 2, 256, 4096, 32)):
-        L([8, 32, 1], 8, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=84992),
-    (attn_step_launch, (24, 4, 256, 4096, 8)):
-        L([24, 8, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=8, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=84992),
-    (attn_step_launch, (4, 2, 64, 256, 2)):
-        L([4, 2, 1], 8, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_D=64, BLOCK_S=64, PIPE_BYTES=84992),
-    (attn_step_launch, (2, 1, 16, 16, 1)):
-        L([2, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_D=16, BLOCK_S=64, PIPE_BYTES=84992),
+    (attn_step_launch, (8, 2, 256, 4096, 32, "bf16")):
+        L([2, 32, 1], 4, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=32, PIPE_BYTES=68608,
+          DOT_FP32=False),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "bf16")):
+        L([4, 32, 1], 4, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=32,
+          PIPE_BYTES=68608, DOT_FP32=False),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "f32")):
+        L([4, 32, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=8, BLOCK_D=256, BLOCK_S=16, PIPE_BYTES=84992,
+          DOT_FP32=False),
+    (attn_step_launch, (4, 2, 64, 256, 2, "bf16")):
+        L([2, 2, 1], 4, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, PIPE_BYTES=87040,
+          DOT_FP32=False),
+    (attn_step_launch, (2, 1, 16, 16, 1, "f32")):
+        L([1, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_H=2, BLOCK_D=16, BLOCK_S=64, PIPE_BYTES=93056,
+          DOT_FP32=False),
 }
 EXPECTED_SM_120 = [(fn, args, SM_120_DIFFERS.get((fn, args), want)) for fn, args, want in EXPECTED_SM_90]
 
@@ -145,8 +161,11 @@ READS = [
     (matvec_launch, (17408, 5120, 128), "matvec", "q4_wide_block_k", 1024),
     (matvec_launch, (5120, 17408, 128), "matvec", "q4_long_block_k", 1024),
     (matvec_launch, (1024, 3584, 0), "matvec", "small_max_block_k", 1024),
-    (attn_splits, (24, 4096), "attention", "split_programs", 512),
-    (attn_step_launch, (8, 2, 256, 4096, 32), "attention", "pipe_bytes_max", 64 * 1024),
+    (attn_splits, (4, 131072), "attention", "split_programs", 256),
+    (attn_step_launch, (8, 2, 256, 4096, 32, "bf16"), "attention", "pipe_bytes_max", 64 * 1024),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"), "attention", "tile_bytes", 16 * 1024),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "f32"), "attention", "fma_num_warps", 4),
+    (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"), "attention", "min_tiles_in_flight", 3),
     (gdn_delta_launch, (16, 48, 128, 128, 4), "gdn_delta", "max_block_v", 16),
     (gdn_norm_launch, (48, 128, 10240, 4), "gdn_norm", "num_warps", 8),
     (rmsnorm_launch, ((5120,),), "rmsnorm", "wide_warps", 16),
