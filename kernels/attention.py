@@ -146,6 +146,11 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
       in flight, at most pipe_bytes_max [128 KiB: about what one SM can usefully keep in flight],
       leaving the query tile (three bf16 parts, or fp32) and smem_reserve [8 KiB] of the target's
       ``smem_optin`` for the rest; the kernel derives its stage count from it and the element size;
+    * SPLIT_ROWS = split_tiles [2] x BLOCK_S: the rows an active split takes at least (a shorter
+      context runs on fewer splits; from 4096 rows at 27B all 32 splits work): with one split per
+      tile, the partials, the ticket and the serial merge cost a short context's step 6-12 us per
+      attention layer more than the per-query-head kernel this replaced (27B q4 5.67 against 5.52
+      ms/token at positions 40-104, H200, bench/results/stop20 call 5);
     * DOT_FP32: False (True only in interpreter tests, where Triton computes bf16 dots wrongly: the
       same bf16 parts then go through fp32 dots).
 
@@ -169,7 +174,8 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
         block_s //= 2
     return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps,
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
-                           "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s, "PIPE_BYTES": pipe,
+                           "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
+                           "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
                            "DOT_FP32": False}}
 
 
@@ -270,7 +276,8 @@ def _bf16_parts(x, DOT_FP32: tl.constexpr):
 def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_ptr,
                      ticket_ptr, out_ptr, eps, theta, rotary_dim, scale,
                      NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                     PIPE_BYTES: tl.constexpr,
                      DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
@@ -286,8 +293,9 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     Work split: grid [NKV, SPLITS], program (g, j) for kv head g and split j of rows 0..p-1, taking
     all REP query heads of g's group at once: each K/V tile is loaded once and used for every head
     of the group, so a step reads each cache row once (not REP times, as one program per query head
-    did). The splits with work are A = clamp(ceil(p / BLOCK_S), 1, SPLITS) (at least one tile each,
-    so a short context runs on few programs), split j < A taking rows [j * C, min((j + 1) * C, p))
+    did). The splits with work are A = clamp(ceil(p / SPLIT_ROWS), 1, SPLITS) (at least SPLIT_ROWS
+    rows each, so a short context runs on few programs and, up to SPLIT_ROWS rows, merges nothing),
+    split j < A taking rows [j * C, min((j + 1) * C, p))
     with C = ceil(ceil(p / A) / BLOCK_S) * BLOCK_S; all fixed by p alone. Split 0 also holds row p.
 
     Tiles: the group's queries are one [BLOCK_H, BLOCK_D] tile, row i holding head g * REP + i
@@ -327,7 +335,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     in split order (read back from L2; the next head's are copied in while one is merged), applies
     the output gate, stores out[h], and resets the ticket to 0 for the next launch. Which program
     combines varies; what it computes does not (every partial is read from memory, in a fixed
-    order), so runs repeat bit for bit. With one active split (p <= BLOCK_S) its program stores the
+    order), so runs repeat bit for bit. With one active split (p <= SPLIT_ROWS) its program stores the
     outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
     ticket or serial merge, which made a short context's step 6-12 us slower per attention layer
     than the per-query-head kernel this replaced (H200, bench/results/stop20 call 3).
@@ -353,9 +361,9 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     hmask = r < REP
     heads = g * REP + tl.minimum(r, REP - 1)  # the group's query heads; padded rows repeat the last (never stored)
 
-    # Splits with work: at least one BLOCK_S tile each, so a short context runs on few programs (and
+    # Splits with work: at least SPLIT_ROWS rows each, so a short context runs on few programs (and
     # few ticket atomics); the others exit at once. Every program derives the same count from pos.
-    active = tl.maximum(tl.minimum(tl.cdiv(pos, BLOCK_S), SPLITS), 1)
+    active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
     if sp < active:
         # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
         angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)

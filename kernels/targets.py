@@ -66,6 +66,7 @@ class AttentionRule(Rule):
     pipe_bytes_max: int         # PIPE_BYTES cap ...
     smem_reserve: int           # ... and the opt-in shared memory left for other scratch (besides the query parts)
     min_tiles_in_flight: int    # BLOCK_S halves (to min_block_s) until PIPE_BYTES holds this many K/V tile pairs
+    split_tiles: int            # SPLIT_ROWS = split_tiles * BLOCK_S: cache rows per active split, at least
     num_warps: int              # bf16 caches (tensor-core dots)
     fma_num_warps: int          # fp32 caches (fp32 FMA dots)
 
@@ -173,7 +174,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "attention": AttentionRule(
         split_programs=128, max_splits=64, min_rows_per_split=128,
         tile_bytes=32 * 1024, min_block_s=16, max_block_s=64, mma_min_heads=16,
-        pipe_bytes_max=128 * 1024, smem_reserve=8 * 1024, min_tiles_in_flight=2, num_warps=4,
+        pipe_bytes_max=128 * 1024, smem_reserve=8 * 1024, min_tiles_in_flight=2, split_tiles=2, num_warps=4,
         fma_num_warps=8,
         provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS),
     # query tiles of at most 32 rows: ptxas -v at D = 256 (sm_80 / sm_90) gives ~240 registers and no

@@ -59,7 +59,7 @@ def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
     c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, TARGETS["sm_90"]), CACHE[dtype],
                          TARGETS["sm_90"])
-    consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s} if block_s else {}))
+    consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s, "SPLIT_ROWS": block_s} if block_s else {}))
     before_k, before_v = kc.clone(), vc.clone()
     out = run_kernel(*inputs, pos, rotary_dim, consts, c["grid"])
     what = f"attn_step {dtype} NH={nh} NKV={nkv} D={d} S={s} pos={pos} rotary_dim={rotary_dim}"
