@@ -8,7 +8,14 @@ subprocess, so both work in one session.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def interpret(kernel):
@@ -28,3 +35,14 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float,
     err = (got - ref).abs().max().item()
     bound = atol + rtol * ref.abs().max().item()
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def run_aot_main(module: str, timeout: int = 900):
+    """``tests/<module>.py``'s ``_aot_main()`` (its AOT compiles) in a clean process, without
+    TRITON_INTERPRET; returns the JSON of the last line it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); "
+                        f"import {module} as t; t._aot_main()"],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

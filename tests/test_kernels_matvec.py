@@ -5,18 +5,15 @@ suite runs with TRITON_INTERPRET=1), and a PTX check that aligned weights are re
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from kernel_harness import assert_close, interpret
+from kernel_harness import assert_close, interpret, run_aot_main
 from kestrel.kernels.matvec import (matvec_kernel, matvec_launch, matvec_ref, matvec_swiglu_kernel,
                                     matvec_swiglu_ref, q4_pack, q4_unpack)
 from kestrel.kernels.targets import TARGETS
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 RTOL = 1e-5  # of max |ref|: fp32 accumulation of the same (dequantised) fp32 values in another order
 
 
@@ -217,12 +214,7 @@ def _aot_main():
 
 @pytest.fixture(scope="module")
 def aot():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); "
-                        "import test_kernels_matvec as t; t._aot_main()"],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_aot_main("test_kernels_matvec")
     return {tuple(d["job"]): d for d in out["compiled"]}, {tuple(d["job"]): d["ptx"] for d in out["ptx"]}
 
 

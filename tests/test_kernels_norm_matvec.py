@@ -6,13 +6,11 @@ compilation for every target at the 27B shapes (one subprocess, the suite runs i
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from kernel_harness import assert_close, interpret
+from kernel_harness import assert_close, interpret, run_aot_main
 from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, matvec_add_kernel, matvec_add_ref,
                                     matvec_launch, matvec_ref, norm_mode, partials_block, rmsnorm_matvec_kernel,
                                     rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
@@ -20,7 +18,6 @@ from kestrel.kernels.rmsnorm import add_rmsnorm_ref
 from kestrel.kernels.targets import TARGETS
 from test_kernels_matvec import consts_for, make_weight
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 RTOL = 1e-5
 EPS = 1e-6
 
@@ -146,12 +143,7 @@ def _aot_main():
 
 @pytest.fixture(scope="module")
 def aot():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); "
-                        "import test_kernels_norm_matvec as t; t._aot_main()"],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {tuple(d["job"]): d for d in json.loads(r.stdout.strip().splitlines()[-1])}
+    return {tuple(d["job"]): d for d in run_aot_main("test_kernels_norm_matvec")}
 
 
 @pytest.mark.parametrize("job", _jobs(), ids=lambda j: f"{j[0]}-{j[1]}-{'q4g128' if j[2] else 'bf16'}")
