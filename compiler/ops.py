@@ -704,10 +704,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
               "rmsnorm's partial sums)"),
     OpDef("rmsnorm_matmul", "vvww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_ref,
           Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec), _onnx_rmsnorm_matmul,
-          doc="W @ rmsnorm(s, nw) (the mean square from matmul_add's partials ss)"),
+          doc="W @ rmsnorm(s, nw) (the mean square from s, or from matmul_add's partials ss: the kernel's NORM)"),
     OpDef("rmsnorm_matmul_swiglu", "vvwww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_swiglu_ref,
           Kernel(matvec.rmsnorm_matvec_swiglu_kernel, _rmsnorm_matvec), _onnx_rmsnorm_matmul,
-          doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square from matmul_add's partials ss)"),
+          doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square as rmsnorm_matmul's)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
                         "conv state shared by a key head's value heads)"),

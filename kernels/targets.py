@@ -168,15 +168,19 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
-    # the grouped decode kernel (one program per kv head and split) is not yet timed: its constants are
-    # rules of thumb checked only statically (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no
-    # spills); the reports are the per-query-head kernel it replaced (the baseline to beat)
+    # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
+    # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
+    # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;
+    # split_tiles from a same-call A/B at short contexts, call 5 / 6)
     "attention": AttentionRule(
         split_programs=128, max_splits=64, min_rows_per_split=128,
         tile_bytes=32 * 1024, min_block_s=16, max_block_s=64, mma_min_heads=16,
         pipe_bytes_max=128 * 1024, smem_reserve=8 * 1024, min_tiles_in_flight=2, split_tiles=2, num_warps=4,
         fma_num_warps=8,
-        provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS),
+        provenance=(RULE_OF_THUMB,) + _ATTN_REPORTS + (
+            _RESULTS + "stop20/call4/attn-pos44.json", _RESULTS + "stop20/call4/attn-pos4000.json",
+            _RESULTS + "stop20/call6/bench-qwen3.5-27b-sm90-q4.json",
+            _RESULTS + "stop20/call6/bench-oldattn-qwen3.5-27b-sm90-q4.json")),
     # query tiles of at most 32 rows: ptxas -v at D = 256 (sm_80 / sm_90) gives ~240 registers and no
     # spills for 32 rows with 8 warps and 16 with 4; 64 rows spilled (8 warps) or spilled heavily (4)
     "attn_rows": AttnRowsRule(

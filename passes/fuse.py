@@ -28,8 +28,8 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      MLP's output projection, and the next norm, read only by ``matmul`` / ``matmul_swiglu``s) is
      folded into them: the producer becomes ``matmul_add`` (s = r + W x, and the partial sums of s^2
      per ``partial_rows`` rows: one partial here, select_kernels sets the GPU kernel's), each consumer
-     ``rmsnorm_matmul`` / ``rmsnorm_matmul_swiglu`` (W @ rmsnorm(s), the mean square from the
-     partials): no launch of its own, and no pass of one program over the whole vector
+     ``rmsnorm_matmul`` / ``rmsnorm_matmul_swiglu`` (W @ rmsnorm(s), the input normed per tile,
+     its mean square from s itself or from the partials: the kernel's choice): no launch of its own, and no pass of one program over the whole vector
      (kernels/matvec.py). The final norm stays (its result is the ``hidden`` output)
   8. ops whose results nobody reads, and that write no state, are dropped.
 
