@@ -8,8 +8,10 @@ build the step's CUDA graph from explicit kernel nodes and instantiate it. Where
 step was compiled with the PDL wait (sm_90 and later; kernels/pdl.py) a second graph chains the same
 nodes by programmatic edges, so each kernel's programs are resident and waiting when the previous one
 ends; the two are timed against each other at load (``PDL_TRIAL_STEPS`` replays each, interleaved)
-and the faster kept: on the H200 the chained graph was 3-13% faster on some plans and 2-4% slower on
-others, with no rule of size that predicts which (bench/results/stop19). KESTREL_PDL=0 / 1 skips the
+and the chained one kept unless it is more than ``PDL_MARGIN`` slower (``pdl_wins``: the trial's
+short replays flatter plain edges, which slow down over a sustained request): on the H200 the
+chained graph was 3-13% faster on some plans and 2-29% slower on others, with no rule of size that
+predicts which (bench/results/stop19, stop20). KESTREL_PDL=0 / 1 skips the
 trial. The M-row step's graph has plain edges. A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
 Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
@@ -36,7 +38,7 @@ def graph_enabled(no_graph_flag: bool = False) -> bool:
 
 
 PDL_TRIAL_STEPS = 5  # replays of each step graph timed at load (after one each to warm up)
-PDL_MARGIN = 0.01  # the chained graph is kept when its median step is faster by more than this fraction
+PDL_MARGIN = 0.02  # plain edges are kept only when the chained graph's median step is slower by more than this
 
 
 def pdl_choice() -> bool | None:
@@ -46,10 +48,16 @@ def pdl_choice() -> bool | None:
 
 
 def pdl_wins(plain_ms: list[float], programmatic_ms: list[float]) -> bool:
-    """The load-time trial's verdict: the chained graph's median step beats the plain one's by more
-    than PDL_MARGIN (a tie keeps plain edges)."""
+    """The load-time trial's verdict: the chained graph's median step is at most PDL_MARGIN slower
+    than the plain one's (a tie keeps programmatic edges). Asymmetric because the trial's few replays
+    flatter plain edges: over a sustained request a plain graph runs 1-14% slower than in its first
+    steps, a chained one ~0.5% (H200, stop 20, calls 7-8: 0.8B bf16 plain 0.779 then 0.829 ms/token
+    against chained 0.774-0.778; 27B q4 plain 5.47 then 5.61 against chained 5.54-5.56; 27B bf16 13.17
+    then 13.30 against 13.14-13.20; 0.8B q4 0.583 then 0.633 against 0.555-0.561), which the trial
+    saw as plain 0-1.5% ahead. Where chained edges truly lose (2B-9B q4: 13-29% in the trial) plain
+    edges still win."""
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return med(programmatic_ms) < med(plain_ms) * (1 - PDL_MARGIN)
+    return med(programmatic_ms) <= med(plain_ms) * (1 + PDL_MARGIN)
 
 
 def graph_m_enabled() -> bool:
