@@ -416,11 +416,16 @@ def _infer_attn_step(ins, a):
 
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
+def _matrix(w: Weight) -> tuple[int, int, int]:
+    """(N, K, q4 group or 0) of a matrix weight."""
+    n, k = w.type.shape
+    return n, k, q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+
+
 def _matvec(op: Op, t: Target) -> dict:
     """One row: the matvec (kernels/matvec.py); M rows: the tensor-core GEMM (kernels/gemm.py)."""
     w = op.ins[1]
-    n, k = w.type.shape
-    group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+    n, k, group = _matrix(w)
     swiglu = op.kind == "matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
         return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
@@ -432,22 +437,15 @@ def _matvec(op: Op, t: Target) -> dict:
 def _matvec_add(op: Op, t: Target) -> dict:
     """matvec_kernel's launch rule; partial_rows (select_kernels sets it) is its BLOCK_N."""
     w = op.ins[1]
-    n, k = w.type.shape
-    group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
-    return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(n, k, group, t)}
+    return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(*_matrix(w), t)}
 
 
 def _rmsnorm_matvec(op: Op, t: Target) -> dict:
-    """matvec_kernel's (matvec_swiglu_kernel's) launch rule; P: the producer's partials."""
+    """matvec_kernel's (matvec_swiglu_kernel's) launch rule, with the producer's partials (operand 1)."""
     w = op.ins[3]
-    n, k = w.type.shape
-    group = q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
     swiglu = op.kind == "rmsnorm_matmul_swiglu"
-    launch = matvec.matvec_launch(n, k, group, t, pair=swiglu)
-    p = op.ins[1].type.shape[0]
-    norm = matvec.norm_mode(k, launch["constexprs"]["BLOCK_K"], group)
-    return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype, **launch,
-            "constexprs": {**launch["constexprs"], "P": p, "BLOCK_P": matvec.partials_block(p), "NORM": norm}}
+    return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype,
+            **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
 
 
 def _embedding(op: Op, t: Target) -> dict:

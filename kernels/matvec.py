@@ -472,9 +472,14 @@ def rmsnorm_matvec_swiglu_ref(s, ss, nw, w_gate, w_up, eps: float):
     return matvec_swiglu_ref(rmsnorm_ref(s, nw, eps), w_gate, w_up)
 
 
-def partials_block(p: int) -> int:
-    """BLOCK_P of the rmsnorm matvecs: the P partials in one vector (a power of two)."""
-    return pow2_at_least(p)
+def rmsnorm_matvec_launch(n: int, k: int, group: int, partials: int, target, pair: bool = False) -> dict:
+    """rmsnorm_matvec_kernel's (``pair``: rmsnorm_matvec_swiglu_kernel's) launch: matvec_launch's,
+    plus P (the producer's ``partials``), BLOCK_P (P rounded up to a power of two: one vector) and
+    NORM (``norm_mode``)."""
+    launch = matvec_launch(n, k, group, target, pair=pair)
+    c = launch["constexprs"]
+    return {**launch, "constexprs": {**c, "P": partials, "BLOCK_P": pow2_at_least(partials),
+                                     "NORM": norm_mode(k, c["BLOCK_K"], group)}}
 
 
 def norm_mode(k: int, block_k: int, group: int) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from kernel_harness import assert_close, interpret, run_aot_main
 from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, matvec_add_kernel, matvec_add_ref,
-                                    matvec_launch, matvec_ref, norm_mode, partials_block, rmsnorm_matvec_kernel,
+                                    matvec_launch, matvec_ref, norm_mode, rmsnorm_matvec_kernel, rmsnorm_matvec_launch,
                                     rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref
 from kestrel.kernels.targets import TARGETS
@@ -57,6 +57,19 @@ def _produce(kind, h, k0, override, g):
     return s[:h], ss[:p]
 
 
+def test_norm_mode_picks():
+    """The input in one tile: its own sum (any dtype); more tiles: fp weights sum along the loop, q4
+    takes the producer's partials; and the launch carries it (27B / 0.8B shapes on sm_90)."""
+    assert norm_mode(1024, 1024, 128) == norm_mode(1024, 2048, 0) == NORM_TILE.value
+    assert norm_mode(5120, 512, 0) == NORM_AFTER.value and norm_mode(5120, 512, 128) == NORM_PARTIALS.value
+    t = TARGETS["sm_90"]
+    assert rmsnorm_matvec_launch(17408, 5120, 128, 640, t, pair=True)["constexprs"] | {"P": 0} == \
+        matvec_launch(17408, 5120, 128, t, pair=True)["constexprs"] | {"P": 0, "BLOCK_P": 1024,
+                                                                       "NORM": NORM_PARTIALS.value}
+    c = rmsnorm_matvec_launch(6144, 1024, 0, 1024, t)["constexprs"]
+    assert (c["P"], c["BLOCK_P"], c["NORM"]) == (1024, 1024, NORM_TILE.value)
+
+
 def _modes(kind, h, block_k):
     """The NORM modes a consumer of this dtype and tiling may run: norm_mode's pick first, then the
     others that apply (NORM_TILE needs the input in one tile; q4 never takes NORM_AFTER)."""
@@ -75,10 +88,8 @@ def test_norm_folded_into_matvecs(kind, h, k0, n, prod, cons):
     w, w_ref, group = make_weight(kind, n, h, g)
     wg, wg_ref, _ = make_weight(kind, n, h, g)
     wu, wu_ref, _ = make_weight(kind, n, h, g)
-    base = consts_for(n, h, group, cons) | {"P": ss.numel(), "BLOCK_P": partials_block(ss.numel())}
-    modes = _modes(kind, h, base["BLOCK_K"])
-    assert modes[0] == norm_mode(h, base["BLOCK_K"], group)
-    for mode in modes:
+    base = rmsnorm_matvec_launch(n, h, group, ss.numel(), TARGETS["sm_90"])["constexprs"] | (cons or {})
+    for mode in _modes(kind, h, base["BLOCK_K"]):
         _consume(s, ss, nw, (w, w_ref), (wg, wg_ref), (wu, wu_ref), n, base | {"NORM": mode}, kind)
 
 
@@ -122,10 +133,9 @@ def _compile(job):
         consts = c["constexprs"]
     else:
         n = INTER if kernel == "norm_swiglu" else IN_PROJ
-        c = matvec_launch(n, H, group, t, pair=kernel == "norm_swiglu")
         p = math.ceil(H / matvec_launch(H, INTER, group, t)["constexprs"]["BLOCK_N"])
-        consts = c["constexprs"] | {"P": p, "BLOCK_P": partials_block(p),
-                                    "NORM": norm_mode(H, c["constexprs"]["BLOCK_K"], group)}
+        c = rmsnorm_matvec_launch(n, H, group, p, t, pair=kernel == "norm_swiglu")
+        consts = c["constexprs"]
         fn = rmsnorm_matvec_swiglu_kernel if kernel == "norm_swiglu" else rmsnorm_matvec_kernel
         types = ["*fp32", "*fp32", "*fp32"] + [wt] * (2 if kernel == "norm_swiglu" else 1) + ["*fp32", "fp32"]
     ck = compile_kernel(f"{kernel}_{group}", fn, types, consts, c["num_warps"], t.cc,
