@@ -124,14 +124,21 @@ def q4_section(read_bw: float) -> list:
 
 
 SETTINGS = [("greedy", 0.0, 1.0, 0, 0.0), ("qwen 0.7/0.8/k20", 0.7, 0.8, 20, 0.0), ("temperature 1.0", 1.0, 1.0, 0, 0.0),
-            ("top-p 0.9", 0.8, 0.9, 0, 0.0), ("min-p 0.05", 1.0, 1.0, 0, 0.05), ("top-k 50 + min-p 0.1", 1.0, 1.0, 50, 0.1)]
+            ("top-p 0.9", 0.8, 0.9, 0, 0.0), ("top-p 0.95 T1", 1.0, 0.95, 0, 0.0), ("min-p 0.05", 1.0, 1.0, 0, 0.05),
+            ("top-k 50", 1.0, 1.0, 50, 0.0), ("top-k 50 + min-p 0.1", 1.0, 1.0, 50, 0.1)]
 
 
-def sample_section(seeds: int = 48) -> list:
+def sample_section(seeds: int = 48, cand: int = 0) -> list:
+    """``cand``: the rule's CAND replaced (SAMPLE_CANDS=32,64 runs the settings once per value)."""
+    import dataclasses
+    from types import MappingProxyType
+
     v = 248320
-    L = sample_launch(v, T)
+    t2 = T if not cand else dataclasses.replace(T, rules=MappingProxyType(
+        {**T.rules, "sample": dataclasses.replace(T.rules["sample"], cand=cand)}))
+    L = sample_launch(v, t2)
     grid, c, nw = tuple(L["grid"]), L["constexprs"], L["num_warps"]
-    partials = torch.zeros(sample_scratch_shape(v, T), dtype=torch.float32, device=DEV)
+    partials = torch.zeros(sample_scratch_shape(v, t2), dtype=torch.float32, device=DEV)
     ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
     out = []
     g = torch.Generator().manual_seed(1)
@@ -153,11 +160,13 @@ def sample_section(seeds: int = 48) -> list:
                 agree += int(out_t.item()) == sample_ref(logits, t, p, k, mp, s, 7 * s + 3)
             us = time_launches(lambda r: sample_kernel[grid](ld, *args, seed_t, pos_t, partials, ticket, out_t,
                                                             num_warps=nw, **c))
+            path = int(partials[0, 5].view(torch.int32).item())  # the merge's path (sample_kernel)
             row = {"distribution": dname, "setting": name, "temperature": t, "top_p": p, "top_k": k, "min_p": mp,
-                   "seeds": n_seeds, "equal_to_reference": agree, "us": us, "ticket_after": int(ticket.item())}
+                   "cand": c["CAND"], "seeds": n_seeds, "equal_to_reference": agree, "us": us, "path": path,
+                   "ticket_after": int(ticket.item())}
             out.append(row)
-            print(f"sample {dname:6} {name:22} equal {agree}/{n_seeds}  {us:7.1f} us  ticket {row['ticket_after']}",
-                  flush=True)
+            print(f"sample {dname:6} {name:22} cand {c['CAND']} equal {agree}/{n_seeds}  {us:7.1f} us  path {path}  "
+                  f"ticket {row['ticket_after']}", flush=True)
     return out
 
 
@@ -206,7 +215,10 @@ def main():
     t0 = time.time()
     rb = read_bandwidth()
     print(f"read-only {rb / 1e9:.0f} GB/s", flush=True)
-    rep = {"read_GBps": rb / 1e9, "sample": sample_section(), "q4": q4_section(rb)}
+    cands = [int(c) for c in os.environ.get("SAMPLE_CANDS", "0").split(",")]
+    rep = {"read_GBps": rb / 1e9, "sample": [r for c in cands for r in sample_section(cand=c)]}
+    if os.environ.get("Q4", "1") == "1":
+        rep["q4"] = q4_section(rb)
     if os.environ.get("SAMPLE_SWEEP") == "1":
         rep["sample_sweep"] = sample_sweep()
     json.dump(rep, open(sys.argv[1], "w"), indent=1)

@@ -3,6 +3,8 @@
 
 Here:            python bench/gemm_sweep.py compile bench/gemm-sweep
 On the device:   cd bench && python3 gemm_sweep.py time gemm-sweep $OUT/gemm-sweep.json
+GEMM_SET=small (both steps): the verify step's few rows (M = 4) with 16-row tiles, narrow N tiles and
+1-8 warps, at the 27B shapes (issue 12: the M-row step at k + 1 rows against the one-token step).
 """
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ ROWS = (128, 512)
 GROUPS = (0, 128)
 CONFIGS = [(bm, bn, bk, nw) for bm, bn, bk, nw in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8))
            if not (bm == 64 and bn == 64 and nw == 8)]
+if os.environ.get("GEMM_SET") == "small":
+    CASES = [("27b in_proj_qkv+z+b+a", 16480, 5120), ("27b attn qkv", 14336, 5120), ("27b out_proj", 5120, 6144),
+             ("27b mlp down", 5120, 17408), ("27b mlp gate", 17408, 5120)]
+    ROWS = (4,)
+    CONFIGS = [(16, bn, bk, nw) for bn, bk, nw in itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8))
+               if nw * 32 <= bn * bk // 8]
 
 
 def compile_all(folder: str) -> None:
@@ -83,7 +91,8 @@ def time_all(folder: str, out: str) -> None:
         c = e["constexprs"]
         rows.append({"shape": e["shape"], "M": m, "group": group, "BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"],
                      "BLOCK_K": c["BLOCK_K"], "num_warps": e["num_warps"], "shared": e["shared"], "us": us,
-                     "max_rel_err": err, "fraction_of_tensor_core_rate": 2 * m * n * k / (us / 1e6) / rate})
+                     "max_rel_err": err, "fraction_of_tensor_core_rate": 2 * m * n * k / (us / 1e6) / rate,
+                     "weight_GBps": w.numel() * w.element_size() / us / 1e3})
     best = {}
     for r in rows:
         key = (r["shape"], r["M"], r["group"])
@@ -91,7 +100,7 @@ def time_all(folder: str, out: str) -> None:
             best[key] = r
     for (shape, m, group), r in sorted(best.items()):
         print(f"{shape:<24} M={m:<4} {'q4' if group else 'bf16':<4} best {r['BLOCK_M']}x{r['BLOCK_N']}x{r['BLOCK_K']} "
-              f"w{r['num_warps']}: {r['us']:8.1f} us {r['fraction_of_tensor_core_rate']:6.1%}")
+              f"w{r['num_warps']}: {r['us']:8.1f} us {r['fraction_of_tensor_core_rate']:6.1%} {r['weight_GBps']:6.0f} GB/s")
     json.dump({"bf16_tensor_core_tflops": rate / 1e12, "rows": rows,
                "best": [dict(r) for r in best.values()]}, open(out, "w"), indent=1)
 

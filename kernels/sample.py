@@ -219,18 +219,64 @@ def _narrow(lo, hi, t, f, goal, EXACT_STOP: tl.constexpr):
 
 
 @triton.jit
-def _search(key, wt, goal, lo, hi, top):
+def _linear(lo, hi, WAYS: tl.constexpr):
+    """WAYS int32 thresholds in [lo, hi + 1] after the first step when [lo, hi] spans a wide range of
+    logits: lo, lo + 1, then the keys of logits evenly spaced between lo's and hi's (candidate logits
+    spread roughly evenly in value, not in key: even key steps over a range that crosses zero put
+    every threshold near 0 or near the ends)."""
+    j = tl.arange(0, WAYS)
+    a = _key_logit(lo.to(tl.int32))
+    b = _key_logit(hi.to(tl.int32))
+    v = a + (b - a) * ((j - 1).to(tl.float32) / (WAYS - 1))
+    t = tl.minimum(tl.maximum(_order_key(v).to(tl.int64), lo), hi + 1)
+    return tl.where(j == 0, lo, tl.where(j == 1, tl.minimum(lo + 1, hi + 1), t)).to(tl.int32)
+
+
+@triton.jit
+def _search(partials_ptr, key, wt, goal, lo, hi, top, CAND: tl.constexpr):
     """The largest key threshold v in [lo, hi] with sum(wt over key >= v) >= goal (lo when none
-    reaches it; wt >= 0, hi the key of ``top``, the largest logit): a _WAYS-ary mass search, each step
-    one [_WAYS, n] compare-and-sum (_mass_at) and _narrow; the first step's thresholds are _ladder's,
-    then _even's (<= 32 / log2(_WAYS - 1) more steps, fewer when lo is a key several logits share)."""
+    reaches it; wt >= 0, hi the key of ``top``, the largest logit). A _WAYS-ary mass search: each step
+    one [_WAYS, n] compare with two sums (the masses and the counts of wt > 0 at each threshold)
+    narrows [lo, hi] to two neighbouring thresholds (the first step's on _ladder's float ladder, then
+    _linear's even logits while the range is wide, else _even's key steps). It stops as soon as at
+    most CAND weighted entries lie in [lo, hi]: they are compacted into partials row 0's CAND slots
+    (free once the merge has read every row; the candidate's key and wt) and v found among them
+    pairwise: the mass at or above slot i's key is the mass above hi plus the slots' wt at keys >=
+    key_i; v is the largest slot key whose mass reaches goal (the mass changes only at those keys)."""
     lo = lo + tl.zeros([], tl.int64)  # (lo may be a constant)
     hi = hi.to(tl.int64)
+    live = wt > 0.0
+    above = tl.zeros([], tl.float32)  # the mass at keys > hi
+    c_above = tl.zeros([], tl.int32)  # the count of live entries at keys > hi
+    n_in = tl.full([], CAND + 1, tl.int32)  # live entries in [lo, hi] (unknown before the first step)
     t = _ladder(lo, hi, top, _WAYS)
-    lo, hi = _narrow(lo, hi, t, _mass_at(key, wt, t), goal, False)
-    while lo < hi:
-        t = _even(lo, hi, _WAYS)
-        lo, hi = _narrow(lo, hi, t, _mass_at(key, wt, t), goal, False)
+    while (lo < hi) & (n_in > CAND):
+        ge = key[None, :] >= t[:, None]
+        f = tl.sum(tl.where(ge, wt[None, :], 0.0), axis=1)
+        c = tl.sum((ge & live[None, :]).to(tl.int32), axis=1)
+        nlo = tl.max(tl.where(f >= goal, t.to(tl.int64), lo), axis=0)
+        up = t.to(tl.int64) > nlo  # the thresholds above the new lo: their masses are below goal
+        any_up = tl.max(up.to(tl.int32), axis=0) > 0
+        nhi = tl.minimum(tl.min(tl.where(up, t.to(tl.int64), hi + 1), axis=0) - 1, hi)
+        above = tl.where(any_up, tl.max(tl.where(up, f, 0.0), axis=0), above)
+        c_above = tl.where(any_up, tl.max(tl.where(up, c, 0), axis=0), c_above)
+        n_in = tl.min(tl.where(up, 2147483647, c), axis=0) - c_above  # count(key >= nlo) - count(key > nhi)
+        lo, hi = nlo, nhi
+        wide = (hi - lo > 1048576) & (_key_logit(lo.to(tl.int32)) > float("-inf"))
+        t = tl.where(wide, _linear(lo, hi, _WAYS), _even(lo, hi, _WAYS))
+    if lo < hi:  # at most CAND weighted entries in [lo, hi]: finish pairwise
+        inside = live & (key >= lo) & (key <= hi)
+        pos = tl.cumsum(inside.to(tl.int32), axis=0) - 1
+        tl.debug_barrier()  # every thread has read the rows before they are reused
+        tl.store(partials_ptr + _HDR + pos, key.to(tl.float32, bitcast=True), mask=inside)
+        tl.store(partials_ptr + _HDR + CAND + pos, wt, mask=inside)
+        tl.debug_barrier()
+        s = tl.arange(0, CAND)
+        sl = s < n_in
+        ks = tl.load(partials_ptr + _HDR + s, mask=sl, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
+        ws = tl.load(partials_ptr + _HDR + CAND + s, mask=sl, other=0.0, cache_modifier=".cg")
+        at = above + tl.sum(tl.where(sl[None, :] & (ks[None, :] >= ks[:, None]), ws[None, :], 0.0), axis=1)
+        lo = tl.max(tl.where(sl & (at >= goal), ks.to(tl.int64), lo), axis=0)
     return lo.to(tl.int32)
 
 
@@ -557,7 +603,7 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
             mass = tl.sum(wk, axis=0)
             thr = top_p * tl.where(k_on, mass, D)
             if k_on | (mass >= thr):  # without top-k and below thr the candidates run out: all kept, still open
-                vp = _search(key, wk, thr, tl.min(tl.where(kept, key, _KEY_MAX), axis=0), key_top, m)
+                vp = _search(partials_ptr, key, wk, thr, tl.min(tl.where(kept, key, _KEY_MAX), axis=0), key_top, m, CAND)
                 before = tl.sum(tl.where(key > vp, wk, 0.0), axis=0)
                 tie = kept & (key == vp)
                 in_tie = tl.where(before < thr, tie, False)  # (a scalar test broadcast by where: Triton's
@@ -671,7 +717,9 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
         if trunc:
             key = _order_key(x)
             cnt = tl.minimum(V - pid * TILE, CAND)  # the most _take_top takes
-            # top-k <= CAND: any prefix of top_k..cnt holds the tile's share of the top-k set
+            # top-k <= CAND: any prefix of top_k..cnt holds the tile's share of the top-k set (without
+            # top-k all cnt: a prefix of cnt / 2..cnt sent flat logits' top-p 0.9 to the full fallback on
+            # the H200, 1.6 ms; bench/results/stop21)
             goal = tl.where(k_on & (top_k < cnt), top_k, cnt)
             take = _take_top(key, valid, _kth_key(key, valid, goal, m_t, cnt), cnt)
             slot = tl.cumsum(take.to(tl.int32), axis=0) - 1

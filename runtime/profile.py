@@ -2,7 +2,8 @@
 
 The prompt is prefilled as in a normal request (and the first token sampled); then ``steps`` decode
 steps are launched kernel by kernel, each launch between two events of its own, and as many steps
-are replayed as the CUDA graph, each timed alone: the sum of the launches and the replay should
+are replayed as the CUDA graph, each timed alone (a plan with an M-row step: that program too, first,
+over as many full chunks of a longer prompt, under ``prefill`` in the report): the sum of the launches and the replay should
 agree within the per-launch overheads the graph saves. On the GPU the stream is held at a gate
 while a window of launches is enqueued and released once they are all queued, so the host's launch
 latency never shows up as device time. On the CPU path (any plan, ``--device cpu``) every op of
@@ -127,6 +128,10 @@ def format_report(r: dict) -> str:
         if "fraction_of_roofline_graph" in r:
             summary += f", graph at {r['fraction_of_roofline_graph']:.1%} of it"
     out.append(summary)
+    if r.get("prefill"):  # the M-row step's tables (profile_rows)
+        p = r["prefill"]
+        out += ["", f"M-row step ({p['rows']} rows a run, every row valid; per run):", "",
+                format_report({**p, "launches_per_step": p["launches_per_step"]}).replace(" decode steps at", " runs at")]
     return "\n".join(out)
 
 
@@ -179,6 +184,74 @@ class _Gate:
         self.kc.check(self.cu.cuMemFreeHost(self.host), "cuMemFreeHost")
 
 
+def _open_gate(step) -> "_Gate | None":
+    """A stream gate, or None where the driver has no stream memory operations (the host's launch gaps
+    are then not hidden)."""
+    try:
+        gate = _Gate()
+        gate.hold(step.stream)
+        gate.release()
+        step.sync()
+        return gate
+    except DeviceError:
+        return None
+
+
+def _timed_launches(step, packed: list, events: list, gate) -> list[float]:
+    """One run of the launches ``packed`` (kernel, grid, args), each between its own two events, in
+    windows of WINDOW enqueued behind the gate; each launch's ms."""
+    cu = kc.driver()
+    for w in range(0, len(packed), WINDOW):
+        if gate:
+            gate.hold(step.stream)
+        for (kernel, grid, args), (a, b) in zip(packed[w:w + WINDOW], events[w:w + WINDOW]):
+            kc.check(cu.cuEventRecord(a, step.stream), "cuEventRecord")
+            kc.launch(kernel, grid, args, step.stream)
+            kc.check(cu.cuEventRecord(b, step.stream), "cuEventRecord")
+        if gate:
+            gate.release()
+    step.sync()
+    return [kc.check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") for a, b in events]
+
+
+def profile_rows(step, launches: list[dict], ids: list[int], chunks: int, bandwidth: dict | None) -> dict:
+    """The M-row step (the plan's prefill program): a prompt of (chunks + 1) full chunks (``ids``
+    repeated), its first ``chunks`` chunks launched kernel by kernel as profile_gpu launches a decode
+    step, then as many replays of the M-row graph (when there is one) timed alone. Positions are each
+    chunk's first row; every row of a chunk is valid."""
+    cu = kc.driver()
+    rows = step.prefill_rows
+    prompt = (ids * (rows * (chunks + 1) // len(ids) + 1))[:rows * (chunks + 1)]
+    use_graph_m = step.use_graph_m
+    step.begin(prompt, 0.0, 1.0, 0)
+    gate = _open_gate(step)
+    events = [[kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)] for _ in launches]
+    launch_ms, positions = [], []
+    try:
+        for c in range(chunks):
+            positions.append(c * rows)  # every chunk full: the M-row step advances pos by rows
+            launch_ms.append(_timed_launches(step, step.prefill_launches, events, gate))
+        replay_ms = None
+        if step.graph_m_exec is not None:
+            step.begin(prompt, 0.0, 1.0, 0)
+            step.set_graph_m(True)
+            marks: list = []
+            step.run_prefill(1, marks)
+            step.run_prefill(chunks, marks)
+            replay_ms = step.mark_ms(marks)
+    finally:
+        if gate:
+            gate.close()
+        for pair in events:
+            for e in pair:
+                cu.cuEventDestroy(e)
+        step.set_graph_m(use_graph_m)
+    report = summarize(launches, launch_ms, positions, bandwidth, replay_ms, "gpu")
+    report["rows"] = rows
+    report["host_gaps_hidden"] = gate is not None
+    return report
+
+
 def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidth: dict | None,
                 position: int | None = None) -> dict:
     """``steps`` decode steps launched one by one, every launch between two events (behind gates), then
@@ -191,30 +264,13 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
     _prefill(step, ids)
     if position is not None:  # decode from there (the KV rows past the prompt are zeros: timing only)
         step.dyn["pos"] = position
-    gate = None
-    try:
-        gate = _Gate()
-        gate.hold(step.stream)
-        gate.release()
-        step.sync()
-    except DeviceError:  # no stream memory operations: the host's launch gaps are then not hidden
-        gate = None
+    gate = _open_gate(step)
     events = [[kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)] for _ in launches]
     launch_ms, positions = [], []
     try:
         for _ in range(steps):
             positions.append(int(step.dyn["pos"]))
-            for w in range(0, len(launches), WINDOW):
-                if gate:
-                    gate.hold(step.stream)
-                for (kernel, grid, args), (a, b) in zip(step.launches[w:w + WINDOW], events[w:w + WINDOW]):
-                    kc.check(cu.cuEventRecord(a, step.stream), "cuEventRecord")
-                    kc.launch(kernel, grid, args, step.stream)
-                    kc.check(cu.cuEventRecord(b, step.stream), "cuEventRecord")
-                if gate:
-                    gate.release()
-            step.sync()
-            launch_ms.append([kc.check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") for a, b in events])
+            launch_ms.append(_timed_launches(step, step.launches, events, gate))
         replay_ms = None
         if step.graph_exec is not None:
             step.set_graph(True)
@@ -247,7 +303,13 @@ def profile_plan(plan, ids: list[int], steps: int, device: str, log=print, posit
         bandwidth = bench.bandwidths(step)
         log(f"bandwidth: copy {bandwidth['copy_GBps']:.0f} GB/s, read-only "
             f"{bandwidth['read_GBps'] or float('nan'):.0f} GB/s ({(time.perf_counter() - t) * 1e3:.0f} ms)")
-        return profile_gpu(step, launches, ids, steps, bandwidth, position)
+        rows_report = None
+        if step.prefill_rows and step.prefill_rows * (steps + 1) + 2 <= step.max_seq:
+            rows_report = profile_rows(step, plan.launch_plan["prefill"]["launches"], ids, steps, bandwidth)
+        report = profile_gpu(step, launches, ids, steps, bandwidth, position)
+        if rows_report is not None:
+            report["prefill"] = rows_report
+        return report
     from kestrel.runtime.cpu import CpuStep
 
     return profile_cpu(CpuStep(plan), launches, ids, steps)

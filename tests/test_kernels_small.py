@@ -152,6 +152,7 @@ SAMPLE_CASES = [
     ("temperature", "randn", (1.0, 1.0, 0, 0.0), 512, 16, 512, 1, 16),
     ("top_k", "randn", (1.0, 1.0, 12, 0.0), 512, 16, 512, 2, 16),
     ("top_p", "sharp", (1.0, 0.9, 0, 0.0), 512, 16, 512, 2, 16),
+    ("top_p_wide", "randn", (1.0, 0.5, 0, 0.0), 512, 16, 512, 2, 12),
     ("min_p", "randn", (1.0, 1.0, 0, 0.1), 1024, 8, 512, 2, 16),
     ("top_k_top_p", "randn", (0.7, 0.8, 20, 0.0), 512, 16, 512, 2, 16),
     ("all_three", "randn", (0.7, 0.8, 20, 0.05), 512, 16, 512, 2, 16),
@@ -184,6 +185,48 @@ def test_sample_matches_reference_for_every_seed(kind, params, tile, cand, block
         assert drawn & set(ones[:20].tolist())
     if kind == "randn" and params[1] < 1e-3:
         assert sample_ref(logits, *params, 0, 0) == int(torch.argmax(logits))
+
+
+@triton.jit
+def _search_probe(key_ptr, wt_ptr, goal_ptr, scratch_ptr, out_ptr, N: tl.constexpr, CAND: tl.constexpr):
+    from kestrel.kernels.sample import _KEY_MAX, _key_logit, _search  # noqa: F401 (jit globals)
+    i = tl.arange(0, N)
+    key = tl.load(key_ptr + i)
+    wt = tl.load(wt_ptr + i)
+    lo = tl.min(tl.where(wt > 0.0, key, 2147483647), axis=0)
+    hi = tl.max(key, axis=0)
+    tl.store(out_ptr, _search(scratch_ptr, key, wt, tl.load(goal_ptr), lo, hi, _key_logit(hi), CAND))
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    b = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32)
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@pytest.mark.parametrize("kind", ["wide", "sharp", "ties", "flat"])
+def test_sample_mass_search_against_brute_force(kind):
+    """_search (top-p's threshold in the merge: float ladder, even-logit steps while the range is wide,
+    then the pairwise finish over at most CAND entries) returns the largest key v with
+    mass(key >= v) >= goal, for goals across the whole mass, entries of weight 0 included."""
+    from kestrel.kernels.sample import _search  # noqa: F401
+
+    g = torch.Generator().manual_seed(7)
+    n = 256
+    x = {"wide": 6 * torch.randn(n, generator=g), "sharp": torch.randn(n, generator=g) + 12 * (torch.rand(n, generator=g) < 0.03),
+         "ties": torch.randint(0, 4, (n,), generator=g).float(), "flat": torch.zeros(n)}[kind]
+    x[:5] = float("-inf")
+    wt = torch.exp(x - x.max())
+    wt[torch.rand(n, generator=g) < 0.2] = 0.0  # entries outside the kept set
+    key = _order_keys(x)
+    lo = int(key[wt > 0].min())
+    for frac in (1e-6, 0.05, 0.3, 0.5, 0.8, 0.9, 0.99, 1.0, 1.5):
+        goal = torch.tensor([frac * float(wt.sum())], dtype=torch.float32)
+        out = torch.zeros(1, dtype=torch.int32)
+        interpret(_search_probe)[(1,)](key, wt, goal, torch.zeros(SCRATCH_HEADER + 2 * 16), out, N=n, CAND=16)
+        want = max([lo] + [int(k) for k in key.unique() if k >= lo and float(wt[key >= k].sum()) >= float(goal)])
+        # (the kernel sums in another order than torch: a goal within rounding of a step may differ)
+        assert int(out) == want or abs(float(wt[key >= int(out)].sum()) - float(goal)) < 1e-5 * float(wt.sum()), \
+            (kind, frac, int(out), want)
 
 
 def _truncated(p: list[float], top_k: int, top_p: float, min_p: float, k_first: bool = True) -> list[float]:

@@ -193,6 +193,35 @@ def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
     assert rep["fraction_of_roofline_graph"] == pytest.approx(rep["roofline_ms"] / rep["graph_replay_ms"])
 
 
+def test_profile_times_the_m_row_step_too(tmp_path):
+    """A plan with an M-row step: --profile first launches its program kernel by kernel over 6 full chunks
+    of a prompt of 7 chunks (positions 0, 4, ... 20), then replays its graph 1 + 6 times, and reports it
+    under ``prefill`` beside the decode step's tables."""
+    path = str(tmp_path / "tiny-m4.plan")
+    r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--max-seq", "64", "--weights", "random",
+                "--prefill-rows", "4")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "profile.json"
+    report = run_stub(path, ["--profile", str(out)])
+    rep = json.loads(out.read_text())
+    lp = load_plan(path).launch_plan
+    names = [k["name"] for k in lp["kernels"]]
+    rows = [names[launch["kernel_index"]] for launch in lp["prefill"]["launches"]]
+    step = [names[launch["kernel_index"]] for launch in lp["launches"]]
+    launched = [name for name, *_ in report["launches"]]
+    start = next(i for i in range(len(launched)) if launched[i:i + len(rows)] == rows)
+    assert launched[start:start + 6 * len(rows)] == rows * 6  # the 6 profiled chunks, one by one
+    assert launched[-13 * len(step):] == step * 13  # then the decode step's profile as before
+    p = rep["prefill"]
+    assert p["rows"] == 4 and p["launches_per_step"] == len(rows) and p["decode_steps"] == 6
+    assert [int(x["index"]) for x in p["launches"]] == list(range(len(rows)))
+    assert p["mean_position"] == pytest.approx(10.0)  # chunks at 0, 4, ..., 20
+    assert p["sum_of_launches_ms"] == pytest.approx(0.01 * len(rows)) and "graph_replay_ms" in p
+    assert p["bytes_per_step"] > 0 and p["roofline_ms"] > 0
+    text = run_cli("kestrel-run", path, "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--profile", "--device", "cpu")
+    assert text.returncode == 0, text.stderr  # (the CPU path profiles the one-token step only)
+
+
 def test_bench_reports_both_bandwidths(plan, tmp_path):
     _, path = plan
     out = tmp_path / "bench.json"
