@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop 21 on the GPU, one call: the M-row step at the verify step's few rows (issue 12's "verify at
 # k + 1 rows against the M = 1 step"), the small-M GEMM sweep, and the sampling kernel (issue 13 part 5).
-#   [GEMM=1] [KERNELS=1] PLANS="..." bash bench/device_stop21.sh OUTDIR
+#   [GEMM=1] [KERNELS=1] [PROFILE=1] [BENCH=0] [Q4MMA=1] PLANS="..." bash bench/device_stop21.sh OUTDIR
 #   (kestrel importable; bench/plans and, for GEMM=1, bench/gemm-small carried)
 # Per plan of PLANS (bench/plans/NAME.plan, built with --prefill-rows 4): --bench with a 40-token prompt,
 # 32 new tokens and --prompt-lengths 256 (64 replays of the 4-row step), greedy.
@@ -16,11 +16,23 @@ if [ "${KERNELS:-0}" = 1 ]; then
   save "decode kernels"
 fi
 for n in ${PLANS:-}; do
-  kestrel-run "bench/plans/$n.plan" --prompt-ids "$ids" --max-new-tokens 32 --rounds 3 --prompt-lengths 256 \
-    --bench "$w/bench-$n.json" > "$w/bench-$n.txt" 2>&1
-  tail -3 "$w/bench-$n.txt"
+  if [ "${BENCH:-1}" = 1 ]; then
+    kestrel-run "bench/plans/$n.plan" --prompt-ids "$ids" --max-new-tokens 32 --rounds 3 --prompt-lengths 256 \
+      --bench "$w/bench-$n.json" > "$w/bench-$n.txt" 2>&1
+    tail -3 "$w/bench-$n.txt"
+  fi
+  if [ "${PROFILE:-0}" = 1 ]; then  # the decode step and (with --prefill-rows) the M-row step, kernel by kernel
+    kestrel-run "bench/plans/$n.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$w/profile-$n.json" \
+      > "$w/profile-$n.txt" 2>&1
+    tail -22 "$w/profile-$n.txt"
+  fi
   save "$n"
 done
+if [ "${Q4MMA:-0}" = 1 ]; then
+  (cd bench && python3 q4mma_probe.py time q4mma-cubins "$w/q4mma.json") > "$w/q4mma.txt" 2>&1
+  tail -32 "$w/q4mma.txt"
+  save "q4mma"
+fi
 if [ "${GEMM:-0}" = 1 ]; then
   (cd bench && python3 gemm_sweep.py time gemm-small "$w/gemm-small.json") > "$w/gemm-small.txt" 2>&1
   tail -12 "$w/gemm-small.txt"

@@ -42,9 +42,16 @@ def gemm_launch(m: int, n: int, k: int, group: int, target, swiglu: bool = False
     """Tiles of BLOCK_M x BLOCK_N outputs, BLOCK_K inputs a step, from ``target.rules["gemm"]`` (sm_90: the
     best of a sweep on the H200, bench/results/tuning/gemm-sweep-h200.json: bf16 128 x 256 x 64 with 8
     warps for many rows, 64-row tiles for few; q4 128 x 64 tiles, 128 x 128 x 128 for the widest N),
-    shrunk to the problem where it is smaller."""
+    shrunk to the problem where it is smaller. At a few rows (m <= skinny_rows [16], a verify step's
+    k + 1) the weight read, not the products, bounds the time: bf16 16 x 64 x 256 tiles with 2 warps,
+    within 1.11x of the best of 48 configurations at every 27B projection at 4 rows, where the
+    few-rows tiles were 1.2-2.2x off; q4 16 x 64 x 128 with 8 warps, within 1.20x (the wide-N tiles were
+    1.26x off at the MLP's 17408 rows; bench/results/tuning/gemm-skinny-sweep-h200.json). ``swiglu``
+    keeps the few-rows tiles (not swept)."""
     r = target.rules["gemm"]
-    if group:
+    if m <= r.skinny_rows and not swiglu:
+        bm, bn, bk, nw = r.q4_skinny if group else r.bf16_skinny
+    elif group:
         bm, bn, bk, nw = r.q4_wide if n >= r.wide_n else (r.q4_many if m >= r.many_rows else r.q4_few)
     else:
         bm, bn, bk, nw = r.bf16_many if m >= r.many_rows else (r.bf16_few_wide if n >= r.wide_n else r.bf16_few)

@@ -142,7 +142,8 @@ class SampleRule(Rule):
 @dataclass(frozen=True)
 class GemmRule(Rule):
     """The M-row GEMM (kernels/gemm.py): tiles for many rows (m >= many_rows) and for few, per weight
-    dtype; the wide-N tiles where N >= wide_n."""
+    dtype; the wide-N tiles where N >= wide_n; at m <= skinny_rows (a verify step's k + 1 rows) their
+    own tiles."""
     many_rows: int
     wide_n: int
     bf16_many: tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
@@ -151,6 +152,9 @@ class GemmRule(Rule):
     q4_many: tuple[int, int, int, int]
     q4_few: tuple[int, int, int, int]
     q4_wide: tuple[int, int, int, int]
+    skinny_rows: int = 16
+    bf16_skinny: tuple[int, int, int, int] = (16, 64, 256, 2)
+    q4_skinny: tuple[int, int, int, int] = (16, 64, 128, 8)
 
 
 _TUNING = "bench/results/tuning/"
@@ -203,7 +207,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
-                     q4_wide=(128, 128, 128, 8), provenance=(_TUNING + "gemm-sweep-h200.json",)),
+                     q4_wide=(128, 128, 128, 8), skinny_rows=16, bf16_skinny=(16, 64, 256, 2), q4_skinny=(16, 64, 128, 8),
+                     provenance=(_TUNING + "gemm-sweep-h200.json", _TUNING + "gemm-skinny-sweep-h200.json")),
 })
 FAMILIES = tuple(SM90_RULES)
 
