@@ -34,7 +34,7 @@ if [ "${Q4MMA:-0}" = 1 ]; then
   save "q4mma"
 fi
 if [ "${GEMM:-0}" = 1 ]; then
-  (cd bench && python3 gemm_sweep.py time gemm-small "$w/gemm-small.json") > "$w/gemm-small.txt" 2>&1
+  (cd bench && python3 gemm_sweep.py time "${GEMM_DIR:-gemm-small}" "$w/${GEMM_DIR:-gemm-small}.json") > "$w/gemm-small.txt" 2>&1
   tail -12 "$w/gemm-small.txt"
   save "gemm small"
 fi

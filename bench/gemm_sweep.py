@@ -20,17 +20,20 @@ ROWS = (128, 512)
 GROUPS = (0, 128)
 CONFIGS = [(bm, bn, bk, nw) for bm, bn, bk, nw in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8))
            if not (bm == 64 and bn == 64 and nw == 8)]
-if os.environ.get("GEMM_SET") == "small":
+SWIGLU = os.environ.get("GEMM_SET") == "small-swiglu"
+if os.environ.get("GEMM_SET", "").startswith("small"):
     CASES = [("27b in_proj_qkv+z+b+a", 16480, 5120), ("27b attn qkv", 14336, 5120), ("27b out_proj", 5120, 6144),
              ("27b mlp down", 5120, 17408), ("27b mlp gate", 17408, 5120)]
     ROWS = (4,)
     CONFIGS = [(16, bn, bk, nw) for bn, bk, nw in itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8))
                if nw * 32 <= bn * bk // 8]
+if SWIGLU:
+    CASES = [("27b mlp gate+up", 17408, 5120)]
 
 
 def compile_all(folder: str) -> None:
     from kestrel.compiler.codegen import compile_kernel
-    from kestrel.kernels.gemm import gemm_kernel
+    from kestrel.kernels.gemm import gemm_kernel, gemm_swiglu_kernel
 
     os.makedirs(folder, exist_ok=True)
     index = []
@@ -39,8 +42,10 @@ def compile_all(folder: str) -> None:
             consts = {"M": m, "N": n, "K": k, "GROUP": group, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                       "DOT_FP32": False}
             try:
-                ck = compile_kernel("gemm", gemm_kernel, ["*fp32", "*u8" if group else "*bf16", "*fp32"], consts,
-                                    nw, 90, [True] * 3)
+                wt = "*u8" if group else "*bf16"
+                ck = compile_kernel("gemm", gemm_swiglu_kernel if SWIGLU else gemm_kernel,
+                                    ["*fp32", wt, wt, "*fp32"] if SWIGLU else ["*fp32", wt, "*fp32"], consts, nw, 90,
+                                    [True] * (4 if SWIGLU else 3))
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
                 print(f"skip {name} M={m} {consts}: {type(e).__name__}", flush=True)
                 continue
@@ -60,7 +65,7 @@ def time_all(folder: str, out: str) -> None:
 
     from device_gemm import tensor_core_rate
     from graph_timing import launch_times_us
-    from kestrel.kernels.gemm import gemm_ref
+    from kestrel.kernels.gemm import gemm_ref, gemm_swiglu_ref
     from kestrel.kernels.matvec import q4_pack
     from kestrel.artifacts.errors import DeviceError
     from kestrel.runtime import cuda as kc
@@ -73,17 +78,21 @@ def time_all(folder: str, out: str) -> None:
         key = (m, n, k, group)
         if key not in operands:
             x = torch.randn(m, k, device="cuda", generator=g)
-            wf = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
-            w = q4_pack(wf, group) if group else wf.to(torch.bfloat16)
-            operands = {key: (x, w, gemm_ref(x, w, group))}  # one shape's operands at a time
-        x, w, ref = operands[key]
+            ws = []
+            for _ in range(2 if SWIGLU else 1):
+                wf = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+                ws.append(q4_pack(wf, group) if group else wf.to(torch.bfloat16))
+            ref = gemm_swiglu_ref(x, *ws, group) if SWIGLU else gemm_ref(x, ws[0], group)
+            operands = {key: (x, ws, ref)}  # one shape's operands at a time
+        x, ws, ref = operands[key]
+        w = ws[0]
         y = torch.full((m, n), float("nan"), device="cuda")
         try:
             kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"],
                                e["shared"])
         except DeviceError:  # more shared memory than a CTA may have: not a candidate
             continue
-        args = kc.PackedArgs(e["params"], [x.data_ptr(), w.data_ptr(), y.data_ptr()])
+        args = kc.PackedArgs(e["params"], [x.data_ptr()] + [v.data_ptr() for v in ws] + [y.data_ptr()])
         kc.launch(kernel, e["grid"], args, torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
@@ -92,7 +101,7 @@ def time_all(folder: str, out: str) -> None:
         rows.append({"shape": e["shape"], "M": m, "group": group, "BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"],
                      "BLOCK_K": c["BLOCK_K"], "num_warps": e["num_warps"], "shared": e["shared"], "us": us,
                      "max_rel_err": err, "fraction_of_tensor_core_rate": 2 * m * n * k / (us / 1e6) / rate,
-                     "weight_GBps": w.numel() * w.element_size() / us / 1e3})
+                     "weight_GBps": sum(v.numel() * v.element_size() for v in ws) / us / 1e3})
     best = {}
     for r in rows:
         key = (r["shape"], r["M"], r["group"])
