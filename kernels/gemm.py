@@ -47,15 +47,20 @@ def gemm_launch(m: int, n: int, k: int, group: int, target, swiglu: bool = False
     within 1.11x of the best of 48 configurations at every 27B projection at 4 rows, where the
     few-rows tiles were 1.2-2.2x off; q4 16 x 64 x 128 with 8 warps, within 1.20x (the wide-N tiles were
     1.26x off at the MLP's 17408 rows; bench/results/tuning/gemm-skinny-sweep-h200.json). ``swiglu``
-    keeps the few-rows tiles (not swept)."""
+    at a few rows: its own tiles, BLOCK_N not halved (the best of 48 on the 27B MLP's gate and up at 4
+    rows: bf16 16 x 128 x 128 with 2 warps, q4 16 x 64 x 128 with 4, where the halved few-rows tiles
+    were 1.23x and 1.42x slower; gemm-skinny-swiglu-sweep-h200.json)."""
     r = target.rules["gemm"]
-    if m <= r.skinny_rows and not swiglu:
-        bm, bn, bk, nw = r.q4_skinny if group else r.bf16_skinny
+    if m <= r.skinny_rows:
+        if swiglu:
+            bm, bn, bk, nw = r.q4_skinny_swiglu if group else r.bf16_skinny_swiglu
+        else:
+            bm, bn, bk, nw = r.q4_skinny if group else r.bf16_skinny
     elif group:
         bm, bn, bk, nw = r.q4_wide if n >= r.wide_n else (r.q4_many if m >= r.many_rows else r.q4_few)
     else:
         bm, bn, bk, nw = r.bf16_many if m >= r.many_rows else (r.bf16_few_wide if n >= r.wide_n else r.bf16_few)
-    if swiglu:  # two accumulators per tile
+    if swiglu and m > r.skinny_rows:  # two accumulators per tile
         bn = max(16, bn // 2)
     block_m = min(bm, max(16, triton.next_power_of_2(m)))
     block_n = min(bn, max(16, triton.next_power_of_2(n)))

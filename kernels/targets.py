@@ -155,6 +155,8 @@ class GemmRule(Rule):
     skinny_rows: int = 16
     bf16_skinny: tuple[int, int, int, int] = (16, 64, 256, 2)
     q4_skinny: tuple[int, int, int, int] = (16, 64, 128, 8)
+    bf16_skinny_swiglu: tuple[int, int, int, int] = (16, 128, 128, 2)  # gemm_swiglu: BLOCK_N as given
+    q4_skinny_swiglu: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
 _TUNING = "bench/results/tuning/"
@@ -208,7 +210,9 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
                      q4_wide=(128, 128, 128, 8), skinny_rows=16, bf16_skinny=(16, 64, 256, 2), q4_skinny=(16, 64, 128, 8),
-                     provenance=(_TUNING + "gemm-sweep-h200.json", _TUNING + "gemm-skinny-sweep-h200.json")),
+                     bf16_skinny_swiglu=(16, 128, 128, 2), q4_skinny_swiglu=(16, 64, 128, 4),
+                     provenance=(_TUNING + "gemm-sweep-h200.json", _TUNING + "gemm-skinny-sweep-h200.json",
+                                 _TUNING + "gemm-skinny-swiglu-sweep-h200.json")),
 })
 FAMILIES = tuple(SM90_RULES)
 

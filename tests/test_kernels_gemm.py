@@ -40,7 +40,8 @@ def test_gemm_swiglu_matches_reference(m, n, k, group):
     x, wg = _case(m, n, k, group, m + n + k)
     _, wu = _case(m, n, k, group, m + n + k + 1)
     c = gemm_launch(m, n, k, group, TARGETS["sm_90"], swiglu=True)
-    assert c["constexprs"]["BLOCK_N"] <= gemm_launch(m, n, k, group, TARGETS["sm_90"])["constexprs"]["BLOCK_N"]
+    if m > TARGETS["sm_90"].rules["gemm"].skinny_rows:  # two accumulators: half the N tile; a few rows: swept
+        assert c["constexprs"]["BLOCK_N"] <= gemm_launch(m, n, k, group, TARGETS["sm_90"])["constexprs"]["BLOCK_N"]
     c["constexprs"]["DOT_FP32"] = True
     y = torch.full((m, n), float("nan"))
     interpret(gemm_swiglu_kernel)[tuple(c["grid"])](x, wg, wu, y, **c["constexprs"])

@@ -199,7 +199,7 @@ def test_gemm_rule_picks_the_sweeps_best():
 def test_gemm_rule_at_a_few_rows_is_near_the_skinny_sweeps_best():
     """At 4 rows (a verify step) the bf16 rule's tiles are within 1.11x of the fastest of the 48
     configurations the H200 measured at every 27B projection, and q4's within 1.20x
-    (bench/results/tuning/gemm-skinny-sweep-h200.json)."""
+    (bench/results/tuning/gemm-skinny-sweep-h200.json); gemm_swiglu's are the fastest of its sweep."""
     import json
 
     sweep = json.load(open(ROOT / "bench/results/tuning/gemm-skinny-sweep-h200.json"))["rows"]
@@ -213,6 +213,14 @@ def test_gemm_rule_at_a_few_rows_is_near_the_skinny_sweeps_best():
         pick = [r for r in rows if (r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"]) ==
                 (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], launch["num_warps"])]
         assert pick and pick[0]["us"] <= (1.11 if group == 0 else 1.20) * min(r["us"] for r in rows), (name, group)
+    swiglu = json.load(open(ROOT / "bench/results/tuning/gemm-skinny-swiglu-sweep-h200.json"))["rows"]
+    for group in (0, 128):  # gemm_swiglu at the 27B MLP: the rule picks the fastest
+        rows = [r for r in swiglu if r["group"] == group and r["max_rel_err"] < 1e-2]
+        launch = gemm_launch(4, 17408, 5120, group, TARGETS["sm_90"], swiglu=True)
+        c = launch["constexprs"]
+        best = min(rows, key=lambda r: r["us"])
+        assert (best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"], best["num_warps"]) == (
+            c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], launch["num_warps"]), group
 
 
 @pytest.mark.parametrize("fn,args,family,field,value", READS, ids=lambda x: x.__name__ if callable(x) else None)
