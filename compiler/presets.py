@@ -1,4 +1,5 @@
-"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot.
+"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot, and
+``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``).
 
 ``tiny`` is written in the same Hugging Face format a downloaded checkpoint has (config.json,
 model.safetensors, tokenizer.json) and then compiled through the ordinary frontend, so the preset
@@ -18,7 +19,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from kestrel.compiler.frontend import expected_tensors, parse_config
+from kestrel.compiler.frontend import expected_tensors, mtp_expected_tensors, mtp_layers_in, parse_config
 
 TINY_SEED = 20261129
 EOS_TEXT = "<|endoftext|>"
@@ -51,6 +52,8 @@ PRESETS: dict[str, dict] = {
         "dtype": "float32",
     }
 }
+# ``tiny`` with a multi-token-prediction head (random, like the rest): what ``--speculative mtp`` drafts with
+PRESETS["tiny-mtp"] = dict(PRESETS["tiny"], mtp_num_hidden_layers=1)
 
 
 def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:
@@ -131,6 +134,8 @@ def synthesize(name: str, folder: str) -> str:
     shapes = {"model." + rel: shape for rel, shape in expected_tensors(cfg)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    if mtp_layers_in(raw):  # drawn after the text model's, which therefore do not depend on it
+        shapes.update(mtp_expected_tensors(cfg))
     os.makedirs(folder, exist_ok=True)
     save_file(random_weights(shapes, TINY_SEED), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:
