@@ -45,17 +45,33 @@ def cli():
 @click.option("--prefill-logits", type=click.Choice(["last", "all"]), default="last", show_default=True,
               help="The M-row step's logits: of the chunk's last valid row (what prefill samples from), or of every "
                    "row (for verifying drafted tokens; costs the lm_head over every row).")
+@click.option("--speculative", type=click.Choice(["mtp"]), default=None,
+              help="Also compile speculative decoding with the model's multi-token-prediction head (mtp): a prefill "
+                   "that drafts and one static program per iteration (drafts, verify, acceptance on the device). "
+                   "Greedy runs use it; the model must have an MTP head (exit 11 if not).")
+@click.option("--draft-tokens", type=int, default=None,
+              help="--speculative: drafts an iteration, 1 to 4 (default 3).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
 def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows,
-          prefill_logits, quiet):
+          prefill_logits, speculative, draft_tokens, quiet):
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
+        if speculative is not None:
+            exit_on_error(_refuse)("--speculative is for the kernels backend (the TensorRT engine is the one-token "
+                                   "step)")
         exit_on_error(driver.build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
                                       log=log, dump_ir_after=dump_ir_after, dump=click.echo, weights=weights)
         return
     exit_on_error(driver.build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
-                            seed=seed, prefill_rows=prefill_rows, prefill_logits=prefill_logits)
+                            seed=seed, prefill_rows=prefill_rows, prefill_logits=prefill_logits,
+                            speculative=speculative, draft_tokens=draft_tokens)
+
+
+def _refuse(message: str):
+    from kestrel.artifacts.errors import UnsupportedError
+
+    raise UnsupportedError(message)
 
 
 @cli.command("export-onnx")
