@@ -7,7 +7,7 @@ from collections import Counter
 
 import click
 
-from kestrel.artifacts.errors import exit_on_error, run_command
+from kestrel.artifacts.errors import UnsupportedError, exit_on_error, run_command
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler import build as driver
 from kestrel.compiler.ir_text import parse_program
@@ -69,8 +69,6 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
 
 
 def _refuse(message: str):
-    from kestrel.artifacts.errors import UnsupportedError
-
     raise UnsupportedError(message)
 
 
