@@ -1,0 +1,172 @@
+"""Speculative decoding with the model's MTP head (kestrelc build --speculative mtp) on the CPU path:
+greedy speculative output equals plain greedy output token for token —
+
+  * on a transformers-made checkpoint given an MTP head (the oracle: transformers' own greedy tokens),
+    whose compiled drafts also equal an independent torch MTP forward (kernels/mtp.py) fed with
+    transformers' final-normed hidden states;
+  * on the random-weight tiny-mtp preset (checkpoint and --weights random), where drafts are nearly
+    always rejected, so the rollback runs at almost every iteration: the recurrent states, conv windows,
+    KV rows and token sequence after the speculative run are bit-identical to a plain run's at the
+    same position;
+  * on a small model whose MTP head is trained here (on a repetitive sequence), so that drafts are
+    mostly accepted: its acceptance rate is reported and must be high;
+
+and the build's errors: no MTP head (exit 11), bad --draft-tokens.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import run_cli
+from hf_checkpoints import BASE, add_mtp_head, hf_greedy, make_text_checkpoint
+from kestrel.artifacts.errors import InputError, NoDraftHeadError
+from kestrel.artifacts.plan import load_plan
+from kestrel.compiler.build import build
+from kestrel.kernels.mtp import mtp_forward_ref
+from kestrel.runtime.cpu import CpuStep
+from kestrel.runtime.generate import SamplingParams, generate
+
+PROMPT = [5, 17, 42, 99, 3, 150, 7]
+
+
+def _steps(plan_path):
+    """(speculative CpuStep, the same plan's plain CpuStep: speculation off)."""
+    plan = load_plan(plan_path)
+    spec, plain = CpuStep(plan), CpuStep(plan)
+    plan.close()
+    plain.spec_k = 0
+    return spec, plain
+
+
+def _build(model, path, k, **kw):
+    build(model, str(path), log=lambda m: None, progress=False, speculative="mtp", draft_tokens=k, **kw)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    d = tmp_path_factory.mktemp("oracle")
+    ckpt = str(d / "ckpt")
+    model = make_text_checkpoint(ckpt, "base")
+    head = add_mtp_head(ckpt, seed=3)
+    return model, ckpt, head, d
+
+
+@pytest.mark.parametrize("k", [3, 1])
+def test_oracle_checkpoint_speculative_equals_transformers_greedy(oracle, k):
+    model, ckpt, _, d = oracle
+    hf_tokens, _ = hf_greedy(model, PROMPT, 24)
+    spec, plain = _steps(_build(ckpt, d / f"k{k}.plan", k, max_seq=64, prefill_rows=4))  # two prefill chunks
+    g = generate(spec, PROMPT, 24, SamplingParams())
+    assert g.tokens == hf_tokens == generate(plain, PROMPT, 24, SamplingParams()).tokens
+    assert g.draft_tokens == k and g.spec_iterations >= 24 // (k + 1)
+    print(f"K={k}: {g.spec_iterations} iterations, {g.accepted_per_step:.2f} drafts accepted per iteration")
+
+
+def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
+    """After the speculative prefill, tokens[n + 1 .. n + K] are the head's drafts: compare them with
+    ``mtp_forward_ref`` run over the prompt's rows (transformers' final-normed hidden states h_t and
+    the tokens x_{t+1}, at positions t), then chained on its own hidden state and drafts."""
+    model, ckpt, head, d = oracle
+    k, n = 3, len(PROMPT)
+    spec, _ = _steps(_build(ckpt, d / "drafts.plan", k, max_seq=64))
+    spec.begin(PROMPT, 0.0, 1.0, 0)
+    spec.run_spec_prefill(1)
+    seq = [int(t) for t in spec.states["tokens"][:n + 1 + k]]
+    with torch.no_grad():
+        out = model.model(torch.tensor([PROMPT])).last_hidden_state[0]  # after the final norm
+        assert torch.allclose(model.lm_head(out)[-1], model(torch.tensor([PROMPT])).logits[0, -1], atol=1e-5)
+        assert seq[n] == int(model.lm_head(out)[-1].argmax())
+        embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+        w = {name[len("mtp."):]: t for name, t in head.items()}
+        dims = dict(heads=BASE["num_attention_heads"], kv_heads=BASE["num_key_value_heads"],
+                    head_dim=BASE["head_dim"], rotary_dim=int(BASE["head_dim"] * 0.25), theta=10000.0, eps=1e-6)
+        nxt = torch.tensor(PROMPT[1:] + [seq[n]])
+        m, past = mtp_forward_ref(w, embed[nxt], out, torch.arange(n), **dims)
+        drafts, h, pos = [], m[-1:], n - 1
+        for _ in range(k):
+            drafts.append(int((h[0] @ lm_head.T).argmax()))
+            pos += 1
+            h, past = mtp_forward_ref(w, embed[torch.tensor(drafts[-1:])], h, torch.tensor([pos]), past=past, **dims)
+    assert seq[n + 1:] == drafts
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_mtp")
+    return _build("tiny-mtp", d / "k3.plan", 3, max_seq=96, prefill_rows=8), d
+
+
+def _states(step, names):
+    return {n: step.states[n].clone() for n in names}
+
+
+@pytest.mark.parametrize("weights", ["checkpoint", "random"])
+def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, weights):
+    """Random drafts are rejected: every iteration rolls its Gated DeltaNet layers back. After the
+    speculative run, every state equals a plain run's at the same position, bit for bit."""
+    path, d = tiny_mtp
+    if weights == "random":
+        path = _build("tiny-mtp", d / "random.plan", 2, max_seq=96, prefill_rows=8, weights="random", seed=7)
+    spec, plain = _steps(path)
+    prompt = list(b"Speculate, then roll back.")
+    g = generate(spec, prompt, 40, SamplingParams())
+    p = generate(plain, prompt, 40, SamplingParams())
+    assert g.tokens == p.tokens and len(set(g.tokens)) > 5
+    assert g.spec_iterations >= 20 and g.accepted_per_step < 0.5  # mostly rejected: rollback nearly every time
+    # states at the speculative run's final position against a plain run that ends there
+    pos = int(spec.dyn["pos"])
+    plain.reset()
+    generate(plain, prompt, pos - len(prompt) + 1, SamplingParams())
+    assert int(plain.dyn["pos"]) == pos and int(plain.dyn["token"]) == int(spec.dyn["token"])
+    for name, s in plain.states.items():
+        if name.endswith(("_snap",)) or name.startswith(("mtp.", "scratch.")):
+            continue  # the speculative programs' own (snapshots, the head's KV caches)
+        got = spec.states[name]
+        if name.endswith(("k_cache", "v_cache")):
+            s, got = s[:pos], got[:pos]  # rows past pos are written again before they are read
+        elif name == "tokens":
+            s, got = s[:pos + 1], got[:pos + 1]
+        assert torch.equal(got, s), name
+
+
+def test_speculative_prefill_near_max_seq_and_plain_fallback(tiny_mtp):
+    """Close to max_seq no iteration fits (an iteration at p writes up to p + 2K + 1): the run finishes
+    with plain steps, still equal to plain decoding, and never writes outside the sequence."""
+    path, _ = tiny_mtp
+    spec, plain = _steps(path)
+    prompt = list(range(30, 30 + 80))  # 80 + 16 = max_seq 96
+    g = generate(spec, prompt, 16, SamplingParams())
+    assert g.tokens == generate(plain, prompt, 16, SamplingParams()).tokens
+    assert 0 < g.spec_iterations < 16
+
+
+def test_kestrel_run_json_reports_acceptance(tiny_mtp):
+    path, _ = tiny_mtp
+    r = run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["draft_tokens"] == 3 and 0 <= out["accepted_per_step"] <= 3 and out["speculative_iterations"] > 0
+    sampled = json.loads(run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "4", "--json",
+                                 "--temperature", "0.7").stdout)
+    assert sampled["draft_tokens"] == 0 and sampled["accepted_per_step"] is None  # sampling: plain decoding
+
+
+def test_build_errors(tmp_path):
+    with pytest.raises(NoDraftHeadError, match="no mtp.* tensors"):
+        build("tiny", str(tmp_path / "a.plan"), log=lambda m: None, progress=False, speculative="mtp")
+    with pytest.raises(NoDraftHeadError, match="names none"):
+        build("tiny", str(tmp_path / "a.plan"), log=lambda m: None, progress=False, speculative="mtp",
+              weights="random")
+    with pytest.raises(InputError, match="--draft-tokens 5"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), speculative="mtp", draft_tokens=5)
+    with pytest.raises(InputError, match="--draft-tokens goes with"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), draft_tokens=2)
+    with pytest.raises(InputError, match="--prefill-rows"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), speculative="mtp", prefill_rows=0)
+    r = run_cli("kestrelc", "build", "tiny", "--speculative", "mtp", "-o", str(tmp_path / "b.plan"))
+    assert r.returncode == 11 and r.stderr.count("\n") <= 2 and r.stderr.splitlines()[-1].startswith("error:")
+    assert "preset tiny" in r.stderr and "build without --speculative" in r.stderr
+    assert not os.path.exists(tmp_path / "a.plan") and not os.path.exists(tmp_path / "b.plan")
