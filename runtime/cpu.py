@@ -83,6 +83,7 @@ class CpuStep:
         self.dyn: dict[str, int | float] = {name: 0 for p in progs for name in p.dyn}
         self.outputs: dict[str, torch.Tensor] = {}
         self.op_ms: list | None = None  # when a list: each launch's (non-view op's) host time, in ms
+        self.accepted_log: list[int] = []  # drafts accepted by each speculative iteration run
 
     def reset(self) -> None:
         for s in self.states.values():
@@ -138,6 +139,7 @@ class CpuStep:
         ``marks`` receives a timestamp after each iteration."""
         for _ in range(n):
             self._run(self.spec_program)
+            self.accepted_log.append(int(self.dyn["accepted"]))
             if marks is not None:
                 marks.append(time.perf_counter())
 

@@ -170,3 +170,86 @@ def test_build_errors(tmp_path):
     assert r.returncode == 11 and r.stderr.count("\n") <= 2 and r.stderr.splitlines()[-1].startswith("error:")
     assert "preset tiny" in r.stderr and "build without --speculative" in r.stderr
     assert not os.path.exists(tmp_path / "a.plan") and not os.path.exists(tmp_path / "b.plan")
+
+
+# --- a model whose MTP head is trained here, so that drafts are mostly accepted ----------------------
+
+TRAIN = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None,
+             pad_token_id=None, bos_token_id=None)
+PERIOD = [int(t) for t in torch.randperm(48, generator=torch.Generator().manual_seed(5))[:23]]
+
+
+def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, seed: int = 0):
+    """A Qwen3.5 model (transformers) trained on a repeating 23-token sequence, then its MTP head
+    trained (the model frozen) with ``mtp_forward_ref`` to predict x_{t+2} from x_{t+1} and the model's
+    final-normed h_t; saved as a checkpoint with the head. Returns the head's final training loss."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from kestrel.compiler.frontend import mtp_expected_tensors, parse_config
+    from kestrel.compiler.presets import random_weights
+
+    torch.manual_seed(seed)
+    data = torch.tensor(PERIOD * 12)
+    gen = torch.Generator().manual_seed(seed)
+    batch = lambda: torch.stack([data[i:i + 49] for i in torch.randint(0, len(data) - 49, (8,), generator=gen)])  # noqa: E731
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TRAIN))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        b = batch()
+        model(input_ids=b, labels=b).loss.backward()  # (transformers shifts the labels itself)
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    cfg = parse_config(dict(TRAIN, model_type="qwen3_5_text"), "train")
+    head = {k: torch.nn.Parameter(torch.from_numpy(v))
+            for k, v in random_weights(dict(mtp_expected_tensors(cfg)), seed + 1).items()}
+    w = {k[len("mtp."):]: v for k, v in head.items()}
+    dims = dict(heads=4, kv_heads=2, head_dim=16, rotary_dim=4, theta=10000.0, eps=1e-6)
+    opt = torch.optim.AdamW(head.values(), lr=3e-3)
+    embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    for _ in range(mtp_steps):
+        b = batch()
+        loss = 0.0
+        for row in b:
+            with torch.no_grad():
+                h = model.model(row[None, :-2]).last_hidden_state[0]  # h_t, t = 0 .. 46
+            m, _ = mtp_forward_ref(w, embed[row[1:-1]], h, torch.arange(len(row) - 2), **dims)
+            loss = loss + torch.nn.functional.cross_entropy(m @ lm_head.T, row[2:])
+        (loss / len(b)).backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(folder)
+    add_mtp_head(folder, tensors={k: v.detach() for k, v in head.items()})
+    return float(loss.detach()) / len(b)
+
+
+def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_path):
+    """The trained head's drafts are (nearly) all accepted; the same head with noise added to its
+    matrices (1.5 standard deviations) is accepted 0, 1, 2 and 3 times across iterations, so the
+    rollback returns to every verified row; the output equals plain decoding's in both."""
+    from safetensors.torch import load_file
+
+    ckpt = str(tmp_path / "ckpt")
+    mtp_loss = _train_model_with_mtp(ckpt)
+    prompt = PERIOD[3:] + PERIOD[:5]  # 25 tokens: the sequence from its 4th token on
+    spec, plain = _steps(_build(ckpt, tmp_path / "k3.plan", 3, max_seq=128, prefill_rows=16))
+    g = generate(spec, prompt, 60, SamplingParams())
+    want = generate(plain, prompt, 60, SamplingParams()).tokens
+    assert g.tokens == want and want[:23] == (PERIOD[5:] + PERIOD)[:23]  # the model learnt the sequence
+    rate = g.accepted_per_step / g.draft_tokens
+    print(f"trained MTP head (training loss {mtp_loss:.3f}): {g.accepted_per_step:.2f} of {g.draft_tokens} drafts "
+          f"accepted per iteration ({rate:.0%}) over {g.spec_iterations} iterations for {len(g.tokens)} tokens")
+    assert g.accepted_per_step >= 2.0 and g.spec_iterations <= 60 // 3
+    gen = torch.Generator().manual_seed(1)
+    head = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.startswith("mtp.")}
+    add_mtp_head(ckpt, tensors={k: v + 1.5 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
+                                for k, v in head.items()})
+    spec, _ = _steps(_build(ckpt, tmp_path / "noisy.plan", 3, max_seq=128, prefill_rows=16))
+    g = generate(spec, prompt, 60, SamplingParams())
+    counts = {a: spec.accepted_log.count(a) for a in range(4)}
+    print(f"noisy MTP head: {g.accepted_per_step:.2f} of 3 drafts accepted per iteration; iterations by drafts "
+          f"accepted: {counts}")
+    assert g.tokens == want and all(counts.values())
