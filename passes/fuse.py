@@ -243,7 +243,7 @@ def _concat_siblings(p: Program) -> int:
         cat = p.weights.get(name)
         if cat is None:
             cat = p.add_weight(name, ws[0].type.dtype, (rows, ws[0].type.shape[1]), source)
-        elif cat.source != source or cat.type.shape != (rows, ws[0].type.shape[1]) or cat.type.dtype != ws[0].type.dtype:
+        elif cat.source != source or cat.type != type(ws[0].type)(ws[0].type.dtype, (rows, ws[0].type.shape[1])):
             continue  # (the same weights read by another input, e.g. the MTP head's rows and its one-row drafts,
             # share one concatenation)
         lead = ops[0].ins[0].type.shape[:-1]  # () for one row, (M,) for M rows

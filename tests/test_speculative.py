@@ -194,7 +194,10 @@ def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, se
     torch.manual_seed(seed)
     data = torch.tensor(PERIOD * 12)
     gen = torch.Generator().manual_seed(seed)
-    batch = lambda: torch.stack([data[i:i + 49] for i in torch.randint(0, len(data) - 49, (8,), generator=gen)])  # noqa: E731
+
+    def batch():
+        return torch.stack([data[i:i + 49] for i in torch.randint(0, len(data) - 49, (8,), generator=gen)])
+
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TRAIN))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
