@@ -247,9 +247,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         spec_prefill = run_passes(spec_prefill, PassOptions(target, quant, q4_group, shares_arena_with=rows_program))
         spec = lower_speculative(cfg, m.max_seq, draft_tokens)
         verify(spec)
-        on_pass("lower", spec)
-        spec = run_passes(spec, PassOptions(target, quant, q4_group, shares_arena_with=spec_prefill),
-                          on_pass=on_pass)
+        spec = run_passes(spec, PassOptions(target, quant, q4_group, shares_arena_with=spec_prefill))
         _share_arena(program, rows_program, spec_prefill, spec)
     for name, prog in (("M=1 step", program), (f"M={prefill_rows} step", rows_program),
                        ("speculative prefill", spec_prefill), (f"speculative iteration, K={draft_tokens}", spec)):

@@ -101,7 +101,7 @@ def plan_summary(plan) -> dict:
     prog = parse_program(plan.program_text)
     return {
         "path": plan.path, "bytes": os.path.getsize(plan.path), "content_sha256": plan.content_sha256,
-        "prefill_rows": plan.prefill_rows,
+        "prefill_rows": plan.prefill_rows, "speculative": plan.speculative,
         "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
@@ -161,6 +161,9 @@ def inspect(plan_path, as_json, verify):
                          if s["weights"]["kind"] == "random" else "from the checkpoint"),
         "prefill   " + (f"M-row step of {s['prefill_rows']} rows (prompts prefilled {s['prefill_rows']} tokens a run)"
                          if s["prefill_rows"] else "none (prompts go through the one-token step)"),
+        "speculate " + (f"{s['speculative']['method']}: {s['speculative']['draft_tokens']} drafts an iteration "
+                        f"(greedy requests; a speculative prefill and one iteration program)"
+                        if s["speculative"] else "no"),
         f"program   {p['ops']} ops, {p['weights']} weights ({_size(p['weight_bytes'])}), "
         f"{p['states']} states ({_size(p['state_bytes'])}), dyn slots {', '.join(p['dyn_slots'])}",
         "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),
