@@ -12,6 +12,10 @@ framework would) and the host advances pos and feeds the next token in; hoist_dy
 into the device dyn buffer and adds the step_end op, which feeds the next token from the ``tokens``
 state: the request's sequence (prompt ids written once by the host, then the sampled tokens, which
 the host copies back every few steps) of ``n_prompt`` prompt tokens.
+
+``lower_speculative`` builds a speculative plan's two further programs (``--speculative mtp``): the
+speculative prefill and one speculative iteration (K drafts of the model's MTP head, the verify of
+K + 1 rows, acceptance and rollback on the device).
 """
 from __future__ import annotations
 
