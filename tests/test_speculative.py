@@ -31,6 +31,16 @@ from kestrel.runtime.generate import SamplingParams, generate
 PROMPT = [5, 17, 42, 99, 3, 150, 7]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Torch on one thread here: these tiny models run and train as fast, deterministically, and without
+    the stalls two OpenMP threads suffer on a 2-core machine that something else keeps busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _steps(plan_path):
     """(speculative CpuStep, the same plan's plain CpuStep: speculation off)."""
     plan = load_plan(plan_path)
@@ -145,12 +155,13 @@ def test_speculative_prefill_near_max_seq_and_plain_fallback(tiny_mtp):
 
 def test_kestrel_run_json_reports_acceptance(tiny_mtp):
     path, _ = tiny_mtp
-    r = run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "12", "--json")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    r = run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "12", "--json", env=env)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["draft_tokens"] == 3 and 0 <= out["accepted_per_step"] <= 3 and out["speculative_iterations"] > 0
     sampled = json.loads(run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "4", "--json",
-                                 "--temperature", "0.7").stdout)
+                                 "--temperature", "0.7", env=env).stdout)
     assert sampled["draft_tokens"] == 0 and sampled["accepted_per_step"] is None  # sampling: plain decoding
 
 
@@ -213,26 +224,25 @@ def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, se
     dims = dict(heads=4, kv_heads=2, head_dim=16, rotary_dim=4, theta=10000.0, eps=1e-6)
     opt = torch.optim.AdamW(head.values(), lr=3e-3)
     embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
-    for _ in range(mtp_steps):
-        b = batch()
-        loss = 0.0
-        for row in b:
-            with torch.no_grad():
-                h = model.model(row[None, :-2]).last_hidden_state[0]  # h_t, t = 0 .. 46
-            m, _ = mtp_forward_ref(w, embed[row[1:-1]], h, torch.arange(len(row) - 2), **dims)
-            loss = loss + torch.nn.functional.cross_entropy(m @ lm_head.T, row[2:])
-        (loss / len(b)).backward()
+    seq = data[:120]
+    with torch.no_grad():  # the model is frozen: its final-normed h_t over the sequence, once
+        h = model.model(seq[None]).last_hidden_state[0]
+    for _ in range(mtp_steps):  # the head over the whole sequence, as vLLM's proposer runs it after a prefill
+        m, _ = mtp_forward_ref(w, embed[seq[1:-1]], h[:-2], torch.arange(len(seq) - 2), **dims)
+        loss = torch.nn.functional.cross_entropy(m @ lm_head.T, seq[2:])
+        loss.backward()
         opt.step()
         opt.zero_grad()
     model.save_pretrained(folder)
     add_mtp_head(folder, tensors={k: v.detach() for k, v in head.items()})
-    return float(loss.detach()) / len(b)
+    return float(loss.detach())
 
 
 def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_path):
     """The trained head's drafts are (nearly) all accepted; the same head with noise added to its
-    matrices (1.5 standard deviations) is accepted 0, 1, 2 and 3 times across iterations, so the
-    rollback returns to every verified row; the output equals plain decoding's in both."""
+    matrices (the first of 1.5, 1.25, 1.75, 2 standard deviations that does it) is accepted 0, 1, 2 and
+    3 times across iterations, so the rollback returns to every verified row; the output equals plain
+    decoding's throughout."""
     from safetensors.torch import load_file
 
     ckpt = str(tmp_path / "ckpt")
@@ -246,13 +256,17 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
     print(f"trained MTP head (training loss {mtp_loss:.3f}): {g.accepted_per_step:.2f} of {g.draft_tokens} drafts "
           f"accepted per iteration ({rate:.0%}) over {g.spec_iterations} iterations for {len(g.tokens)} tokens")
     assert g.accepted_per_step >= 2.0 and g.spec_iterations <= 60 // 3
-    gen = torch.Generator().manual_seed(1)
     head = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.startswith("mtp.")}
-    add_mtp_head(ckpt, tensors={k: v + 1.5 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
-                                for k, v in head.items()})
-    spec, _ = _steps(_build(ckpt, tmp_path / "noisy.plan", 3, max_seq=128, prefill_rows=16))
-    g = generate(spec, prompt, 60, SamplingParams())
-    counts = {a: spec.accepted_log.count(a) for a in range(4)}
-    print(f"noisy MTP head: {g.accepted_per_step:.2f} of 3 drafts accepted per iteration; iterations by drafts "
-          f"accepted: {counts}")
-    assert g.tokens == want and all(counts.values())
+    for sigma in (1.5, 1.25, 1.75, 2.0):
+        gen = torch.Generator().manual_seed(1)
+        add_mtp_head(ckpt, tensors={k: v + sigma * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2
+                                    else v for k, v in head.items()})
+        spec, _ = _steps(_build(ckpt, tmp_path / f"noisy{sigma}.plan", 3, max_seq=128, prefill_rows=16))
+        g = generate(spec, prompt, 60, SamplingParams())
+        assert g.tokens == want
+        counts = {a: spec.accepted_log.count(a) for a in range(4)}
+        print(f"noisy MTP head ({sigma} sd): {g.accepted_per_step:.2f} of 3 drafts accepted per iteration; "
+              f"iterations by drafts accepted: {counts}")
+        if all(counts.values()):
+            break
+    assert all(counts.values())
