@@ -270,3 +270,109 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
         if all(counts.values()):
             break
     assert all(counts.values())
+
+
+# --- the token loop's speculative read-back, on a scripted step (what the GPU runtime will drive) ----------
+
+def _truth(i: int) -> int:
+    return (3 * i + 1) % 97
+
+
+class ScriptedSpecStep:
+    """The step protocol of runtime/generate.py with asynchronous semantics: iterations accept drafts as
+    ``script`` says (writing the true tokens, then garbage drafts after them), read-backs are snapshots
+    taken when enqueued (stream order) and handed over only at ``wait()``; ``events`` records the order."""
+
+    synchronous = False
+    mode = "scripted"
+
+    def __init__(self, max_seq: int, k: int, script, prefill_rows: int = 4):
+        self.max_seq, self.spec_k, self.prefill_rows = max_seq, k, prefill_rows
+        self.script, self.events, self.inflight, self.most_inflight = iter(script), [], 0, 0
+        self.tokens, self.pos, self.dyn = [-9] * max_seq, 0, {}
+
+    def begin(self, prompt, temperature, top_p, seed, start=0, top_k=0, min_p=0.0):
+        self.tokens[:len(prompt)] = prompt
+        self.n = len(prompt)
+
+    def run_spec_prefill(self, n, marks=None):
+        self.pos, self.tokens[self.n] = self.n, _truth(self.n)
+        self.events.append("prefill")
+
+    def run_spec(self, n, marks=None):
+        k = self.spec_k
+        for _ in range(n):
+            assert self.pos + 2 * k + 1 <= self.max_seq - 1, "an iteration that does not fit"
+            a = next(self.script)
+            for i in range(1, a + 2):
+                self.tokens[self.pos + i] = _truth(self.pos + i)
+            for i in range(a + 2, a + 2 + k):  # the next drafts: not tokens yet
+                self.tokens[self.pos + i] = -1
+            self.pos += a + 1
+        self.events.append(f"iterations {n}")
+
+    def run(self, n, marks=None):
+        for _ in range(n):
+            self.pos += 1
+            self.tokens[self.pos] = _truth(self.pos)
+        self.events.append(f"steps {n}")
+
+    def _handle(self, value):
+        self.inflight += 1
+        self.most_inflight = max(self.most_inflight, self.inflight)
+        self.events.append("read")
+        step = self
+
+        class Handle:
+            def wait(self):
+                step.inflight -= 1
+                step.events.append("wait")
+                return value
+        return Handle()
+
+    def read_spec(self, lo, hi):
+        assert 0 <= lo < hi <= self.max_seq
+        return self._handle((self.tokens[lo:hi], self.pos))
+
+    def read_tokens(self, lo, hi):
+        return self._handle(self.tokens[lo:hi])
+
+    @staticmethod
+    def mark_ms(marks):
+        return []
+
+
+@pytest.mark.parametrize("script,max_new,max_seq", [
+    ([3] * 40, 30, 200),          # every draft accepted: 4 tokens an iteration
+    ([0] * 40, 12, 200),          # none: 1 token an iteration
+    ([2, 0, 3, 1, 0, 0, 3, 2, 1, 3] * 4, 33, 200),
+    ([3] * 40, 45, 50),           # max_seq: iterations stop at 50 - 2K - 2, plain steps finish
+])
+def test_speculative_read_back_two_batches_in_flight(script, max_new, max_seq):
+    from kestrel.runtime.generate import READBACK_EVERY
+
+    k, prompt = 3, [1, 2, 3, 4, 5]
+    step = ScriptedSpecStep(max_seq, k, script)
+    g = generate(step, prompt, max_new, SamplingParams())
+    assert g.tokens == [_truth(i) for i in range(len(prompt), len(prompt) + max_new)]
+    assert step.most_inflight <= 2 and step.inflight <= 2
+    assert step.events[:2] == ["prefill", "read"]
+    first_wait = step.events.index("wait")
+    assert step.events[2] == f"iterations {min(READBACK_EVERY // 2, max_new - 1)}" and first_wait > 3  # the
+    # first batch is enqueued before the prefill's read-back is waited for
+    ran = sum(int(e.split()[1]) for e in step.events if e.startswith("iterations"))
+    assert g.spec_iterations <= ran and g.draft_tokens == k
+    assert g.spec_accepted == sum(script[:g.spec_iterations])
+    for e in step.events:  # never more iterations than tokens still possibly missing
+        assert not e.startswith("iterations") or int(e.split()[1]) <= READBACK_EVERY // 2
+    plain = [e for e in step.events if e.startswith("steps")]
+    assert bool(plain) == (max_seq < 100)  # plain steps only where iterations no longer fit
+
+
+def test_speculative_read_back_stops_at_eos():
+    prompt = [1, 2, 3, 4, 5]
+    step = ScriptedSpecStep(200, 3, [2, 3, 1, 0, 3] * 10)
+    eos = _truth(len(prompt) + 9)
+    g = generate(step, prompt, 40, SamplingParams(), eos_ids={eos})
+    assert g.stopped_by == "eos" and g.tokens == [_truth(i) for i in range(len(prompt), len(prompt) + 10)]
+    assert step.inflight <= 2 and not any(e.startswith("steps") for e in step.events)
