@@ -165,6 +165,22 @@ def test_kestrel_run_json_reports_acceptance(tiny_mtp):
     assert sampled["draft_tokens"] == 0 and sampled["accepted_per_step"] is None  # sampling: plain decoding
 
 
+def test_multimodal_layout_with_a_head(tmp_path):
+    """The multimodal wrapper's layout (model.language_model.*, the head at mtp.*): speculative output
+    equals transformers' greedy tokens; a head missing a tensor is refused naming it (exit 4's error)."""
+    from kestrel.artifacts.errors import CheckpointError
+    from hf_checkpoints import make_multimodal_checkpoint
+
+    ckpt = str(tmp_path / "mm")
+    model = make_multimodal_checkpoint(ckpt)  # carries a lone mtp.fc.weight: an incomplete head
+    with pytest.raises(CheckpointError, match="missing tensor 'mtp.pre_fc_norm_embedding.weight'"):
+        build(ckpt, str(tmp_path / "x.plan"), log=lambda m: None, progress=False, speculative="mtp")
+    add_mtp_head(ckpt, seed=5)
+    spec, _ = _steps(_build(ckpt, tmp_path / "mm.plan", 2, max_seq=64))
+    hf_tokens, _ = hf_greedy(model, PROMPT, 12)
+    assert generate(spec, PROMPT, 12, SamplingParams()).tokens == hf_tokens
+
+
 def test_build_errors(tmp_path):
     with pytest.raises(NoDraftHeadError, match="no mtp.* tensors"):
         build("tiny", str(tmp_path / "a.plan"), log=lambda m: None, progress=False, speculative="mtp")
