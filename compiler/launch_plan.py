@@ -89,7 +89,8 @@ def _launch_bytes(op, counted: dict) -> dict:
     embedding table that is also the lm_head (tied) is charged in full at the lm_head (the row the
     gather read is then part of that). States are read and written (twice their size), the token
     sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); ``scratch.*`` states
-    (a kernel's partials within one launch, L2-resident) none."""
+    (a kernel's partials within one launch, L2-resident) none; the speculative verify's snapshots once
+    (written; the rollback's copy of one of them back is not counted)."""
     fixed, rows = 0, []
     for i, x in enumerate(op.ins):
         if not isinstance(x, (Weight, State)) or x.name.startswith(SCRATCH_PREFIX):  # scratch: a kernel's own
@@ -99,10 +100,12 @@ def _launch_bytes(op, counted: dict) -> dict:
                 counted[id(x)] = 0
                 rows.append(x.type.nbytes // x.type.shape[0])
             continue
-        if op.kind in ("embedding", "embedding_rows") and i == 0:
+        if op.kind in ("embedding", "embedding_rows", "embedding_next_rows") and i == 0:
             want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
         elif isinstance(x, State) and x.name == TOKENS_STATE:
             want = 8
+        elif isinstance(x, State) and x.name.endswith("_snap"):  # the verify's snapshots: written once
+            want = x.type.nbytes
         elif isinstance(x, State):
             want = 2 * x.type.nbytes
         else:
