@@ -229,23 +229,25 @@ def _speculate(step, gen: Generation, n: int, end: int, k: int, eos_ids, on_toke
     gen.draft_tokens = k
     limit = step.max_seq - 2 * k - 2  # an iteration at pos p writes rows up to p + 2k + 1
     lo = hi = n  # bounds of pos once everything enqueued has run
-    inflight = [(step.read_spec(n, n + 1), 0, n)]  # (read-back, iterations, lower bound of pos before them)
+    inflight = [(step.read_spec(n, n + 1), 0, n)]  # (read-back, iterations before it, its first token index)
     got, t_first, pos = n, None, n  # tokens[n:got] are in gen.tokens; pos: exact, as of the last read-back
     while inflight:
         if len(inflight) < 2 and lo < end - 1 and hi <= limit:
             b = min(batch, end - 1 - lo, (limit - hi) // (k + 1) + 1)
             step.run_spec(b, marks)
-            inflight.append((step.read_spec(lo + 1, min(hi + b * (k + 1) + 1, step.max_seq)), b, lo))
+            # tokens the batch may write: after the lowest position it can start from, up to the highest it can
+            # reach (every token up to the exact start has been read by the time this read-back is)
+            inflight.append((step.read_spec(lo + 1, min(hi + b * (k + 1) + 1, step.max_seq)), b, lo + 1))
             lo, hi = lo + b, hi + b * (k + 1)
             continue
-        handle, b, start = inflight.pop(0)
+        handle, b, first_index = inflight.pop(0)
         toks, new_pos = handle.wait()
         if t_first is None:
             t_first = time.perf_counter()
         if b:
             gen.spec_iterations += b
             gen.spec_accepted += new_pos - pos - b  # each iteration gives its accepted drafts + 1
-        fresh = toks[got - (start + 1 if b else n):new_pos + 1 - (start + 1 if b else n)]
+        fresh = toks[got - first_index:new_pos + 1 - first_index]  # tokens[got .. new_pos]
         pos, got = new_pos, new_pos + 1
         rest = sum(r[1] for r in inflight)  # the bounds again, from the exact position
         lo, hi = pos + rest, pos + rest * (k + 1)
