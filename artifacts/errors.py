@@ -73,6 +73,13 @@ class BackendMissingError(KestrelError):
     exit_code = 9
 
 
+class NoDraftHeadError(KestrelError):
+    """Speculative decoding asked of a model that has no draft head (``--speculative mtp`` on a
+    checkpoint without multi-token-prediction tensors)."""
+
+    exit_code = 11
+
+
 def import_optional(module: str, missing: str):
     """An optional backend's module (onnx, tensorrt), or BackendMissingError with ``missing``
     (``{error}`` in it is replaced by the ImportError)."""

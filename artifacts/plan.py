@@ -5,6 +5,9 @@ A plan is a single file (see README, "Artifact layout"), a safetensors container
   * ``__kestrel__/program``: the step program in its text form (UTF-8 bytes);
   * ``__kestrel__/program_prefill``: the M-row step (``prefill_rows`` rows a replay) in its text form,
     sharing the step program's weights, states and dyn slots, when the manifest's prefill_rows > 0;
+  * ``__kestrel__/program_spec_prefill`` and ``__kestrel__/program_spec``: the speculative prefill and
+    iteration (``kestrelc build --speculative mtp``; the manifest's ``speculative`` says the method and
+    the drafts an iteration), sharing the arena of the programs above;
   * ``__kestrel__/tokenizer``: a tokenizers ``tokenizer.json`` (UTF-8 bytes), when the model has one;
   * ``__kestrel__/launch_plan``: the launch plan (JSON; compiler/launch_plan.py says every key), the
     GPU runtime's only input: arena regions, dyn slot table, weight placements (or the launches that
@@ -41,6 +44,9 @@ PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
 LAUNCH_PLAN_PART = "__kestrel__/launch_plan"
 PREFILL_PROGRAM_PART = "__kestrel__/program_prefill"  # the M-row step (manifest prefill_rows > 0)
+# the speculative prefill and iteration (manifest "speculative": {"method": "mtp", "draft_tokens": K})
+SPEC_PREFILL_PROGRAM_PART = "__kestrel__/program_spec_prefill"
+SPEC_PROGRAM_PART = "__kestrel__/program_spec"
 ENGINE_PART = "__kestrel__/tensorrt_engine"
 STATE_OUT_SUFFIX = ".out"  # an engine's state <name> is fed back from its output <name>.out
 TENSORRT_MISSING = "TensorRT is not installed here (`import tensorrt`: {error})"
@@ -158,6 +164,14 @@ class Plan:
         if self.prefill_rows and self.prefill_program_text is None:
             raise ArtifactError(f"{path}: the manifest promises an M-row step but the plan holds none; the file is "
                                 f"corrupted")
+        self.speculative = m.get("speculative")  # {"method": "mtp", "draft_tokens": K} or None
+        self.spec_programs = None  # (prefill text, iteration text)
+        if self.speculative is not None:
+            if SPEC_PREFILL_PROGRAM_PART not in parts or SPEC_PROGRAM_PART not in parts:
+                raise ArtifactError(f"{path}: the manifest promises speculative programs but the plan holds none; "
+                                    f"the file is corrupted")
+            self.spec_programs = (bytes(self.read(SPEC_PREFILL_PROGRAM_PART)).decode(),
+                                  bytes(self.read(SPEC_PROGRAM_PART)).decode())
 
     def cubin(self, part: str) -> bytes:
         return bytes(self.read(part))

@@ -19,17 +19,19 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, UnsupportedError
+from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, NoDraftHeadError, UnsupportedError
 from kestrel.artifacts.output import not_an_input, output_file
-from kestrel.artifacts.plan import ENGINE_PART, PREFILL_PROGRAM_PART, PlanInfo, write_plan
+from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREFILL_PROGRAM_PART, SPEC_PROGRAM_PART,
+                                    PlanInfo, write_plan)
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
-from kestrel.compiler.frontend import Checkpoint, open_checkpoint, parse_config, read_chat_template, read_config
+from kestrel.compiler.frontend import (Checkpoint, mtp_layers_in, open_checkpoint, parse_config, read_chat_template,
+                                      read_config)
 from kestrel.compiler.ir import Program
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import launch_plan
 from kestrel.compiler.ops import verify
 from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES, byte_level_tokenizer_json, synthesize
-from kestrel.compiler.qwen3_5 import lower
+from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.compiler.weights import storage, weight_bytes
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
 from kestrel.passes.hoist_dynamic import check_dyn_invariance
@@ -42,6 +44,8 @@ DEFAULT_PREFILL_ROWS = 64  # the CPU reference path
 DEFAULT_PREFILL_ROWS_GPU = 256  # H200, bench/results/stop17: 0.8B 25.2k tokens/s at 256 rows, 23.1k at 128, 15.4k
 # at 64; 27B q4 1.70k at 256, 1.39k at 128 (2048-token prompts)
 ONNX_PASSES = PASS_NAMES[:PASS_NAMES.index("quantize") + 1]  # the ONNX step is made before hoist_dynamic
+SPECULATIVE_METHODS = ("mtp",)
+DEFAULT_DRAFT_TOKENS = 3
 
 
 def default_quant(target: str) -> str:
@@ -108,25 +112,36 @@ def resolve_max_seq(cfg, max_seq: int | None) -> int:
 
 @contextlib.contextmanager
 def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoint",
-               no_weights: str = "add --weights random (for benchmarking), or give a checkpoint folder"):
+               no_weights: str = "add --weights random (for benchmarking), or give a checkpoint folder",
+               mtp: bool = False):
     """A checkpoint folder or a preset as a ``Model`` (presets with weights are synthesized into a
     temporary folder). ``weights="random"``: only the config is read. ``no_weights`` finishes the
-    error for a shapes-only preset when weights are needed."""
+    error for a shapes-only preset when weights are needed. ``mtp``: the model's MTP head is read
+    too (NoDraftHeadError if it has none; with random weights: if its config names none)."""
     with contextlib.ExitStack() as stack:
         if weights == "random":
             if model in PRESETS or model in QWEN35_SHAPES:
-                ck = ShapesOnly(parse_config((PRESETS | QWEN35_SHAPES)[model], f"preset {model}"))
+                raw = (PRESETS | QWEN35_SHAPES)[model]
+                ck = ShapesOnly(parse_config(raw, f"preset {model}"))
                 source = {"kind": "preset", "name": model}
             else:
-                ck = ShapesOnly(read_config(model)[1], os.path.join(model, "config.json"))
+                raw, cfg = read_config(model)
+                ck = ShapesOnly(cfg, os.path.join(model, "config.json"))
                 source = {"kind": "checkpoint-config", "path": os.path.abspath(model)}
+            if mtp and not mtp_layers_in(raw):
+                raise NoDraftHeadError(f"{model}: --speculative mtp needs the model's multi-token-prediction head "
+                                       f"and its config names none (mtp_num_hidden_layers): build without "
+                                       f"--speculative")
         elif model in QWEN35_SHAPES:
             raise InputError(f"preset {model} has shapes but no weights: {no_weights}")
         elif model in PRESETS:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-"))
-            ck, source = open_checkpoint(synthesize(model, tmp)), {"kind": "preset", "name": model}
+            try:
+                ck, source = open_checkpoint(synthesize(model, tmp), mtp), {"kind": "preset", "name": model}
+            except NoDraftHeadError as e:
+                raise NoDraftHeadError(e.message.replace(tmp, f"preset {model}")) from None
         else:
-            ck, source = open_checkpoint(model), {"kind": "checkpoint", "path": os.path.abspath(model)}
+            ck, source = open_checkpoint(model, mtp), {"kind": "checkpoint", "path": os.path.abspath(model)}
         stack.callback(ck.close)
         tokenizer_json = None
         tok_path = os.path.join(ck.folder, "tokenizer.json") if ck.folder else None
@@ -166,9 +181,21 @@ def default_prefill_rows(target: str, max_seq: int) -> int:
 def build(model: str, out: str, target: str = "cpu", quant: str | None = None, max_seq: int | None = None,
           log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
           dump=print, weights: str = "checkpoint", seed: int = 0, prefill_rows: int | None = None,
-          prefill_logits: str = "last") -> BuildResult:
+          prefill_logits: str = "last", speculative: str | None = None,
+          draft_tokens: int | None = None) -> BuildResult:
     quant = quant or default_quant(target)
     check_options(target, quant, dump_ir_after)
+    if speculative is not None and speculative not in SPECULATIVE_METHODS:
+        raise InputError(f"--speculative {speculative}: choose {', '.join(SPECULATIVE_METHODS)}")
+    if draft_tokens is not None and speculative is None:
+        raise InputError("--draft-tokens goes with --speculative mtp")
+    if speculative is not None:
+        draft_tokens = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
+        if not 1 <= draft_tokens <= 4:
+            raise InputError(f"--draft-tokens {draft_tokens}: 1 to 4 drafts an iteration")
+        if prefill_rows == 0:
+            raise InputError("--speculative mtp drafts from the M-row prefill: give --prefill-rows N > 0 (or leave "
+                             "the default)")
     if prefill_rows is not None and prefill_rows < 0:
         raise InputError(f"--prefill-rows {prefill_rows}: must be 0 (no M-row step) or more")
     if prefill_logits not in ("last", "all"):
@@ -178,15 +205,20 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
     if not 0 <= seed < 2 ** 31:
         raise InputError(f"--seed {seed}: must be in [0, 2^31)")
     real = output_file(out)
-    with open_model(model, max_seq, weights) as m:
+    with open_model(model, max_seq, weights, mtp=speculative is not None) as m:
         not_an_input(real, m.ck.files())
         prefill_rows = default_prefill_rows(target, m.max_seq) if prefill_rows is None else prefill_rows
+        if speculative is not None and m.max_seq < 2 * draft_tokens + 3:
+            raise InputError(f"--max-seq {m.max_seq}: a speculative iteration of {draft_tokens} drafts needs at least "
+                             f"{2 * draft_tokens + 3} rows")
         return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
-                      seed if weights == "random" else None, prefill_rows, prefill_logits)
+                      seed if weights == "random" else None, prefill_rows, prefill_logits,
+                      draft_tokens if speculative is not None else 0)
 
 
 def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
-           random_seed: int | None, prefill_rows: int = 0, prefill_logits: str = "last") -> BuildResult:
+           random_seed: int | None, prefill_rows: int = 0, prefill_logits: str = "last",
+           draft_tokens: int = 0) -> BuildResult:
     """Compile the opened model ``m`` into the plan at ``real`` (``out`` as the user wrote it, for the log)."""
     cfg = m.cfg
     n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
@@ -208,12 +240,24 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         verify(rows_program)
         rows_program = run_passes(rows_program, PassOptions(target, quant, q4_group, shares_arena_with=program))
         _share_arena(program, rows_program)
-    for name, prog in (("M=1 step", program), (f"M={prefill_rows} step", rows_program)):
+    spec_prefill = spec = None
+    if draft_tokens:  # the speculative prefill and iteration, each planned in the arena of the one before
+        spec_prefill = lower_speculative(cfg, m.max_seq, draft_tokens, prefill_rows=prefill_rows)
+        verify(spec_prefill)
+        spec_prefill = run_passes(spec_prefill, PassOptions(target, quant, q4_group, shares_arena_with=rows_program))
+        spec = lower_speculative(cfg, m.max_seq, draft_tokens)
+        verify(spec)
+        spec = run_passes(spec, PassOptions(target, quant, q4_group, shares_arena_with=spec_prefill))
+        _share_arena(program, rows_program, spec_prefill, spec)
+    for name, prog in (("M=1 step", program), (f"M={prefill_rows} step", rows_program),
+                       ("speculative prefill", spec_prefill), (f"speculative iteration, K={draft_tokens}", spec)):
         if prog is not None:
             n_launches = check_dyn_invariance(prog)
             log(f"dyn check ({name}): the launch list is identical at two token states ({n_launches} launches, no "
                 f"per-token kernel argument)")
     log(memory_report(program, rows_program))
+    if spec is not None:
+        log(speculative_memory_report(spec, spec_prefill))
     kernels, kernel_of_launch, cubins, fill, probes = None, None, {}, None, None
     weights_info = {"kind": "checkpoint"}
     if random_seed is not None:
@@ -221,22 +265,31 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         log(f"note: --weights random: the plan records seed {random_seed}; the runtime fills the weights "
             f"(benchmarking only, never the default)")
     rows_of_launch = None
+    spec_of_launch = (None, None)
     if target != "cpu":
-        kernels, of_launch, cubins = codegen.compile_kernels([program] + ([rows_program] if rows_program else []),
-                                                             target, log)
+        progs = [program] + ([rows_program] if rows_program else []) + ([spec_prefill, spec] if spec else [])
+        kernels, of_launch, cubins = codegen.compile_kernels(progs, target, log)
         kernel_of_launch, rows_of_launch = of_launch[0], (of_launch[1] if rows_program else None)
+        if spec is not None:
+            spec_of_launch = (of_launch[2], of_launch[3])
         if random_seed is not None:
             fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
         probes = codegen.probe_kernels(kernels, cubins, target)
-    info = _plan_info(m, target, quant, weights=weights_info, extra={"prefill_rows": prefill_rows,
-                                                                         "prefill_logits": prefill_logits})
+    extra = {"prefill_rows": prefill_rows, "prefill_logits": prefill_logits}
+    if spec is not None:
+        extra["speculative"] = {"method": "mtp", "draft_tokens": draft_tokens}
+    info = _plan_info(m, target, quant, weights=weights_info, extra=extra)
     extra_parts = dict(cubins)
     if rows_program is not None:
         extra_parts[PREFILL_PROGRAM_PART] = print_program(rows_program).encode()
-    weights = [] if random_seed is not None else [(w.name, *storage(w)) for w in program.weights.values()]
+    if spec is not None:
+        extra_parts[SPEC_PREFILL_PROGRAM_PART] = print_program(spec_prefill).encode()
+        extra_parts[SPEC_PROGRAM_PART] = print_program(spec).encode()
+    all_weights = plan_weights(program, spec_prefill, spec)
+    weights = [] if random_seed is not None else [(w.name, *storage(w)) for w in all_weights.values()]
 
     def produce(name: str):
-        return weight_bytes(program.weights[name], m.ck.read)
+        return weight_bytes(all_weights[name], m.ck.read)
 
     # tqdm hides itself when stderr is not a terminal (disable=None)
     bar = tqdm(total=program.weight_bytes(), unit="B", unit_scale=True, desc="weights",
@@ -244,26 +297,67 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     try:
         write_plan(real, info, print_program(program), weights, produce, m.tokenizer_json,
                    launch_plan=launch_plan(program, kernels, kernel_of_launch, fill,
-                                           (rows_program, rows_of_launch) if rows_program else None, probes),
+                                           (rows_program, rows_of_launch) if rows_program else None, probes,
+                                           speculative=(spec_prefill, spec_of_launch[0], spec, spec_of_launch[1],
+                                                        draft_tokens) if spec else None),
                    extra_parts=extra_parts, progress=lambda name, n: bar.update(n))
     finally:
         bar.close()
-    result = BuildResult(out, os.path.getsize(real), program.weight_bytes(), program.state_bytes(),
+    state_bytes = sum(st.type.nbytes for st in plan_states(program, spec_prefill, spec).values())
+    result = BuildResult(out, os.path.getsize(real), sum(w.type.nbytes for w in all_weights.values()), state_bytes,
                          len(program.ops), m.ck.notices)
     log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
         f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {m.max_seq})")
     return result
 
 
-def _share_arena(program: Program, rows_program: Program) -> None:
+def _share_arena(program: Program, rows_program: Program, *speculative: Program) -> None:
     """The M-row step shares the M=1 step's arena: the same weights (checked: same names, types, recipes
-    and placements), states and dyn slots, and one act region the size of the larger of the two."""
+    and placements), states and dyn slots, and one act region the size of the largest. The speculative
+    programs (``speculative``) hold the step's weights (checked the same way) and the MTP head's besides."""
     same = [(n, w.type, w.source, w.loc) for n, w in program.weights.items()]
     if same != [(n, w.type, w.source, w.loc) for n, w in rows_program.weights.items()]:
         raise UnsupportedError("the M-row step's weights differ from the one-token step's (an internal error): "
                                "build with --prefill-rows 0")
-    arena = {r: max(program.arena[r], rows_program.arena[r]) for r in program.arena}
-    program.arena, rows_program.arena = dict(arena), dict(arena)
+    for spec in speculative:
+        theirs = {n: (w.type, w.source, w.loc) for n, w in spec.weights.items()}
+        if any(theirs.get(n) != (w.type, w.source, w.loc) for n, w in program.weights.items()):
+            raise UnsupportedError("the speculative programs' weights differ from the one-token step's (an internal "
+                                   "error): build without --speculative")
+    progs = (program, rows_program) + speculative
+    arena = {r: max(p.arena[r] for p in progs) for r in program.arena}
+    for p in progs:
+        p.arena = dict(arena)
+
+
+def plan_weights(program: Program, *more: Program | None) -> dict:
+    """Every weight a plan stores, by name: the step's, then those only the speculative programs read
+    (the MTP head's), in placement order."""
+    out = dict(program.weights)
+    extra = {n: w for p in more if p is not None for n, w in p.weights.items() if n not in out}
+    out.update(sorted(extra.items(), key=lambda nw: nw[1].loc[1]))
+    return out
+
+
+def plan_states(program: Program, *more: Program | None) -> dict:
+    """Every state of a plan's programs, by name (the step's first)."""
+    out = dict(program.states)
+    for p in more:
+        if p is not None:
+            for n, st in p.states.items():
+                out.setdefault(n, st)
+    return out
+
+
+def speculative_memory_report(spec: Program, spec_prefill: Program) -> str:
+    """What the speculative programs add to the arena: the MTP head's weights and KV caches, and the
+    verify's rollback snapshots (per Gated DeltaNet layer, the states after each verified row but the last)."""
+    states = plan_states(spec_prefill, spec)
+    snaps = sum(st.type.nbytes for n, st in states.items() if n.endswith(("_snap",)))
+    head_kv = sum(st.type.nbytes for n, st in states.items() if n.startswith("mtp."))
+    head_w = sum(w.type.nbytes for n, w in spec.weights.items() if n.startswith("mtp."))
+    return (f"memory: speculative decoding adds the MTP head's weights {head_w / 1e6:.2f} MB + its KV caches "
+            f"{head_kv / 1e6:.2f} MB + the rollback snapshots {snaps / 1e6:.2f} MB")
 
 
 # --- kestrelc export-onnx ----------------------------------------------------------------------------

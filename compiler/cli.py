@@ -7,7 +7,7 @@ from collections import Counter
 
 import click
 
-from kestrel.artifacts.errors import exit_on_error, run_command
+from kestrel.artifacts.errors import UnsupportedError, exit_on_error, run_command
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler import build as driver
 from kestrel.compiler.ir_text import parse_program
@@ -45,17 +45,31 @@ def cli():
 @click.option("--prefill-logits", type=click.Choice(["last", "all"]), default="last", show_default=True,
               help="The M-row step's logits: of the chunk's last valid row (what prefill samples from), or of every "
                    "row (for verifying drafted tokens; costs the lm_head over every row).")
+@click.option("--speculative", type=click.Choice(["mtp"]), default=None,
+              help="Also compile speculative decoding with the model's multi-token-prediction head (mtp): a prefill "
+                   "that drafts and one static program per iteration (drafts, verify, acceptance on the device). "
+                   "Greedy runs use it; the model must have an MTP head (exit 11 if not).")
+@click.option("--draft-tokens", type=int, default=None,
+              help="--speculative: drafts an iteration, 1 to 4 (default 3).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
 def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows,
-          prefill_logits, quiet):
+          prefill_logits, speculative, draft_tokens, quiet):
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
+        if speculative is not None:
+            exit_on_error(_refuse)("--speculative is for the kernels backend (the TensorRT engine is the one-token "
+                                   "step)")
         exit_on_error(driver.build_tensorrt)(model, out, target, quant=quant, q4_group=int(q4_group), max_seq=max_seq,
                                       log=log, dump_ir_after=dump_ir_after, dump=click.echo, weights=weights)
         return
     exit_on_error(driver.build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
-                            seed=seed, prefill_rows=prefill_rows, prefill_logits=prefill_logits)
+                            seed=seed, prefill_rows=prefill_rows, prefill_logits=prefill_logits,
+                            speculative=speculative, draft_tokens=draft_tokens)
+
+
+def _refuse(message: str):
+    raise UnsupportedError(message)
 
 
 @cli.command("export-onnx")
@@ -87,7 +101,7 @@ def plan_summary(plan) -> dict:
     prog = parse_program(plan.program_text)
     return {
         "path": plan.path, "bytes": os.path.getsize(plan.path), "content_sha256": plan.content_sha256,
-        "prefill_rows": plan.prefill_rows,
+        "prefill_rows": plan.prefill_rows, "speculative": plan.speculative,
         "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
@@ -147,6 +161,9 @@ def inspect(plan_path, as_json, verify):
                          if s["weights"]["kind"] == "random" else "from the checkpoint"),
         "prefill   " + (f"M-row step of {s['prefill_rows']} rows (prompts prefilled {s['prefill_rows']} tokens a run)"
                          if s["prefill_rows"] else "none (prompts go through the one-token step)"),
+        "speculate " + (f"{s['speculative']['method']}: {s['speculative']['draft_tokens']} drafts an iteration "
+                        f"(greedy requests; a speculative prefill and one iteration program)"
+                        if s["speculative"] else "no"),
         f"program   {p['ops']} ops, {p['weights']} weights ({_size(p['weight_bytes'])}), "
         f"{p['states']} states ({_size(p['state_bytes'])}), dyn slots {', '.join(p['dyn_slots'])}",
         "ops       " + ", ".join(f"{k} x{v}" for k, v in sorted(p["op_counts"].items())),

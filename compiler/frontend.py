@@ -3,7 +3,10 @@
 Accepted: ``config.json`` with model_type ``qwen3_5_text`` (text model; weights under ``model.*``)
 or ``qwen3_5`` (the multimodal wrapper: text settings under ``text_config``, weights under
 ``model.language_model.*``; vision tower and MTP head are skipped with a one-line notice), and the
-weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. With
+``mtp=True`` (``kestrelc build --speculative mtp``) the multi-token-prediction head (``mtp.*``: the
+drafter of speculative decoding, ``mtp_expected_tensors``) is read and validated like the text model;
+a checkpoint without one is refused with NoDraftHeadError.
 
 Everything is checked before any work starts (``open_checkpoint``): the config's keys and their
 consistency, then every expected tensor's presence, shape and dtype, and that no unknown tensor is
@@ -20,12 +23,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kestrel.artifacts.errors import CheckpointError, ConfigError, UnsupportedError
+from kestrel.artifacts.errors import CheckpointError, ConfigError, NoDraftHeadError, UnsupportedError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 CHECKPOINT_DTYPES = ("F32", "BF16", "F16")
 # Parts of a multimodal checkpoint the text step does not use.
-SKIPPED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token-prediction head"}
+MTP_PREFIX = "mtp."
+SKIPPED_PREFIXES = {"model.visual.": "vision tower", MTP_PREFIX: "multi-token-prediction head"}
 
 
 @dataclass(frozen=True)
@@ -251,10 +255,41 @@ def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def mtp_layers_in(raw: dict) -> int | None:
+    """``mtp_num_hidden_layers`` of a config.json (the text config of the multimodal wrapper), or None
+    when it does not say."""
+    text = raw.get("text_config") if raw.get("model_type") == "qwen3_5" else raw
+    v = text.get("mtp_num_hidden_layers") if isinstance(text, dict) else None
+    if v is None:
+        v = raw.get("mtp_num_hidden_layers")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def mtp_expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(checkpoint name, shape) of every tensor of the MTP head, as Qwen3.5 and Qwen3-Next releases
+    name them (vLLM's qwen3_5_mtp.py / qwen3_next_mtp.py load the same names): the two pre-fc norms,
+    ``fc`` joining [embedding | hidden] (``[H, 2H]``, embedding first), one full-attention decoder
+    layer with the model's MLP, and the final norm. Embedding table and lm_head are the model's."""
+    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    p = MTP_PREFIX + "layers.0."
+    a, m = p + "self_attn.", p + "mlp."
+    return [(MTP_PREFIX + "pre_fc_norm_embedding.weight", (h,)), (MTP_PREFIX + "pre_fc_norm_hidden.weight", (h,)),
+            (MTP_PREFIX + "fc.weight", (h, 2 * h)),
+            (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+            (a + "q_proj.weight", (nh * hd * 2, h)), (a + "k_proj.weight", (nkv * hd, h)),
+            (a + "v_proj.weight", (nkv * hd, h)), (a + "o_proj.weight", (h, nh * hd)),
+            (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,)),
+            (m + "gate_proj.weight", (cfg.intermediate_size, h)), (m + "up_proj.weight", (cfg.intermediate_size, h)),
+            (m + "down_proj.weight", (h, cfg.intermediate_size)),
+            (MTP_PREFIX + "norm.weight", (h,))]
+
+
 class Checkpoint:
     """A validated checkpoint: ``tensors`` maps plan-relative names to (file, hf name, dtype, shape)."""
 
-    def __init__(self, folder: str, cfg: ModelConfig):
+    def __init__(self, folder: str, cfg: ModelConfig, mtp: bool = False, mtp_layers: int | None = None):
+        """``mtp``: the MTP head is read too (its tensors under their checkpoint names, ``mtp.*``);
+        ``mtp_layers``: the config's ``mtp_num_hidden_layers`` (None: not given)."""
         self.folder, self.cfg = folder, cfg
         self.prefix = "model.language_model." if cfg.model_type == "qwen3_5" else "model."
         self.notices: list[str] = []
@@ -262,12 +297,27 @@ class Checkpoint:
         index = self._index()
         skipped: dict[str, int] = {}
         expected = dict(expected_tensors(cfg))
+        self.mtp = mtp
+        if mtp:
+            has_head = any(name.startswith(MTP_PREFIX) for name in index)
+            if not has_head or mtp_layers == 0:
+                raise NoDraftHeadError(f"{folder}: --speculative mtp needs the model's multi-token-prediction head "
+                                       f"and this checkpoint has none (no mtp.* tensors"
+                                       f"{'; mtp_num_hidden_layers is 0' if mtp_layers == 0 else ''}): build "
+                                       f"without --speculative")
+            if mtp_layers not in (None, 1):
+                raise UnsupportedError(f"{folder}: mtp_num_hidden_layers {mtp_layers}: Kestrel drafts with one MTP "
+                                       f"layer (every released Qwen3.5 has one)")
+            expected.update(mtp_expected_tensors(cfg))
         self.tensors: dict[str, tuple[str, str, str, tuple]] = {}
         for hf_name, (fname, dtype, shape) in index.items():
             rel = hf_name[len(self.prefix):] if hf_name.startswith(self.prefix) else None
             if hf_name == "lm_head.weight":
                 rel = "lm_head.weight"
-            skip = next((what for p, what in SKIPPED_PREFIXES.items() if hf_name.startswith(p)), None)
+            if mtp and hf_name.startswith(MTP_PREFIX):
+                rel = hf_name
+            skip = next((what for p, what in SKIPPED_PREFIXES.items() if hf_name.startswith(p)
+                         and not (mtp and p == MTP_PREFIX)), None)
             if skip:
                 skipped[skip] = skipped.get(skip, 0) + 1
                 continue
@@ -280,7 +330,7 @@ class Checkpoint:
         if not cfg.tie_word_embeddings:
             expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
         for rel, shape in expected.items():
-            hf_name = rel if rel == "lm_head.weight" else self.prefix + rel
+            hf_name = rel if rel == "lm_head.weight" or rel.startswith(MTP_PREFIX) else self.prefix + rel
             if rel not in self.tensors:
                 raise CheckpointError(f"{folder}: missing tensor {hf_name!r} (expected shape {list(shape)})")
             _, _, dtype, got = self.tensors[rel]
@@ -361,5 +411,6 @@ class Checkpoint:
         self._handles.clear()
 
 
-def open_checkpoint(folder: str) -> Checkpoint:
-    return Checkpoint(folder, read_config(folder)[1])
+def open_checkpoint(folder: str, mtp: bool = False) -> Checkpoint:
+    raw, cfg = read_config(folder)
+    return Checkpoint(folder, cfg, mtp, mtp_layers_in(raw))

@@ -89,7 +89,8 @@ def _launch_bytes(op, counted: dict) -> dict:
     embedding table that is also the lm_head (tied) is charged in full at the lm_head (the row the
     gather read is then part of that). States are read and written (twice their size), the token
     sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); ``scratch.*`` states
-    (a kernel's partials within one launch, L2-resident) none."""
+    (a kernel's partials within one launch, L2-resident) none; the speculative verify's snapshots once
+    (written; the rollback's copy of one of them back is not counted)."""
     fixed, rows = 0, []
     for i, x in enumerate(op.ins):
         if not isinstance(x, (Weight, State)) or x.name.startswith(SCRATCH_PREFIX):  # scratch: a kernel's own
@@ -99,10 +100,12 @@ def _launch_bytes(op, counted: dict) -> dict:
                 counted[id(x)] = 0
                 rows.append(x.type.nbytes // x.type.shape[0])
             continue
-        if op.kind in ("embedding", "embedding_rows") and i == 0:
+        if op.kind in ("embedding", "embedding_rows", "embedding_next_rows") and i == 0:
             want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
         elif isinstance(x, State) and x.name == TOKENS_STATE:
             want = 8
+        elif isinstance(x, State) and x.name.endswith("_snap"):  # the verify's snapshots: written once
+            want = x.type.nbytes
         elif isinstance(x, State):
             want = 2 * x.type.nbytes
         else:
@@ -135,7 +138,7 @@ def _placement(v) -> dict:
 
 def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_launch: list[int] | None = None,
                 fill: list[dict] | None = None, prefill: tuple[Program, list[int]] | None = None,
-                probes: dict | None = None) -> dict:
+                probes: dict | None = None, speculative: tuple | None = None) -> dict:
     """The launch plan stored in the artifact (requires select_kernels and plan_memory). ``kernels`` is
     the compiled-kernel table (GPU targets) and ``kernel_of_launch`` each launch's entry in it; the
     ``scratch`` region is sized for the largest global scratch any launch needs. ``prefill``: the M-row
@@ -149,6 +152,10 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
     if prefill is not None:
         rows_launches = launch_list(prefill[0])
         lists.append((rows_launches, prefill[1]))
+    spec_lists = None
+    if speculative is not None:
+        spec_lists = (launch_list(speculative[0]), launch_list(speculative[2]))
+        lists += [(spec_lists[0], speculative[1]), (spec_lists[1], speculative[3])]
     if kernels is not None:
         for ls, of_launch in lists:
             for launch, k in zip(ls, of_launch):
@@ -165,7 +172,7 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
           "reset": list(RESET_REGIONS), "kernels": kernels or [],
           "dyn_slots": {d.name: {"dtype": d.dtype, "offset": d.loc[1]} for d in program.dyn.values()},
           "weights": [] if fill else [{"name": w.name, "offset": w.loc[1], "nbytes": w.type.nbytes}
-                                      for w in program.weights.values()],
+                                      for w in _all_weights(program, speculative)],
           "fill": fill or [],
           "outputs": {name: _placement(v) for name, v in program.outputs.items()},
           "tokens": _placement(tokens) if tokens is not None else None,
@@ -178,4 +185,24 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
         rows = next(op.attrs["rows"] for op in prefill[0].ops if op.kind == "prefill_end")
         lp["prefill"] = {"rows": rows, "launches": rows_launches,
                          "outputs": {name: _placement(v) for name, v in prefill[0].outputs.items()}}
+    if speculative is not None:
+        sp, it = speculative[0], speculative[2]
+        for p in (sp, it):
+            for d in p.dyn.values():
+                lp["dyn_slots"].setdefault(d.name, {"dtype": d.dtype, "offset": d.loc[1]})
+        lp["speculative"] = {
+            "method": "mtp", "draft_tokens": speculative[4],
+            "prefill": {"rows": next(op.attrs["rows"] for op in sp.ops if op.kind == "prefill_end"),
+                        "launches": spec_lists[0], "outputs": {n: _placement(v) for n, v in sp.outputs.items()}},
+            "iteration": {"launches": spec_lists[1], "outputs": {n: _placement(v) for n, v in it.outputs.items()}}}
     return lp
+
+
+def _all_weights(program: Program, speculative: tuple | None) -> list:
+    """The step's weights, then those only the speculative programs read (the MTP head's)."""
+    out = list(program.weights.values())
+    if speculative is not None:
+        seen = set(program.weights)
+        extra = {n: w for p in (speculative[0], speculative[2]) for n, w in p.weights.items() if n not in seen}
+        out += sorted(extra.values(), key=lambda w: w.loc[1])
+    return out

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
-from kestrel.kernels import attention, elementwise, embedding, gated_delta, gemm, matvec, rmsnorm, sample
+from kestrel.kernels import (attention, elementwise, embedding, gated_delta, gemm, matvec, mtp, rmsnorm, sample,
+                             speculative)
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -414,6 +415,93 @@ def _infer_attn_step(ins, a):
     return [_f32((n2 // 2,))]
 
 
+# --- the speculative iteration (--speculative mtp; kernels/speculative.py, kernels/mtp.py) -----------
+
+def _infer_concat(ins, a):
+    x, y = ins
+    xs, ys = _t(x).shape, _t(y).shape
+    _need(len(xs) == len(ys) and xs[:-1] == ys[:-1], f"concat {list(xs)} and {list(ys)}: leading shapes differ")
+    return [_f32(xs[:-1] + (xs[-1] + ys[-1],))]
+
+
+def _infer_embedding_next_rows(ins, a):
+    table, tokens, pos, bound, sampled = ins
+    _infer_rows_dyn(sampled)
+    return _infer_embedding_rows([table, tokens, pos, bound], a)
+
+
+def _infer_spec_begin(ins, a):
+    _infer_rows_dyn(*ins)
+    _need(a["rows"] > 1, "spec_begin: the verify has at least 2 rows (one draft)")
+    return []
+
+
+def _infer_argmax_rows(ins, a):
+    (x,) = ins
+    _need(len(_t(x).shape) == 2, "argmax_rows takes [R, V] logits")
+    return [TensorType("i32", _t(x).shape[:1])]
+
+
+def _infer_accept(ins, a):
+    targets, pos, tokens = ins
+    _need(_t(targets).dtype == "i32" and len(_t(targets).shape) == 1 and _t(targets).shape[0] >= 2,
+          "accept: the target's choices must be i32[K + 1], K >= 1")
+    _need(_t(tokens).dtype == "i32" and len(_t(tokens).shape) == 1, "accept: the token sequence must be i32[max_seq]")
+    _infer_rows_dyn(pos)
+    return []
+
+
+def _infer_draft_end(ins, a):
+    dpos, draft, n_prompt, tokens = ins
+    _infer_rows_dyn(dpos, draft, n_prompt)
+    _need(_t(tokens).dtype == "i32" and len(_t(tokens).shape) == 1, "draft_end: the token sequence must be i32")
+    return []
+
+
+def _infer_spec_end(ins, a):
+    _infer_rows_dyn(*ins)
+    return []
+
+
+def _snap_shapes(rows: int, rec, conv_state, rec_snap=None, conv_snap=None):
+    if rec_snap is not None:
+        _need(_t(rec_snap).dtype == "f32" and _t(rec_snap).shape == (rows - 1,) + _t(rec).shape,
+              f"recurrent-state snapshots must be f32[{rows - 1}, {', '.join(map(str, _t(rec).shape))}]")
+    if conv_snap is not None:
+        _need(_t(conv_snap).dtype == "f32" and _t(conv_snap).shape == (rows - 1,) + _t(conv_state).shape,
+              f"conv-window snapshots must be f32[{rows - 1}, {', '.join(map(str, _t(conv_state).shape))}]")
+
+
+def _infer_gdn_rows_snap(ins, a):
+    *base, rec_snap, conv_snap = ins
+    out = _infer_gdn_rows(base, a)
+    _snap_shapes(_t(base[0]).shape[0], base[7], base[3], rec_snap, conv_snap)
+    return out
+
+
+def _infer_gdn_rows_delta_snap(ins, a):
+    *base, rec_snap = ins
+    out = _infer_gdn_rows_delta(base, a)
+    _snap_shapes(_t(base[0]).shape[0], base[5], base[1], rec_snap=rec_snap)
+    return out
+
+
+def _infer_gdn_rows_norm_snap(ins, a):
+    *base, conv_snap = ins
+    out = _infer_gdn_rows_norm(base, a)
+    _snap_shapes(_t(base[0]).shape[0], None, base[3], conv_snap=conv_snap)
+    return out
+
+
+def _infer_gdn_rollback(ins, a):
+    rec, rec_snap, conv_state, conv_snap, pos, npos = ins
+    _need(len(_t(rec_snap).shape) == 4 and _t(rec_snap).shape[1:] == _t(rec).shape, "gdn_rollback: rec snapshots "
+          "must be [R - 1, Hv, Dk, Dv] of the state")
+    _snap_shapes(_t(rec_snap).shape[0] + 1, rec, conv_state, rec_snap, conv_snap)
+    _infer_rows_dyn(pos, npos)
+    return []
+
+
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
 def _matrix(w: Weight) -> tuple[int, int, int]:
@@ -537,6 +625,51 @@ def _step_end(op: Op, t: Target) -> dict:
     return {"kernel": "step_end", **sample.step_end_launch(op.ins[3].type.shape[0], t)}
 
 
+def _concat(op: Op, t: Target) -> dict:
+    xs, ys = op.ins[0].type.shape, op.ins[1].type.shape
+    rows = xs[0] if len(xs) == 2 else 1
+    return {"kernel": "concat", **mtp.concat_launch(rows, xs[-1], ys[-1], t)}
+
+
+def _embedding_next_rows(op: Op, t: Target) -> dict:
+    rows, h = op.outs[0].type.shape
+    return {"kernel": f"embedding_next_rows_{op.ins[0].type.dtype}",
+            **embedding.embedding_rows_launch(rows, h, op.ins[1].type.shape[0], t)}
+
+
+def _spec_scalar(kind: str, **consts):
+    def rule(op: Op, t: Target) -> dict:
+        launch = speculative.scalar_launch(t)
+        c = {k: f(op) for k, f in consts.items()}
+        return {"kernel": kind, **launch, "constexprs": {**launch["constexprs"], **c}}
+    return rule
+
+
+def _argmax_rows(op: Op, t: Target) -> dict:
+    return {"kernel": "argmax_rows", **speculative.argmax_rows_launch(*op.ins[0].type.shape, t)}
+
+
+def _gdn_rows_delta_snap(op: Op, t: Target) -> dict:
+    rows, width = op.ins[0].type.shape
+    conv_w, rec = op.ins[2], op.ins[5]
+    hv, dk, dv = rec.type.shape
+    hk = gdn_key_heads(conv_w.type.shape[0], hv, dk, dv)
+    return {"kernel": "gdn_rows_delta_snap",
+            **gated_delta.gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, conv_w.type.shape[1], t, chunk=0)}
+
+
+def _gdn_rows_norm_snap(op: Op, t: Target) -> dict:
+    return {**_gdn_rows_norm(op, t), "kernel": "gdn_rows_norm_snap"}
+
+
+def _gdn_rollback(op: Op, t: Target) -> dict:
+    rec, rec_snap, conv_state = op.ins[0], op.ins[1], op.ins[2]
+    hv, dk, dv = rec.type.shape
+    c, kc1 = conv_state.type.shape
+    return {"kernel": "gdn_rollback",
+            **gated_delta.gdn_rollback_launch(hv, dk, dv, c, kc1 + 1, rec_snap.type.shape[0], t)}
+
+
 # --- ONNX lowerings: each emits what the op's reference computes (primitives: onnx_export._Exporter) ---
 
 def _onnx_embedding(ex, op, table, tok):  # embedding_ref: row token, as fp32
@@ -633,6 +766,7 @@ _IN_GDN = NotApplicable("the GPU runs it inside gdn_delta + gdn_norm (fuse)")
 _ROWS_ONNX = NotApplicable("the ONNX step is the one-token step")
 _IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
 _VIEW = NotApplicable("a view: the result aliases its input, no data moves")
+_SPEC_ONNX = NotApplicable("part of the speculative programs; the ONNX step is the one-token step")
 
 OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("embedding", "wd", (), _infer_embedding, embedding.embedding_ref, Kernel(embedding.embedding_kernel, _embedding),
@@ -759,6 +893,48 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           Kernel(attention.attn_step_kernel, _attn_step), _onnx_attn_step, inout=(5, 6, 8, 9),
           doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention (split over the sequence: "
               "partials and tickets in scratch states), sigmoid gate"),
+    # --- the speculative iteration (--speculative mtp: compiler/qwen3_5.py lower_speculative) ---
+    OpDef("concat", "vv", (), _infer_concat, mtp.concat_ref, Kernel(mtp.concat_kernel, _concat), _SPEC_ONNX,
+          doc="[.., A] | [.., B] -> [.., A + B] (the MTP head's [embedding | hidden] join)"),
+    OpDef("embedding_next_rows", "wsddd", ("rows",), _infer_embedding_next_rows, embedding.embedding_next_rows_ref,
+          Kernel(embedding.embedding_next_rows_kernel, _embedding_next_rows), _SPEC_ONNX,
+          doc="row r (valid while pos + r < bound): the embedding of tokens[pos + r + 1], or of sampled at the "
+              "bound's last row (the MTP head's input tokens)"),
+    OpDef("spec_begin", "d", ("rows",), _infer_spec_begin, speculative.spec_begin_ref,
+          Kernel(speculative.spec_begin_kernel, _spec_scalar("spec_begin")), _SPEC_ONNX, writes_dyn=True,
+          doc="dyn.vend = pos + rows: the verify's K + 1 rows are valid"),
+    OpDef("argmax_rows", "v", (), _infer_argmax_rows, speculative.argmax_rows_ref,
+          Kernel(speculative.argmax_rows_kernel, _argmax_rows), _SPEC_ONNX,
+          doc="each row's greedy choice (the first index among equal maxima), i32[R]"),
+    OpDef("accept", "vds", (), _infer_accept, speculative.accept_ref,
+          Kernel(speculative.accept_kernel, _spec_scalar(
+              "accept", R=lambda op: op.ins[0].type.shape[0], S=lambda op: op.ins[2].type.shape[0],
+              BLOCK_R=lambda op: max(2, 1 << (op.ins[0].type.shape[0] - 1).bit_length()))),
+          _SPEC_ONNX, inout=(2,), writes_dyn=True,
+          doc="drafts tokens[pos+1..pos+K] accepted while equal to the target's choices; tokens[pos+a+1] = the "
+              "target's token at row a; writes npos = pos+a+1, dpos = pos+a, sampled = that token, accepted = a"),
+    OpDef("draft_end", "ddds", (), _infer_draft_end, speculative.draft_end_ref,
+          Kernel(speculative.draft_end_kernel, _spec_scalar("draft_end", S=lambda op: op.ins[3].type.shape[0])),
+          _SPEC_ONNX, inout=(3,), writes_dyn=True,
+          doc="tokens[dpos + 2] = draft unless a prompt position; dpos += 1"),
+    OpDef("spec_end", "dd", (), _infer_spec_end, speculative.spec_end_ref,
+          Kernel(speculative.spec_end_kernel, _spec_scalar("spec_end")), _SPEC_ONNX, writes_dyn=True,
+          doc="pos = npos; token = sampled: the iteration ends where the one-token step would be"),
+    OpDef("gdn_rows_snap", "vvvswwwsddss", ("l2_eps", "scale"), _infer_gdn_rows_snap, gated_delta.gdn_rows_snap_ref,
+          NotApplicable("the GPU runs it as gdn_rows_delta_snap + gdn_rows_norm_snap, which fuse emits"), _SPEC_ONNX,
+          inout=(3, 7, 10, 11), doc="gdn_rows, with the states after each valid row but the last kept as snapshots "
+          "(the speculative verify's rollback points)"),
+    OpDef("gdn_rows_delta_snap", "vswwwsdds", ("qkv", "b", "a", "l2_eps", "scale"), _infer_gdn_rows_delta_snap,
+          gated_delta.gdn_rows_delta_snap_ref,
+          Kernel(gated_delta.gdn_rows_delta_snap_kernel, _gdn_rows_delta_snap), _SPEC_ONNX, inout=(5, 8),
+          doc="gdn_rows_delta (row by row) storing the recurrent state after each valid row but the last"),
+    OpDef("gdn_rows_norm_snap", "vvwsdds", ("z", "qkv", "eps"), _infer_gdn_rows_norm_snap,
+          gated_delta.gdn_rows_norm_snap_ref,
+          Kernel(gated_delta.gdn_rows_norm_snap_kernel, _gdn_rows_norm_snap), _SPEC_ONNX, inout=(3, 6),
+          doc="gdn_rows_norm storing the conv window after each valid row but the last"),
+    OpDef("gdn_rollback", "ssssdd", (), _infer_gdn_rollback, gated_delta.gdn_rollback_ref,
+          Kernel(gated_delta.gdn_rollback_kernel, _gdn_rollback), _SPEC_ONNX, inout=(0, 2),
+          doc="states <- the snapshot after the last accepted row (kept = npos - pos), unless all rows were kept"),
 )}
 
 

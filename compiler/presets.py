@@ -1,4 +1,5 @@
-"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot.
+"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot, and
+``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``).
 
 ``tiny`` is written in the same Hugging Face format a downloaded checkpoint has (config.json,
 model.safetensors, tokenizer.json) and then compiled through the ordinary frontend, so the preset
@@ -18,7 +19,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from kestrel.compiler.frontend import expected_tensors, parse_config
+from kestrel.compiler.frontend import expected_tensors, mtp_expected_tensors, mtp_layers_in, parse_config
 
 TINY_SEED = 20261129
 EOS_TEXT = "<|endoftext|>"
@@ -51,18 +52,21 @@ PRESETS: dict[str, dict] = {
         "dtype": "float32",
     }
 }
+# ``tiny`` with a multi-token-prediction head (random, like the rest): what ``--speculative mtp`` drafts with
+PRESETS["tiny-mtp"] = dict(PRESETS["tiny"], mtp_num_hidden_layers=1)
 
 
 def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:
     """A published Qwen3.5 dense text model's shape. Shared by all sizes: head_dim 256, 16 GDN key
     heads, GDN head dims 128, conv kernel 4, a full-attention layer every 4th, vocab 248320, RoPE
-    theta 1e7 on a quarter of the head dims, eps 1e-6, 262144 positions, eos 248044."""
+    theta 1e7 on a quarter of the head dims, eps 1e-6, 262144 positions, eos 248044, one MTP layer
+    (read only by ``--speculative mtp``)."""
     return dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden, intermediate_size=mlp,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256,
                 linear_num_key_heads=16, linear_num_value_heads=gdn_value_heads, linear_key_head_dim=128,
                 linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=tied,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-                rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044)
+                rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=248044, mtp_num_hidden_layers=1)
 
 
 # The published Qwen3.5 text-model shapes (no weights), for kernels at real shapes and for benchmarking
@@ -131,6 +135,8 @@ def synthesize(name: str, folder: str) -> str:
     shapes = {"model." + rel: shape for rel, shape in expected_tensors(cfg)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    if mtp_layers_in(raw):  # drawn after the text model's, which therefore do not depend on it
+        shapes.update(mtp_expected_tensors(cfg))
     os.makedirs(folder, exist_ok=True)
     save_file(random_weights(shapes, TINY_SEED), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:

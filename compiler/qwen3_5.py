@@ -12,6 +12,10 @@ framework would) and the host advances pos and feeds the next token in; hoist_dy
 into the device dyn buffer and adds the step_end op, which feeds the next token from the ``tokens``
 state: the request's sequence (prompt ids written once by the host, then the sampled tokens, which
 the host copies back every few steps) of ``n_prompt`` prompt tokens.
+
+``lower_speculative`` builds a speculative plan's two further programs (``--speculative mtp``): the
+speculative prefill and one speculative iteration (K drafts of the model's MTP head, the verify of
+K + 1 rows, acceptance and rollback on the device).
 """
 from __future__ import annotations
 
@@ -60,24 +64,7 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0,
         h = emit(p, "embedding_rows", embed, tokens, dyn["pos"], dyn["n_prompt"], rows=rows)
     else:
         h = emit(p, "embedding", embed, dyn["token"])
-    for i, kind in enumerate(cfg.layer_types):
-        pre = f"layers.{i}."
-        x = emit(p, "rmsnorm", h, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
-        if kind == "linear_attention":
-            y = (_gated_deltanet_rows if rows else _gated_deltanet)(p, cfg, pre + "linear_attn.", x, weight, dyn)
-        else:
-            y = (_gated_attention_rows if rows else _gated_attention)(p, cfg, pre + "self_attn.", x, weight, dyn,
-                                                                      max_seq, kv_dtype)
-        h = emit(p, "add", h, y)
-        x = emit(p, "rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=eps)
-        inter = cfg.intermediate_size
-        gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
-        up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
-        y = emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
-        if rows and not all_logits and i == len(cfg.layer_types) - 1:  # only the last valid row goes on:
-            h, y = (emit(p, "last_row", v, dyn["pos"], dyn["n_prompt"]) for v in (h, y))  # the add after it fuses
-            # with the final norm
-        h = emit(p, "add", h, y)
+    h = _layers(p, cfg, h, weight, dyn, max_seq, kv_dtype, rows, cut_last=bool(rows and not all_logits))
     hidden = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     logits = emit(p, "matmul", hidden, head)
@@ -96,6 +83,40 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0,
     p.outputs["hidden"] = hidden
     p.outputs["logits"] = logits
     return p
+
+
+def _layers(p: Program, cfg: ModelConfig, h, weight, dyn, max_seq: int, kv_dtype: str, rows: int,
+            cut_last: bool = False, snaps: list | None = None):
+    """The decoder layers on h (one row, or ``rows`` rows valid while pos + r < dyn["n_prompt"]).
+    ``cut_last``: only the last valid row leaves the last layer's MLP (the M-row prefill). ``snaps``: a
+    list, when given (the speculative verify), that the Gated DeltaNet layers run with per-row
+    snapshots (``gdn_rows_snap``) and append (rec, rec_snap, conv, conv_snap) to."""
+    eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
+    for i, kind in enumerate(cfg.layer_types):
+        pre = f"layers.{i}."
+        x = emit(p, "rmsnorm", h, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
+        if kind == "linear_attention":
+            y = _gated_deltanet_rows(p, cfg, pre + "linear_attn.", x, weight, dyn, snaps) if rows else \
+                _gated_deltanet(p, cfg, pre + "linear_attn.", x, weight, dyn)
+        else:
+            y = (_gated_attention_rows if rows else _gated_attention)(p, cfg, pre + "self_attn.", x, weight, dyn,
+                                                                      max_seq, kv_dtype)
+        h = emit(p, "add", h, y)
+        y = _mlp(p, cfg, pre, h, weight)
+        if cut_last and i == len(cfg.layer_types) - 1:  # only the last valid row goes on:
+            h, y = (emit(p, "last_row", v, dyn["pos"], dyn["n_prompt"]) for v in (h, y))  # the add after it fuses
+            # with the final norm
+        h = emit(p, "add", h, y)
+    return h
+
+
+def _mlp(p: Program, cfg: ModelConfig, pre: str, h, weight):
+    """The MLP of a decoder layer (after its own norm), on the residual stream h; returns its output."""
+    h_dim, inter = cfg.hidden_size, cfg.intermediate_size
+    x = emit(p, "rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=cfg.rms_norm_eps)
+    gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
+    up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
+    return emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
 
 
 def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn):
@@ -125,13 +146,20 @@ def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn):
     return emit(p, "matmul", emit(p, "reshape", o, shape=[hv * dv]), weight(pre + "out_proj.weight", (h_dim, hv * dv)))
 
 
+def _kv_caches(p: Program, cfg: ModelConfig, pre: str, max_seq: int, kv_dtype: str):
+    """The KV caches of the attention at ``pre`` (``layers.3.self_attn.`` -> ``layers.3.k_cache``; the MTP
+    head's ``mtp.layers.0.k_cache``), declared on first use."""
+    stem = pre[:-len("self_attn.")]
+    shape = (max_seq, cfg.num_key_value_heads, cfg.head_dim)
+    return tuple(p.states[n] if n in p.states else p.add_state(n, kv_dtype, shape)
+                 for n in (stem + "k_cache", stem + "v_cache"))
+
+
 def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max_seq: int, kv_dtype: str):
     pos = dyn["pos"]
     nh, nkv, hd, h_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     eps = cfg.rms_norm_eps
-    layer = pre.split(".")[1]
-    k_cache = p.add_state(f"layers.{layer}.k_cache", kv_dtype, (max_seq, nkv, hd))
-    v_cache = p.add_state(f"layers.{layer}.v_cache", kv_dtype, (max_seq, nkv, hd))
+    k_cache, v_cache = _kv_caches(p, cfg, pre, max_seq, kv_dtype)
 
     qg = emit(p, "reshape", emit(p, "matmul", x, weight(pre + "q_proj.weight", (nh * hd * 2, h_dim))),
                 shape=[nh, 2 * hd])
@@ -148,9 +176,11 @@ def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max
     return emit(p, "matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))
 
 
-def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn):
+def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, snaps: list | None = None):
     """The Gated DeltaNet layer at M rows: the projections as [M, *] products, the mixer over the chunk
-    (gdn_rows; declarations in _gated_deltanet's order)."""
+    (gdn_rows; declarations in _gated_deltanet's order). ``snaps`` (the speculative verify): the mixer
+    keeps the states after each row but the last (gdn_rows_snap), and the layer's (rec, rec_snap, conv,
+    conv_snap) is appended for the rollback."""
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     c, h_dim, kk = cfg.gdn_conv_channels, cfg.hidden_size, cfg.linear_conv_kernel_dim
     layer = pre.split(".")[1]
@@ -162,8 +192,15 @@ def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn)
     z = emit(p, "matmul", x, weight(pre + "in_proj_z.weight", (hv * dv, h_dim)))
     b = emit(p, "matmul", x, weight(pre + "in_proj_b.weight", (hv, h_dim)))
     a = emit(p, "matmul", x, weight(pre + "in_proj_a.weight", (hv, h_dim)))
-    o = emit(p, "gdn_rows", qkv, b, a, conv_state, weight(pre + "conv1d.weight", (c, kk)), weight(pre + "A_log", (hv,)),
-             weight(pre + "dt_bias", (hv,)), rec_state, dyn["pos"], dyn["n_prompt"], l2_eps=1e-6, scale=dk ** -0.5)
+    mixer = (qkv, b, a, conv_state, weight(pre + "conv1d.weight", (c, kk)), weight(pre + "A_log", (hv,)),
+             weight(pre + "dt_bias", (hv,)), rec_state, dyn["pos"], dyn["n_prompt"])
+    if snaps is None:
+        o = emit(p, "gdn_rows", *mixer, l2_eps=1e-6, scale=dk ** -0.5)
+    else:
+        rec_snap = p.add_state(f"layers.{layer}.recurrent_snap", "f32", (rows - 1, hv, dk, dv))
+        conv_snap = p.add_state(f"layers.{layer}.conv_snap", "f32", (rows - 1, c, kk - 1))
+        o = emit(p, "gdn_rows_snap", *mixer, rec_snap, conv_snap, l2_eps=1e-6, scale=dk ** -0.5)
+        snaps.append((rec_state, rec_snap, conv_state, conv_snap))
     o = emit(p, "gated_rmsnorm", emit(p, "reshape", o, shape=[rows, hv, dv]),
              emit(p, "reshape", z, shape=[rows, hv, dv]), weight(pre + "norm.weight", (dv,)), eps=cfg.rms_norm_eps)
     return emit(p, "matmul", emit(p, "reshape", o, shape=[rows, hv * dv]),
@@ -173,9 +210,7 @@ def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn)
 def _gated_attention_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max_seq: int, kv_dtype: str):
     """The gated attention layer at M rows (attn_rows; declarations in _gated_attention's order)."""
     nh, nkv, hd, h_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    layer = pre.split(".")[1]
-    k_cache = p.add_state(f"layers.{layer}.k_cache", kv_dtype, (max_seq, nkv, hd))
-    v_cache = p.add_state(f"layers.{layer}.v_cache", kv_dtype, (max_seq, nkv, hd))
+    k_cache, v_cache = _kv_caches(p, cfg, pre, max_seq, kv_dtype)
     qg = emit(p, "matmul", x, weight(pre + "q_proj.weight", (nh * hd * 2, h_dim)))
     k = emit(p, "matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim)))
     v = emit(p, "matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim)))
@@ -183,3 +218,126 @@ def _gated_attention_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn
              k_cache, v_cache, dyn["pos"], dyn["n_prompt"], eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
              rotary_dim=cfg.rotary_dim, scale=hd ** -0.5)
     return emit(p, "matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))
+
+
+# --- speculative decoding with the model's MTP head (--speculative mtp) -----------------------------------
+
+SPEC_DYN_SLOTS = (("vend", "i32"), ("npos", "i32"), ("dpos", "i32"), ("draft", "i32"), ("accepted", "i32"),
+                  ("draft_temperature", "f32"))
+
+
+def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtype: str = "f32",
+                      prefill_rows: int = 0) -> Program:
+    """The two programs of a speculative plan (K = ``draft_tokens`` drafts an iteration, greedy).
+
+    ``prefill_rows`` = 0: **the iteration**, one static program. At entry tokens[pos] is the last
+    accepted token and tokens[pos + 1 .. pos + K] the drafts. It verifies the K + 1 rows pos .. pos + K
+    in one M-row pass of the model (every row through the final norm and lm_head; the Gated DeltaNet
+    layers keep their states after each row but the last: gdn_rows_snap), takes each row's greedy
+    choice (argmax_rows), accepts on the device (accept: the longest prefix of drafts equal to the
+    target's choices plus the target's own next token, a of K accepted), rolls every Gated DeltaNet
+    layer back to its state after row a (gdn_rollback; KV rows past it are simply written again later),
+    then drafts the next K tokens with the MTP head: one pass of the head over the K + 1 verified rows
+    (its KV rows for them, with the target's own hidden states: exact for the accepted ones) whose row
+    a gives draft 1, then K - 1 one-row passes, each on the previous draft and the head's own hidden
+    state; each draft is written after the accepted tokens (draft_end); spec_end leaves pos and token
+    where the one-token step would be. Outputs: the verify's hidden [K + 1, H] and logits [K + 1, V].
+
+    ``prefill_rows`` = M: **the speculative prefill**: the M-row step (prompt chunks of M rows, the
+    chunk's last valid row sampled as in ``lower``'s), which also runs the MTP head over the chunk's
+    rows (its KV rows for the prompt; the token after the prompt's last row is the sampled one) and
+    drafts K tokens from the chunk's last valid row; only the prompt's last chunk writes them
+    (draft_end never writes a prompt position).
+
+    The weights, states and dyn slots of ``lower``'s programs are declared first, in the same order;
+    then the MTP head's weights (``mtp.*``), its KV caches, the snapshots, the new dyn slots."""
+    if not 1 <= draft_tokens <= 4:
+        raise ValueError(f"draft_tokens {draft_tokens}: 1 to 4")
+    verify = prefill_rows == 0
+    rows = draft_tokens + 1 if verify else prefill_rows
+    p = Program()
+    dyn = {name: p.add_dyn(name, dt, host=True) for name, dt in DYN_SLOTS}
+    dyn["last"] = p.add_dyn("last", "i32", host=True)
+    tokens = p.add_state(TOKENS_STATE, "i32", (max_seq,))
+
+    def weight(rel: str, shape):
+        name = plan_weight_name(rel)
+        if name in p.weights:  # the MTP head's weights serve its row pass and its one-row drafts
+            return p.weights[name]
+        src = ["ckpt", rel]
+        if rel.endswith("conv1d.weight"):  # stored [C, 1, K]
+            src = ["reshape", list(shape), src]
+        return p.add_weight(name, "f32", shape, src)
+
+    eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
+    embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
+    bound = dyn["n_prompt"]
+    spec = {name: p.add_dyn(name, dt, host=True) for name, dt in SPEC_DYN_SLOTS}
+    if verify:
+        emit(p, "spec_begin", dyn["pos"], rows=rows, out=spec["vend"])
+        bound = spec["vend"]
+    h = emit(p, "embedding_rows", embed, tokens, dyn["pos"], bound, rows=rows)
+    snaps = [] if verify else None
+    h = _layers(p, cfg, h, weight, dict(dyn, n_prompt=bound), max_seq, kv_dtype, rows, snaps=snaps)
+    hidden_rows = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
+    head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
+    partials = p.add_state(SAMPLE_PARTIALS, "f32", (1, 1))
+    ticket = p.add_state(SAMPLE_TICKET, "i32", (1,))
+    mtp_kv = (max_seq, kv_dtype)
+
+    if verify:
+        logits = emit(p, "matmul", hidden_rows, head)
+        targets = emit(p, "argmax_rows", logits)
+        emit(p, "accept", targets, dyn["pos"], tokens, out=[spec["npos"], spec["dpos"], dyn["sampled"],
+                                                              spec["accepted"]])
+        for rec, rec_snap, conv, conv_snap in snaps:
+            emit(p, "gdn_rollback", rec, rec_snap, conv, conv_snap, dyn["pos"], spec["npos"])
+        hidden, row_end = hidden_rows, spec["npos"]  # the draft chain starts at the last accepted row
+    else:
+        hidden = emit(p, "last_row", hidden_rows, dyn["pos"], bound)
+        logits = emit(p, "matmul", hidden, head)
+        emit(p, "chunk_last", dyn["pos"], dyn["n_prompt"], rows=rows, out=dyn["last"])
+        emit(p, "sample", logits, dyn["temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"], dyn["seed"],
+             dyn["last"], partials, ticket, out=dyn["sampled"])
+        emit(p, "chunk_last", dyn["pos"], dyn["n_prompt"], rows=rows, out=spec["dpos"])
+        row_end = bound  # the draft chain starts at the chunk's last valid row
+
+    def draft(logits_row):
+        emit(p, "sample", logits_row, spec["draft_temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"],
+             dyn["seed"], spec["dpos"], partials, ticket, out=spec["draft"])
+        emit(p, "draft_end", spec["dpos"], spec["draft"], dyn["n_prompt"], tokens, out=spec["dpos"])
+
+    # draft 1: the MTP head over the rows (the token after each row, the model's hidden state there)
+    e = emit(p, "embedding_next_rows", embed, tokens, dyn["pos"], bound, dyn["sampled"], rows=rows)
+    m = _mtp_head(p, cfg, e, hidden_rows, weight, {"pos": dyn["pos"], "n_prompt": bound}, True, *mtp_kv)
+    m = emit(p, "last_row", m, dyn["pos"], row_end)
+    draft(emit(p, "matmul", m, head))
+    for _ in range(draft_tokens - 1):  # drafts 2..K: the previous draft and the head's own hidden state
+        e = emit(p, "embedding", embed, spec["draft"])
+        m = _mtp_head(p, cfg, e, m, weight, {"pos": spec["dpos"]}, False, *mtp_kv)
+        draft(emit(p, "matmul", m, head))
+    if verify:
+        emit(p, "spec_end", spec["npos"], dyn["sampled"], out=[dyn["pos"], dyn["token"]])
+        p.outputs["hidden"], p.outputs["logits"] = hidden_rows, logits
+    else:
+        emit(p, "prefill_end", dyn["pos"], dyn["sampled"], dyn["n_prompt"], tokens, rows=rows,
+             out=[dyn["pos"], dyn["token"]])
+        p.outputs["hidden"], p.outputs["logits"] = hidden, logits
+    return p
+
+
+def _mtp_head(p: Program, cfg: ModelConfig, e, hidden, weight, dyn, rows: bool, max_seq: int, kv_dtype: str):
+    """The MTP head (kernels/mtp.py, ``mtp_forward_ref``, has the semantics and the vLLM source it follows)
+    on token embeddings e and hidden states (one row, or rows valid while pos + r < dyn["n_prompt"]),
+    its attention at dyn["pos"] (+ r) on its own KV caches; returns its final-normed hidden state."""
+    eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
+    en = emit(p, "rmsnorm", e, weight("mtp.pre_fc_norm_embedding.weight", (h_dim,)), eps=eps)
+    hn = emit(p, "rmsnorm", hidden, weight("mtp.pre_fc_norm_hidden.weight", (h_dim,)), eps=eps)
+    u = emit(p, "matmul", emit(p, "concat", en, hn), weight("mtp.fc.weight", (h_dim, 2 * h_dim)))
+    pre = "mtp.layers.0."
+    x = emit(p, "rmsnorm", u, weight(pre + "input_layernorm.weight", (h_dim,)), eps=eps)
+    y = (_gated_attention_rows if rows else _gated_attention)(p, cfg, pre + "self_attn.", x, weight, dyn, max_seq,
+                                                              kv_dtype)
+    u = emit(p, "add", u, y)
+    u = emit(p, "add", u, _mlp(p, cfg, pre, u, weight))
+    return emit(p, "rmsnorm", u, weight("mtp.norm.weight", (h_dim,)), eps=eps)

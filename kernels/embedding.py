@@ -61,3 +61,34 @@ def embedding_rows_kernel(table_ptr, tokens_ptr, pos_ptr, n_prompt_ptr, out_ptr,
     mask = offs < H
     row = tl.load(table_ptr + tok * H + offs, mask=mask & valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + r.to(tl.int64) * H + offs, row, mask=mask)
+
+
+def embedding_next_rows_ref(table: torch.Tensor, tokens: torch.Tensor, pos: int, bound: int, sampled: int,
+                            rows: int) -> torch.Tensor:
+    """The MTP head's token input over the rows of an M-row pass (``--speculative mtp``): row r (position
+    pos + r, valid while pos + r < bound) embeds the token that FOLLOWS it: tokens[pos + r + 1] while
+    pos + r + 1 < bound, else (the bound's last row) ``sampled``, the token the step has just chosen
+    there; zeros on invalid rows."""
+    out = torch.zeros(rows, table.shape[1], dtype=torch.float32)
+    s = tokens.numel()
+    for r in range(max(0, min(rows, bound - pos))):
+        nxt = pos + r + 1
+        out[r] = embedding_ref(table, int(tokens[min(max(nxt, 0), s - 1)]) if nxt < bound else sampled)
+    return out
+
+
+@triton.jit
+def embedding_next_rows_kernel(table_ptr, tokens_ptr, pos_ptr, bound_ptr, sampled_ptr, out_ptr, rows,
+                               H: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """``embedding_next_rows_ref`` (``embedding_rows_launch``'s grid): program (r, c) writes columns
+    c * BLOCK.. of row r."""
+    pdl_wait(PDL)
+    r = tl.program_id(0)
+    nxt = tl.load(pos_ptr) + r + 1
+    bound = tl.load(bound_ptr)
+    seq = tl.load(tokens_ptr + tl.minimum(tl.maximum(nxt, 0), S - 1))
+    tok = tl.where(nxt < bound, seq, tl.load(sampled_ptr)).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    row = tl.load(table_ptr + tok * H + offs, mask=mask & (nxt - 1 < bound), other=0.0).to(tl.float32)
+    tl.store(out_ptr + r.to(tl.int64) * H + offs, row, mask=mask)

@@ -22,6 +22,11 @@ end are invalid: zero outputs, states untouched):
   chunks of 16 to 64 rows (the chunk-parallel WY form on tensor cores, TF32 products);
 * ``gdn_rows_norm``: ``gdn_rows_norm_ref``, the gated RMSNorm of every row and the conv state
   advanced by the valid rows.
+
+The speculative verify (``--speculative mtp``: K + 1 rows, K <= 4) runs the same two kernels with
+rollback points: ``gdn_rows_delta_snap`` / ``gdn_rows_norm_snap`` also store the recurrent state and
+the conv window after each row but the last into per-layer snapshot states (``gdn_rows_snap_ref``), and
+``gdn_rollback`` copies back the one after the last accepted row (``gdn_rollback_ref``).
 """
 from __future__ import annotations
 
@@ -150,6 +155,56 @@ def gdn_rows_norm_ref(o_raw, x, norm_w, conv_state, pos: int, n_prompt: int, z: 
     for r in range(max(0, min(rows, n_prompt - pos))):
         conv_shift_ref(x[r, qkv:qkv + c], conv_state)
     return out
+
+
+def gdn_rows_snap_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, rec_snap,
+                      conv_snap, l2_eps: float, scale: float) -> torch.Tensor:
+    """``gdn_rows_ref`` for the speculative verify: the same rows, and after each valid row r < M - 1
+    the states as they stand then copied into rec_snap[r] ([M - 1, Hv, Dk, Dv]) and conv_snap[r]
+    ([M - 1, C, K - 1]): the points ``gdn_rollback_ref`` returns to when row r is the last accepted."""
+    rows = qkv.shape[0]
+    hv, _, dv = rec_state.shape
+    out = torch.zeros(rows, hv * dv, dtype=torch.float32)
+    for r in range(max(0, min(rows, n_prompt - pos))):
+        out[r] = gdn_delta_ref(qkv[r], b[r], a[r], conv_state, conv_w, a_log, dt_bias, rec_state, l2_eps, scale)
+        conv_shift_ref(qkv[r], conv_state)
+        if r < rows - 1:
+            rec_snap[r] = rec_state
+            conv_snap[r] = conv_state
+    return out
+
+
+def gdn_rows_delta_snap_ref(x, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, rec_snap,
+                            qkv: int, b: int, a: int, l2_eps: float, scale: float) -> torch.Tensor:
+    """``gdn_rows_delta_ref`` taking the recurrent-state snapshots of ``gdn_rows_snap_ref`` (the conv
+    state only read; its snapshots are ``gdn_rows_norm_snap_ref``'s)."""
+    hv = rec_state.shape[0]
+    c = conv_w.shape[0]
+    scratch = torch.zeros((rec_snap.shape[0],) + tuple(conv_state.shape), dtype=conv_state.dtype)
+    return gdn_rows_snap_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], conv_state.clone(), conv_w, a_log,
+                             dt_bias, rec_state, pos, n_prompt, rec_snap, scratch, l2_eps, scale)
+
+
+def gdn_rows_norm_snap_ref(o_raw, x, norm_w, conv_state, pos: int, n_prompt: int, conv_snap, z: int, qkv: int,
+                           eps: float) -> torch.Tensor:
+    """``gdn_rows_norm_ref`` writing the conv window after each valid row r < M - 1 into conv_snap[r]."""
+    rows = o_raw.shape[0]
+    c = conv_state.shape[0]
+    before = conv_state.clone()
+    out = gdn_rows_norm_ref(o_raw, x, norm_w, conv_state, pos, n_prompt, z, qkv, eps)
+    for r in range(max(0, min(rows - 1, n_prompt - pos))):
+        conv_shift_ref(x[r, qkv:qkv + c], before)
+        conv_snap[r] = before
+    return out
+
+
+def gdn_rollback_ref(rec_state, rec_snap, conv_state, conv_snap, pos: int, npos: int) -> None:
+    """After the verify of M rows with snapshots [M - 1, ...]: kept = npos - pos rows were accepted; the
+    states go back to snapshot kept - 1 unless all M were kept (then they are already in place)."""
+    kept = npos - pos
+    if 1 <= kept <= rec_snap.shape[0]:
+        rec_state.copy_(rec_snap[kept - 1])
+        conv_state.copy_(conv_snap[kept - 1])
 
 
 def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
@@ -391,9 +446,12 @@ def _rows_conv(xn, p1, p2, p3, w0, w1, w2, w3, KC: tl.constexpr):
 
 @triton.jit
 def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv, cols,
-                    neg_a, dt_bias, qkv, b, a, l2_eps, scale, M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr,
-                    DV: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The row-by-row form (CHUNK = 0): returns the state tile after the valid rows."""
+                    neg_a, dt_bias, qkv, b, a, l2_eps, scale, snap_ptr, tile_offs, tile_mask, M: tl.constexpr,
+                    W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr,
+                    SNAP: tl.constexpr, SNAP_STRIDE: tl.constexpr):
+    """The row-by-row form (CHUNK = 0): returns the state tile after the valid rows. SNAP: the tile
+    after each valid row r < M - 1 is also stored at snap_ptr + r * SNAP_STRIDE + tile_offs (the
+    verify's per-row snapshots, ``gdn_rows_delta_snap_kernel``)."""
     tl.static_assert(KC >= 2 and KC <= 4)
     # conv weights by distance back (0: the row itself), constant over the rows
     wq0 = _rows_tap(conv_w_ptr, ch_q, mk, 0, KC)
@@ -452,6 +510,8 @@ def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, c
         s = s + k[:, None] * delta[None, :]
         o = o_old + tl.sum(k * q, axis=0) * delta
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, o, mask=mv)
+        if SNAP:
+            tl.store(snap_ptr + r * SNAP_STRIDE + tile_offs, s, mask=tile_mask & (r < M - 1))
     for r in range(valid, M):
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, tl.zeros([BLOCK_V], tl.float32), mask=mv)
     return s
@@ -585,6 +645,35 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
     Race-free: the delta rule is independent per state column, so no program reads what another
     writes; x and the conv state are only read (``gdn_rows_norm_kernel`` shifts the conv state next).
     Deterministic: every reduction and product has a fixed order, nothing depends on scheduling."""
+    _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr, n_prompt_ptr,
+                    o_raw_ptr, rec_state_ptr, qkv, b, a, l2_eps, scale, M, W, HK, HV, DK, DV, KC, BLOCK_DK, BLOCK_V,
+                    CHUNK, False, PDL)
+
+
+@triton.jit
+def gdn_rows_delta_snap_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr,
+                               n_prompt_ptr, rec_snap_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
+                               M: tl.constexpr, W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
+                               DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr,
+                               BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """``gdn_rows_delta_snap_ref``: ``gdn_rows_delta_kernel`` row by row (CHUNK = 0) that also stores
+    each program's state tile after every valid row r < M - 1 into rec_snap[r] ([M - 1, HV, DK, DV]),
+    while the tile is in registers anyway: the speculative verify's rollback points (``gdn_rollback``
+    copies back the one after the last accepted row; the state after row M - 1 is the one stored in
+    place). Same work split and race-freedom as gdn_rows_delta_kernel (the snapshot tiles a program
+    writes are its own)."""
+    _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr, n_prompt_ptr,
+                    o_raw_ptr, rec_snap_ptr, qkv, b, a, l2_eps, scale, M, W, HK, HV, DK, DV, KC, BLOCK_DK, BLOCK_V,
+                    CHUNK, True, PDL)
+
+
+@triton.jit
+def _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr, n_prompt_ptr,
+                    o_raw_ptr, snap_ptr, qkv, b, a, l2_eps, scale, M: tl.constexpr, W: tl.constexpr,
+                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
+                    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, SNAP: tl.constexpr,
+                    PDL: tl.constexpr):
+    """The body of the two kernels above (SNAP: the snapshots)."""
     pdl_wait(PDL)
     tl.static_assert(M * W < 2**31)
     R: tl.constexpr = HV // HK
@@ -608,8 +697,10 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
     dt_bias = tl.load(dt_bias_ptr + j).to(tl.float32)
     if CHUNK == 0:
         s = _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv,
-                            cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, M, W, HV, DV, KC, BLOCK_V)
+                            cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, snap_ptr, tile_offs, tile_mask, M, W,
+                            HV, DV, KC, BLOCK_V, SNAP, HV * DK * DV)
     else:
+        tl.static_assert(not SNAP, "per-row snapshots are taken row by row (CHUNK = 0)")
         s = _rows_chunked(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv,
                           cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, M, W, HV, DV, KC, BLOCK_V, CHUNK)
     tl.debug_barrier()  # every old state value this CTA reads has been read
@@ -631,6 +722,29 @@ def gdn_rows_norm_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, 
     every channel has exactly one owner, which alone reads its old state and writes the new one, so
     the in-place update is race-free (and the result is a copy of inputs: deterministic). It runs
     after ``gdn_rows_delta_kernel`` (same stream), the last reader of the old conv state."""
+    _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, out_ptr, conv_state_ptr, z,
+                   qkv, eps, M, W, HV, DV, C, KC, BLOCK_M, BLOCK_DV, CH_PER_PROG, BLOCK_CH, False, PDL)
+
+
+@triton.jit
+def gdn_rows_norm_snap_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, conv_snap_ptr,
+                              out_ptr, z, qkv, eps, M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr,
+                              DV: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_DV: tl.constexpr, CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """``gdn_rows_norm_snap_ref``: ``gdn_rows_norm_kernel`` that also writes, for its own channels, the
+    conv window after every valid row r < M - 1 into conv_snap[r] ([M - 1, C, KC - 1]; the verify's
+    rollback points, made from the same inputs before the in-place update)."""
+    _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, out_ptr, conv_snap_ptr, z,
+                   qkv, eps, M, W, HV, DV, C, KC, BLOCK_M, BLOCK_DV, CH_PER_PROG, BLOCK_CH, True, PDL)
+
+
+@triton.jit
+def _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, out_ptr, snap_ptr, z, qkv,
+                   eps, M: tl.constexpr, W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                   KC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, CH_PER_PROG: tl.constexpr,
+                   BLOCK_CH: tl.constexpr, SNAP: tl.constexpr, PDL: tl.constexpr):
+    """The body of the two kernels above (SNAP: the conv-window snapshots)."""
     pdl_wait(PDL)
     tl.static_assert(M * W < 2**31)
     KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
@@ -661,5 +775,41 @@ def gdn_rows_norm_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, 
     xs = tl.load(x_ptr + t * W + qkv + ch[:, None], mask=m & (t >= 0), other=0.0)
     st = tl.load(conv_state_ptr + ch[:, None] * (KC - 1) + (t + (KC - 1)), mask=m & (t < 0), other=0.0)
     new = tl.where(t >= 0, xs.to(tl.float32), st.to(tl.float32))
+    if SNAP:  # the window after each valid row r < M - 1 (row r + 1 - (KC - 1) + i is column i's input)
+        for r in tl.static_range(M - 1):
+            tr = r + 1 - (KC - 1) + i
+            xr = tl.load(x_ptr + tr * W + qkv + ch[:, None], mask=m & (tr >= 0), other=0.0)
+            sr = tl.load(conv_state_ptr + ch[:, None] * (KC - 1) + (tr + (KC - 1)), mask=m & (tr < 0), other=0.0)
+            tl.store(snap_ptr + r * (C * (KC - 1)) + ch[:, None] * (KC - 1) + i,
+                     tl.where(tr >= 0, xr.to(tl.float32), sr.to(tl.float32)), mask=m & (r < valid))
     tl.debug_barrier()  # every old state value this CTA reads has been read
     tl.store(conv_state_ptr + ch[:, None] * (KC - 1) + i, new, mask=m)
+
+
+def gdn_rollback_launch(hv: int, dk: int, dv: int, channels: int, kc: int, snaps: int, target) -> dict:
+    """``gdn_rollback_kernel``: grid [cdiv(max(HV*DK*DV, C*(KC-1)), BLOCK), 2]: axis 1 picks the recurrent
+    state (0) or the conv window (1); BLOCK and warps from ``target.rules["speculative"]``."""
+    r = target.rules["speculative"]
+    n_rec, n_conv = hv * dk * dv, channels * (kc - 1)
+    return {"grid": [-(-max(n_rec, n_conv) // r.block), 2, 1], "num_warps": r.num_warps,
+            "constexprs": {"N_REC": n_rec, "N_CONV": n_conv, "SNAPS": snaps, "BLOCK": r.block}}
+
+
+@triton.jit
+def gdn_rollback_kernel(rec_state_ptr, rec_snap_ptr, conv_state_ptr, conv_snap_ptr, pos_ptr, npos_ptr,
+                        N_REC: tl.constexpr, N_CONV: tl.constexpr, SNAPS: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """``gdn_rollback_ref``: with kept = npos - pos rows accepted of the SNAPS + 1 verified, states <-
+    snapshot kept - 1 when kept <= SNAPS (after all rows the states are already in place). Each program
+    copies its own BLOCK elements of one of the two states (axis 1), so nothing races."""
+    pdl_wait(PDL)
+    kept = tl.load(npos_ptr) - tl.load(pos_ptr)
+    use = (kept >= 1) & (kept <= SNAPS)
+    snap = tl.minimum(tl.maximum(kept - 1, 0), SNAPS - 1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if tl.program_id(1) == 0:
+        m = (offs < N_REC) & use
+        tl.store(rec_state_ptr + offs, tl.load(rec_snap_ptr + snap * N_REC + offs, mask=m), mask=m)
+    else:
+        m = (offs < N_CONV) & use
+        tl.store(conv_state_ptr + offs, tl.load(conv_snap_ptr + snap * N_CONV + offs, mask=m), mask=m)

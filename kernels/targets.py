@@ -206,6 +206,9 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "sample": SampleRule(tile=4096, cand=32, num_warps=8, max_block=2048, min_block=512,
                          provenance=(RULE_OF_THUMB, _RESULTS + "stop18/device-call3-console.txt")),
     "step_end": WarpsRule(num_warps=1, provenance=(RULE_OF_THUMB,)),
+    # the speculative iteration's row argmax and the MTP head's join (kernels/speculative.py, kernels/mtp.py):
+    # not timed (no device here when they were written)
+    "speculative": BlockRule(block=2048, num_warps=4, provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

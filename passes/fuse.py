@@ -17,11 +17,13 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
   4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
      row-concatenated weight, its result sliced back (slices of a vector are free views; at M rows
-     the slices are along the last axis)
+     the slices are along the last axis); the same siblings read by another vector (the MTP head's
+     rows and its one-row drafts) share that weight
   6. at M rows, the row mixers reading column slices of one projection matrix (what 5 made) read the
      matrix itself, with the columns as offsets (a column slice of [M, N] is not a view):
      ``gdn_rows`` + its ``gated_rmsnorm`` -> ``gdn_rows_delta`` then ``gdn_rows_norm`` (the same split,
-     for the same reason, as 2); ``attn_rows`` -> ``attn_rows_kv`` (the chunk's keys and values into
+     for the same reason, as 2; the speculative verify's ``gdn_rows_snap`` likewise -> ``gdn_rows_delta_snap``
+     then ``gdn_rows_norm_snap``); ``attn_rows`` -> ``attn_rows_kv`` (the chunk's keys and values into
      the caches) then ``attn_rows_q`` (the queries over the caches: every row's K/V is in place before
      any query reads it)
   7. at one row, an ``add_rmsnorm`` between two matrix products (the residual add after a mixer's or
@@ -237,10 +239,13 @@ def _concat_siblings(p: Program) -> int:
         ws = [op.ins[1] for op in ops]
         rows = sum(w.type.shape[0] for w in ws)
         name = _concat_name(ws)
-        if name in p.weights:
-            continue
-        cat = p.add_weight(name, ws[0].type.dtype, (rows, ws[0].type.shape[1]),
-                           ["concat", 0] + [w.source for w in ws])
+        source = ["concat", 0] + [w.source for w in ws]
+        cat = p.weights.get(name)
+        if cat is None:
+            cat = p.add_weight(name, ws[0].type.dtype, (rows, ws[0].type.shape[1]), source)
+        elif cat.source != source or cat.type != type(ws[0].type)(ws[0].type.dtype, (rows, ws[0].type.shape[1])):
+            continue  # (the same weights read by another input, e.g. the MTP head's rows and its one-row drafts,
+            # share one concatenation)
         lead = ops[0].ins[0].type.shape[:-1]  # () for one row, (M,) for M rows
         out = Value(TensorType("f32", lead + (rows,)))
         first = min(p.ops.index(op) for op in ops)
@@ -271,8 +276,9 @@ def _column_slices(g: _Graph, values) -> tuple[Value, list[int]] | None:
 def _fuse_rows(p: Program) -> int:
     g, n = _Graph(p), 0
     for op in list(p.ops):
-        if op.kind == "gdn_rows":
-            qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt = op.ins
+        if op.kind in ("gdn_rows", "gdn_rows_snap"):
+            qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt = op.ins[:10]
+            snap = op.kind == "gdn_rows_snap"  # the speculative verify's: the states after each row kept
             cols = _column_slices(g, (qkv, b, a))
             r1 = g.only_user(op.outs[0])
             norm = r1 and r1.kind == "reshape" and g.only_user(r1.outs[0])
@@ -283,9 +289,11 @@ def _fuse_rows(p: Program) -> int:
                 continue
             x, (c_qkv, c_b, c_a) = cols
             o_raw = Value(TensorType("f32", op.outs[0].type.shape))
-            delta = Op("gdn_rows_delta", [o_raw], [x, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt],
+            delta = Op("gdn_rows_delta_snap" if snap else "gdn_rows_delta", [o_raw],
+                       [x, conv_state, conv_w, a_log, dt_bias, rec, pos, n_prompt] + op.ins[10:11],
                        {"qkv": c_qkv, "b": c_b, "a": c_a, **op.attrs})
-            gnorm = Op("gdn_rows_norm", [flat.outs[0]], [o_raw, x, norm.ins[2], conv_state, pos, n_prompt],
+            gnorm = Op("gdn_rows_norm_snap" if snap else "gdn_rows_norm", [flat.outs[0]],
+                       [o_raw, x, norm.ins[2], conv_state, pos, n_prompt] + op.ins[11:12],
                        {"z": zcols[1][0], "qkv": c_qkv, "eps": norm.attrs["eps"]})
             i = p.ops.index(flat)
             p.ops[i:i + 1] = [delta, gnorm]

@@ -247,11 +247,16 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
             "stopped_by": gen.stopped_by,
             "graph_fallbacks": getattr(step, "graph_fallbacks", 0),
             "weights": "random" if plan.random_weights else "checkpoint",
+            "draft_tokens": gen.draft_tokens,
+            "accepted_per_step": None if gen.accepted_per_step is None else round(gen.accepted_per_step, 4),
+            "speculative_iterations": gen.spec_iterations,
         }))
     else:
         stream.close()
+        spec = (f"; speculative: {gen.accepted_per_step:.2f} of {gen.draft_tokens} drafts accepted per iteration "
+                f"({gen.spec_iterations} iterations)" if gen.spec_iterations else "")
         click.echo(f"[{step.mode}] {len(ids)} prompt tokens, {len(gen.tokens)} generated "
-                   f"({gen.stopped_by}), {gen.ms_per_token:.2f} ms/token", err=True)
+                   f"({gen.stopped_by}), {gen.ms_per_token:.2f} ms/token{spec}", err=True)
 
 
 def _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, vocab_size, as_json) -> None:

@@ -43,18 +43,24 @@ class CpuStep:
     synchronous = True  # run() returns once the steps are done
 
     def __init__(self, plan: Plan | None = None, *, program: Program | None = None, weights=None,
-                 max_seq: int | None = None, prefill_program: Program | None = None):
+                 max_seq: int | None = None, prefill_program: Program | None = None,
+                 spec_programs: tuple[Program, Program] | None = None):
         if plan is not None:
             program = parse_program(plan.program_text)
             if plan.prefill_program_text is not None:
                 prefill_program = parse_program(plan.prefill_program_text)
+            if plan.spec_programs is not None:
+                spec_programs = tuple(parse_program(t) for t in plan.spec_programs)
             max_seq = plan.manifest["max_seq"]
+            every = dict(program.weights)  # the step's weights and the speculative programs' (the MTP head's)
+            for p in spec_programs or ():
+                every.update({n: w for n, w in p.weights.items() if n not in every})
             if plan.random_weights is not None:  # the same words the GPU's fill kernel writes
                 words = fill_random_ref(program.arena["weights"] // 4, plan.random_weights["seed"]).view(np.uint8)
                 weights = {name: weight_tensor(words[w.loc[1]:w.loc[1] + w.type.nbytes], w)
-                           for name, w in program.weights.items()}
+                           for name, w in every.items()}
             else:
-                weights = {name: weight_tensor(plan.read(name), w) for name, w in program.weights.items()}
+                weights = {name: weight_tensor(plan.read(name), w) for name, w in every.items()}
         self.program = prog = program
         # the M-row step (a prompt chunk of prefill_rows tokens a run), sharing weights, states and dyn slots
         self.prefill_program = prefill_program
@@ -65,13 +71,19 @@ class CpuStep:
         self.host_step_end = not any(op.kind == "step_end" for op in prog.ops)
         if TOKENS_STATE not in prog.states or "n_prompt" not in prog.dyn:
             raise IRError(f"the program declares no token sequence (state {TOKENS_STATE}, dyn n_prompt) to run from")
-        self.states = {name: torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype])
-                       for name, s in prog.states.items()}
-        self.dyn: dict[str, int | float] = {name: 0 for name in prog.dyn}
-        if prefill_program is not None:
-            self.dyn.update({name: 0 for name in prefill_program.dyn})
+        # speculative decoding (--speculative mtp): its prefill and iteration, K drafts an iteration
+        self.spec_prefill_program, self.spec_program = spec_programs or (None, None)
+        self.spec_k = next((op.attrs["rows"] - 1 for op in self.spec_program.ops if op.kind == "spec_begin"), 0) \
+            if self.spec_program is not None else 0
+        progs = [p for p in (prog, prefill_program, self.spec_prefill_program, self.spec_program) if p is not None]
+        self.states = {}
+        for p in progs:  # every program's states (the MTP head's KV caches, the rollback snapshots)
+            for name, s in p.states.items():
+                self.states.setdefault(name, torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype]))
+        self.dyn: dict[str, int | float] = {name: 0 for p in progs for name in p.dyn}
         self.outputs: dict[str, torch.Tensor] = {}
         self.op_ms: list | None = None  # when a list: each launch's (non-view op's) host time, in ms
+        self.accepted_log: list[int] = []  # drafts accepted by each speculative iteration run
 
     def reset(self) -> None:
         for s in self.states.values():
@@ -112,6 +124,28 @@ class CpuStep:
             self._run(self.prefill_program)
         if marks is not None:
             marks.append(time.perf_counter())
+
+    def run_spec_prefill(self, n: int = 1, marks: list | None = None) -> None:
+        """``run_prefill`` with the speculative prefill: the M-row step that also runs the MTP head over the
+        chunk and, after the prompt's last chunk, leaves K drafts at tokens[n_prompt + 1 ..]."""
+        for _ in range(n):
+            self._run(self.spec_prefill_program)
+        if marks is not None:
+            marks.append(time.perf_counter())
+
+    def run_spec(self, n: int = 1, marks: list | None = None) -> None:
+        """``n`` speculative iterations: each verifies the token at dyn.pos and the K drafts after it, accepts
+        on the device, rolls the recurrent states back and drafts the next K; pos advances by 1 .. K + 1.
+        ``marks`` receives a timestamp after each iteration."""
+        for _ in range(n):
+            self._run(self.spec_program)
+            self.accepted_log.append(int(self.dyn["accepted"]))
+            if marks is not None:
+                marks.append(time.perf_counter())
+
+    def read_spec(self, lo: int, hi: int) -> "_Ready":
+        """tokens[lo:hi] and dyn.pos, as they stand after the iterations run so far."""
+        return _Ready(([int(t) for t in self.states[TOKENS_STATE][lo:hi]], int(self.dyn["pos"])))
 
     def _step(self) -> None:
         self._run(self.program)
@@ -154,9 +188,9 @@ class CpuStep:
 
 
 class _Ready:
-    """The CPU path's answer to read_tokens: already there."""
+    """The CPU path's answer to read_tokens and read_spec: already there."""
 
-    def __init__(self, tokens: list[int]):
+    def __init__(self, tokens):
         self.tokens = tokens
 
     def wait(self) -> list[int]:

@@ -11,7 +11,20 @@ A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
     ``dyn`` (the slots, dict-like), ``reset()``, ``max_seq``, ``mode``, and ``synchronous``: whether
     ``run`` has finished the steps when it returns (the CPU path) or only enqueued them (GPU).
   * ``prefill_rows`` and ``run_prefill(n, marks=None)``: the M-row step, when the plan has one (0 if not).
+  * ``spec_k`` (0 if none), ``run_spec_prefill(n, marks=None)``, ``run_spec(n, marks=None)`` and
+    ``read_spec(lo, hi)`` (a handle whose ``wait()`` returns (tokens[lo:hi], pos)): speculative decoding,
+    when the plan has it (``kestrelc build --speculative mtp``; today the CPU path runs it).
 Prefill runs the same step once per prompt token, or the M-row step once per chunk of M tokens.
+
+Speculative decoding (``_speculate``; greedy requests on a plan built with ``--speculative mtp``): the
+speculative prefill leaves the first token and K drafts in ``tokens``; each iteration then verifies,
+accepts on the device and drafts again, advancing pos by 1 .. K + 1. Iterations are enqueued in
+batches; after each batch an asynchronous read-back brings dyn.pos and the rows of ``tokens`` the batch
+may have written, and the host waits for a batch only once the next is enqueued, as for the one-token
+step. An iteration at position p writes up to row p + 2K + 1, so iterations run while that fits in
+max_seq; the rest (and temperature > 0, ``--dump``, chats) is plain decoding, which continues from any
+iteration's end exactly (the iteration leaves pos, token and every state where the one-token step would
+have them).
 """
 from __future__ import annotations
 
@@ -55,6 +68,14 @@ class Generation:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     stopped_by: str = "max_tokens"
+    draft_tokens: int = 0  # K of a speculative run (0: plain decoding)
+    spec_iterations: int = 0  # speculative iterations whose tokens reached the host
+    spec_accepted: int = 0  # drafts they accepted, in all
+
+    @property
+    def accepted_per_step(self) -> float | None:
+        """Mean drafts accepted per speculative iteration (0 .. K), or None without speculation."""
+        return self.spec_accepted / self.spec_iterations if self.spec_iterations else None
 
     @property
     def ms_per_token(self) -> float:
@@ -119,6 +140,9 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
 
     rows = getattr(step, "prefill_rows", 0) if dumper is None else 0  # a dump records every prompt step
     chunks = -(-(n - resume_from) // rows) if rows else 0
+    k = getattr(step, "spec_k", 0)
+    speculate = (k > 0 and rows > 0 and not hooks and resume_from == 0 and sampling.temperature == 0
+                 and max_new_tokens > 1 and n + 2 * k + 2 <= step.max_seq)  # room for one iteration at least
 
     t0 = time.perf_counter()
     step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from,
@@ -147,18 +171,27 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
         gen.tokens = seq[n:]
     else:
         batch = max(1, readback_every // 2)
-        if rows:
+        if speculate:
+            step.run_spec_prefill(chunks, marks)
+        elif rows:
             step.run_prefill(chunks, marks)
         else:
             step.run(n - resume_from, marks)  # prefill: the last prompt step samples tokens[n]
         if marks is not None:
             del marks[:-1]  # time decode steps only, from the end of prefill
-        inflight, hi = [step.read_tokens(n, n + 1)], n + 1
         first = True
         if step.synchronous:  # the CPU path ran the prefill inside run(): it ends here, not at the first read
             gen.prefill_ms = (time.perf_counter() - t0) * 1e3
             t1, first = time.perf_counter(), False
-        while inflight:
+        if speculate:
+            t_first = _speculate(step, gen, n, end, k, eos_ids, on_tokens, batch, marks)
+            if first:
+                gen.prefill_ms = (t_first - t0) * 1e3
+                t1, first = t_first, False
+            inflight, hi = [], n + len(gen.tokens)  # plain steps take up from the last iteration's end
+        else:
+            inflight, hi = [step.read_tokens(n, n + 1)], n + 1
+        while inflight or (gen.stopped_by != "eos" and hi < end):
             if hi < end and len(inflight) < 2:
                 m = min(batch, end - hi)
                 step.run(m, marks)
@@ -184,6 +217,53 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     if dumper:
         dumper.close(step)
     return gen
+
+
+def _speculate(step, gen: Generation, n: int, end: int, k: int, eos_ids, on_tokens, batch: int,
+               marks: list | None) -> float:
+    """Speculative iterations after the speculative prefill, until tokens[n:end] are in (or an EOS, or
+    no iteration fits before max_seq any more: the caller finishes with plain steps). Batches of up to
+    ``batch`` iterations, each followed by an asynchronous read-back of (tokens, pos); two in flight.
+    Iterations a batch need not run (the tokens are in) are not enqueued: each gives at least one token.
+    Returns the time the first read-back (the prefill's token) arrived."""
+    gen.draft_tokens = k
+    limit = step.max_seq - 2 * k - 2  # an iteration at pos p writes rows up to p + 2k + 1
+    lo = hi = n  # bounds of pos once everything enqueued has run
+    inflight = [(step.read_spec(n, n + 1), 0, n)]  # (read-back, iterations before it, its first token index)
+    got, t_first, pos = n, None, n  # tokens[n:got] are in gen.tokens; pos: exact, as of the last read-back
+    while inflight:
+        if len(inflight) < 2 and lo < end - 1 and hi <= limit:
+            b = min(batch, end - 1 - lo, (limit - hi) // (k + 1) + 1)
+            step.run_spec(b, marks)
+            # tokens the batch may write: after the lowest position it can start from, up to the highest it can
+            # reach (every token up to the exact start has been read by the time this read-back is)
+            inflight.append((step.read_spec(lo + 1, min(hi + b * (k + 1) + 1, step.max_seq)), b, lo + 1))
+            lo, hi = lo + b, hi + b * (k + 1)
+            continue
+        handle, b, first_index = inflight.pop(0)
+        toks, new_pos = handle.wait()
+        if t_first is None:
+            t_first = time.perf_counter()
+        if b:
+            gen.spec_iterations += b
+            gen.spec_accepted += new_pos - pos - b  # each iteration gives its accepted drafts + 1
+        fresh = toks[got - first_index:new_pos + 1 - first_index]  # tokens[got .. new_pos]
+        pos, got = new_pos, new_pos + 1
+        rest = sum(r[1] for r in inflight)  # the bounds again, from the exact position
+        lo, hi = pos + rest, pos + rest * (k + 1)
+        kept = len(gen.tokens)
+        for t in fresh:
+            if len(gen.tokens) == end - n:
+                break
+            gen.tokens.append(t)
+            if t in eos_ids:
+                gen.stopped_by = "eos"
+                break
+        if on_tokens and len(gen.tokens) > kept:
+            on_tokens(gen.tokens[kept:])
+        if gen.stopped_by == "eos" or len(gen.tokens) == end - n:
+            break  # iterations still in flight are overrun: discarded
+    return t_first if t_first is not None else time.perf_counter()
 
 
 class _Dumper:

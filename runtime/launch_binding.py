@@ -45,6 +45,10 @@ class Binding:
     prefill_rows: int = 0  # the M-row step's rows (0: the plan has none)
     prefill_launches: list[BoundLaunch] | None = None  # the M-row step, in order
     prefill_outputs: dict[str, Buffer] | None = None  # its outputs (the chunk's last valid row)
+    draft_tokens: int = 0  # speculative decoding's K (0: the plan has none)
+    spec_prefill_launches: list[BoundLaunch] | None = None  # the speculative prefill, in order
+    spec_launches: list[BoundLaunch] | None = None  # one speculative iteration, in order
+    spec_outputs: dict[str, Buffer] | None = None  # the iteration's outputs (the verify's rows)
 
 
 def _bind_launch(lp: dict, launch: dict, regions: dict[str, int]) -> BoundLaunch:
@@ -62,6 +66,7 @@ def bind(lp: dict, base: int) -> Binding:
     def buffer(p: dict) -> Buffer:
         return Buffer(regions[p["region"]] + p["offset"], p["dtype"], p["numel"])
 
+    spec = lp.get("speculative")
     return Binding(
         arena_bytes=lp["arena_bytes"], regions=regions,
         launches=[_bind_launch(lp, launch, regions) for launch in lp["launches"]],
@@ -76,7 +81,13 @@ def bind(lp: dict, base: int) -> Binding:
         prefill_launches=[_bind_launch(lp, launch, regions) for launch in lp["prefill"]["launches"]]
         if lp.get("prefill") else None,
         prefill_outputs={name: buffer(p) for name, p in lp["prefill"]["outputs"].items()}
-        if lp.get("prefill") else None)
+        if lp.get("prefill") else None,
+        draft_tokens=spec["draft_tokens"] if spec else 0,
+        spec_prefill_launches=[_bind_launch(lp, launch, regions) for launch in spec["prefill"]["launches"]]
+        if spec else None,
+        spec_launches=[_bind_launch(lp, launch, regions) for launch in spec["iteration"]["launches"]]
+        if spec else None,
+        spec_outputs={name: buffer(p) for name, p in spec["iteration"]["outputs"].items()} if spec else None)
 
 
 def bytes_per_step(step_bytes: dict, mean_len: float) -> int:

@@ -80,6 +80,31 @@ def hf_greedy(model, prompt: list[int], n_new: int) -> tuple[list[int], torch.Te
     return tokens, torch.stack([l[0] for l in out.logits]).float()
 
 
+def add_mtp_head(folder: str, seed: int = 1, tensors: dict | None = None) -> dict:
+    """Give the checkpoint in ``folder`` (a single model.safetensors) an MTP head as Qwen3.5 releases
+    ship one: ``mtp.*`` tensors (random, with the spread of ``random_weights``, unless ``tensors`` gives
+    them by name) and ``mtp_num_hidden_layers`` 1 in config.json. Returns the head's tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kestrel.compiler.frontend import mtp_expected_tensors, read_config
+
+    cfg = read_config(folder)[1]
+    shapes = dict(mtp_expected_tensors(cfg))
+    head = tensors or {k: torch.from_numpy(v) for k, v in random_weights(shapes, seed).items()}
+    path = os.path.join(folder, "model.safetensors")
+    saved = load_file(path)
+    saved.update({k: v.contiguous().float() for k, v in head.items()})
+    save_file(saved, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)
+    (raw.get("text_config") if raw.get("model_type") == "qwen3_5" else raw)["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    return head
+
+
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 HELD_OUT = os.path.join(GOLDEN, "plan_memory", "tied_two_layers_q4.in.ir")
 

@@ -160,3 +160,69 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
         cpu.run()
         assert gpu.dyn("pos") == cpu.dyn["pos"]
         close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
+
+
+def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_checkpoint, tmp_path):
+    """--speculative mtp (K = 2, bf16): the speculative prefill's and iteration's launch lists (the MTP
+    head over rows and one row, the verify with snapshots, acceptance, rollback, drafts) in the
+    interpreter against the CPU path: the same drafts, acceptances, positions and token sequence,
+    states within the GEMM's bf16 rounding; then the one-token step takes over from the states the
+    iterations left. (A prompt of one partial chunk and two iterations: the interpreter is slow; the
+    CPU path's tests cover many chunks and iterations.)"""
+    import shutil
+
+    from conftest import run_cli
+    from hf_checkpoints import add_mtp_head
+
+    ckpt = str(tmp_path / "mtp")
+    shutil.copytree(mini_checkpoint, ckpt)
+    add_mtp_head(ckpt, seed=14)  # (a head whose drafts have no near-tie the GEMM's bf16 rounding could flip)
+    path = str(tmp_path / "mini-spec.plan")
+    r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "bf16", "--max-seq", "24",
+                "--prefill-rows", "4", "--speculative", "mtp", "--draft-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(path)
+    gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
+    assert gpu.b.draft_tokens == cpu.spec_k == 2
+    prompt = [5, 9, 3]
+    cpu.begin(prompt, 0.0, 1.0, 0)
+    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", 5), ("n_prompt", len(prompt))):
+        gpu.dyn(name, v)
+    tokens = gpu.view(gpu.b.tokens.address, "*i32")[:gpu.b.tokens.numel]
+    tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+
+    def close(what, g, c, bound):
+        rel = ((g - c).abs().max() / c.abs().max()).item()
+        assert rel < bound, f"{what} differ by {rel:.2e}"
+
+    def state(name):
+        w = cpu.states[name]
+        st = next(p.states[name] for p in (cpu.spec_program, cpu.program) if name in p.states)
+        g = gpu.view(gpu.b.regions["state"] + st.loc[1], {"f32": "*fp32", "bf16": "*bf16"}[st.type.dtype])
+        return g[:st.type.numel].float().reshape(st.type.shape), w.float()
+
+    for chunk in range(1):
+        gpu.run(gpu.b.spec_prefill_launches)
+        cpu.run_spec_prefill(1)
+        for slot in ("pos", "token", "sampled", "dpos", "draft"):
+            assert gpu.dyn(slot) == cpu.dyn[slot], f"prefill chunk {chunk}: dyn.{slot}"
+        assert torch.equal(tokens, cpu.states["tokens"]), f"prefill chunk {chunk}: token sequence"
+    close("prefill: the head's k cache", *state("mtp.layers.0.k_cache"), 3e-2)
+    accepted = []
+    for it in range(2):
+        gpu.run(gpu.b.spec_launches)
+        cpu.run_spec(1)
+        for slot in ("pos", "token", "sampled", "npos", "dpos", "draft", "accepted", "vend"):
+            assert gpu.dyn(slot) == cpu.dyn[slot], f"iteration {it}: dyn.{slot}"
+        assert torch.equal(tokens, cpu.states["tokens"]), f"iteration {it}: token sequence"
+        close(f"iteration {it}: verify logits", gpu.view(gpu.b.spec_outputs["logits"].address, "*fp32")[
+            :gpu.b.spec_outputs["logits"].numel], cpu.outputs["logits"].reshape(-1), 3e-2)
+        for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.0.recurrent_snap"):
+            close(f"iteration {it}: {name}", *state(name), 3e-2)
+        accepted.append(gpu.dyn("accepted"))
+    print(f"accepted per iteration: {accepted}")
+    for step in range(1):  # the one-token step continues from the iterations' states
+        gpu.run()
+        cpu.run()
+        assert gpu.dyn("pos") == cpu.dyn["pos"] and gpu.dyn("sampled") == cpu.dyn["sampled"]
+        close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)

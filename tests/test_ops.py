@@ -11,7 +11,7 @@ from triton.runtime.jit import JITFunction
 from kestrel.compiler.frontend import parse_config
 from kestrel.compiler.ops import OPS, Kernel, NotApplicable, is_view
 from kestrel.compiler.presets import PRESETS
-from kestrel.compiler.qwen3_5 import lower
+from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.passes.pipeline import PassOptions, run_passes
 
 
@@ -44,10 +44,18 @@ def _tiny_gpu_program(rows: int = 0):
     return run_passes(lower(cfg, 64, rows=rows), PassOptions("sm_90", "q4", shares_arena_with=one))
 
 
+def _tiny_speculative_programs():
+    """The speculative prefill and iteration of tiny-mtp (K = 2) for sm_90, q4."""
+    cfg = parse_config(PRESETS["tiny-mtp"], "preset tiny-mtp")
+    rows = _tiny_gpu_program(rows=8)
+    pre = run_passes(lower_speculative(cfg, 64, 2, prefill_rows=8), PassOptions("sm_90", "q4", shares_arena_with=rows))
+    return pre, run_passes(lower_speculative(cfg, 64, 2), PassOptions("sm_90", "q4", shares_arena_with=pre))
+
+
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
-    for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8)):
+    for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), *_tiny_speculative_programs()):
         for op in prog.ops:
             if is_view(op):
                 continue

@@ -230,3 +230,27 @@ def test_bench_reports_both_bandwidths(plan, tmp_path):
     assert r["read_bandwidth_GBps"] > 0 and r["copy_bandwidth_GBps"] > 0
     assert r["bandwidth_GBps"] == max(r["read_bandwidth_GBps"], r["copy_bandwidth_GBps"])
     assert r["roofline_ms"] == pytest.approx(r["bytes_per_token"] / (r["bandwidth_GBps"] * 1e9) * 1e3)
+
+
+def test_gpu_runtime_decodes_a_speculative_plan_plainly(tmp_path):
+    """The GPU runtime does not run the speculative programs yet: on a --speculative mtp plan it uploads
+    the MTP head's weights with the rest and runs the plain M-row prefill and one-token steps, none of
+    the speculative launches, and says so in --json (no drafts)."""
+    path = str(tmp_path / "tiny-mtp.plan")
+    r = run_cli("kestrelc", "build", "tiny-mtp", "-o", path, "--target", "sm_90", "--max-seq", "32",
+                "--speculative", "mtp", "--draft-tokens", "1")
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=path, extra=["--no-graph"])],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    out, report = json.loads(lines[-2]), json.loads(lines[-1])
+    assert report["forbidden"] == [] and out["draft_tokens"] == 0 and out["accepted_per_step"] is None
+    lp = load_plan(path).launch_plan
+    assert lp["speculative"]["draft_tokens"] == 1 and any(w["name"].startswith("mtp.") for w in lp["weights"])
+    assert report["calls"]["cuMemcpyHtoDAsync"] == len(lp["weights"]) + 2
+    names = [k["name"] for k in lp["kernels"]]
+    plain = [names[launch["kernel_index"]] for launch in lp["prefill"]["launches"]] + \
+        [names[launch["kernel_index"]] for launch in lp["launches"]] * 5
+    assert [name for name, *_ in report["launches"]] == plain

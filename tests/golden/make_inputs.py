@@ -13,7 +13,7 @@ import os
 from kestrel.compiler.frontend import parse_config
 from kestrel.compiler.ir_text import parse_program, print_program
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
-from kestrel.compiler.qwen3_5 import lower
+from kestrel.compiler.qwen3_5 import lower, lower_speculative
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,6 +35,7 @@ MODELS = {
 }
 MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
 ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4)}  # the M-row step of a model: (model, M)
+SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1)}  # the speculative iteration of a model: (model, K)
 
 # Hand-written programs (also exercise the parser).
 NOTHING_TO_FUSE = """kestrel.step v1
@@ -97,7 +98,7 @@ CASES = {
     "fuse": [("gdn_layer", "gdn_layer", {}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
              ("rows4_tied_two_layers", "tied_two_layers_rows4", {}),
              ("attn_layer_gqa4", "attn_layer_gqa4", {}), ("tied_two_layers", "tied_two_layers", {}),
-             ("nothing_to_fuse", NOTHING_TO_FUSE, {})],
+             ("nothing_to_fuse", NOTHING_TO_FUSE, {}), ("spec_k1_tied_two_layers", "tied_two_layers_spec_k1", {})],
     "quantize": [("bf16_gdn_layer", "gdn_layer", {"quant": "bf16"}),
                  ("q4_g64_attn_layer", "attn_layer_mha", {"quant": "q4", "q4_group": 64}),
                  ("q4_tied_lm_head_copy", "tied_two_layers", {"quant": "q4"}),
@@ -118,6 +119,10 @@ CASES = {
 def program_for(model: str):
     if model.startswith("kestrel.step"):
         return parse_program(model)
+    if model in SPEC:
+        model, k = SPEC[model]
+        return lower_speculative(parse_config(dict(BASE, **MODELS[model])), max_seq=MAX_SEQ.get(model, 8),
+                                 draft_tokens=k)
     model, rows = ROWS.get(model, (model, 0))
     return lower(parse_config(dict(BASE, **MODELS[model])), max_seq=MAX_SEQ.get(model, 8), rows=rows)
 

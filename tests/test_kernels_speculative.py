@@ -1,0 +1,278 @@
+"""The speculative iteration's kernels (--speculative mtp) in Triton's interpreter against their torch
+references: the MTP head's join (concat), its input tokens (embedding_next_rows), the device-side
+decisions (spec_begin, argmax_rows, accept, draft_end, spec_end), the verify's Gated DeltaNet with
+per-row snapshots (gdn_rows_delta_snap, gdn_rows_norm_snap) and the rollback (gdn_rollback); and every
+one AOT-compiled for every GPU target (one clean subprocess)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.compiler.ops import OPS
+from kestrel.kernels.embedding import embedding_next_rows_kernel, embedding_next_rows_ref, embedding_rows_launch
+from kestrel.kernels.gated_delta import (gdn_rollback_kernel, gdn_rollback_launch, gdn_rollback_ref,
+                                         gdn_rows_delta_launch, gdn_rows_delta_snap_kernel, gdn_rows_delta_snap_ref,
+                                         gdn_rows_norm_launch, gdn_rows_norm_snap_kernel, gdn_rows_norm_snap_ref,
+                                         gdn_rows_snap_ref)
+from kestrel.kernels.mtp import concat_kernel, concat_launch, concat_ref
+from kestrel.kernels.speculative import (accept_kernel, accept_ref, argmax_rows_kernel, argmax_rows_launch,
+                                         argmax_rows_ref, draft_end_kernel, draft_end_ref, spec_begin_kernel,
+                                         spec_begin_ref, spec_end_kernel, spec_end_ref)
+from kestrel.kernels.targets import ALL_TARGETS, TARGETS
+
+SM90 = TARGETS["sm_90"]
+
+
+def i32(v):
+    return torch.tensor([v], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_concat(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, y = torch.randn(rows, 100, generator=g), torch.randn(rows, 60, generator=g)
+    out = torch.full((rows, 160), float("nan"))
+    c = concat_launch(rows, 100, 60, SM90)
+    consts = dict(c["constexprs"], BLOCK=64)  # several programs per row, one straddling the join
+    interpret(concat_kernel)[(rows, 3)](x, y, out, **consts)
+    ref = concat_ref(x, y)
+    assert torch.equal(out, ref) and torch.equal(ref[:, :100], x) and torch.equal(ref[:, 100:], y)
+    assert c["grid"][0] == rows and c["grid"][1] * c["constexprs"]["BLOCK"] >= 160
+
+
+# (pos, bound): the verify's K + 1 rows (every row valid, the last from `sampled`), a prefill chunk that
+# ends the prompt inside it, one that does not end it, and no valid row
+NEXT_CASES = [(5, 9, 4), (0, 3, 6), (2, 20, 6), (7, 7, 4)]
+
+
+@pytest.mark.parametrize("pos,bound,rows", NEXT_CASES)
+def test_embedding_next_rows(pos, bound, rows):
+    g = torch.Generator().manual_seed(pos)
+    table = torch.randn(50, 200, generator=g)
+    tokens = torch.randint(0, 50, (16,), generator=g, dtype=torch.int32)
+    out = torch.full((rows, 200), float("nan"))
+    c = embedding_rows_launch(rows, 200, 16, SM90)
+    consts = dict(c["constexprs"], BLOCK=128)
+    interpret(embedding_next_rows_kernel)[(rows, 2)](table, tokens, i32(pos), i32(bound), i32(44), out, rows, **consts)
+    ref = embedding_next_rows_ref(table, tokens, pos, bound, 44, rows)
+    assert torch.equal(out, ref)
+    valid = max(0, min(rows, bound - pos))
+    for r in range(valid):  # the token after the row; the bound's last row takes `sampled`
+        want = int(tokens[pos + r + 1]) if pos + r + 1 < bound else 44
+        assert torch.equal(ref[r], table[want])
+    assert torch.equal(ref[valid:], torch.zeros_like(ref[valid:]))
+
+
+@pytest.mark.parametrize("vocab,block", [(1000, 256), (77, 32), (4096, 4096)])
+def test_argmax_rows_first_index_among_ties(vocab, block):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g)
+    logits[1, [3, vocab - 2]] = 9.0  # a tie across slices: the first index
+    logits[2, [vocab // 2, vocab // 2 + 1]] = 9.0  # inside one slice
+    logits[3, :] = 0.5  # all equal: index 0
+    out = torch.full((4,), -1, dtype=torch.int32)
+    interpret(argmax_rows_kernel)[(4,)](logits, out, V=vocab, BLOCK=block)
+    ref = argmax_rows_ref(logits)
+    assert torch.equal(out, ref)
+    assert ref[1] == 3 and ref[2] == vocab // 2 and ref[3] == 0
+    c = argmax_rows_launch(4, 248320, SM90)
+    assert c["grid"] == [4, 1, 1] and c["constexprs"]["BLOCK"] <= 248320
+
+
+@pytest.mark.parametrize("k,match", [(3, 3), (3, 0), (3, 1), (1, 1), (1, 0), (4, 2)])
+def test_accept(k, match):
+    """Drafts at tokens[pos+1..pos+k]; the target agrees on the first `match` of them."""
+    pos, s = 5, 16
+    tokens = torch.arange(100, 100 + s, dtype=torch.int32)
+    targets = torch.tensor([int(tokens[pos + 1 + i]) if i < match else 900 + i for i in range(k + 1)],
+                           dtype=torch.int32)
+    ref_tokens = tokens.clone()
+    npos, dpos, sampled, accepted = (i32(-9) for _ in range(4))
+    interpret(accept_kernel)[(1,)](targets, i32(pos), tokens, npos, dpos, sampled, accepted, R=k + 1, S=s,
+                                   BLOCK_R=8)
+    ref = accept_ref(targets, pos, ref_tokens)
+    assert (int(npos[0]), int(dpos[0]), int(sampled[0]), int(accepted[0])) == ref
+    assert torch.equal(tokens, ref_tokens)
+    a = min(match, k)
+    assert ref == (pos + a + 1, pos + a, int(targets[a]), a) and int(ref_tokens[pos + a + 1]) == int(targets[a])
+
+
+@pytest.mark.parametrize("dpos,n_prompt", [(9, 10), (8, 10), (3, 10), (14, 3)])
+def test_draft_end_spec_begin_spec_end(dpos, n_prompt):
+    """A draft lands two positions on unless that is a prompt position; the index is clamped."""
+    s = 16
+    tokens = torch.arange(s, dtype=torch.int32)
+    ref_tokens = tokens.clone()
+    slot = i32(dpos)
+    interpret(draft_end_kernel)[(1,)](slot, i32(77), i32(n_prompt), tokens, slot, S=s)
+    assert int(slot[0]) == draft_end_ref(dpos, 77, n_prompt, ref_tokens) == dpos + 1
+    assert torch.equal(tokens, ref_tokens)
+    assert (77 in ref_tokens.tolist()) == (dpos + 2 > n_prompt)
+    vend = i32(-1)
+    interpret(spec_begin_kernel)[(1,)](i32(dpos), vend, 4)
+    assert int(vend[0]) == spec_begin_ref(dpos, 4) == dpos + 4
+    pos, token = i32(-1), i32(-1)
+    interpret(spec_end_kernel)[(1,)](i32(dpos), i32(33), pos, token)
+    assert (int(pos[0]), int(token[0])) == spec_end_ref(dpos, 33) == (dpos, 33)
+
+
+def _gdn_case(dims, rows, seed):
+    hk, hv, dk, dv, kc = dims
+    c = 2 * hk * dk + hv * dv
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    layer = {"conv_state": r(c, kc - 1), "conv_w": r(c, kc) * 0.5, "a_log": r(hv) * 0.5, "dt_bias": r(hv) * 0.5,
+             "norm_w": 1.0 + 0.1 * r(dv), "rec_state": r(hv, dk, dv) * 0.3}
+    z, qkv = 0, hv * dv  # projection rows [z | qkv | b | a | pad]
+    b = qkv + c
+    a = b + hv
+    width = a + hv + 3
+    return layer, r(rows, width), (width, z, qkv, b, a, c)
+
+
+# (hk, hv, dk, dv, kc): grouped heads with several column blocks; non-power-of-two heads and 3 taps
+SNAP_SHAPES = [(2, 4, 16, 16, 4), (1, 2, 12, 24, 3)]
+
+
+@pytest.mark.parametrize("dims", SNAP_SHAPES)
+@pytest.mark.parametrize("valid", [4, 2])
+def test_gdn_rows_snap_kernels_and_rollback(dims, valid):
+    """A 4-row verify (3 snapshots) with every row valid or 2: the snapshot kernels against their
+    references (outputs, states, snapshots), the references against the unfused gdn_rows_snap_ref, and
+    the rollback to each kept count against running only the kept rows."""
+    hk, hv, dk, dv, kc = dims
+    rows, pos, scale = 4, 6, dk ** -0.5
+    layer, x, (width, z, qkv, b, a, c) = _gdn_case(dims, rows, seed=valid + hv)
+    start = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    rec_snap = torch.full((rows - 1, hv, dk, dv), float("nan"))
+    conv_snap = torch.full((rows - 1, c, kc - 1), float("nan"))
+    dl = gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, kc, SM90, chunk=0)
+    nl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90)
+    o_raw, out = torch.full((rows, hv * dv), float("nan")), torch.full((rows, hv * dv), float("nan"))
+    interpret(gdn_rows_delta_snap_kernel)[tuple(dl["grid"])](
+        x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], i32(pos),
+        i32(pos + valid), rec_snap, o_raw, qkv, b, a, 1e-6, scale, **dl["constexprs"])
+    interpret(gdn_rows_norm_snap_kernel)[tuple(nl["grid"])](
+        o_raw, x, layer["norm_w"], layer["conv_state"], i32(pos), i32(pos + valid), conv_snap, out, z, qkv, 1e-6,
+        **nl["constexprs"])
+    ref = {k: start[k].clone() for k in start}
+    r_rec, r_conv = torch.full_like(rec_snap, float("nan")), torch.full_like(conv_snap, float("nan"))
+    o_ref = gdn_rows_delta_snap_ref(x, ref["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"],
+                                    ref["rec_state"], pos, pos + valid, r_rec, qkv, b, a, 1e-6, scale)
+    out_ref = gdn_rows_norm_snap_ref(o_ref, x, layer["norm_w"], ref["conv_state"], pos, pos + valid, r_conv, z, qkv,
+                                     1e-6)
+    n = min(valid, rows - 1)  # snapshots taken
+    assert_close(o_raw, o_ref, 1e-5, 0.0, "o_raw")
+    assert_close(out, out_ref, 1e-5, 0.0, "out")
+    assert_close(layer["rec_state"], ref["rec_state"], 1e-5, 0.0, "rec_state")
+    assert torch.equal(layer["conv_state"], ref["conv_state"])
+    assert_close(rec_snap[:n], r_rec[:n], 1e-5, 0.0, "rec snapshots")
+    assert torch.equal(conv_snap[:n], r_conv[:n])
+    assert torch.isnan(rec_snap[n:]).all() and torch.isnan(conv_snap[n:]).all()  # no snapshot past the valid rows
+    # the fused references = the unfused op
+    u = {k: start[k].clone() for k in start}
+    u_rec, u_conv = torch.full_like(rec_snap, float("nan")), torch.full_like(conv_snap, float("nan"))
+    o_u = gdn_rows_snap_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], u["conv_state"], layer["conv_w"],
+                            layer["a_log"], layer["dt_bias"], u["rec_state"], pos, pos + valid, u_rec, u_conv, 1e-6,
+                            scale)
+    assert torch.equal(o_u, o_ref) and torch.equal(u_rec[:n], r_rec[:n]) and torch.equal(u_conv[:n], r_conv[:n])
+    assert torch.equal(u["rec_state"], ref["rec_state"]) and torch.equal(u["conv_state"], ref["conv_state"])
+    # rollback to each kept count == the states after only the kept rows
+    rl = gdn_rollback_launch(hv, dk, dv, c, kc, rows - 1, SM90)
+    assert rl["grid"][0] * rl["constexprs"]["BLOCK"] >= max(hv * dk * dv, c * (kc - 1)) and rl["grid"][1] == 2
+    grid = (-(-max(hv * dk * dv, c * (kc - 1)) // 64), 2)  # small blocks: several programs per state
+    for kept in range(1, valid + 1):
+        st = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
+        interpret(gdn_rollback_kernel)[grid](st["rec_state"], rec_snap, st["conv_state"], conv_snap, i32(pos),
+                                             i32(pos + kept), **dict(rl["constexprs"], BLOCK=64))
+        rb = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
+        gdn_rollback_ref(rb["rec_state"], rec_snap, rb["conv_state"], conv_snap, pos, pos + kept)
+        assert torch.equal(st["rec_state"], rb["rec_state"]) and torch.equal(st["conv_state"], rb["conv_state"])
+        only = {k: start[k].clone() for k in start}
+        gdn_rows_snap_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], only["conv_state"], layer["conv_w"],
+                          layer["a_log"], layer["dt_bias"], only["rec_state"], pos, pos + kept,
+                          torch.zeros_like(rec_snap), torch.zeros_like(conv_snap), 1e-6, scale)
+        assert torch.equal(rb["conv_state"], only["conv_state"])
+        assert_close(rb["rec_state"], only["rec_state"], 1e-6, 0.0, f"rollback to {kept} kept rows")
+
+
+# --- AOT: every new kernel for every GPU target, in one clean process --------------------------------
+
+def aot_jobs():
+    """(key, module:function, param types, constexprs, num_warps, cc) at the 27B shapes, K = 3."""
+    jobs = []
+    for name in ALL_TARGETS:
+        if name == "cpu":
+            continue
+        t = TARGETS[name]
+        cat = concat_launch(1, 5120, 5120, t)
+        nxt = embedding_rows_launch(4, 5120, 4096, t)
+        am = argmax_rows_launch(4, 248320, t)
+        hk, hv, dk, dv, kc, c, width = 16, 48, 128, 128, 4, 10240, 10240 + 48 * 128 + 96
+        dl = gdn_rows_delta_launch(4, width, hk, hv, dk, dv, kc, t, chunk=0)
+        nl = gdn_rows_norm_launch(4, width, hv, dv, c, kc, t)
+        rl = gdn_rollback_launch(hv, dk, dv, c, kc, 3, t)
+        one = t.rules["step_end"].num_warps
+        mod = "kestrel.kernels."
+        for key, fn, types, consts, warps in [
+            ("concat", "mtp:concat_kernel", ["*fp32"] * 3, cat["constexprs"], cat["num_warps"]),
+            ("embedding_next_rows_bf16", "embedding:embedding_next_rows_kernel",
+             ["*bf16", "*i32", "*i32", "*i32", "*i32", "*fp32", "i32"], nxt["constexprs"], nxt["num_warps"]),
+            ("spec_begin", "speculative:spec_begin_kernel", ["*i32", "*i32", "i32"], {}, one),
+            ("argmax_rows", "speculative:argmax_rows_kernel", ["*fp32", "*i32"], am["constexprs"], am["num_warps"]),
+            ("accept", "speculative:accept_kernel", ["*i32"] * 7, {"R": 4, "S": 4096, "BLOCK_R": 4}, one),
+            ("draft_end", "speculative:draft_end_kernel", ["*i32"] * 5, {"S": 4096}, one),
+            ("spec_end", "speculative:spec_end_kernel", ["*i32"] * 4, {}, one),
+            ("gdn_rows_delta_snap", "gated_delta:gdn_rows_delta_snap_kernel",
+             ["*fp32"] * 6 + ["*i32"] * 2 + ["*fp32"] * 2 + ["i32"] * 3 + ["fp32"] * 2, dl["constexprs"],
+             dl["num_warps"]),
+            ("gdn_rows_norm_snap", "gated_delta:gdn_rows_norm_snap_kernel",
+             ["*fp32"] * 4 + ["*i32"] * 2 + ["*fp32"] * 2 + ["i32"] * 2 + ["fp32"], nl["constexprs"], nl["num_warps"]),
+            ("gdn_rollback", "gated_delta:gdn_rollback_kernel", ["*fp32"] * 4 + ["*i32"] * 2, rl["constexprs"],
+             rl["num_warps"]),
+        ]:
+            jobs.append([f"{key}/{name}", mod + fn, types, consts, warps, t.cc])
+    return jobs
+
+
+_COMPILE_ALL = """
+import json, sys
+from kestrel.compiler.codegen import compile_kernel
+res = {}
+for key, fn, types, consts, num_warps, cc in json.loads(sys.stdin.read()):
+    try:
+        ck = compile_kernel(key.split("/")[0], fn, types, consts, num_warps, cc, [t.startswith("*") for t in types])
+        res[key] = [len(ck.cubin), ck.num_warps, ck.arch, ck.shared, ck.cubin[:4].hex()]
+    except Exception as e:  # reported per (kernel, target) by the test
+        res[key] = repr(e)[-2000:]
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(aot_jobs()), capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
+    jobs = aot_jobs()
+    assert len(jobs) == 10 * (len(ALL_TARGETS) - 1)
+    for key, fn, types, consts, warps, cc in jobs:
+        res = compiled[key]
+        assert isinstance(res, list), f"{key}: {res}"
+        size, num_warps, arch, shared, magic = res
+        assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
+    # every op kind of the speculative family is covered, with the kernel its record names
+    kinds = {"concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
+             "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback"}
+    for kind in kinds:
+        jit = OPS[kind].kernel.jit
+        assert any(fn.endswith(":" + jit.fn.__name__) for _, fn, *_ in jobs), kind

@@ -1,0 +1,394 @@
+"""Speculative decoding with the model's MTP head (kestrelc build --speculative mtp) on the CPU path:
+greedy speculative output equals plain greedy output token for token —
+
+  * on a transformers-made checkpoint given an MTP head (the oracle: transformers' own greedy tokens),
+    whose compiled drafts also equal an independent torch MTP forward (kernels/mtp.py) fed with
+    transformers' final-normed hidden states;
+  * on the random-weight tiny-mtp preset (checkpoint and --weights random), where drafts are nearly
+    always rejected, so the rollback runs at almost every iteration: the recurrent states, conv windows,
+    KV rows and token sequence after the speculative run are bit-identical to a plain run's at the
+    same position;
+  * on a small model whose MTP head is trained here (on a repetitive sequence), so that drafts are
+    mostly accepted: its acceptance rate is reported and must be high;
+
+and the build's errors: no MTP head (exit 11), bad --draft-tokens.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import run_cli
+from hf_checkpoints import BASE, add_mtp_head, hf_greedy, make_text_checkpoint
+from kestrel.artifacts.errors import InputError, NoDraftHeadError
+from kestrel.artifacts.plan import load_plan
+from kestrel.compiler.build import build
+from kestrel.kernels.mtp import mtp_forward_ref
+from kestrel.runtime.cpu import CpuStep
+from kestrel.runtime.generate import SamplingParams, generate
+
+PROMPT = [5, 17, 42, 99, 3, 150, 7]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Torch on one thread here: these tiny models run and train as fast, deterministically, and without
+    the stalls two OpenMP threads suffer on a 2-core machine that something else keeps busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _steps(plan_path):
+    """(speculative CpuStep, the same plan's plain CpuStep: speculation off)."""
+    plan = load_plan(plan_path)
+    spec, plain = CpuStep(plan), CpuStep(plan)
+    plan.close()
+    plain.spec_k = 0
+    return spec, plain
+
+
+def _build(model, path, k, **kw):
+    build(model, str(path), log=lambda m: None, progress=False, speculative="mtp", draft_tokens=k, **kw)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    d = tmp_path_factory.mktemp("oracle")
+    ckpt = str(d / "ckpt")
+    model = make_text_checkpoint(ckpt, "base")
+    head = add_mtp_head(ckpt, seed=3)
+    return model, ckpt, head, d
+
+
+@pytest.mark.parametrize("k", [3, 1])
+def test_oracle_checkpoint_speculative_equals_transformers_greedy(oracle, k):
+    model, ckpt, _, d = oracle
+    hf_tokens, _ = hf_greedy(model, PROMPT, 24)
+    spec, plain = _steps(_build(ckpt, d / f"k{k}.plan", k, max_seq=64, prefill_rows=4))  # two prefill chunks
+    g = generate(spec, PROMPT, 24, SamplingParams())
+    assert g.tokens == hf_tokens == generate(plain, PROMPT, 24, SamplingParams()).tokens
+    assert g.draft_tokens == k and g.spec_iterations >= 24 // (k + 1)
+    print(f"K={k}: {g.spec_iterations} iterations, {g.accepted_per_step:.2f} drafts accepted per iteration")
+
+
+def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
+    """After the speculative prefill, tokens[n + 1 .. n + K] are the head's drafts: compare them with
+    ``mtp_forward_ref`` run over the prompt's rows (transformers' final-normed hidden states h_t and
+    the tokens x_{t+1}, at positions t), then chained on its own hidden state and drafts."""
+    model, ckpt, head, d = oracle
+    k, n = 3, len(PROMPT)
+    spec, _ = _steps(_build(ckpt, d / "drafts.plan", k, max_seq=64))
+    spec.begin(PROMPT, 0.0, 1.0, 0)
+    spec.run_spec_prefill(1)
+    seq = [int(t) for t in spec.states["tokens"][:n + 1 + k]]
+    with torch.no_grad():
+        out = model.model(torch.tensor([PROMPT])).last_hidden_state[0]  # after the final norm
+        assert torch.allclose(model.lm_head(out)[-1], model(torch.tensor([PROMPT])).logits[0, -1], atol=1e-5)
+        assert seq[n] == int(model.lm_head(out)[-1].argmax())
+        embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+        w = {name[len("mtp."):]: t for name, t in head.items()}
+        dims = dict(heads=BASE["num_attention_heads"], kv_heads=BASE["num_key_value_heads"],
+                    head_dim=BASE["head_dim"], rotary_dim=int(BASE["head_dim"] * 0.25), theta=10000.0, eps=1e-6)
+        nxt = torch.tensor(PROMPT[1:] + [seq[n]])
+        m, past = mtp_forward_ref(w, embed[nxt], out, torch.arange(n), **dims)
+        drafts, h, pos = [], m[-1:], n - 1
+        for _ in range(k):
+            drafts.append(int((h[0] @ lm_head.T).argmax()))
+            pos += 1
+            h, past = mtp_forward_ref(w, embed[torch.tensor(drafts[-1:])], h, torch.tensor([pos]), past=past, **dims)
+    assert seq[n + 1:] == drafts
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_mtp")
+    return _build("tiny-mtp", d / "k3.plan", 3, max_seq=96, prefill_rows=8), d
+
+
+def _states(step, names):
+    return {n: step.states[n].clone() for n in names}
+
+
+@pytest.mark.parametrize("weights", ["checkpoint", "random"])
+def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, weights):
+    """Random drafts are rejected: every iteration rolls its Gated DeltaNet layers back. After the
+    speculative run, every state equals a plain run's at the same position, bit for bit."""
+    path, d = tiny_mtp
+    if weights == "random":
+        path = _build("tiny-mtp", d / "random.plan", 2, max_seq=96, prefill_rows=8, weights="random", seed=7)
+    spec, plain = _steps(path)
+    prompt = list(b"Speculate, then roll back.")
+    g = generate(spec, prompt, 40, SamplingParams())
+    p = generate(plain, prompt, 40, SamplingParams())
+    assert g.tokens == p.tokens and len(set(g.tokens)) > 5
+    assert g.spec_iterations >= 20 and g.accepted_per_step < 0.5  # mostly rejected: rollback nearly every time
+    # states at the speculative run's final position against a plain run that ends there
+    pos = int(spec.dyn["pos"])
+    plain.reset()
+    generate(plain, prompt, pos - len(prompt) + 1, SamplingParams())
+    assert int(plain.dyn["pos"]) == pos and int(plain.dyn["token"]) == int(spec.dyn["token"])
+    for name, s in plain.states.items():
+        if name.endswith(("_snap",)) or name.startswith(("mtp.", "scratch.")):
+            continue  # the speculative programs' own (snapshots, the head's KV caches)
+        got = spec.states[name]
+        if name.endswith(("k_cache", "v_cache")):
+            s, got = s[:pos], got[:pos]  # rows past pos are written again before they are read
+        elif name == "tokens":
+            s, got = s[:pos + 1], got[:pos + 1]
+        assert torch.equal(got, s), name
+
+
+def test_speculative_prefill_near_max_seq_and_plain_fallback(tiny_mtp):
+    """Close to max_seq no iteration fits (an iteration at p writes up to p + 2K + 1): the run finishes
+    with plain steps, still equal to plain decoding, and never writes outside the sequence."""
+    path, _ = tiny_mtp
+    spec, plain = _steps(path)
+    prompt = list(range(30, 30 + 80))  # 80 + 16 = max_seq 96
+    g = generate(spec, prompt, 16, SamplingParams())
+    assert g.tokens == generate(plain, prompt, 16, SamplingParams()).tokens
+    assert 0 < g.spec_iterations < 16
+
+
+def test_kestrel_run_json_reports_acceptance(tiny_mtp):
+    path, _ = tiny_mtp
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    r = run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "12", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["draft_tokens"] == 3 and 0 <= out["accepted_per_step"] <= 3 and out["speculative_iterations"] > 0
+    sampled = json.loads(run_cli("kestrel-run", path, "--prompt", "Hello", "--max-new-tokens", "4", "--json",
+                                 "--temperature", "0.7", env=env).stdout)
+    assert sampled["draft_tokens"] == 0 and sampled["accepted_per_step"] is None  # sampling: plain decoding
+
+
+def test_multimodal_layout_with_a_head(tmp_path):
+    """The multimodal wrapper's layout (model.language_model.*, the head at mtp.*): speculative output
+    equals transformers' greedy tokens; a head missing a tensor is refused naming it (exit 4's error)."""
+    from kestrel.artifacts.errors import CheckpointError
+    from hf_checkpoints import make_multimodal_checkpoint
+
+    ckpt = str(tmp_path / "mm")
+    model = make_multimodal_checkpoint(ckpt)  # carries a lone mtp.fc.weight: an incomplete head
+    with pytest.raises(CheckpointError, match="missing tensor 'mtp.pre_fc_norm_embedding.weight'"):
+        build(ckpt, str(tmp_path / "x.plan"), log=lambda m: None, progress=False, speculative="mtp")
+    add_mtp_head(ckpt, seed=5)
+    spec, _ = _steps(_build(ckpt, tmp_path / "mm.plan", 2, max_seq=64))
+    hf_tokens, _ = hf_greedy(model, PROMPT, 12)
+    assert generate(spec, PROMPT, 12, SamplingParams()).tokens == hf_tokens
+
+
+def test_build_errors(tmp_path):
+    with pytest.raises(NoDraftHeadError, match="no mtp.* tensors"):
+        build("tiny", str(tmp_path / "a.plan"), log=lambda m: None, progress=False, speculative="mtp")
+    with pytest.raises(NoDraftHeadError, match="names none"):
+        build("tiny", str(tmp_path / "a.plan"), log=lambda m: None, progress=False, speculative="mtp",
+              weights="random")
+    with pytest.raises(InputError, match="--draft-tokens 5"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), speculative="mtp", draft_tokens=5)
+    with pytest.raises(InputError, match="--draft-tokens goes with"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), draft_tokens=2)
+    with pytest.raises(InputError, match="--prefill-rows"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), speculative="mtp", prefill_rows=0)
+    r = run_cli("kestrelc", "build", "tiny", "--speculative", "mtp", "-o", str(tmp_path / "b.plan"))
+    assert r.returncode == 11 and r.stderr.count("\n") <= 2 and r.stderr.splitlines()[-1].startswith("error:")
+    assert "preset tiny" in r.stderr and "build without --speculative" in r.stderr
+    assert not os.path.exists(tmp_path / "a.plan") and not os.path.exists(tmp_path / "b.plan")
+
+
+# --- a model whose MTP head is trained here, so that drafts are mostly accepted ----------------------
+
+TRAIN = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None,
+             pad_token_id=None, bos_token_id=None)
+PERIOD = [int(t) for t in torch.randperm(48, generator=torch.Generator().manual_seed(5))[:23]]
+
+
+def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, seed: int = 0):
+    """A Qwen3.5 model (transformers) trained on a repeating 23-token sequence, then its MTP head
+    trained (the model frozen) with ``mtp_forward_ref`` to predict x_{t+2} from x_{t+1} and the model's
+    final-normed h_t; saved as a checkpoint with the head. Returns the head's final training loss."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from kestrel.compiler.frontend import mtp_expected_tensors, parse_config
+    from kestrel.compiler.presets import random_weights
+
+    torch.manual_seed(seed)
+    data = torch.tensor(PERIOD * 12)
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch():
+        return torch.stack([data[i:i + 49] for i in torch.randint(0, len(data) - 49, (8,), generator=gen)])
+
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TRAIN))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        b = batch()
+        model(input_ids=b, labels=b).loss.backward()  # (transformers shifts the labels itself)
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    cfg = parse_config(dict(TRAIN, model_type="qwen3_5_text"), "train")
+    head = {k: torch.nn.Parameter(torch.from_numpy(v))
+            for k, v in random_weights(dict(mtp_expected_tensors(cfg)), seed + 1).items()}
+    w = {k[len("mtp."):]: v for k, v in head.items()}
+    dims = dict(heads=4, kv_heads=2, head_dim=16, rotary_dim=4, theta=10000.0, eps=1e-6)
+    opt = torch.optim.AdamW(head.values(), lr=3e-3)
+    embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    seq = data[:120]
+    with torch.no_grad():  # the model is frozen: its final-normed h_t over the sequence, once
+        h = model.model(seq[None]).last_hidden_state[0]
+    for _ in range(mtp_steps):  # the head over the whole sequence, as vLLM's proposer runs it after a prefill
+        m, _ = mtp_forward_ref(w, embed[seq[1:-1]], h[:-2], torch.arange(len(seq) - 2), **dims)
+        loss = torch.nn.functional.cross_entropy(m @ lm_head.T, seq[2:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(folder)
+    add_mtp_head(folder, tensors={k: v.detach() for k, v in head.items()})
+    return float(loss.detach())
+
+
+def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_path):
+    """The trained head's drafts are (nearly) all accepted; the same head with noise added to its
+    matrices (the first of 1.5, 1.25, 1.75, 2 standard deviations that does it) is accepted 0, 1, 2 and
+    3 times across iterations, so the rollback returns to every verified row; the output equals plain
+    decoding's throughout."""
+    from safetensors.torch import load_file
+
+    ckpt = str(tmp_path / "ckpt")
+    mtp_loss = _train_model_with_mtp(ckpt)
+    prompt = PERIOD[3:] + PERIOD[:5]  # 25 tokens: the sequence from its 4th token on
+    spec, plain = _steps(_build(ckpt, tmp_path / "k3.plan", 3, max_seq=128, prefill_rows=16))
+    g = generate(spec, prompt, 60, SamplingParams())
+    want = generate(plain, prompt, 60, SamplingParams()).tokens
+    assert g.tokens == want and want[:23] == (PERIOD[5:] + PERIOD)[:23]  # the model learnt the sequence
+    rate = g.accepted_per_step / g.draft_tokens
+    print(f"trained MTP head (training loss {mtp_loss:.3f}): {g.accepted_per_step:.2f} of {g.draft_tokens} drafts "
+          f"accepted per iteration ({rate:.0%}) over {g.spec_iterations} iterations for {len(g.tokens)} tokens")
+    assert g.accepted_per_step >= 2.0 and g.spec_iterations <= 60 // 3
+    head = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.startswith("mtp.")}
+    for sigma in (1.5, 1.25, 1.75, 2.0):
+        gen = torch.Generator().manual_seed(1)
+        add_mtp_head(ckpt, tensors={k: v + sigma * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2
+                                    else v for k, v in head.items()})
+        spec, _ = _steps(_build(ckpt, tmp_path / f"noisy{sigma}.plan", 3, max_seq=128, prefill_rows=16))
+        g = generate(spec, prompt, 60, SamplingParams())
+        assert g.tokens == want
+        counts = {a: spec.accepted_log.count(a) for a in range(4)}
+        print(f"noisy MTP head ({sigma} sd): {g.accepted_per_step:.2f} of 3 drafts accepted per iteration; "
+              f"iterations by drafts accepted: {counts}")
+        if all(counts.values()):
+            break
+    assert all(counts.values())
+
+
+# --- the token loop's speculative read-back, on a scripted step (what the GPU runtime will drive) ----------
+
+def _truth(i: int) -> int:
+    return (3 * i + 1) % 97
+
+
+class ScriptedSpecStep:
+    """The step protocol of runtime/generate.py with asynchronous semantics: iterations accept drafts as
+    ``script`` says (writing the true tokens, then garbage drafts after them), read-backs are snapshots
+    taken when enqueued (stream order) and handed over only at ``wait()``; ``events`` records the order."""
+
+    synchronous = False
+    mode = "scripted"
+
+    def __init__(self, max_seq: int, k: int, script, prefill_rows: int = 4):
+        self.max_seq, self.spec_k, self.prefill_rows = max_seq, k, prefill_rows
+        self.script, self.events, self.inflight, self.most_inflight = iter(script), [], 0, 0
+        self.tokens, self.pos, self.dyn = [-9] * max_seq, 0, {}
+
+    def begin(self, prompt, temperature, top_p, seed, start=0, top_k=0, min_p=0.0):
+        self.tokens[:len(prompt)] = prompt
+        self.n = len(prompt)
+
+    def run_spec_prefill(self, n, marks=None):
+        self.pos, self.tokens[self.n] = self.n, _truth(self.n)
+        self.events.append("prefill")
+
+    def run_spec(self, n, marks=None):
+        k = self.spec_k
+        for _ in range(n):
+            assert self.pos + 2 * k + 1 <= self.max_seq - 1, "an iteration that does not fit"
+            a = next(self.script)
+            for i in range(1, a + 2):
+                self.tokens[self.pos + i] = _truth(self.pos + i)
+            for i in range(a + 2, a + 2 + k):  # the next drafts: not tokens yet
+                self.tokens[self.pos + i] = -1
+            self.pos += a + 1
+        self.events.append(f"iterations {n}")
+
+    def run(self, n, marks=None):
+        for _ in range(n):
+            self.pos += 1
+            self.tokens[self.pos] = _truth(self.pos)
+        self.events.append(f"steps {n}")
+
+    def _handle(self, value):
+        self.inflight += 1
+        self.most_inflight = max(self.most_inflight, self.inflight)
+        self.events.append("read")
+        step = self
+
+        class Handle:
+            def wait(self):
+                step.inflight -= 1
+                step.events.append("wait")
+                return value
+        return Handle()
+
+    def read_spec(self, lo, hi):
+        assert 0 <= lo < hi <= self.max_seq
+        return self._handle((self.tokens[lo:hi], self.pos))
+
+    def read_tokens(self, lo, hi):
+        return self._handle(self.tokens[lo:hi])
+
+    @staticmethod
+    def mark_ms(marks):
+        return []
+
+
+@pytest.mark.parametrize("script,max_new,max_seq", [
+    ([3] * 40, 30, 200),          # every draft accepted: 4 tokens an iteration
+    ([0] * 40, 12, 200),          # none: 1 token an iteration
+    ([2, 0, 3, 1, 0, 0, 3, 2, 1, 3] * 4, 33, 200),
+    ([3] * 40, 45, 50),           # max_seq: iterations stop at 50 - 2K - 2, plain steps finish
+])
+def test_speculative_read_back_two_batches_in_flight(script, max_new, max_seq):
+    from kestrel.runtime.generate import READBACK_EVERY
+
+    k, prompt = 3, [1, 2, 3, 4, 5]
+    step = ScriptedSpecStep(max_seq, k, script)
+    g = generate(step, prompt, max_new, SamplingParams())
+    assert g.tokens == [_truth(i) for i in range(len(prompt), len(prompt) + max_new)]
+    assert step.most_inflight <= 2 and step.inflight <= 2
+    assert step.events[:2] == ["prefill", "read"]
+    first_wait = step.events.index("wait")
+    assert step.events[2] == f"iterations {min(READBACK_EVERY // 2, max_new - 1)}" and first_wait > 3  # the
+    # first batch is enqueued before the prefill's read-back is waited for
+    ran = sum(int(e.split()[1]) for e in step.events if e.startswith("iterations"))
+    assert g.spec_iterations <= ran and g.draft_tokens == k
+    assert g.spec_accepted == sum(script[:g.spec_iterations])
+    for e in step.events:  # never more iterations than tokens still possibly missing
+        assert not e.startswith("iterations") or int(e.split()[1]) <= READBACK_EVERY // 2
+    plain = [e for e in step.events if e.startswith("steps")]
+    assert bool(plain) == (max_seq < 100)  # plain steps only where iterations no longer fit
+
+
+def test_speculative_read_back_stops_at_eos():
+    prompt = [1, 2, 3, 4, 5]
+    step = ScriptedSpecStep(200, 3, [2, 3, 1, 0, 3] * 10)
+    eos = _truth(len(prompt) + 9)
+    g = generate(step, prompt, 40, SamplingParams(), eos_ids={eos})
+    assert g.stopped_by == "eos" and g.tokens == [_truth(i) for i in range(len(prompt), len(prompt) + 10)]
+    assert step.inflight <= 2 and not any(e.startswith("steps") for e in step.events)
