@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from kestrel.artifacts.errors import InputError, OutputError
+from kestrel.artifacts.errors import DeviceError, InputError, OutputError
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / T overflow fp32: use 0 (greedy)
 
@@ -242,6 +242,10 @@ def _speculate(step, gen: Generation, n: int, end: int, k: int, eos_ids, on_toke
             continue
         handle, b, first_index = inflight.pop(0)
         toks, new_pos = handle.wait()
+        if new_pos < pos + b:  # every iteration gives at least one token: anything else would loop forever
+            raise DeviceError(f"{b} speculative iterations moved the position from {pos} to {new_pos}, not by at "
+                              f"least {b}: the plan's speculative program did not run; decode with --temperature "
+                              f"> 0 or rebuild the plan without --speculative")
         if t_first is None:
             t_first = time.perf_counter()
         if b:

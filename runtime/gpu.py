@@ -66,6 +66,12 @@ def graph_m_enabled() -> bool:
     return os.environ.get("KESTREL_GRAPH_M", "1") != "0"
 
 
+def graph_spec_enabled() -> bool:
+    """The KESTREL_GRAPH_SPEC gate (the speculative iteration's graph, plans built with --speculative mtp):
+    on unless KESTREL_GRAPH_SPEC=0 (then its launches are streamed; --no-graph turns every graph off)."""
+    return os.environ.get("KESTREL_GRAPH_SPEC", "1") != "0"
+
+
 class _DynSlots:
     """dict-like access to the dyn buffer in device memory (4-byte slots)."""
 
@@ -168,6 +174,19 @@ class GpuStep:
         self.graph_m_exec = (self._try_graph(self.prefill_launches, log, False) if use_graph_m and self.prefill_rows
                              else None)
         self.use_graph_m = self.graph_m_exec is not None
+        # speculative decoding (--speculative mtp): its prefill (an M-row program, under KESTREL_GRAPH_M) and
+        # its iteration (KESTREL_GRAPH_SPEC), each its own graph with plain edges, built here at load
+        self.spec_k = b.draft_tokens if b.spec_launches else 0
+        self.spec_prefill_launches = [self._pack(launch) for launch in b.spec_prefill_launches or []]
+        self.spec_launches = [self._pack(launch) for launch in b.spec_launches or []]
+        self._spec_outputs = {name: (o.address, o.numel) for name, o in (b.spec_outputs or {}).items()}
+        self.graph_spec_prefill_exec = (self._try_graph(self.spec_prefill_launches, log, False)
+                                        if self.spec_k and self.use_graph_m else None)
+        self.graph_spec_exec = (self._try_graph(self.spec_launches, log, False)
+                                if self.spec_k and use_graph and graph_spec_enabled() else None)
+        # pinned slots for dyn.pos read back beside the tokens (read_spec), one per copy event
+        self._pos_ptr = kc.check(cu.cuMemAllocHost(4 * len(self._copy_events)), "cuMemAllocHost")
+        self.host_pos = np.ctypeslib.as_array((ctypes.c_int32 * len(self._copy_events)).from_address(int(self._pos_ptr)))
         self.sync()
 
     def _time_graphs(self, plain, chained) -> dict:
@@ -299,6 +318,37 @@ class GpuStep:
         self._replay(n, self.graph_m_exec if self.use_graph_m else None, self.prefill_launches, marks)
         self.outputs = self._prefill_outputs  # output() reads the last program's (the chunk's last valid row)
 
+    def run_spec_prefill(self, n: int = 1, marks: list | None = None) -> None:
+        """``run_prefill`` with the speculative prefill (the M-row step that also runs the MTP head over the
+        chunk; after the prompt's last chunk the first token and K drafts are in ``tokens``)."""
+        if not self.spec_k:
+            raise UnsupportedError("this plan has no speculative programs: rebuild it with --speculative mtp")
+        self._replay(n, self.graph_spec_prefill_exec, self.spec_prefill_launches, marks)
+        self.outputs = self._prefill_outputs
+
+    def run_spec(self, n: int = 1, marks: list | None = None) -> None:
+        """``n`` speculative iterations, asynchronously: each verifies the token at dyn.pos and the K drafts
+        after it, accepts on the device, rolls the recurrent states back and drafts the next K (pos
+        advances by 1 .. K + 1); ``marks`` as in run."""
+        if not self.spec_k:
+            raise UnsupportedError("this plan has no speculative programs: rebuild it with --speculative mtp")
+        self._replay(n, self.graph_spec_exec, self.spec_launches, marks)
+        self.outputs = self._spec_outputs
+
+    def read_spec(self, lo: int, hi: int) -> "_SpecCopy":
+        """tokens[lo:hi] and dyn.pos as they stand after the work enqueued so far, copied to pinned host
+        memory behind it; ``wait()`` on the handle returns (tokens, pos)."""
+        cu = kc.driver()
+        i = self._n_copies % len(self._copy_events)
+        kc.check(cu.cuMemcpyDtoHAsync(int(self._host_ptr) + 4 * lo, self.tokens_addr + 4 * lo, 4 * (hi - lo),
+                                      self.stream), "cuMemcpyDtoHAsync (tokens)")
+        kc.check(cu.cuMemcpyDtoHAsync(int(self._pos_ptr) + 4 * i, self.dyn.table["pos"].address, 4, self.stream),
+                 "cuMemcpyDtoHAsync (pos)")
+        ev = self._copy_events[i]  # (a ring of four: generate keeps at most two read-backs in flight)
+        self._n_copies += 1
+        kc.check(cu.cuEventRecord(ev, self.stream), "cuEventRecord")
+        return _SpecCopy(self, ev, lo, hi, i)
+
     def _replay(self, n: int, graph_exec, launches, marks) -> None:
         cu = kc.driver()
         for _ in range(n):
@@ -341,6 +391,18 @@ class GpuStep:
         self.sync()
         self.copy_from_device(buf, addr)
         return buf
+
+
+class _SpecCopy:
+    """An asynchronous read-back of token rows and dyn.pos (see GpuStep.read_spec)."""
+
+    def __init__(self, step: GpuStep, event, lo: int, hi: int, slot: int):
+        self.step, self.event, self.lo, self.hi, self.slot = step, event, lo, hi, slot
+
+    def wait(self) -> tuple[list[int], int]:
+        cu = kc.driver()
+        kc.check(cu.cuEventSynchronize(self.event), "cuEventSynchronize")
+        return [int(t) for t in self.step.host_tokens[self.lo:self.hi]], int(self.step.host_pos[self.slot])
 
 
 class _TokenCopy:

@@ -232,25 +232,64 @@ def test_bench_reports_both_bandwidths(plan, tmp_path):
     assert r["roofline_ms"] == pytest.approx(r["bytes_per_token"] / (r["bandwidth_GBps"] * 1e9) * 1e3)
 
 
-def test_gpu_runtime_decodes_a_speculative_plan_plainly(tmp_path):
-    """The GPU runtime does not run the speculative programs yet: on a --speculative mtp plan it uploads
-    the MTP head's weights with the rest and runs the plain M-row prefill and one-token steps, none of
-    the speculative launches, and says so in --json (no drafts)."""
+SPEC_RUN = r"""
+import json, sys
+sys.modules["torch"] = None
+sys.modules["triton"] = None
+sys.path.insert(0, {stubs!r})
+from cuda.bindings import driver as stub
+from kestrel.artifacts.plan import load_plan
+from kestrel.runtime.gpu import GpuStep
+step = GpuStep(load_plan({plan!r}), use_graph={graph!r})
+step.begin([1, 2, 3], 0.0, 1.0, 0)
+n0 = len(stub.LAUNCHES)
+step.run_spec_prefill(1)
+step.run_spec(2)
+step.dyn["pos"] = 7  # what the iterations' spec_end would have left (the stub runs no kernel)
+got = step.read_spec(0, 6).wait()  # the prompt, then rows the stub left zero
+print(json.dumps({{"k": step.spec_k, "launched": [name for name, *_ in stub.LAUNCHES[n0:]], "got": got,
+                   "graph_launches": stub.CALLS.get("cuGraphLaunch", 0), "spec_graph": step.graph_spec_exec is not None}}))
+"""
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_gpu_runtime_runs_the_speculative_programs(tmp_path, graph):
+    """A --speculative mtp plan on the GPU runtime: the head's weights are uploaded with the rest, the
+    speculative prefill and iteration are packed from the launch plan, replayed as their own graphs
+    (or streamed without graphs), and read_spec copies the token rows and dyn.pos back asynchronously."""
     path = str(tmp_path / "tiny-mtp.plan")
     r = run_cli("kestrelc", "build", "tiny-mtp", "-o", path, "--target", "sm_90", "--max-seq", "32",
-                "--speculative", "mtp", "--draft-tokens", "1")
+                "--speculative", "mtp", "--draft-tokens", "2", "--weights", "random")
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-c", SPEC_RUN.format(stubs=STUBS, plan=path, graph=graph)],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    lp = load_plan(path).launch_plan
+    names = [k["name"] for k in lp["kernels"]]
+    prefill = [names[launch["kernel_index"]] for launch in lp["speculative"]["prefill"]["launches"]]
+    iteration = [names[launch["kernel_index"]] for launch in lp["speculative"]["iteration"]["launches"]]
+    assert out["k"] == 2 and out["spec_graph"] == graph
+    assert out["launched"] == prefill + iteration * 2  # (graph replays are recorded node by node)
+    assert out["got"] == [[1, 2, 3, 0, 0, 0], 7]
+
+
+def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(tmp_path):
+    """The token loop on a speculative plan checks that each iteration advanced the position (the stub
+    runs no kernel, so it does not): a clear error with its exit code, not a request that never ends."""
+    path = str(tmp_path / "tiny-mtp.plan")
+    r = run_cli("kestrelc", "build", "tiny-mtp", "-o", path, "--target", "sm_90", "--max-seq", "32",
+                "--speculative", "mtp", "--draft-tokens", "1", "--weights", "random")
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=path, extra=["--no-graph"])],
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                             if k != "TRITON_INTERPRET"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = r.stdout.strip().splitlines()
-    out, report = json.loads(lines[-2]), json.loads(lines[-1])
-    assert report["forbidden"] == [] and out["draft_tokens"] == 0 and out["accepted_per_step"] is None
-    lp = load_plan(path).launch_plan
-    assert lp["speculative"]["draft_tokens"] == 1 and any(w["name"].startswith("mtp.") for w in lp["weights"])
-    assert report["calls"]["cuMemcpyHtoDAsync"] == len(lp["weights"]) + 2
-    names = [k["name"] for k in lp["kernels"]]
-    plain = [names[launch["kernel_index"]] for launch in lp["prefill"]["launches"]] + \
-        [names[launch["kernel_index"]] for launch in lp["launches"]] * 5
-    assert [name for name, *_ in report["launches"]] == plain
+    assert r.returncode != 0 and "speculative iterations moved the position" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=path,
+                                                         extra=["--no-graph", "--temperature", "0.5"])],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-3000:]  # temperature > 0 decodes plainly on a speculative plan
+    out = json.loads(r.stdout.strip().splitlines()[-2])
+    assert out["draft_tokens"] == 0 and out["accepted_per_step"] is None
