@@ -1,0 +1,83 @@
+"""On the GPU: speculative decoding with the MTP head (issue 12) on plans built with --speculative mtp.
+
+Per plan, in one process (the runtime's own API: kestrel.runtime.gpu.GpuStep and generate):
+  * exactness on the GPU: greedy tokens of the speculative loop against the plain loop of the same
+    plan (spec_k set to 0: the M-row prefill and one-token steps), and the speculative loop with the
+    iteration's graph against its launches streamed;
+  * timing, 3 interleaved rounds, medians: plain ms/token, speculative ms/token (with random weights
+    nearly every draft is rejected, so each iteration gives one token), and the iteration alone
+    (events around each of 24 replays of its graph after a speculative prefill);
+  * the projection the issue's controlled-acceptance table asks for, labelled as such: an iteration runs
+    the same launches whatever it accepts (only the rollback's state copy is skipped when all K are
+    accepted), so at A accepted drafts per iteration a token costs iteration / (A + 1). Not a measurement
+    of acceptance: `--draft-source replay:` (drafts controlled on the device) is not built.
+
+    python3 bench/device_spec.py OUT.json PLAN [PLAN ...]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+from kestrel.artifacts.plan import load_plan
+from kestrel.runtime.generate import SamplingParams, generate
+from kestrel.runtime.gpu import GpuStep
+
+IDS = [(i * 7919) % 5000 + 3 for i in range(40)]
+NEW = 64
+
+
+def run(step, spec: bool, graph: bool = True):
+    k, g = step.spec_k, step.graph_spec_exec
+    try:
+        if not spec:
+            step.spec_k = 0
+        if not graph:
+            step.graph_spec_exec = None
+        return generate(step, IDS, NEW, SamplingParams())
+    finally:
+        step.spec_k, step.graph_spec_exec = k, g
+
+
+def iteration_ms(step, n: int = 24) -> list[float]:
+    step.begin(IDS, 0.0, 1.0, 0)
+    step.run_spec_prefill(-(-len(IDS) // step.prefill_rows))
+    marks: list = []
+    step.run_spec(1, marks)
+    step.run_spec(n, marks)
+    return step.mark_ms(marks)
+
+
+def main(out: str, plans: list[str]) -> None:
+    report = []
+    for path in plans:
+        step = GpuStep(load_plan(path), use_graph=True, use_graph_m=True)
+        k = step.spec_k
+        plain, spec, stream = run(step, False), run(step, True), run(step, True, graph=False)
+        r = {"plan": path, "draft_tokens": k, "spec_graph": step.graph_spec_exec is not None,
+             "spec_equals_plain": spec.tokens == plain.tokens, "graph_equals_streaming": spec.tokens == stream.tokens,
+             "first_difference": next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None),
+             "accepted_per_step": spec.accepted_per_step, "iterations": spec.spec_iterations}
+        times = {"plain": [], "spec": [], "iteration": []}
+        for _ in range(3):
+            times["plain"].append(run(step, False).ms_per_token)
+            times["spec"].append(run(step, True).ms_per_token)
+            times["iteration"].append(statistics.median(iteration_ms(step)))
+        med = {name: statistics.median(v) for name, v in times.items()}
+        r.update({"ms_per_token_plain": med["plain"], "ms_per_token_speculative": med["spec"],
+                  "ms_per_iteration": med["iteration"], "rounds": times,
+                  "projected_ms_per_token_at_accepted": {a: med["iteration"] / (a + 1) for a in range(k + 1)} |
+                  {2.5: med["iteration"] / 3.5}})
+        report.append(r)
+        print(f"{path}: K={k} spec==plain {r['spec_equals_plain']} (first diff {r['first_difference']}) "
+              f"graph==stream {r['graph_equals_streaming']} accepted {r['accepted_per_step']:.2f}/iter; plain "
+              f"{med['plain']:.3f} ms/token, speculative {med['spec']:.3f}, iteration {med['iteration']:.3f} ms "
+              f"({med['iteration'] / med['plain']:.2f}x the plain step); projected at 2.5 accepted "
+              f"{med['iteration'] / 3.5:.3f} ms/token", flush=True)
+        del step
+    json.dump(report, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
