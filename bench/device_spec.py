@@ -4,7 +4,8 @@ Per plan, in one process (the runtime's own API: kestrel.runtime.gpu.GpuStep and
   * exactness on the GPU: greedy tokens of the speculative loop against the plain loop of the same
     plan (spec_k set to 0: the M-row prefill and one-token steps), and the speculative loop with the
     iteration's graph against its launches streamed;
-  * timing, 3 interleaved rounds, medians: plain ms/token, speculative ms/token (with random weights
+  * timing, 3 interleaved rounds, medians: plain ms/token, speculative ms/token with the iteration's
+    graph and streamed (the KESTREL_GRAPH_SPEC gate's paired A/B; with random weights
     nearly every draft is rejected, so each iteration gives one token), and the iteration alone
     (events around each of 24 replays of its graph after a speculative prefill);
   * the projection the issue's controlled-acceptance table asks for, labelled as such: an iteration runs
@@ -59,20 +60,27 @@ def main(out: str, plans: list[str]) -> None:
              "spec_equals_plain": spec.tokens == plain.tokens, "graph_equals_streaming": spec.tokens == stream.tokens,
              "first_difference": next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None),
              "accepted_per_step": spec.accepted_per_step, "iterations": spec.spec_iterations}
-        times = {"plain": [], "spec": [], "iteration": []}
+        times = {"plain": [], "spec": [], "spec_stream": [], "iteration": []}
         for _ in range(3):
             times["plain"].append(run(step, False).ms_per_token)
             times["spec"].append(run(step, True).ms_per_token)
+            times["spec_stream"].append(run(step, True, graph=False).ms_per_token)
             times["iteration"].append(statistics.median(iteration_ms(step)))
         med = {name: statistics.median(v) for name, v in times.items()}
+        saving = [b - a for a, b in zip(times["spec"], times["spec_stream"])]
         r.update({"ms_per_token_plain": med["plain"], "ms_per_token_speculative": med["spec"],
+                  "ms_per_token_speculative_streamed": med["spec_stream"],
+                  "graph_saving_ms_per_token": statistics.median(saving),
+                  "graph_saving_paired_range_ms": max(saving) - min(saving),
                   "ms_per_iteration": med["iteration"], "rounds": times,
                   "projected_ms_per_token_at_accepted": {a: med["iteration"] / (a + 1) for a in range(k + 1)} |
                   {2.5: med["iteration"] / 3.5}})
         report.append(r)
         print(f"{path}: K={k} spec==plain {r['spec_equals_plain']} (first diff {r['first_difference']}) "
               f"graph==stream {r['graph_equals_streaming']} accepted {r['accepted_per_step']:.2f}/iter; plain "
-              f"{med['plain']:.3f} ms/token, speculative {med['spec']:.3f}, iteration {med['iteration']:.3f} ms "
+              f"{med['plain']:.3f} ms/token, speculative {med['spec']:.3f} (streamed {med['spec_stream']:.3f}; "
+              f"graph saves {r['graph_saving_ms_per_token']:.3f}, paired range {r['graph_saving_paired_range_ms']:.3f}), "
+              f"iteration {med['iteration']:.3f} ms "
               f"({med['iteration'] / med['plain']:.2f}x the plain step); projected at 2.5 accepted "
               f"{med['iteration'] / 3.5:.3f} ms/token", flush=True)
         del step
