@@ -214,6 +214,16 @@ def _timed_launches(step, packed: list, events: list, gate) -> list[float]:
     return [kc.check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") for a, b in events]
 
 
+def _release(gate, events: list) -> None:
+    """Close the gate (if any) and destroy the timing events."""
+    if gate:
+        gate.close()
+    cu = kc.driver()
+    for pair in events:
+        for e in pair:
+            cu.cuEventDestroy(e)
+
+
 def profile_rows(step, launches: list[dict], ids: list[int], chunks: int, bandwidth: dict | None) -> dict:
     """The M-row step (the plan's prefill program): a prompt of (chunks + 1) full chunks (``ids``
     repeated), its first ``chunks`` chunks launched kernel by kernel as profile_gpu launches a decode
@@ -240,11 +250,7 @@ def profile_rows(step, launches: list[dict], ids: list[int], chunks: int, bandwi
             step.run_prefill(chunks, marks)
             replay_ms = step.mark_ms(marks)
     finally:
-        if gate:
-            gate.close()
-        for pair in events:
-            for e in pair:
-                cu.cuEventDestroy(e)
+        _release(gate, events)
         step.set_graph_m(use_graph_m)
     report = summarize(launches, launch_ms, positions, bandwidth, replay_ms, "gpu")
     report["rows"] = rows
@@ -280,11 +286,7 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
                 step.run(1, marks)
             replay_ms = step.mark_ms(marks)
     finally:
-        if gate:
-            gate.close()
-        for pair in events:
-            for e in pair:
-                cu.cuEventDestroy(e)
+        _release(gate, events)
         if step.graph_exec is not None:
             step.set_graph(use_graph)
     report = summarize(launches, launch_ms, positions, bandwidth, replay_ms, "gpu")
