@@ -199,13 +199,6 @@ def _even(lo, hi, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _mass_at(key, wt, t):
-    """The sum of wt over the entries with key >= t[j], for each threshold t[j] (thresholds along
-    dim 0, entries along dim 1: the reductions over the thresholds that follow stay in each thread)."""
-    return tl.sum(tl.where(key[None, :] >= t[:, None], wt[None, :], 0.0), axis=1)
-
-
-@triton.jit
 def _narrow(lo, hi, t, f, goal, EXACT_STOP: tl.constexpr):
     """One search step over the masses f of the rising thresholds t (t[0] = lo): the last threshold
     whose mass reaches goal becomes lo, the next one - 1 becomes hi. With EXACT_STOP (counts), a

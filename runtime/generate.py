@@ -13,7 +13,7 @@ A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
   * ``prefill_rows`` and ``run_prefill(n, marks=None)``: the M-row step, when the plan has one (0 if not).
   * ``spec_k`` (0 if none), ``run_spec_prefill(n, marks=None)``, ``run_spec(n, marks=None)`` and
     ``read_spec(lo, hi)`` (a handle whose ``wait()`` returns (tokens[lo:hi], pos)): speculative decoding,
-    when the plan has it (``kestrelc build --speculative mtp``; today the CPU path runs it).
+    when the plan has it (``kestrelc build --speculative mtp``; the CPU path and the GPU runtime run it).
 Prefill runs the same step once per prompt token, or the M-row step once per chunk of M tokens.
 
 Speculative decoding (``_speculate``; greedy requests on a plan built with ``--speculative mtp``): the
