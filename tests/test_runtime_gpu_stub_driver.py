@@ -252,15 +252,22 @@ print(json.dumps({{"k": step.spec_k, "launched": [name for name, *_ in stub.LAUN
 """
 
 
-@pytest.mark.parametrize("graph", [True, False])
-def test_gpu_runtime_runs_the_speculative_programs(tmp_path, graph):
-    """A --speculative mtp plan on the GPU runtime: the head's weights are uploaded with the rest, the
-    speculative prefill and iteration are packed from the launch plan, replayed as their own graphs
-    (or streamed without graphs), and read_spec copies the token rows and dyn.pos back asynchronously."""
-    path = str(tmp_path / "tiny-mtp.plan")
+@pytest.fixture(scope="module")
+def spec_plan(tmp_path_factory):
+    """A random-weight tiny-mtp plan with K = 2 drafts, built once for the speculative tests."""
+    path = str(tmp_path_factory.mktemp("spec") / "tiny-mtp.plan")
     r = run_cli("kestrelc", "build", "tiny-mtp", "-o", path, "--target", "sm_90", "--max-seq", "32",
                 "--speculative", "mtp", "--draft-tokens", "2", "--weights", "random")
     assert r.returncode == 0, r.stderr
+    return path
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_gpu_runtime_runs_the_speculative_programs(spec_plan, graph):
+    """A --speculative mtp plan on the GPU runtime: the head's weights are uploaded with the rest, the
+    speculative prefill and iteration are packed from the launch plan, replayed as their own graphs
+    (or streamed without graphs), and read_spec copies the token rows and dyn.pos back asynchronously."""
+    path = spec_plan
     r = subprocess.run([sys.executable, "-c", SPEC_RUN.format(stubs=STUBS, plan=path, graph=graph)],
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                             if k != "TRITON_INTERPRET"})
@@ -275,13 +282,10 @@ def test_gpu_runtime_runs_the_speculative_programs(tmp_path, graph):
     assert out["got"] == [[1, 2, 3, 0, 0, 0], 7]
 
 
-def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(tmp_path):
+def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(spec_plan):
     """The token loop on a speculative plan checks that each iteration advanced the position (the stub
     runs no kernel, so it does not): a clear error with its exit code, not a request that never ends."""
-    path = str(tmp_path / "tiny-mtp.plan")
-    r = run_cli("kestrelc", "build", "tiny-mtp", "-o", path, "--target", "sm_90", "--max-seq", "32",
-                "--speculative", "mtp", "--draft-tokens", "1", "--weights", "random")
-    assert r.returncode == 0, r.stderr
+    path = spec_plan
     r = subprocess.run([sys.executable, "-c", RUN.format(stubs=STUBS, plan=path, extra=["--no-graph"])],
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                             if k != "TRITON_INTERPRET"})
