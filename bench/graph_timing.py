@@ -31,3 +31,12 @@ def launch_times_us(kernel, grid, packed_sets: list, replays: int, launches: int
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / n)
     return times
+
+
+L2_BYTES = 50 << 20
+
+
+def rotating_copies(nbytes: int) -> int:
+    """How many copies of operands of ``nbytes`` a timing graph rotates over so that together they hold
+    four times the 50 MB L2 (each launch then reads from DRAM): 1 to 16."""
+    return max(1, min(16, -(-4 * L2_BYTES // nbytes)))

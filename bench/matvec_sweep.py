@@ -107,7 +107,7 @@ def time_all(folder, out):
 
     import torch
 
-    from graph_timing import launch_times_us
+    from graph_timing import launch_times_us, rotating_copies
     from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack
     from kestrel.runtime import cuda as kc
 
@@ -133,7 +133,7 @@ def time_all(folder, out):
             ref = (matvec_ref(x, deq[0]) if len(deq) == 1 else
                    torch.nn.functional.silu(matvec_ref(x, deq[0])) * matvec_ref(x, deq[1]))
             nbytes = sum(b.numel() * b.element_size() for b in bufs)
-            copies = max(1, min(16, math.ceil(4 * (50 << 20) / nbytes)))
+            copies = rotating_copies(nbytes)
             sets = [[b if i == 0 else b.clone() for b in bufs] for i in range(copies)]
             data[key] = (x, sets, ref, nbytes)
         x, sets, ref, nbytes = data[key]

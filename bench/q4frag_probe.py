@@ -205,7 +205,7 @@ def time_all(folder, out):
 
     import torch
 
-    from graph_timing import launch_times_us
+    from graph_timing import launch_times_us, rotating_copies
     from kestrel.kernels.matvec import q4_codes, q4_pack
     from kestrel.runtime import cuda as kc
 
@@ -228,7 +228,7 @@ def time_all(folder, out):
             deq = (q.double().reshape(n, k // GROUP, GROUP) * sc.double()[:, :, None]).reshape(n, k)
             ref = (xh @ deq.T * 64).float()
             nbytes = words.numel() + scales.numel()
-            copies = max(1, min(16, math.ceil(4 * (50 << 20) / nbytes)))
+            copies = rotating_copies(nbytes)
             sets = [(words, scales) if i == 0 else (words.clone(), scales.clone()) for i in range(copies)]
             data[key] = (x, sets, ref, nbytes)
         x, sets, ref, nbytes = data[key]

@@ -123,7 +123,7 @@ def time_all(folder, out):
 
     import torch
 
-    from graph_timing import launch_times_us
+    from graph_timing import launch_times_us, rotating_copies
     from kestrel.artifacts.errors import DeviceError
     from kestrel.kernels.matvec import q4_codes, q4_pack
     from kestrel.runtime import cuda as kc
@@ -146,7 +146,7 @@ def time_all(folder, out):
             xh = (x / 64).half().double()
             deq = (q.double().reshape(n, k // GROUP, GROUP) * sc.double()[:, :, None]).reshape(n, k)
             ref = (xh @ deq.T * 64).float()
-            copies = max(1, min(16, math.ceil(4 * (50 << 20) / buf.numel())))
+            copies = rotating_copies(buf.numel())
             sets = [buf if i == 0 else buf.clone() for i in range(copies)]
             data[key] = (x, sets, ref, buf.numel())
         x, sets, ref, nbytes = data[key]

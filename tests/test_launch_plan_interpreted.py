@@ -89,6 +89,23 @@ def mini_checkpoint(tmp_path_factory):
     return folder
 
 
+def _begin(gpu, cpu, prompt: list[int]):
+    """A greedy request with ``prompt`` on both paths (the CPU path's begin; the interpreted plan's dyn
+    slots and token rows written as the runtime's begin writes them); the interpreted token sequence."""
+    cpu.begin(prompt, 0.0, 1.0, 0)
+    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", prompt[0]),
+                    ("n_prompt", len(prompt))):
+        gpu.dyn(name, v)
+    tokens = gpu.view(gpu.b.tokens.address, "*i32")[:gpu.b.tokens.numel]
+    tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+    return tokens
+
+
+def _close(what, g, c, bound):
+    rel = ((g - c).abs().max() / c.abs().max()).item()
+    assert rel < bound, f"{what} differ by {rel:.2e}"
+
+
 @pytest.mark.parametrize("quant", ["bf16", "q4"])
 def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path):
     from conftest import run_cli
@@ -100,11 +117,7 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
     plan = load_plan(path)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     prompt = [5, 9]
-    cpu.begin(prompt, 0.0, 1.0, 0)
-    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", 5), ("n_prompt", 2)):
-        gpu.dyn(name, v)
-    tokens = gpu.view(gpu.b.tokens.address, "*i32")[:gpu.b.tokens.numel]
-    tokens[:2] = torch.tensor(prompt, dtype=torch.int32)
+    tokens = _begin(gpu, cpu, prompt)
     for step in range(4):  # two prompt tokens, then the kernels feed the sampled tokens back themselves
         gpu.run()
         cpu.run()
@@ -133,15 +146,7 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     assert plan.launch_plan["prefill"]["rows"] == 4
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     prompt = [5, 9, 3, 60, 17, 2]
-    cpu.begin(prompt, 0.0, 1.0, 0)
-    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", 5), ("n_prompt", len(prompt))):
-        gpu.dyn(name, v)
-    tokens = gpu.view(gpu.b.tokens.address, "*i32")[:gpu.b.tokens.numel]
-    tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
-
-    def close(what, g, c, bound):
-        rel = ((g - c).abs().max() / c.abs().max()).item()
-        assert rel < bound, f"{what} differ by {rel:.2e}"
+    tokens = _begin(gpu, cpu, prompt)
 
     for chunk in range(2):
         gpu.run_prefill()
@@ -151,15 +156,15 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
         for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.1.k_cache", "layers.1.v_cache"):
             w = cpu.program.states[name]
             g = gpu.view(gpu.b.regions["state"] + w.loc[1], {"f32": "*fp32", "bf16": "*bf16"}[w.type.dtype])
-            close(f"chunk {chunk}: {name}", g[:w.type.numel].float().reshape(w.type.shape), cpu.states[name].float(),
-                  2e-2)
-        close(f"chunk {chunk}: logits", gpu.output("logits", prefill=True), cpu.outputs["logits"], 2e-2)
+            _close(f"chunk {chunk}: {name}", g[:w.type.numel].float().reshape(w.type.shape),
+                   cpu.states[name].float(), 2e-2)
+        _close(f"chunk {chunk}: logits", gpu.output("logits", prefill=True), cpu.outputs["logits"], 2e-2)
     assert gpu.dyn("pos") == len(prompt) and torch.equal(tokens, cpu.states["tokens"])
     for step in range(3):  # the one-token step continues from the M-row step's states
         gpu.run()
         cpu.run()
         assert gpu.dyn("pos") == cpu.dyn["pos"]
-        close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
+        _close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
 
 
 def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_checkpoint, tmp_path):
@@ -185,15 +190,7 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_check
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     assert gpu.b.draft_tokens == cpu.spec_k == 2
     prompt = [5, 9, 3]
-    cpu.begin(prompt, 0.0, 1.0, 0)
-    for name, v in (("temperature", 0.0), ("top_p", 1.0), ("seed", 0), ("token", 5), ("n_prompt", len(prompt))):
-        gpu.dyn(name, v)
-    tokens = gpu.view(gpu.b.tokens.address, "*i32")[:gpu.b.tokens.numel]
-    tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
-
-    def close(what, g, c, bound):
-        rel = ((g - c).abs().max() / c.abs().max()).item()
-        assert rel < bound, f"{what} differ by {rel:.2e}"
+    tokens = _begin(gpu, cpu, prompt)
 
     def state(name):
         w = cpu.states[name]
@@ -207,7 +204,7 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_check
         for slot in ("pos", "token", "sampled", "dpos", "draft"):
             assert gpu.dyn(slot) == cpu.dyn[slot], f"prefill chunk {chunk}: dyn.{slot}"
         assert torch.equal(tokens, cpu.states["tokens"]), f"prefill chunk {chunk}: token sequence"
-    close("prefill: the head's k cache", *state("mtp.layers.0.k_cache"), 3e-2)
+    _close("prefill: the head's k cache", *state("mtp.layers.0.k_cache"), 3e-2)
     accepted = []
     for it in range(2):
         gpu.run(gpu.b.spec_launches)
@@ -215,14 +212,14 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_check
         for slot in ("pos", "token", "sampled", "npos", "dpos", "draft", "accepted", "vend"):
             assert gpu.dyn(slot) == cpu.dyn[slot], f"iteration {it}: dyn.{slot}"
         assert torch.equal(tokens, cpu.states["tokens"]), f"iteration {it}: token sequence"
-        close(f"iteration {it}: verify logits", gpu.view(gpu.b.spec_outputs["logits"].address, "*fp32")[
+        _close(f"iteration {it}: verify logits", gpu.view(gpu.b.spec_outputs["logits"].address, "*fp32")[
             :gpu.b.spec_outputs["logits"].numel], cpu.outputs["logits"].reshape(-1), 3e-2)
         for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.0.recurrent_snap"):
-            close(f"iteration {it}: {name}", *state(name), 3e-2)
+            _close(f"iteration {it}: {name}", *state(name), 3e-2)
         accepted.append(gpu.dyn("accepted"))
     print(f"accepted per iteration: {accepted}")
     for step in range(1):  # the one-token step continues from the iterations' states
         gpu.run()
         cpu.run()
         assert gpu.dyn("pos") == cpu.dyn["pos"] and gpu.dyn("sampled") == cpu.dyn["sampled"]
-        close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
+        _close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
