@@ -586,13 +586,13 @@ def _prefill_end(op: Op, t: Target) -> dict:
             "constexprs": {**launch["constexprs"], "ROWS": op.attrs["rows"], "S": op.ins[3].type.shape[0]}}
 
 
-def _gdn_rows_delta(op: Op, t: Target) -> dict:
+def _gdn_rows_delta(op: Op, t: Target, **chunk) -> dict:
     rows, width = op.ins[0].type.shape
     conv_w, rec = op.ins[2], op.ins[5]
     hv, dk, dv = rec.type.shape
     hk = gdn_key_heads(conv_w.type.shape[0], hv, dk, dv)
     return {"kernel": "gdn_rows_delta",
-            **gated_delta.gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, conv_w.type.shape[1], t)}
+            **gated_delta.gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, conv_w.type.shape[1], t, **chunk)}
 
 
 def _gdn_rows_norm(op: Op, t: Target) -> dict:
@@ -650,12 +650,8 @@ def _argmax_rows(op: Op, t: Target) -> dict:
 
 
 def _gdn_rows_delta_snap(op: Op, t: Target) -> dict:
-    rows, width = op.ins[0].type.shape
-    conv_w, rec = op.ins[2], op.ins[5]
-    hv, dk, dv = rec.type.shape
-    hk = gdn_key_heads(conv_w.type.shape[0], hv, dk, dv)
-    return {"kernel": "gdn_rows_delta_snap",
-            **gated_delta.gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, conv_w.type.shape[1], t, chunk=0)}
+    """gdn_rows_delta's launch, row by row (chunk 0: the snapshot after each row is in registers)."""
+    return {**_gdn_rows_delta(op, t, chunk=0), "kernel": "gdn_rows_delta_snap"}
 
 
 def _gdn_rows_norm_snap(op: Op, t: Target) -> dict:
