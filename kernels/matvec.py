@@ -556,3 +556,252 @@ def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, e
         pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + rows, y, mask=rows < N)
+
+
+# --- a few rows (a speculative verify's k + 1, a short M-row step): the matvec, each weight tile read
+# once for up to FEW_ROWS rows ----------------------------------------------------------------------
+#
+# At a few rows the M-row step's projections are still bound by reading the weight, which the
+# tensor-core GEMM (kernels/gemm.py) does not stream at the matvec's rate (bf16) or cannot feed fast
+# enough at all (q4: its dequantisation per weight, then a layout change for the tensor cores). Here
+# each program streams BLOCK_N weight rows exactly as matvec_kernel does and multiplies every tile by
+# R rows of x before it moves on (program (i, j): weight rows block i, x rows j*R .. j*R + R - 1, the
+# last ones clamped to M - 1 and not stored). Each row's products, partial sums and their order are
+# the one-row kernel's (the reference is ``matvec_ref`` row by row, as for the one-token step). q4: one
+# inline-assembly block per word makes the four f16x2 of (q - 8) once and takes the R rows' x pairs
+# (_q4_word_dot_rows: 9 + 7 R instructions per 8 weights, against 16 R for R one-row blocks).
+
+FEW_ROWS = 4  # x rows per program at most (four accumulators)
+
+
+def _q4_word_dot_rows(r: int) -> str:
+    """``_Q4_WORD_DOT`` for r rows: outputs $0..$(r-1) (each row's fp32 word value), the word $r, then
+    each row's four x pairs. The (q - 8) halves are made once."""
+    body = [" .reg .b32 a, b, c, d, t, m, s16, bias, s;", " .reg .f16 lo, hi;", " .reg .f32 flo, fhi;",
+            " mov.b32 m, 0x64086408;", " mov.b32 s16, 0x2c002c00;", " mov.b32 bias, 0xd480d480;",
+            f" lop3.b32 a, ${r}, 0x000f000f, 0x64006400, 0xea;", f" lop3.b32 b, ${r}, 0x00f000f0, 0x64006400, 0xea;",
+            f" shr.u32 t, ${r}, 8;", " lop3.b32 c, t, 0x000f000f, 0x64006400, 0xea;",
+            " lop3.b32 d, t, 0x00f000f0, 0x64006400, 0xea;", " sub.f16x2 a, a, m;", " fma.rn.f16x2 b, b, s16, bias;",
+            " sub.f16x2 c, c, m;", " fma.rn.f16x2 d, d, s16, bias;"]
+    for i in range(r):
+        x = [f"${r + 1 + 4 * i + j}" for j in range(4)]
+        body += [f" mul.rn.f16x2 s, a, {x[0]};", f" fma.rn.f16x2 s, b, {x[1]}, s;", f" fma.rn.f16x2 s, c, {x[2]}, s;",
+                 f" fma.rn.f16x2 s, d, {x[3]}, s;", " mov.b32 {lo, hi}, s;", " cvt.f32.f16 flo, lo;",
+                 " cvt.f32.f16 fhi, hi;", f" add.f32 ${i}, flo, fhi;"]
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+_Q4_DOT_ROWS_1 = tl.constexpr(_q4_word_dot_rows(1))
+_Q4_DOT_ROWS_2 = tl.constexpr(_q4_word_dot_rows(2))
+_Q4_DOT_ROWS_3 = tl.constexpr(_q4_word_dot_rows(3))
+_Q4_DOT_ROWS_4 = tl.constexpr(_q4_word_dot_rows(4))
+
+
+def few_rows_per_program(m: int) -> int:
+    """R: x rows per program, M spread evenly over ceil(M / FEW_ROWS) programs (5 rows: 3 + 2)."""
+    progs = -(-m // FEW_ROWS)
+    return -(-m // progs)
+
+
+def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) -> dict:
+    """matvec_rows_kernel's (``pair``: matvec_rows_swiglu_kernel's) launch at m rows: matvec_launch's
+    constants for the weight (the one-row kernel's split and pipeline), R = few_rows_per_program(m) x
+    rows per program, grid [weight row blocks, ceil(m / R)]."""
+    launch = matvec_launch(n, k, group, target, pair=pair)
+    c = dict(launch["constexprs"])
+    del c["PDL_LATE"]
+    r = few_rows_per_program(m)
+    return {"grid": [launch["grid"][0], -(-m // r), 1], "num_warps": launch["num_warps"],
+            "constexprs": {"M": m, **c, "R": r}}
+
+
+@triton.jit
+def _x_pairs(xv):
+    """x / 64 as the four f16x2 pair vectors of a tile (``_matvec_tile``'s conversion), [BLOCK_K / 8] each."""
+    xq = xv * (1.0 / 64.0)  # Q4_X_SCALE
+    BK8: tl.constexpr = xq.shape[0] // 8
+    xl, xh = tl.split(tl.reshape(xq, [BK8, 4, 2]))
+    xp = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [xl, xh], dtype=tl.int32,
+                                   is_pure=True, pack=1)
+    xa, xb = tl.split(tl.reshape(xp, [BK8, 2, 2]))  # pairs (0, 2), (1, 3)
+    x0, x2 = tl.split(xa)
+    x1, x3 = tl.split(xb)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _load_x(x_ptr, row, ks, K: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0)
+    return tl.load(x_ptr + row * K + ks)
+
+
+@triton.jit
+def _fp_part(w, xv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    return tl.sum(tl.reshape(w * xv[None, :], [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), axis=2)
+
+
+@triton.jit
+def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The partial products of weight rows ``rows`` with inputs [k0, k0 + BLOCK_K) for x rows r0 ..
+    r0 + R - 1 (clamped to M - 1): ``_matvec_tile``'s, four [BLOCK_N, BLOCK_K / CHUNK] (rows past R: 0)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x0 = _load_x(x_ptr, tl.minimum(r0, M - 1), ks, K, MASKED)
+    x1 = _load_x(x_ptr, tl.minimum(r0 + 1, M - 1), ks, K, MASKED)
+    x2 = _load_x(x_ptr, tl.minimum(r0 + 2, M - 1), ks, K, MASKED)
+    x3 = _load_x(x_ptr, tl.minimum(r0 + 3, M - 1), ks, K, MASKED)
+    zero = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    p1, p2, p3 = zero, zero, zero
+    if GROUP > 0:
+        j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
+        if MASKED:  # inputs past K: x = 0, so their products are 0 whatever the word holds
+            words = tl.load(wp, mask=(j < K // 8)[None, :], other=0)
+        else:
+            words = tl.load(wp)
+        c = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sp = (w_ptr + N * K // 2).to(tl.pointer_type(tl.float16)) + rows.to(tl.int64)[:, None] * (K // GROUP)
+        if MASKED:
+            scale = tl.load(sp + (c * 32 // GROUP)[None, :], mask=(c < K // 32)[None, :], other=0.0).to(tl.float32)
+        else:
+            scale = tl.load(sp + (c * 32 // GROUP)[None, :]).to(tl.float32)
+        shape: tl.constexpr = [BLOCK_N, BLOCK_K // 8]
+        if _INTERPRET:
+            d0 = _q4_words_interpreted(words, (x0 * (1.0 / 64.0)).to(tl.float16), BLOCK_N, BLOCK_K)
+            d1 = _q4_words_interpreted(words, (x1 * (1.0 / 64.0)).to(tl.float16), BLOCK_N, BLOCK_K)
+            d2 = _q4_words_interpreted(words, (x2 * (1.0 / 64.0)).to(tl.float16), BLOCK_N, BLOCK_K)
+            d3 = _q4_words_interpreted(words, (x3 * (1.0 / 64.0)).to(tl.float16), BLOCK_N, BLOCK_K)
+        else:
+            a0, a1, a2, a3 = _x_pairs(x0)
+            b0, b1, b2, b3 = _x_pairs(x1)
+            c0, c1, c2, c3 = _x_pairs(x2)
+            e0, e1, e2, e3 = _x_pairs(x3)
+            args = [words,
+                    tl.broadcast_to(a0[None, :], shape), tl.broadcast_to(a1[None, :], shape),
+                    tl.broadcast_to(a2[None, :], shape), tl.broadcast_to(a3[None, :], shape),
+                    tl.broadcast_to(b0[None, :], shape), tl.broadcast_to(b1[None, :], shape),
+                    tl.broadcast_to(b2[None, :], shape), tl.broadcast_to(b3[None, :], shape),
+                    tl.broadcast_to(c0[None, :], shape), tl.broadcast_to(c1[None, :], shape),
+                    tl.broadcast_to(c2[None, :], shape), tl.broadcast_to(c3[None, :], shape),
+                    tl.broadcast_to(e0[None, :], shape), tl.broadcast_to(e1[None, :], shape),
+                    tl.broadcast_to(e2[None, :], shape), tl.broadcast_to(e3[None, :], shape)]
+            d1, d2, d3 = zero, zero, zero  # (placeholders; R decides which are made)
+            if R == 1:
+                d0 = tl.inline_asm_elementwise(_Q4_DOT_ROWS_1, "=f" + ",r" * 17, args, dtype=tl.float32,
+                                               is_pure=True, pack=1)
+            elif R == 2:
+                d0, d1 = tl.inline_asm_elementwise(_Q4_DOT_ROWS_2, "=f,=f" + ",r" * 17, args,
+                                                   dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+            elif R == 3:
+                d0, d1, d2 = tl.inline_asm_elementwise(_Q4_DOT_ROWS_3, "=f,=f,=f" + ",r" * 17, args,
+                                                       dtype=(tl.float32,) * 3, is_pure=True, pack=1)
+            else:
+                d0, d1, d2, d3 = tl.inline_asm_elementwise(_Q4_DOT_ROWS_4, "=f,=f,=f,=f" + ",r" * 17, args,
+                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        p0 = tl.sum(tl.reshape(d0, [BLOCK_N, BLOCK_K // 32, 4]), axis=2) * scale
+        if R > 1:
+            p1 = tl.sum(tl.reshape(d1, [BLOCK_N, BLOCK_K // 32, 4]), axis=2) * scale
+        if R > 2:
+            p2 = tl.sum(tl.reshape(d2, [BLOCK_N, BLOCK_K // 32, 4]), axis=2) * scale
+        if R > 3:
+            p3 = tl.sum(tl.reshape(d3, [BLOCK_N, BLOCK_K // 32, 4]), axis=2) * scale
+    else:
+        wp = w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
+        if MASKED:
+            w = tl.load(wp, mask=(ks < K)[None, :], other=0.0).to(tl.float32)
+        else:
+            w = tl.load(wp).to(tl.float32)
+        p0 = _fp_part(w, x0, BLOCK_N, BLOCK_K, CHUNK)
+        if R > 1:
+            p1 = _fp_part(w, x1, BLOCK_N, BLOCK_K, CHUNK)
+        if R > 2:
+            p2 = _fp_part(w, x2, BLOCK_N, BLOCK_K, CHUNK)
+        if R > 3:
+            p3 = _fp_part(w, x3, BLOCK_N, BLOCK_K, CHUNK)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _matvec_few_rows(x_ptr, w_ptr, rows, r0, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr):
+    """``_matvec_rows`` for x rows r0 .. r0 + R - 1 at once: four [BLOCK_N] (rows past R: 0)."""
+    tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
+    tl.static_assert(R >= 1 and R <= 4)  # FEW_ROWS
+    if GROUP > 0:
+        CHUNK: tl.constexpr = 32
+        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K // 2
+    else:
+        BITS: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth
+        if BLOCK_K >= 128 // BITS:
+            CHUNK: tl.constexpr = 128 // BITS
+        else:
+            CHUNK: tl.constexpr = BLOCK_K
+        TILE_BYTES: tl.constexpr = BLOCK_N * BLOCK_K * BITS // 8
+    STAGES: tl.constexpr = 3 if TILE_BYTES <= 16384 else 2
+    K_FULL: tl.constexpr = K - K % BLOCK_K
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
+        p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, k0, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, False)
+        acc0 += p0
+        acc1 += p1
+        acc2 += p2
+        acc3 += p3
+    if K_FULL < K:
+        p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, K_FULL, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, True)
+        acc0 += p0
+        acc1 += p1
+        acc2 += p2
+        acc3 += p3
+    scale = 64.0 if GROUP > 0 else 1.0  # Q4_X_SCALE
+    return (tl.sum(acc0, axis=1) * scale, tl.sum(acc1, axis=1) * scale, tl.sum(acc2, axis=1) * scale,
+            tl.sum(acc3, axis=1) * scale)
+
+
+@triton.jit
+def _store_rows(y_ptr, y0, y1, y2, y3, rows, r0, M: tl.constexpr, N: tl.constexpr, R: tl.constexpr):
+    live = rows < N
+    tl.store(y_ptr + r0 * N + rows, y0, mask=live & (r0 < M))
+    if R > 1:
+        tl.store(y_ptr + (r0 + 1) * N + rows, y1, mask=live & (r0 + 1 < M))
+    if R > 2:
+        tl.store(y_ptr + (r0 + 2) * N + rows, y2, mask=live & (r0 + 2 < M))
+    if R > 3:
+        tl.store(y_ptr + (r0 + 3) * N + rows, y3, mask=live & (r0 + 3 < M))
+
+
+@triton.jit
+def matvec_rows_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """Y [M, N] = X [M, K] W^T for a few rows (``matvec_rows_launch``), each row as matvec_kernel
+    computes it. Grid [ceil(N / BLOCK_N), ceil(M / R)]."""
+    pdl_wait(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r0 = tl.program_id(1) * R
+    y0, y1, y2, y3 = _matvec_few_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R)
+    _store_rows(y_ptr, y0, y1, y2, y3, rows, r0, M, N, R)
+
+
+@triton.jit
+def _swiglu(g, u):
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def matvec_rows_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """Y = silu(X Wg^T) * (X Wu^T) for a few rows, matvec_swiglu_kernel's product row by row (gate,
+    then up)."""
+    pdl_wait(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1)
+    r0 = tl.program_id(1) * R
+    g0, g1, g2, g3 = _matvec_few_rows(x_ptr, wg_ptr, rows_in, r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R)
+    u0, u1, u2, u3 = _matvec_few_rows(x_ptr, wu_ptr, rows_in, r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R)
+    _store_rows(y_ptr, _swiglu(g0, u0), _swiglu(g1, u1), _swiglu(g2, u2), _swiglu(g3, u3), rows, r0, M, N, R)

@@ -1,0 +1,101 @@
+"""The matvec at a few rows (matvec_rows_kernel, matvec_rows_swiglu_kernel: a verify step's k + 1 rows):
+Triton's interpreter against ``matvec_ref`` row by row (the one-token step's product) for f32, bf16 and q4
+weights, R = 1..4 rows per program and M spread over several programs (rows clamped, not stored); the
+launch rule; AOT compilation for every target."""
+import math
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.compiler.codegen import compile_kernel
+from kestrel.kernels.matvec import (FEW_ROWS, _q4_word_dot_rows, few_rows_per_program, matvec_launch,
+                                    matvec_ref, matvec_rows_kernel, matvec_rows_launch, matvec_rows_swiglu_kernel,
+                                    matvec_swiglu_ref)
+from kestrel.kernels.targets import TARGETS
+from test_kernels_matvec import RTOL, make_weight
+
+# (weight kind, M, N, K, constexpr overrides): several K tiles, a masked K tail, rows past N clamped,
+# every R (M = 5: two programs of 3 rows, the last row clamped and not stored)
+CASES = [
+    ("f32", 2, 37, 1000, {"BLOCK_N": 8, "BLOCK_K": 128}),
+    ("bf16", 4, 100, 300, {"BLOCK_N": 16, "BLOCK_K": 128}),
+    ("bf16", 5, 30, 512, None),
+    ("bf16", 1, 5, 4, None),                                  # K below one 16-byte chunk
+    ("q4g32", 3, 21, 96, {"BLOCK_N": 8, "BLOCK_K": 32}),
+    ("q4g64", 4, 37, 192, {"BLOCK_N": 16, "BLOCK_K": 128}),   # one tile + a masked half tile
+    ("q4g128", 5, 10, 1152, {"BLOCK_N": 8, "BLOCK_K": 512}),  # two tiles + a masked quarter tile
+    ("q4g128", 7, 19, 640, {"BLOCK_N": 4, "BLOCK_K": 256}),   # R = 4: programs of 4 and 3 (clamped)
+]
+
+
+def _launch(m, n, k, group, override, pair=False):
+    c = matvec_rows_launch(m, n, k, group, TARGETS["sm_90"], pair=pair)
+    consts = {**c["constexprs"], **(override or {})}
+    grid = (math.ceil(n / consts["BLOCK_N"]), c["grid"][1])
+    return grid, consts
+
+
+@pytest.mark.parametrize("kind,m,n,k,override", CASES)
+def test_matvec_rows_interpreter(kind, m, n, k, override):
+    g = torch.Generator().manual_seed(m * 31 + n * 7919 + k)
+    warg, wref, group = make_weight(kind, n, k, g)
+    x = torch.randn(m, k, generator=g)
+    grid, c = _launch(m, n, k, group, override)
+    y = torch.full((m + 1, n), float("nan"))  # a sentinel row: rows past M must not be stored
+    interpret(matvec_rows_kernel)[grid](x, warg, y, **c)
+    assert torch.isnan(y[m:]).all(), "stored past M"
+    assert_close(y[:m], matvec_ref(x, wref), RTOL, 0.0, f"matvec_rows {kind} {m}x{n}x{k} {c}")
+
+
+@pytest.mark.parametrize("kind,m,n,k,override", [CASES[1], CASES[4], CASES[6]])
+def test_matvec_rows_swiglu_interpreter(kind, m, n, k, override):
+    g = torch.Generator().manual_seed(m * 131 + n * 104729 + k)
+    wg, wg_ref, group = make_weight(kind, n, k, g)
+    wu, wu_ref, _ = make_weight(kind, n, k, g)
+    x = torch.randn(m, k, generator=g)
+    grid, c = _launch(m, n, k, group, override, pair=True)
+    y = torch.full((m + 1, n), float("nan"))
+    interpret(matvec_rows_swiglu_kernel)[grid](x, wg, wu, y, **c)
+    assert torch.isnan(y[m:]).all(), "stored past M"
+    scale = (matvec_ref(x, wg_ref).abs() * matvec_ref(x, wu_ref).abs()).max().item()
+    assert_close(y[:m], matvec_swiglu_ref(x, wg_ref, wu_ref), 0.0, RTOL * scale, f"swiglu rows {kind} {m}x{n}x{k}")
+
+
+def test_launch_rule():
+    """The weight's split is the one-row kernel's; R spreads M evenly over ceil(M / FEW_ROWS) programs."""
+    assert [few_rows_per_program(m) for m in range(1, 10)] == [1, 2, 3, 4, 3, 3, 4, 4, 3]
+    t = TARGETS["sm_90"]
+    for n, k, group in [(5120, 17408, 0), (16480, 5120, 128), (6144, 1024, 0)]:
+        one = matvec_launch(n, k, group, t)
+        for m in (2, 4, 5):
+            c = matvec_rows_launch(m, n, k, group, t)
+            r = c["constexprs"]["R"]
+            assert c["grid"] == [one["grid"][0], math.ceil(m / r), 1] and r <= FEW_ROWS
+            assert c["num_warps"] == one["num_warps"]
+            assert {k: v for k, v in c["constexprs"].items() if k not in ("M", "R")} == \
+                {k: v for k, v in one["constexprs"].items() if k != "PDL_LATE"}
+
+
+def test_q4_word_dot_rows_converts_once():
+    """The R-row assembly block converts the word once (four LOP3s) and multiplies it by R rows' pairs."""
+    for r in range(1, 5):
+        asm = _q4_word_dot_rows(r)
+        assert asm.count("lop3.b32") == 4 and asm.count("mul.rn.f16x2") == r and asm.count("add.f32") == r
+        assert f"${r + 4 * r}" in asm and f"${r + 4 * r + 1}" not in asm
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_matvec_rows_compiles_for_every_target(target):
+    """The 27B projections at 4 rows: bf16 and q4 (many-rows and fewer-rows q4 splits), the MLP pair."""
+    t = TARGETS[target]
+    for jit, (m, n, k, group), pair in [(matvec_rows_kernel, (4, 5120, 17408, 0), False),
+                                        (matvec_rows_kernel, (4, 16480, 5120, 128), False),
+                                        (matvec_rows_kernel, (3, 5120, 6144, 128), False),
+                                        (matvec_rows_swiglu_kernel, (4, 17408, 5120, 128), True)]:
+        c = matvec_rows_launch(m, n, k, group, t, pair=pair)
+        w = "*u8" if group else "*bf16"
+        types = ["*fp32", w] + ([w] if pair else []) + ["*fp32"]
+        ck = compile_kernel("matvec_rows", jit, types, c["constexprs"], c["num_warps"], t.cc, [True] * len(types))
+        assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]
+        assert ck.shared <= 99 * 1024
