@@ -46,8 +46,14 @@ class Kernel:
     jit: object
     launch: Callable[[Op, Target], dict]
     rows: object = None  # the Triton function when the op runs at M rows (a [M, ...] first operand), if another
+    # (kernel id prefix, Triton function): launches whose kernel id (the launch rule's) starts with the
+    # prefix run that function (the matmuls at a few rows: the matvec, not the GEMM)
+    variants: tuple[tuple[str, object], ...] = ()
 
     def jit_for(self, op: Op):
+        for prefix, jit in self.variants:
+            if op.launch["kernel"].startswith(prefix):
+                return jit
         at_rows = self.rows is not None and len(op.ins[0].type.shape) == 2
         return self.rows if at_rows else self.jit
 
@@ -511,11 +517,17 @@ def _matrix(w: Weight) -> tuple[int, int, int]:
 
 
 def _matvec(op: Op, t: Target) -> dict:
-    """One row: the matvec (kernels/matvec.py); M rows: the tensor-core GEMM (kernels/gemm.py)."""
+    """One row: the matvec (kernels/matvec.py); M rows: the tensor-core GEMM (kernels/gemm.py), or at a
+    few rows (M <= the gemm rule's few_rows_matvec: a speculative verify's k + 1) the matvec's few-rows
+    form, which reads each weight tile once for up to four rows."""
     w = op.ins[1]
     n, k, group = _matrix(w)
     swiglu = op.kind == "matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
+        m = op.ins[0].type.shape[0]
+        if m <= t.rules["gemm"].few_rows_matvec:
+            return {"kernel": ("matvec_rows_swiglu_" if swiglu else "matvec_rows_") + w.type.dtype,
+                    **matvec.matvec_rows_launch(m, n, k, group, t, pair=swiglu)}
         return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
                 **gemm.gemm_launch(op.ins[0].type.shape[0], n, k, group, t, swiglu=swiglu)}
     prefix = "matvec_swiglu_" if swiglu else "matvec_"
@@ -771,7 +783,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           lambda ex, op, x, w: ex.rmsnorm(ex.f32(x), ex.f32(w), op.attrs["eps"]),
           doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
     OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref,
-          Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel),
+          Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel,
+                 variants=(("matvec_rows_", matvec.matvec_rows_kernel),)),
           lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
     OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
           lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
@@ -824,7 +837,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("add_rmsnorm", "vvw", ("eps",), _infer_add_rmsnorm, rmsnorm.add_rmsnorm_ref,
           Kernel(rmsnorm.add_rmsnorm_kernel, _rmsnorm), _onnx_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
-          Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel), _onnx_matmul_swiglu,
+          Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel,
+                 variants=(("matvec_rows_swiglu_", matvec.matvec_rows_swiglu_kernel),)), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
           Kernel(matvec.matvec_add_kernel, _matvec_add), _onnx_matmul_add,

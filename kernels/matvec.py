@@ -604,15 +604,36 @@ def few_rows_per_program(m: int) -> int:
 
 
 def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) -> dict:
-    """matvec_rows_kernel's (``pair``: matvec_rows_swiglu_kernel's) launch at m rows: matvec_launch's
-    constants for the weight (the one-row kernel's split and pipeline), R = few_rows_per_program(m) x
-    rows per program, grid [weight row blocks, ceil(m / R)]."""
+    """matvec_rows_kernel's (``pair``: matvec_rows_swiglu_kernel's) launch at m rows: R =
+    few_rows_per_program(m) x rows per program, grid [weight row blocks, ceil(m / R)], and the weight's
+    split of matvec_launch (the one-row kernel's) except where ``target.rules["matvec_rows"]`` says
+    otherwise (sm_90: bench/results/tuning/rows-sweep-h200.json, 4 rows): q4 with fewer rows: BLOCK_N
+    doubled while the grid keeps [2] CTAs per SM, BLOCK_K [1024], [4] warps (27B o_proj 16.4 us against
+    the one-row split's 20.1, down_proj 39.3 against 46.6); q4 swiglu pairs with many rows: [4] warps
+    (27B gate + up 69.6 us against 79.5); small bf16 matrices: [8 x 256, 2 warps] up to K = [2048],
+    [4 x 1024, 2 warps] past it (0.8B: 6.1-8.2 us against 9.1-10.7). The 27B bf16 splits are the
+    one-row kernel's (within 1.07x of the best of 9): with them a row's result is the one-row kernel's,
+    bit for bit (the same tiles, products and reduction order)."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = dict(launch["constexprs"])
     del c["PDL_LATE"]
-    r = few_rows_per_program(m)
-    return {"grid": [launch["grid"][0], -(-m // r), 1], "num_warps": launch["num_warps"],
-            "constexprs": {"M": m, **c, "R": r}}
+    num_warps = launch["num_warps"]
+    rr = target.rules["matvec_rows"]
+    r = target.rules["matvec"]
+    wide = n >= 16 * r.q4_wide_ctas_per_sm * target.sms
+    if group and not wide:
+        bn = r.q4_min_block_n
+        while bn < r.max_block_n and n // (2 * bn) >= rr.q4_ctas_per_sm * target.sms:
+            bn *= 2
+        c["BLOCK_N"], c["BLOCK_K"], num_warps = bn, max(group, min(rr.q4_block_k, pow2_at_least(k))), rr.q4_warps
+    elif group and pair:
+        num_warps = rr.q4_warps
+    elif not group and n * k * 2 < r.small_matrix_bytes:
+        bn, bk, num_warps = rr.small_short if k <= rr.small_short_k else rr.small_long
+        c["BLOCK_N"], c["BLOCK_K"] = bn, min(bk, pow2_at_least(k))
+    rows = few_rows_per_program(m)
+    return {"grid": [-(-n // c["BLOCK_N"]), -(-m // rows), 1], "num_warps": num_warps,
+            "constexprs": {"M": m, **c, "R": rows}}
 
 
 @triton.jit

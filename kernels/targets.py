@@ -55,6 +55,18 @@ class MatvecRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MatvecRowsRule(Rule):
+    """The matvec at a few rows (kernels/matvec.py, matvec_rows_launch): the one-row rule's split except
+    where a few rows measured better with another."""
+    q4_ctas_per_sm: int         # q4, fewer rows: BLOCK_N doubles while the grid keeps this many CTAs per SM
+    q4_block_k: int             # ... BLOCK_K for every K
+    q4_warps: int               # ... and warps; q4 swiglu pairs with many rows also get this many warps
+    small_short_k: int          # small bf16 matrices: (BLOCK_N, BLOCK_K, warps) small_short up to this K,
+    small_short: tuple[int, int, int]
+    small_long: tuple[int, int, int]  # small_long past it
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttentionRule(Rule):
     split_programs: int         # attn_splits: about this many programs (kv heads x splits) in all
     max_splits: int
@@ -153,6 +165,7 @@ class GemmRule(Rule):
     q4_few: tuple[int, int, int, int]
     q4_wide: tuple[int, int, int, int]
     skinny_rows: int = 16
+    few_rows_matvec: int = 0    # at m <= this the matmuls run kernels/matvec.py's few-rows form, not a GEMM
     bf16_skinny: tuple[int, int, int, int] = (16, 64, 256, 2)
     q4_skinny: tuple[int, int, int, int] = (16, 64, 128, 8)
     bf16_skinny_swiglu: tuple[int, int, int, int] = (16, 128, 128, 2)  # gemm_swiglu: BLOCK_N as given
@@ -209,10 +222,15 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # the speculative iteration's row argmax and the MTP head's join (kernels/speculative.py, kernels/mtp.py):
     # not timed (no device here when they were written)
     "speculative": BlockRule(block=2048, num_warps=4, provenance=(RULE_OF_THUMB,)),
+    # the best of 9 configurations around the one-row rule's at 8 shapes (27B, 0.8B) x bf16 / q4 at 4 rows:
+    # the 27B bf16 picks kept (within 1.07x of the best); q4 and the 0.8B bf16 ones changed
+    "matvec_rows": MatvecRowsRule(q4_ctas_per_sm=2, q4_block_k=1024, q4_warps=4, small_short_k=2048,
+                                  small_short=(8, 256, 2), small_long=(4, 1024, 2),
+                                  provenance=(_TUNING + "rows-sweep-h200.json",)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
-                     q4_wide=(128, 128, 128, 8), skinny_rows=16, bf16_skinny=(16, 64, 256, 2), q4_skinny=(16, 64, 128, 8),
+                     q4_wide=(128, 128, 128, 8), skinny_rows=16, few_rows_matvec=8, bf16_skinny=(16, 64, 256, 2), q4_skinny=(16, 64, 128, 8),
                      bf16_skinny_swiglu=(16, 128, 128, 2), q4_skinny_swiglu=(16, 64, 128, 4),
                      provenance=(_TUNING + "gemm-sweep-h200.json", _TUNING + "gemm-skinny-sweep-h200.json",
                                  _TUNING + "gemm-skinny-swiglu-sweep-h200.json")),

@@ -63,18 +63,48 @@ def test_matvec_rows_swiglu_interpreter(kind, m, n, k, override):
 
 
 def test_launch_rule():
-    """The weight's split is the one-row kernel's; R spreads M evenly over ceil(M / FEW_ROWS) programs."""
+    """R spreads M evenly over ceil(M / FEW_ROWS) programs; the weight's split is the one-row kernel's for
+    the 27B bf16 matrices (a row's result is then the one-row kernel's), the swept few-rows ones elsewhere."""
     assert [few_rows_per_program(m) for m in range(1, 10)] == [1, 2, 3, 4, 3, 3, 4, 4, 3]
     t = TARGETS["sm_90"]
-    for n, k, group in [(5120, 17408, 0), (16480, 5120, 128), (6144, 1024, 0)]:
-        one = matvec_launch(n, k, group, t)
+    picks = {}
+    for n, k, group, pair in [(5120, 17408, 0, False), (16480, 5120, 0, False), (17408, 5120, 0, True),
+                              (5120, 6144, 128, False), (5120, 17408, 128, False), (17408, 5120, 128, True),
+                              (16480, 5120, 128, False), (6144, 1024, 0, False), (1024, 3584, 0, False)]:
+        one = matvec_launch(n, k, group, t, pair=pair)
         for m in (2, 4, 5):
-            c = matvec_rows_launch(m, n, k, group, t)
-            r = c["constexprs"]["R"]
-            assert c["grid"] == [one["grid"][0], math.ceil(m / r), 1] and r <= FEW_ROWS
-            assert c["num_warps"] == one["num_warps"]
-            assert {k: v for k, v in c["constexprs"].items() if k not in ("M", "R")} == \
-                {k: v for k, v in one["constexprs"].items() if k != "PDL_LATE"}
+            c = matvec_rows_launch(m, n, k, group, t, pair=pair)
+            e = c["constexprs"]
+            r = e["R"]
+            assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), math.ceil(m / r), 1] and r <= FEW_ROWS
+            assert (e["M"], e["N"], e["K"], e["GROUP"]) == (m, n, k, group) and e["BLOCK_K"] % max(group, 1) == 0
+            picks[n, k, group, pair] = (e["BLOCK_N"], e["BLOCK_K"], c["num_warps"])
+        if not group and n * k * 2 >= t.rules["matvec"].small_matrix_bytes:
+            assert picks[n, k, group, pair] == (one["constexprs"]["BLOCK_N"], one["constexprs"]["BLOCK_K"],
+                                                one["num_warps"])
+    # the sweep's picks (bench/results/tuning/rows-sweep-h200.json)
+    assert picks[5120, 6144, 128, False] == picks[5120, 17408, 128, False] == (16, 1024, 4)
+    assert picks[17408, 5120, 128, True] == (16, 512, 4) and picks[16480, 5120, 128, False] == (16, 512, 1)
+    assert picks[6144, 1024, 0, False] == (8, 256, 2) and picks[1024, 3584, 0, False] == (4, 1024, 2)
+
+
+def test_matmul_rows_pick_the_few_rows_matvec_up_to_the_rule():
+    """compiler/ops.py: a matmul at M rows runs the few-rows matvec up to the gemm rule's few_rows_matvec
+    rows, the GEMM past it; one row the matvec."""
+    from kestrel.compiler.ir import Op, TensorType, Value, Weight
+    from kestrel.compiler.ops import OPS
+    from kestrel.kernels.gemm import gemm_kernel
+
+    t = TARGETS["sm_90"]
+    few = t.rules["gemm"].few_rows_matvec
+    assert few >= 4  # a verify step's k + 1 = 4 rows
+    w = Weight("w", TensorType("q4g128", (5120, 6144)), ["ckpt", "w"])
+    for shape, kernel, jit in [((few, 6144), "matvec_rows_q4g128", matvec_rows_kernel),
+                               ((few + 1, 6144), "gemm_q4g128", gemm_kernel)]:
+        op = OPS["matmul"]
+        o = Op("matmul", [Value(TensorType("f32", (shape[0], 5120)))], [Value(TensorType("f32", shape)), w])
+        o.launch = op.kernel.launch(o, t)
+        assert o.launch["kernel"] == kernel and op.kernel.jit_for(o) is jit
 
 
 def test_q4_word_dot_rows_converts_once():

@@ -55,7 +55,8 @@ def _tiny_speculative_programs():
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
-    for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), *_tiny_speculative_programs()):
+    for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), _tiny_gpu_program(rows=32),
+                     *_tiny_speculative_programs()):
         for op in prog.ops:
             if is_view(op):
                 continue
@@ -69,7 +70,9 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     with_kernel = {n for n, d in OPS.items() if isinstance(d.kernel, Kernel)}
     assert seen == with_kernel  # every kernel of the registry is exercised by the fused programs ...
     rows_jits = {d.kernel.rows for d in OPS.values() if isinstance(d.kernel, Kernel) and d.kernel.rows is not None}
-    assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included
+    assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included ...
+    variant_jits = {j for d in OPS.values() if isinstance(d.kernel, Kernel) for _, j in d.kernel.variants}
+    assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec)
 
 
 def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():
