@@ -37,7 +37,7 @@ from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
 from kestrel.passes.hoist_dynamic import check_dyn_invariance
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.passes.plan_memory import memory_report
-from kestrel.passes.quantize import DEFAULT_Q4_GROUP, QUANT_MODES
+from kestrel.passes.quantize import DEFAULT_Q4_GROUP, DRAFT_QUANT_MODES, QUANT_MODES
 
 DEFAULT_MAX_SEQ = 4096
 DEFAULT_PREFILL_ROWS = 64  # the CPU reference path
@@ -182,13 +182,19 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
           log=print, progress: bool = True, q4_group: int = DEFAULT_Q4_GROUP, dump_ir_after: str | None = None,
           dump=print, weights: str = "checkpoint", seed: int = 0, prefill_rows: int | None = None,
           prefill_logits: str = "last", speculative: str | None = None,
-          draft_tokens: int | None = None) -> BuildResult:
+          draft_tokens: int | None = None, draft_quant: str | None = None) -> BuildResult:
     quant = quant or default_quant(target)
     check_options(target, quant, dump_ir_after)
     if speculative is not None and speculative not in SPECULATIVE_METHODS:
         raise InputError(f"--speculative {speculative}: choose {', '.join(SPECULATIVE_METHODS)}")
     if draft_tokens is not None and speculative is None:
         raise InputError("--draft-tokens goes with --speculative mtp")
+    if draft_quant is not None and speculative is None:
+        raise InputError("--draft-quant goes with --speculative mtp")
+    if draft_quant is not None and draft_quant not in DRAFT_QUANT_MODES:
+        raise InputError(f"--draft-quant {draft_quant}: choose {', '.join(DRAFT_QUANT_MODES)}")
+    if draft_quant == quant:
+        draft_quant = None  # the drafts have the model's precision anyway
     if speculative is not None:
         draft_tokens = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
         if not 1 <= draft_tokens <= 4:
@@ -213,12 +219,12 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
                              f"{2 * draft_tokens + 3} rows")
         return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
                       seed if weights == "random" else None, prefill_rows, prefill_logits,
-                      draft_tokens if speculative is not None else 0)
+                      draft_tokens if speculative is not None else 0, draft_quant)
 
 
 def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,
            random_seed: int | None, prefill_rows: int = 0, prefill_logits: str = "last",
-           draft_tokens: int = 0) -> BuildResult:
+           draft_tokens: int = 0, draft_quant: str | None = None) -> BuildResult:
     """Compile the opened model ``m`` into the plan at ``real`` (``out`` as the user wrote it, for the log)."""
     cfg = m.cfg
     n_layers = {k: cfg.layer_types.count(k) for k in ("linear_attention", "full_attention")}
@@ -242,12 +248,15 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         _share_arena(program, rows_program)
     spec_prefill = spec = None
     if draft_tokens:  # the speculative prefill and iteration, each planned in the arena of the one before
-        spec_prefill = lower_speculative(cfg, m.max_seq, draft_tokens, prefill_rows=prefill_rows)
+        own_head = draft_quant is not None and quant != "q4"  # a q4 plan's drafts read its q4 lm_head
+        spec_prefill = lower_speculative(cfg, m.max_seq, draft_tokens, prefill_rows=prefill_rows, draft_head=own_head)
         verify(spec_prefill)
-        spec_prefill = run_passes(spec_prefill, PassOptions(target, quant, q4_group, shares_arena_with=rows_program))
-        spec = lower_speculative(cfg, m.max_seq, draft_tokens)
+        spec_prefill = run_passes(spec_prefill, PassOptions(target, quant, q4_group, shares_arena_with=rows_program,
+                                                            draft_quant=draft_quant))
+        spec = lower_speculative(cfg, m.max_seq, draft_tokens, draft_head=own_head)
         verify(spec)
-        spec = run_passes(spec, PassOptions(target, quant, q4_group, shares_arena_with=spec_prefill))
+        spec = run_passes(spec, PassOptions(target, quant, q4_group, shares_arena_with=spec_prefill,
+                                            draft_quant=draft_quant))
         _share_arena(program, rows_program, spec_prefill, spec)
     for name, prog in (("M=1 step", program), (f"M={prefill_rows} step", rows_program),
                        ("speculative prefill", spec_prefill), (f"speculative iteration, K={draft_tokens}", spec)):
@@ -277,7 +286,7 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         probes = codegen.probe_kernels(kernels, cubins, target)
     extra = {"prefill_rows": prefill_rows, "prefill_logits": prefill_logits}
     if spec is not None:
-        extra["speculative"] = {"method": "mtp", "draft_tokens": draft_tokens}
+        extra["speculative"] = {"method": "mtp", "draft_tokens": draft_tokens, "draft_quant": draft_quant or quant}
     info = _plan_info(m, target, quant, weights=weights_info, extra=extra)
     extra_parts = dict(cubins)
     if rows_program is not None:

@@ -51,9 +51,13 @@ def cli():
                    "Greedy runs use it; the model must have an MTP head (exit 11 if not).")
 @click.option("--draft-tokens", type=int, default=None,
               help="--speculative: drafts an iteration, 1 to 4 (default 3).")
+@click.option("--draft-quant", type=click.Choice(["q4"]), default=None,
+              help="--speculative: the draft model's precision (the MTP head and a copy of lm_head for its drafts), "
+                   "when not --quant's. The output is the same (the verify decides with the model's own weights); "
+                   "how many drafts are accepted may change.")
 @click.option("--quiet", is_flag=True, help="No progress bar and no log lines (errors are still printed).")
 def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, seed, backend, prefill_rows,
-          prefill_logits, speculative, draft_tokens, quiet):
+          prefill_logits, speculative, draft_tokens, draft_quant, quiet):
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     if backend == "tensorrt":
         if speculative is not None:
@@ -65,7 +69,7 @@ def build(model, out, target, quant, q4_group, max_seq, dump_ir_after, weights, 
     exit_on_error(driver.build)(model, out, target=target, quant=quant, max_seq=max_seq, log=log, progress=not quiet,
                             q4_group=int(q4_group), dump_ir_after=dump_ir_after, dump=click.echo, weights=weights,
                             seed=seed, prefill_rows=prefill_rows, prefill_logits=prefill_logits,
-                            speculative=speculative, draft_tokens=draft_tokens)
+                            speculative=speculative, draft_tokens=draft_tokens, draft_quant=draft_quant)
 
 
 def _refuse(message: str):
@@ -162,7 +166,8 @@ def inspect(plan_path, as_json, verify):
         "prefill   " + (f"M-row step of {s['prefill_rows']} rows (prompts prefilled {s['prefill_rows']} tokens a run)"
                          if s["prefill_rows"] else "none (prompts go through the one-token step)"),
         "speculate " + (f"{s['speculative']['method']}: {s['speculative']['draft_tokens']} drafts an iteration "
-                        f"(greedy requests; a speculative prefill and one iteration program)"
+                        f"(drafts in {s['speculative'].get('draft_quant', '?')}; greedy requests; a speculative "
+                        f"prefill and one iteration program)"
                         if s["speculative"] else "no"),
         f"program   {p['ops']} ops, {p['weights']} weights ({_size(p['weight_bytes'])}), "
         f"{p['states']} states ({_size(p['state_bytes'])}), dyn slots {', '.join(p['dyn_slots'])}",

@@ -227,7 +227,7 @@ SPEC_DYN_SLOTS = (("vend", "i32"), ("npos", "i32"), ("dpos", "i32"), ("draft", "
 
 
 def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtype: str = "f32",
-                      prefill_rows: int = 0) -> Program:
+                      prefill_rows: int = 0, draft_head: bool = False) -> Program:
     """The two programs of a speculative plan (K = ``draft_tokens`` drafts an iteration, greedy).
 
     ``prefill_rows`` = 0: **the iteration**, one static program. At entry tokens[pos] is the last
@@ -248,6 +248,10 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     rows (its KV rows for the prompt; the token after the prompt's last row is the sampled one) and
     drafts K tokens from the chunk's last valid row; only the prompt's last chunk writes them
     (draft_end never writes a prompt position).
+
+    ``draft_head``: the drafts read their own copy of lm_head (``mtp.draft_head``, the checkpoint's lm_head,
+    or the embedding table when tied), which ``--draft-quant`` gives the draft model's precision; without
+    it they read the verify's lm_head.
 
     The weights, states and dyn slots of ``lower``'s programs are declared first, in the same order;
     then the MTP head's weights (``mtp.*``), its KV caches, the snapshots, the new dyn slots."""
@@ -311,6 +315,9 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     e = emit(p, "embedding_next_rows", embed, tokens, dyn["pos"], bound, dyn["sampled"], rows=rows)
     m = _mtp_head(p, cfg, e, hidden_rows, weight, {"pos": dyn["pos"], "n_prompt": bound}, True, *mtp_kv)
     m = emit(p, "last_row", m, dyn["pos"], row_end)
+    if draft_head:
+        head = weight("mtp.draft_head", (cfg.vocab_size, h_dim))
+        head.source = ["ckpt", "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     draft(emit(p, "matmul", m, head))
     for _ in range(draft_tokens - 1):  # drafts 2..K: the previous draft and the head's own hidden state
         e = emit(p, "embedding", embed, spec["draft"])

@@ -24,6 +24,7 @@ class PassOptions:
     quant: str = "none"
     q4_group: int = quantize.DEFAULT_Q4_GROUP
     shares_arena_with: Program | None = None
+    draft_quant: str | None = None  # the MTP head's matrices (speculative programs), if not ``quant``
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class Pass:
 
 PASSES = (
     Pass("fuse", lambda p, o: fuse.fuse(p), lambda p, o: fuse.check(p)),
-    Pass("quantize", lambda p, o: quantize.quantize(p, o.quant, o.q4_group),
-         lambda p, o: quantize.check(p, o.quant, o.q4_group)),
+    Pass("quantize", lambda p, o: quantize.quantize(p, o.quant, o.q4_group, o.draft_quant),
+         lambda p, o: quantize.check(p, o.quant, o.q4_group, o.draft_quant)),
     Pass("hoist_dynamic", lambda p, o: hoist_dynamic.hoist_dynamic(p), lambda p, o: hoist_dynamic.check(p)),
     Pass("select_kernels", lambda p, o: select_kernels.select_kernels(p, o.target),
          lambda p, o: select_kernels.check(p)),

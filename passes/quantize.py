@@ -15,18 +15,25 @@ Modes:
     agreement with fp32 is the same within noise (tests/test_numerics.py reports both). When a matrix's input size is not a
     multiple of the group, the largest of 128 / 64 / 32 that divides it is used; if none does, the
     matrix stays bf16. With tied embeddings, lm_head gets its own q4 copy and the table stays bf16.
+
+``draft``: the precision of the draft model's matrices (the MTP head's, ``DRAFT_PREFIX``, and the copy
+of lm_head its drafts read: ``--draft-quant``), when it differs from ``mode``: only ``q4`` (drafts are
+proposals that the verify accepts or rejects by the model's own logits, so their precision changes how
+many are accepted, never the output).
 """
 from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight
+from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight, is_q4
 
 QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
 MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2), "matmul_add": (1,), "rmsnorm_matmul": (3,),
                    "rmsnorm_matmul_swiglu": (3, 4)}
 TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
+DRAFT_PREFIX = "mtp."  # the draft model's weights (compiler/qwen3_5.py's MTP head and its draft lm_head)
+DRAFT_QUANT_MODES = ("q4",)
 
 
 def _q4_group_for(k: int, group: int) -> int | None:
@@ -46,15 +53,27 @@ def _roles(p: Program) -> tuple[list[Weight], set[int]]:
     return matrices, {id(op.ins[0]) for op in p.ops if op.kind in TABLE_OPS}
 
 
-def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP) -> Program:
+def _draft(w: Weight, draft: str | None) -> bool:
+    return draft is not None and w.name.startswith(DRAFT_PREFIX)
+
+
+def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP, draft: str | None = None) -> Program:
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quant mode {mode!r}")
+    if draft is not None and draft not in DRAFT_QUANT_MODES:
+        raise ValueError(f"unknown draft quant mode {draft!r}")
     if group not in Q4_GROUPS:
         raise ValueError(f"q4 group must be one of {Q4_GROUPS}")
     p = copy.deepcopy(program)
+    matrices, tables = _roles(p)
+    for w in matrices:  # the draft model's matrices (never a table: the MTP head has its own lm_head copy)
+        if _draft(w, draft) and id(w) not in tables:
+            g = _q4_group_for(w.type.shape[1], group)
+            if g is not None:
+                w.type, w.source = type(w.type)(f"q4g{g}", w.type.shape), ["q4", g, w.source]
     if mode == "none":
         return p
-    matrices, tables = _roles(p)
+    matrices = [w for w in matrices if not is_q4(w.type.dtype)]
     for w in p.weights.values():
         if len(w.type.shape) == 2 and (id(w) in tables or w in matrices):
             w.type, w.source = type(w.type)("bf16", w.type.shape), ["cast", "bf16", w.source]
@@ -78,12 +97,17 @@ def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP
     return p
 
 
-def check(program: Program, mode: str, group: int = DEFAULT_Q4_GROUP) -> None:
-    """Every weight and KV cache has the dtype its role gets in ``mode`` (the module docstring)."""
+def check(program: Program, mode: str, group: int = DEFAULT_Q4_GROUP, draft: str | None = None) -> None:
+    """Every weight and KV cache has the dtype its role gets in ``mode`` (the module docstring), the
+    draft model's matrices the one ``draft`` gives them."""
     matrices, tables = _roles(program)
     matrix_ids = {id(w) for w in matrices}
 
     def want(w: Weight) -> str:
+        if _draft(w, draft) and id(w) in matrix_ids and id(w) not in tables:
+            g = _q4_group_for(w.type.shape[1], group)
+            if g:
+                return f"q4g{g}"
         if mode == "none" or (id(w) not in matrix_ids and id(w) not in tables):
             return "f32"
         if mode == "q4" and id(w) in matrix_ids and id(w) not in tables:

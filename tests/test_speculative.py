@@ -193,6 +193,8 @@ def test_build_errors(tmp_path):
         build("tiny-mtp", str(tmp_path / "a.plan"), draft_tokens=2)
     with pytest.raises(InputError, match="--prefill-rows"):
         build("tiny-mtp", str(tmp_path / "a.plan"), speculative="mtp", prefill_rows=0)
+    with pytest.raises(InputError, match="--draft-quant goes with"):
+        build("tiny-mtp", str(tmp_path / "a.plan"), draft_quant="q4")
     r = run_cli("kestrelc", "build", "tiny", "--speculative", "mtp", "-o", str(tmp_path / "b.plan"))
     assert r.returncode == 11 and r.stderr.count("\n") <= 2 and r.stderr.splitlines()[-1].startswith("error:")
     assert "preset tiny" in r.stderr and "build without --speculative" in r.stderr
@@ -272,6 +274,20 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
     print(f"trained MTP head (training loss {mtp_loss:.3f}): {g.accepted_per_step:.2f} of {g.draft_tokens} drafts "
           f"accepted per iteration ({rate:.0%}) over {g.spec_iterations} iterations for {len(g.tokens)} tokens")
     assert g.accepted_per_step >= 2.0 and g.spec_iterations <= 60 // 3
+    # the draft model in q4 (--draft-quant q4: the MTP head's matrices and its own lm_head copy): the same
+    # output; how many drafts it gets accepted is reported, and stays high
+    path = _build(ckpt, tmp_path / "k3-q4drafts.plan", 3, max_seq=128, prefill_rows=16, quant="bf16",
+                  draft_quant="q4")
+    dtypes = {line.split()[1]: line.split()[3].split("[")[0] for line in load_plan(path).spec_programs[1].splitlines()
+              if line.startswith("weight ")}
+    assert dtypes["mtp.draft_head"].startswith("q4") and dtypes["mtp.fc"].startswith("q4")
+    assert dtypes["lm_head"] == "bf16" and not any(d.startswith("q4") for n, d in dtypes.items() if "mtp." not in n)
+    spec4, plain4 = _steps(path)
+    g4 = generate(spec4, prompt, 60, SamplingParams())
+    assert g4.tokens == generate(plain4, prompt, 60, SamplingParams()).tokens
+    print(f"trained MTP head, drafts in q4 (model bf16): {g4.accepted_per_step:.2f} of 3 drafts accepted per "
+          f"iteration over {g4.spec_iterations} iterations")
+    assert g4.accepted_per_step >= 2.0
     head = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.startswith("mtp.")}
     for sigma in (1.5, 1.25, 1.75, 2.0):
         gen = torch.Generator().manual_seed(1)
