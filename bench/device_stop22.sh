@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop 22 on the GPU, one call: the few-rows matvec against the skinny GEMM (kernel sweep), the
 # speculative iteration and the 4-row M-row step with each (plans built both ways).
-#   [SWEEP=1] SPEC_PLANS="..." M4_PLANS="..." bash bench/device_stop22.sh OUTDIR
+#   [SWEEP=1] SANITIZE_PLANS="..." SPEC_PLANS="..." M4_PLANS="..." bash bench/device_stop22.sh OUTDIR
 #   (kestrel importable; bench/plans and, for SWEEP=1, bench/rows-sweep carried)
 set -u
 out=$1; w=$(mktemp -d); t0=$(date +%s)
@@ -13,6 +13,11 @@ if [ "${SWEEP:-1}" = 1 ]; then
   grep -v "^skip" "$w/rows-sweep.txt" | tail -40
   save "rows sweep"
 fi
+for p in ${SANITIZE_PLANS:-}; do  # memcheck over graph and streaming, greedy (speculative) and sampled requests
+  compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/device_sanitize.py "bench/plans/$p.plan" \
+    > "$w/sanitizer-$p.txt" 2>&1; echo "sanitizer $p: exit $?"; tail -3 "$w/sanitizer-$p.txt"
+  save "sanitizer $p"
+done
 for p in ${SPEC_PLANS:-}; do
   python3 bench/device_spec.py "$w/spec-$p.json" "bench/plans/$p.plan" > "$w/spec-$p.txt" 2>&1
   tail -2 "$w/spec-$p.txt"
