@@ -18,6 +18,7 @@ Per plan, in one process (the runtime's own API: kestrel.runtime.gpu.GpuStep and
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 
@@ -66,6 +67,19 @@ def main(out: str, plans: list[str]) -> None:
             times["spec"].append(run(step, True).ms_per_token)
             times["spec_stream"].append(run(step, True, graph=False).ms_per_token)
             times["iteration"].append(statistics.median(iteration_ms(step)))
+        if os.environ.get("SPEC_PDL") == "1" and all(kernel.pdl for kernel, _, _ in step.spec_launches):
+            # the iteration's graph with programmatic edges (kernels/pdl.py) against the plain one: an
+            # experiment (the runtime builds it with plain edges)
+            plain_graph, chained = step.graph_spec_exec, step._build_graph(step.spec_launches, True)
+            times["iteration_pdl"] = []
+            for _ in range(3):
+                step.graph_spec_exec = chained
+                times["iteration_pdl"].append(statistics.median(iteration_ms(step)))
+                step.graph_spec_exec = plain_graph
+                times["iteration"].append(statistics.median(iteration_ms(step)))
+            step.graph_spec_exec = chained
+            r["pdl_equals_plain"] = run(step, True).tokens == spec.tokens
+            step.graph_spec_exec = plain_graph
         med = {name: statistics.median(v) for name, v in times.items()}
         saving = [b - a for a, b in zip(times["spec"], times["spec_stream"])]
         r.update({"ms_per_token_plain": med["plain"], "ms_per_token_speculative": med["spec"],
@@ -82,7 +96,9 @@ def main(out: str, plans: list[str]) -> None:
               f"graph saves {r['graph_saving_ms_per_token']:.3f}, paired range {r['graph_saving_paired_range_ms']:.3f}), "
               f"iteration {med['iteration']:.3f} ms "
               f"({med['iteration'] / med['plain']:.2f}x the plain step); projected at 2.5 accepted "
-              f"{med['iteration'] / 3.5:.3f} ms/token", flush=True)
+              f"{med['iteration'] / 3.5:.3f} ms/token" + (
+                  f"; programmatic edges: iteration {med['iteration_pdl']:.3f} ms (same tokens: {r['pdl_equals_plain']})"
+                  if "iteration_pdl" in med else ""), flush=True)
         del step
     json.dump(report, open(out, "w"), indent=1)
 
