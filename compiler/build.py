@@ -30,7 +30,7 @@ from kestrel.compiler.ir import Program
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import launch_plan
 from kestrel.compiler.ops import verify
-from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES, byte_level_tokenizer_json, synthesize
+from kestrel.compiler.presets import PRESETS, SHAPES, byte_level_tokenizer_json, synthesize
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.compiler.weights import storage, weight_bytes
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
@@ -120,8 +120,8 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
     too (NoDraftHeadError if it has none; with random weights: if its config names none)."""
     with contextlib.ExitStack() as stack:
         if weights == "random":
-            if model in PRESETS or model in QWEN35_SHAPES:
-                raw = (PRESETS | QWEN35_SHAPES)[model]
+            if model in PRESETS or model in SHAPES:
+                raw = (PRESETS | SHAPES)[model]
                 ck = ShapesOnly(parse_config(raw, f"preset {model}"))
                 source = {"kind": "preset", "name": model}
             else:
@@ -132,7 +132,7 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
                 raise NoDraftHeadError(f"{model}: --speculative mtp needs the model's multi-token-prediction head "
                                        f"and its config names none (mtp_num_hidden_layers): build without "
                                        f"--speculative")
-        elif model in QWEN35_SHAPES:
+        elif model in SHAPES:
             raise InputError(f"preset {model} has shapes but no weights: {no_weights}")
         elif model in PRESETS:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-"))
