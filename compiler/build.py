@@ -34,7 +34,7 @@ from kestrel.compiler.presets import PRESETS, SHAPES, byte_level_tokenizer_json,
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.compiler.weights import storage, weight_bytes
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
-from kestrel.passes.hoist_dynamic import check_dyn_invariance
+from kestrel.passes.hoist_dynamic import check_dyn_invariance, check_routing
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.passes.plan_memory import memory_report
 from kestrel.passes.quantize import DEFAULT_Q4_GROUP, QUANT_MODES
@@ -253,8 +253,11 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
                        ("speculative prefill", spec_prefill), (f"speculative iteration, K={draft_tokens}", spec)):
         if prog is not None:
             n_launches = check_dyn_invariance(prog)
+            n_routing = check_routing(prog)
+            routed = f"; {n_routing} routing buffers read only as device data by the expert kernels" if n_routing \
+                else ""
             log(f"dyn check ({name}): the launch list is identical at two token states ({n_launches} launches, no "
-                f"per-token kernel argument)")
+                f"per-token kernel argument{routed})")
     log(memory_report(program, rows_program))
     if spec is not None:
         log(speculative_memory_report(spec, spec_prefill))
