@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, NoDraftHeadError, UnsupportedError
+from kestrel.artifacts.errors import (BackendMissingError, DeviceError, DoesNotFitError, InputError, NoDraftHeadError,
+                                     UnsupportedError)
 from kestrel.artifacts.output import not_an_input, output_file
 from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREFILL_PROGRAM_PART, SPEC_PROGRAM_PART,
                                     PlanInfo, write_plan)
@@ -259,6 +260,8 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
             log(f"dyn check ({name}): the launch list is identical at two token states ({n_launches} launches, no "
                 f"per-token kernel argument{routed})")
     log(memory_report(program, rows_program))
+    if target != "cpu":
+        check_fits(program, target, quant, m.source.get("name") or m.source.get("path"))
     if spec is not None:
         log(speculative_memory_report(spec, spec_prefill))
     kernels, kernel_of_launch, cubins, fill, probes = None, None, {}, None, None
@@ -312,6 +315,25 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
         f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {m.max_seq})")
     return result
+
+
+CONTEXT_RESERVE = 1 << 30  # what the CUDA context, the cubins and the graphs take beside the arena
+
+
+def check_fits(program: Program, target: str, quant: str, name: str) -> None:
+    """DoesNotFitError (exit 12) unless the plan's arena (weights, states at max_seq, dyn, activations,
+    scratch) plus CONTEXT_RESERVE fits the largest GPU of the target class: said at build time with the
+    numbers, instead of an allocation failing at load."""
+    t = TARGETS[target]
+    need, have = sum(program.arena.values()), t.memory_mib << 20
+    if not have or need + CONTEXT_RESERVE <= have:
+        return
+    a = program.arena
+    hint = "build with --quant q4" if quant != "q4" else "lower --max-seq or target a larger GPU"
+    raise DoesNotFitError(f"{name} at --quant {quant} needs a {need / 1e9:.1f} GB arena (weights "
+                          f"{a['weights'] / 1e9:.1f} GB + state {a['state'] / 1e9:.2f} GB + the rest) + "
+                          f"{CONTEXT_RESERVE / 1e9:.1f} GB for the CUDA context, and the largest {target} GPU "
+                          f"({t.part.split('/')[-1].strip()}) has {have / 1e9:.1f} GB: {hint}")
 
 
 def _share_arena(program: Program, rows_program: Program, *speculative: Program) -> None:

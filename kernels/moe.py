@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.matvec import _matvec_rows, matvec_ref
+from kestrel.kernels.matvec import _matvec_rows, matvec_launch, matvec_ref
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.targets import pow2_at_least
 
@@ -141,7 +141,6 @@ def moe_router_launch(rows: int, e: int, k: int, top_k: int, target) -> dict:
 def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the matvec launch rule for an [n, k] matrix, BLOCK_N at most
     ``cap`` (a power of two)."""
-    from kestrel.kernels.matvec import matvec_launch
     m = matvec_launch(n, k, group, target)
     c = m["constexprs"]
     return min(c["BLOCK_N"], cap), c["BLOCK_K"], m["num_warps"]
@@ -177,7 +176,7 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
 def moe_router_kernel(x_ptr, w_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, K: tl.constexpr,
                       TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                       PDL: tl.constexpr = False):
-    """Row program_id(1)... (program_id(0)) of x [M, K]: logits = W x (W [E, K], fp32 accumulation), softmax
+    """Row program_id(0) of x [M, K]: logits = W x (W [E, K], fp32 accumulation), softmax
     in fp32, the TOPK largest probabilities (each an argmax taking the first maximal index: lower index
     first among ties), renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and
     weights [M, TOPK] (f32) of the row written."""

@@ -244,6 +244,8 @@ class Target:
     sms: int  # SMs of ``part``
     smem_optin: int  # largest dynamic shared memory a CTA may opt into (bytes)
     part: str
+    memory_mib: int = 0  # device memory of the largest part of the class (nvidia-smi's total, MiB): the most a
+    #                      plan's arena may take (kestrelc build refuses a plan that cannot fit)
     rules: Mapping[str, Rule] = dataclasses.field(default_factory=untuned_rules, hash=False, compare=False,
                                                   repr=False)
 
@@ -259,12 +261,12 @@ def untuned_note(target: Target) -> str | None:
 
 
 TARGETS = {t.name: t for t in (
-    Target("sm_80", 80, 108, 163 * 1024, "A100"),
-    Target("sm_86", 86, 84, 99 * 1024, "RTX A6000"),
-    Target("sm_89", 89, 142, 99 * 1024, "L40S"),
-    Target("sm_90", 90, 132, 227 * 1024, "H100 / H200 SXM", SM90_RULES),
-    Target("sm_100", 100, 148, 227 * 1024, "B200"),
-    Target("sm_120", 120, 170, 99 * 1024, "RTX 5090"),
+    Target("sm_80", 80, 108, 163 * 1024, "A100", 81920),  # A100 80GB
+    Target("sm_86", 86, 84, 99 * 1024, "RTX A6000", 49140),
+    Target("sm_89", 89, 142, 99 * 1024, "L40S", 46068),
+    Target("sm_90", 90, 132, 227 * 1024, "H100 / H200 SXM", 143771, SM90_RULES),  # H200 (the one lent here: ~140 GiB)
+    Target("sm_100", 100, 148, 227 * 1024, "B200", 183359),
+    Target("sm_120", 120, 170, 99 * 1024, "RTX 5090", 32607),
 )}
 GPU_TARGETS = tuple(TARGETS)
 ALL_TARGETS = ("cpu",) + GPU_TARGETS

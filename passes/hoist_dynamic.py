@@ -30,6 +30,7 @@ import re
 from kestrel.compiler.ir import TOKENS_STATE, IRError, Op, Program, Value, Weight
 from kestrel.compiler.launch_plan import launch_list
 from kestrel.compiler.ops import OPS, Kernel
+from kestrel.kernels.targets import TARGETS
 
 
 def hoist_dynamic(program: Program) -> Program:
@@ -98,7 +99,6 @@ def check_routing(program: Program) -> int:
                 raise IRError(f"{where}: routing buffer operand {j} is not placed in the arena")
         kernel = OPS[op.kind].kernel
         if program.target not in (None, "cpu") and isinstance(kernel, Kernel) and op.launch is not None:
-            from kestrel.kernels.targets import TARGETS
             rule = kernel.launch(op, TARGETS[program.target])
             want = {k: v for k, v in rule.items() if k != "constexprs"} | rule.get("constexprs", {})
             if op.launch != want:
