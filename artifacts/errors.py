@@ -73,6 +73,13 @@ class BackendMissingError(KestrelError):
     exit_code = 9
 
 
+class DoesNotFitError(KestrelError):
+    """The plan's arena is larger than the memory of the largest GPU of its target (or, at load, than the
+    device's free memory): said before any allocation fails."""
+
+    exit_code = 12
+
+
 class NoDraftHeadError(KestrelError):
     """Speculative decoding asked of a model that has no draft head (``--speculative mtp`` on a
     checkpoint without multi-token-prediction tensors)."""

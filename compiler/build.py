@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kestrel.artifacts.errors import BackendMissingError, DeviceError, InputError, NoDraftHeadError, UnsupportedError
+from kestrel.artifacts.errors import (BackendMissingError, DeviceError, DoesNotFitError, InputError, NoDraftHeadError,
+                                     UnsupportedError)
 from kestrel.artifacts.output import not_an_input, output_file
 from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREFILL_PROGRAM_PART, SPEC_PROGRAM_PART,
                                     PlanInfo, write_plan)
@@ -30,11 +31,11 @@ from kestrel.compiler.ir import Program
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import launch_plan
 from kestrel.compiler.ops import verify
-from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES, byte_level_tokenizer_json, synthesize
+from kestrel.compiler.presets import PRESETS, SHAPES, byte_level_tokenizer_json, synthesize
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.compiler.weights import storage, weight_bytes
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
-from kestrel.passes.hoist_dynamic import check_dyn_invariance
+from kestrel.passes.hoist_dynamic import check_dyn_invariance, check_routing
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.passes.plan_memory import memory_report
 from kestrel.passes.quantize import DEFAULT_Q4_GROUP, DRAFT_QUANT_MODES, QUANT_MODES
@@ -120,8 +121,8 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
     too (NoDraftHeadError if it has none; with random weights: if its config names none)."""
     with contextlib.ExitStack() as stack:
         if weights == "random":
-            if model in PRESETS or model in QWEN35_SHAPES:
-                raw = (PRESETS | QWEN35_SHAPES)[model]
+            if model in PRESETS or model in SHAPES:
+                raw = (PRESETS | SHAPES)[model]
                 ck = ShapesOnly(parse_config(raw, f"preset {model}"))
                 source = {"kind": "preset", "name": model}
             else:
@@ -132,7 +133,7 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
                 raise NoDraftHeadError(f"{model}: --speculative mtp needs the model's multi-token-prediction head "
                                        f"and its config names none (mtp_num_hidden_layers): build without "
                                        f"--speculative")
-        elif model in QWEN35_SHAPES:
+        elif model in SHAPES:
             raise InputError(f"preset {model} has shapes but no weights: {no_weights}")
         elif model in PRESETS:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kestrel-{model}-"))
@@ -262,9 +263,14 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
                        ("speculative prefill", spec_prefill), (f"speculative iteration, K={draft_tokens}", spec)):
         if prog is not None:
             n_launches = check_dyn_invariance(prog)
+            n_routing = check_routing(prog)
+            routed = f"; {n_routing} routing buffers read only as device data by the expert kernels" if n_routing \
+                else ""
             log(f"dyn check ({name}): the launch list is identical at two token states ({n_launches} launches, no "
-                f"per-token kernel argument)")
+                f"per-token kernel argument{routed})")
     log(memory_report(program, rows_program))
+    if target != "cpu":
+        check_fits(program, target, quant, m.source.get("name") or m.source.get("path"))
     if spec is not None:
         log(speculative_memory_report(spec, spec_prefill))
     kernels, kernel_of_launch, cubins, fill, probes = None, None, {}, None, None
@@ -318,6 +324,25 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     log(f"kestrelc: wrote {out}: {result.nbytes / 1e6:.1f} MB ({len(program.ops)} ops, weights "
         f"{result.weight_bytes / 1e6:.1f} MB, state {result.state_bytes / 1e6:.1f} MB at max_seq {m.max_seq})")
     return result
+
+
+CONTEXT_RESERVE = 1 << 30  # what the CUDA context, the cubins and the graphs take beside the arena
+
+
+def check_fits(program: Program, target: str, quant: str, name: str) -> None:
+    """DoesNotFitError (exit 12) unless the plan's arena (weights, states at max_seq, dyn, activations,
+    scratch) plus CONTEXT_RESERVE fits the largest GPU of the target class: said at build time with the
+    numbers, instead of an allocation failing at load."""
+    t = TARGETS[target]
+    need, have = sum(program.arena.values()), t.memory_mib << 20
+    if not have or need + CONTEXT_RESERVE <= have:
+        return
+    a = program.arena
+    hint = "build with --quant q4" if quant != "q4" else "lower --max-seq or target a larger GPU"
+    raise DoesNotFitError(f"{name} at --quant {quant} needs a {need / 1e9:.1f} GB arena (weights "
+                          f"{a['weights'] / 1e9:.1f} GB + state {a['state'] / 1e9:.2f} GB + the rest) + "
+                          f"{CONTEXT_RESERVE / 1e9:.1f} GB for the CUDA context, and the largest {target} GPU "
+                          f"({t.part.split('/')[-1].strip()}) has {have / 1e9:.1f} GB: {hint}")
 
 
 def _share_arena(program: Program, rows_program: Program, *speculative: Program) -> None:

@@ -11,7 +11,7 @@ from kestrel.artifacts.errors import UnsupportedError, exit_on_error, run_comman
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler import build as driver
 from kestrel.compiler.ir_text import parse_program
-from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES
+from kestrel.compiler.presets import PRESETS, SHAPES
 from kestrel.passes.pipeline import PASS_NAMES
 
 
@@ -22,8 +22,8 @@ def cli():
 
 
 @cli.command(help=f"""Compile MODEL into a .plan. MODEL is a Hugging Face checkpoint folder (config.json +
-    *.safetensors) or a preset: {', '.join(PRESETS)} (with weights), or one of the published Qwen3.5
-    shapes {', '.join(QWEN35_SHAPES)} (shapes only: they need --weights random).""")
+    *.safetensors) or a preset: {', '.join(PRESETS)} (with weights), or one of the published Qwen3.5 /
+    Qwen3-Next shapes {', '.join(SHAPES)} (shapes only: they need --weights random).""")
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, help="Path of the .plan file to write.")
 @click.option("--target", default="cpu", show_default=True, help="cpu, sm_80, sm_86, sm_89, sm_90, sm_100 or sm_120.")

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from kestrel.artifacts.errors import CheckpointError, ConfigError, NoDraftHeadError, UnsupportedError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next")
 CHECKPOINT_DTYPES = ("F32", "BF16", "F16")
 # Parts of a multimodal checkpoint the text step does not use.
 MTP_PREFIX = "mtp."
@@ -56,6 +56,22 @@ class ModelConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = field(default=())
+    # Qwen3-Next (model_type qwen3_next): fused GDN projections and mixture-of-experts MLPs. mlp_types[i] is
+    # "moe" or "dense" per layer (empty: every layer dense, as in Qwen3.5); the rest only matter with "moe".
+    mlp_types: tuple[str, ...] = field(default=())
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def fused_gdn_projections(self) -> bool:
+        """in_proj_qkvz / in_proj_ba (interleaved per key-head group) instead of in_proj_qkv/z/b/a."""
+        return self.model_type == "qwen3_next"
+
+    def mlp_type(self, layer: int) -> str:
+        return self.mlp_types[layer] if self.mlp_types else "dense"
 
     @property
     def rotary_dim(self) -> int:
@@ -70,6 +86,11 @@ class ModelConfig:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if not self.mlp_types:  # a dense model's normalised config is what it was before MoE existed
+            for k in MOE_FIELDS:
+                d.pop(k)
+        else:
+            d["mlp_types"] = list(self.mlp_types)
         return d
 
     @classmethod
@@ -77,7 +98,12 @@ class ModelConfig:
         d = dict(d)
         d["layer_types"] = tuple(d["layer_types"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["mlp_types"] = tuple(d.get("mlp_types", ()))
         return cls(**d)
+
+
+MOE_FIELDS = ("mlp_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "norm_topk_prob")
 
 
 def _get(cfg: dict, key: str, kind, where: str, default=None, positive=True):
@@ -100,9 +126,6 @@ def _get(cfg: dict, key: str, kind, where: str, default=None, positive=True):
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Normalise and validate a Qwen3.5 config.json (text or multimodal wrapper)."""
     mt = raw.get("model_type")
-    if mt == "qwen3_next":
-        raise UnsupportedError(f"{where}: model_type 'qwen3_next' (MoE) is not supported yet; "
-                               f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     text = raw
@@ -150,6 +173,9 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
+    moe = {}
+    if mt == "qwen3_next":
+        moe = _parse_moe(text, g, n_layers, where)
     cfg = ModelConfig(
         model_type=mt, vocab_size=g("vocab_size"), hidden_size=hidden,
         intermediate_size=g("intermediate_size"), num_hidden_layers=n_layers, layer_types=tuple(layer_types),
@@ -159,7 +185,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         linear_num_key_heads=lk, linear_num_value_heads=lv,
         linear_key_head_dim=g("linear_key_head_dim"), linear_value_head_dim=g("linear_value_head_dim"),
         tie_word_embeddings=tie, max_position_embeddings=g("max_position_embeddings"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids, **moe,
     )
     if heads % kv_heads:
         raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}")
@@ -168,6 +194,31 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     if not (0 < prf <= 1) or cfg.rotary_dim % 2 or cfg.rotary_dim == 0:
         raise ConfigError(f"{where}: head_dim {head_dim} x partial_rotary_factor {prf} must give an even rotary dim > 0")
     return cfg
+
+
+def _parse_moe(text: dict, g, n_layers: int, where: str) -> dict:
+    """Qwen3-Next's MLP settings (transformers' Qwen3NextDecoderLayer): layer i is a sparse MoE block iff
+    i is not in ``mlp_only_layers``, num_experts > 0 and (i + 1) % decoder_sparse_step == 0; otherwise a
+    dense MLP of ``intermediate_size``."""
+    n_exp = g("num_experts", positive=False, default=512)  # transformers' defaults where a key is absent
+    step = g("decoder_sparse_step", default=1)
+    only = text.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"{where}: 'mlp_only_layers' must be a list of layer indices")
+    types = tuple("moe" if (i not in only and n_exp > 0 and (i + 1) % step == 0) else "dense"
+                  for i in range(n_layers))
+    if "moe" not in types:
+        return {"mlp_types": types}
+    k = g("num_experts_per_tok", default=10)
+    if k > n_exp:
+        raise ConfigError(f"{where}: num_experts_per_tok {k} is more than num_experts {n_exp}")
+    norm = text.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"{where}: 'norm_topk_prob' must be true or false, got {norm!r}")
+    return {"mlp_types": types, "num_experts": n_exp, "num_experts_per_tok": k,
+            "moe_intermediate_size": g("moe_intermediate_size", default=512),
+            "shared_expert_intermediate_size": g("shared_expert_intermediate_size", default=512),
+            "norm_topk_prob": norm}
 
 
 def read_config(folder: str) -> tuple[dict, ModelConfig]:
@@ -234,16 +285,21 @@ def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     out = [("embed_tokens.weight", (cfg.vocab_size, h)), ("norm.weight", (h,))]
     for i, kind in enumerate(cfg.layer_types):
         p = f"layers.{i}."
-        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-                (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
-                (p + "mlp.down_proj.weight", (h, cfg.intermediate_size))]
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        out += moe_expected_tensors(cfg, i) if cfg.mlp_type(i) == "moe" else \
+            [(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+             (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
+             (p + "mlp.down_proj.weight", (h, cfg.intermediate_size))]
         if kind == "linear_attention":
             a = p + "linear_attn."
             hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-            out += [(a + "in_proj_qkv.weight", (cfg.gdn_conv_channels, h)), (a + "in_proj_z.weight", (hv * dv, h)),
-                    (a + "in_proj_b.weight", (hv, h)), (a + "in_proj_a.weight", (hv, h)),
-                    (a + "conv1d.weight", (cfg.gdn_conv_channels, 1, cfg.linear_conv_kernel_dim)),
+            if cfg.fused_gdn_projections:  # Qwen3-Next: interleaved per key-head group (gdn_projection_source)
+                out += [(a + "in_proj_qkvz.weight", (cfg.gdn_conv_channels + hv * dv, h)),
+                        (a + "in_proj_ba.weight", (2 * hv, h))]
+            else:
+                out += [(a + "in_proj_qkv.weight", (cfg.gdn_conv_channels, h)), (a + "in_proj_z.weight", (hv * dv, h)),
+                        (a + "in_proj_b.weight", (hv, h)), (a + "in_proj_a.weight", (hv, h))]
+            out += [(a + "conv1d.weight", (cfg.gdn_conv_channels, 1, cfg.linear_conv_kernel_dim)),
                     (a + "A_log", (hv,)), (a + "dt_bias", (hv,)), (a + "norm.weight", (dv,)),
                     (a + "out_proj.weight", (h, hv * dv))]
         else:
@@ -252,6 +308,22 @@ def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             out += [(a + "q_proj.weight", (nh * hd * 2, h)), (a + "k_proj.weight", (nkv * hd, h)),
                     (a + "v_proj.weight", (nkv * hd, h)), (a + "o_proj.weight", (h, nh * hd)),
                     (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))]
+    return out
+
+
+def moe_expected_tensors(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A Qwen3-Next sparse MoE block's tensors as checkpoints store them (one tensor per expert and
+    projection: transformers' save_pretrained writes them so, and the released checkpoints are so):
+    the router ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the shared expert's
+    gate/up [Is, H] and down [H, Is], and ``mlp.shared_expert_gate`` [1, H]."""
+    h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    p = f"layers.{layer}.mlp."
+    out = [(p + "gate.weight", (cfg.num_experts, h))]
+    for e in range(cfg.num_experts):
+        out += [(f"{p}experts.{e}.gate_proj.weight", (i, h)), (f"{p}experts.{e}.up_proj.weight", (i, h)),
+                (f"{p}experts.{e}.down_proj.weight", (h, i))]
+    out += [(p + "shared_expert.gate_proj.weight", (s, h)), (p + "shared_expert.up_proj.weight", (s, h)),
+            (p + "shared_expert.down_proj.weight", (h, s)), (p + "shared_expert_gate.weight", (1, h))]
     return out
 
 
@@ -298,6 +370,9 @@ class Checkpoint:
         skipped: dict[str, int] = {}
         expected = dict(expected_tensors(cfg))
         self.mtp = mtp
+        if mtp and cfg.mlp_types:
+            raise UnsupportedError(f"{folder}: --speculative mtp is not supported for {cfg.model_type} yet (its "
+                                   f"MTP layer has a mixture-of-experts MLP): build without --speculative")
         if mtp:
             has_head = any(name.startswith(MTP_PREFIX) for name in index)
             if not has_head or mtp_layers == 0:
@@ -329,10 +404,12 @@ class Checkpoint:
             self.tensors[rel] = (fname, hf_name, dtype, shape)
         if not cfg.tie_word_embeddings:
             expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        missing = [rel for rel in expected if rel not in self.tensors]
         for rel, shape in expected.items():
             hf_name = rel if rel == "lm_head.weight" or rel.startswith(MTP_PREFIX) else self.prefix + rel
             if rel not in self.tensors:
-                raise CheckpointError(f"{folder}: missing tensor {hf_name!r} (expected shape {list(shape)})")
+                more = f"; {len(missing) - 1} more tensors missing" if len(missing) > 1 else ""
+                raise CheckpointError(f"{folder}: missing tensor {hf_name!r} (expected shape {list(shape)}{more})")
             _, _, dtype, got = self.tensors[rel]
             if tuple(got) != tuple(shape):
                 raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, "

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
-from kestrel.kernels import (attention, elementwise, embedding, gated_delta, gemm, matvec, mtp, rmsnorm, sample,
-                             speculative)
+from kestrel.kernels import (attention, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp, rmsnorm,
+                             sample, speculative)
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -508,6 +508,72 @@ def _infer_gdn_rollback(ins, a):
     return []
 
 
+def _lead(x) -> tuple[int, ...]:
+    """() for one row [H], (M,) for rows [M, H]."""
+    return tuple(_t(x).shape[:-1])
+
+
+def _infer_moe_router(ins, a):
+    x, w = ins
+    xs, ws = _t(x).shape, _t(w).shape
+    _need(len(xs) in (1, 2) and len(ws) == 2 and ws[1] == xs[-1], f"moe_router {list(xs)} x W{list(ws)}: the "
+          f"router must be [experts, {xs[-1]}]")
+    _need(isinstance(a["top_k"], int) and 1 <= a["top_k"] <= ws[0], f"moe_router top_k {a['top_k']} must be in "
+          f"1..{ws[0]} (the experts)")
+    _need(a["norm_topk"] in (0, 1), "moe_router norm_topk must be 0 or 1")
+    lead = _lead(x)
+    return [TensorType("i32", lead + (a["top_k"],)), _f32(lead + (a["top_k"],))]
+
+
+def _moe_check(x, ids, wg, wu, sg, su, sgate, wd=None, sd=None, experts=None) -> tuple[int, int, int, int, int]:
+    """(E, H, I, Is, k) of an MoE block's operands (stacked gate/up [E * I, H], down [E * H, I])."""
+    lead, h = _lead(x), _t(x).shape[-1]
+    _need(_t(ids).dtype == "i32" and _lead(ids) == lead, f"moe: expert ids {_t(ids)} must be i32 [{lead}, k]")
+    k = _t(ids).shape[-1]
+    if wd is not None:
+        _need(len(_t(wd).shape) == 2 and _t(wd).shape[0] % h == 0, f"moe: stacked down {_t(wd).shape} must be "
+              f"[E * {h}, I]")
+        experts = _t(wd).shape[0] // h
+    ei = _t(wg).shape[0]
+    _need(experts > 0 and ei % experts == 0, f"moe: stacked gate rows {ei} are not a multiple of {experts} experts")
+    inter = ei // experts
+    _need(_t(wg).shape == (ei, h) and _t(wu).shape == (ei, h), f"moe: stacked gate/up must be [{ei}, {h}]")
+    _need(k <= experts, f"moe: {k} experts chosen of {experts}")
+    s = _t(sg).shape[0]
+    _need(_t(sg).shape == (s, h) and _t(su).shape == (s, h), f"moe: shared gate/up must be [{s}, {h}]")
+    _need(_t(sgate).shape == (1, h), f"moe: shared expert gate must be [1, {h}]")
+    if wd is not None:
+        _need(_t(wd).shape == (experts * h, inter), f"moe: stacked down must be [{experts * h}, {inter}]")
+        _need(_t(sd).shape == (h, s), f"moe: shared down must be [{h}, {s}]")
+    return experts, h, inter, s, k
+
+
+def _infer_moe_experts(ins, a):
+    x, ids, wts, wg, wu, wd, sg, su, sd, sgate = ins
+    _moe_check(x, ids, wg, wu, sg, su, sgate, wd, sd)
+    _need(_t(wts).dtype == "f32" and _t(wts).shape == _t(ids).shape, "moe: routing weights must be f32 like the ids")
+    return [_f32(_t(x).shape)]
+
+
+def _infer_moe_gate_up(ins, a):
+    x, ids, wg, wu, sg, su, sgate = ins
+    e, h, inter, s, k = _moe_check(x, ids, wg, wu, sg, su, sgate, experts=a["experts"])
+    return [_f32(_lead(x) + (k * inter + s + 1,))]
+
+
+def _infer_moe_down(ins, a):
+    act, ids, wts, wd, sd = ins
+    h, s = _t(sd).shape
+    _need(len(_t(wd).shape) == 2 and _t(wd).shape[0] % h == 0, f"moe_down: stacked down {_t(wd).shape} must be "
+          f"[E * {h}, I]")
+    inter, k = _t(wd).shape[1], _t(ids).shape[-1]
+    _need(_t(ids).dtype == "i32" and _t(wts).shape == _t(ids).shape and _t(wts).dtype == "f32",
+          "moe_down: i32 ids and f32 weights of one shape")
+    _need(_t(act).shape == _lead(ids) + (k * inter + s + 1,), f"moe_down: act {_t(act).shape} must be "
+          f"[{k} * {inter} + {s} + 1]")
+    return [_f32(_lead(ids) + (h,))]
+
+
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
 def _matrix(w: Weight) -> tuple[int, int, int]:
@@ -766,6 +832,38 @@ def _attn_step_ref(qg, k, v, qn, kn, kc, vc, pos, partials, tickets, **attrs):
     return attention.attn_step_ref(qg, k, v, qn, kn, kc, vc, pos, **attrs)  # the split is a GPU detail
 
 
+def _rows_of(x) -> int:
+    return x.type.shape[0] if len(x.type.shape) == 2 else 1
+
+
+def _group(w) -> int:
+    return q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
+
+
+def _moe_router(op: Op, t: Target) -> dict:
+    x, w = op.ins
+    e, k = w.type.shape
+    return {"kernel": "moe_router_" + w.type.dtype, **moe.moe_router_launch(_rows_of(x), e, k, op.attrs["top_k"], t)}
+
+
+def _moe_gate_up(op: Op, t: Target) -> dict:
+    x, ids, wg, wu, sg, su, sgate = op.ins
+    e = op.attrs["experts"]
+    dtypes = "_".join(dict.fromkeys([wg.type.dtype, sg.type.dtype, sgate.type.dtype]))
+    return {"kernel": "moe_gate_up_" + dtypes,
+            **moe.moe_gate_up_launch(_rows_of(x), e, x.type.shape[-1], wg.type.shape[0] // e, sg.type.shape[0],
+                                     ids.type.shape[-1], (_group(wg), _group(sg), _group(sgate)), t)}
+
+
+def _moe_down(op: Op, t: Target) -> dict:
+    act, ids, wts, wd, sd = op.ins
+    h, s = sd.type.shape
+    dtypes = "_".join(dict.fromkeys([wd.type.dtype, sd.type.dtype]))
+    return {"kernel": "moe_down_" + dtypes,
+            **moe.moe_down_launch(_rows_of(act), wd.type.shape[0] // h, h, wd.type.shape[1], s, ids.type.shape[-1],
+                                  (_group(wd), _group(sd)), t)}
+
+
 def _leading_slice(op: Op) -> bool:
     return all(d == 1 for d in op.ins[0].type.shape[:op.attrs["axis"]])
 
@@ -775,6 +873,7 @@ _ROWS_ONNX = NotApplicable("the ONNX step is the one-token step")
 _IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
 _VIEW = NotApplicable("a view: the result aliases its input, no data moves")
 _SPEC_ONNX = NotApplicable("part of the speculative programs; the ONNX step is the one-token step")
+_MOE_ONNX = NotApplicable("the ONNX export covers the dense Qwen3.5 step; Qwen3-Next's routed experts are not exported")
 
 OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("embedding", "wd", (), _infer_embedding, embedding.embedding_ref, Kernel(embedding.embedding_kernel, _embedding),
@@ -942,6 +1041,20 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           gated_delta.gdn_rows_norm_snap_ref,
           Kernel(gated_delta.gdn_rows_norm_snap_kernel, _gdn_rows_norm_snap), _SPEC_ONNX, inout=(3, 6),
           doc="gdn_rows_norm storing the conv window after each valid row but the last"),
+    # --- Qwen3-Next's mixture-of-experts MLP (kernels/moe.py: semantics, routing buffer, tie rule) ---
+    OpDef("moe_router", "vw", ("top_k", "norm_topk"), _infer_moe_router, moe.moe_router_ref,
+          Kernel(moe.moe_router_kernel, _moe_router), _MOE_ONNX,
+          doc="the routing buffer: the top_k experts of softmax(Wr @ x) (i32 ids, largest first, lower index "
+              "first among ties) and their f32 weights (renormalised to sum 1 when norm_topk)"),
+    OpDef("moe_experts", "vvvwwwwwww", (), _infer_moe_experts, moe.moe_experts_ref,
+          NotApplicable("the GPU runs it as moe_gate_up + moe_down, which fuse emits"), _MOE_ONNX,
+          doc="sum_j w_j * down_e(silu(gate_e x) * up_e x) over the routed experts e = ids_j (stacked weights "
+              "indexed by the ids read from the routing buffer) + sigmoid(Ws . x) * shared expert(x)"),
+    OpDef("moe_gate_up", "vvwwwww", ("experts",), _infer_moe_gate_up, moe.moe_gate_up_ref,
+          Kernel(moe.moe_gate_up_kernel, _moe_gate_up), _MOE_ONNX,
+          doc="[silu(gate_e x) * (up_e x) for e in ids] | the shared expert's | its gate logit Ws . x"),
+    OpDef("moe_down", "vvvww", (), _infer_moe_down, moe.moe_down_ref, Kernel(moe.moe_down_kernel, _moe_down),
+          _MOE_ONNX, doc="sum_j w_j * down_{ids_j}(act_j) in rank order + sigmoid(gate logit) * shared down"),
     OpDef("gdn_rollback", "ssssdd", (), _infer_gdn_rollback, gated_delta.gdn_rollback_ref,
           Kernel(gated_delta.gdn_rollback_kernel, _gdn_rollback), _SPEC_ONNX, inout=(0, 2),
           doc="states <- the snapshot after the last accepted row (kept = npos - pos), unless all rows were kept"),

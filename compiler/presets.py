@@ -54,6 +54,12 @@ PRESETS: dict[str, dict] = {
 }
 # ``tiny`` with a multi-token-prediction head (random, like the rest): what ``--speculative mtp`` drafts with
 PRESETS["tiny-mtp"] = dict(PRESETS["tiny"], mtp_num_hidden_layers=1)
+# Qwen3-Next at tiny size: the same layers as ``tiny`` with fused GDN projections and a sparse MoE MLP in
+# every layer (8 experts of 64, top 2, renormalised; a shared expert of 96, so three q4 groups: 128 / 64 / 32)
+PRESETS["tiny-next"] = dict(PRESETS["tiny"], architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[])
 
 
 def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:
@@ -79,6 +85,25 @@ QWEN35_SHAPES: dict[str, dict] = {
     "qwen3.5-9b": _qwen35(4096, 12288, 32, 16, 4, 32, tied=False),
     "qwen3.5-27b": _qwen35(5120, 17408, 64, 24, 4, 48, tied=False),
 }
+
+
+# Qwen3-Next-80B-A3B (model_type qwen3_next), its published config.json: 48 layers (36 GDN + 12 attention),
+# hidden 2048, attention 16 / 2 heads of 256 with RoPE theta 1e7 on a quarter of the dims, GDN 16 key / 32
+# value heads of 128, every layer's MLP a sparse MoE block of 512 experts of 512, top 10 renormalised, a
+# shared expert of 512; vocab 151936, untied, 262144 positions, eos 151645. ~80B parameters, ~3B active.
+QWEN3_NEXT_SHAPES: dict[str, dict] = {
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                               num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                "partial_rotary_factor": 0.25},
+                               rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=151645,
+                               num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
+                               mlp_only_layers=[], full_attention_interval=4),
+}
+SHAPES: dict[str, dict] = QWEN35_SHAPES | QWEN3_NEXT_SHAPES  # every shapes-only preset (--weights random)
 
 
 def byte_level_tokenizer_json() -> str:

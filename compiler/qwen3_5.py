@@ -33,6 +33,34 @@ def plan_weight_name(rel: str) -> str:
     return rel[: -len(".weight")] if rel.endswith(".weight") else rel
 
 
+GDN_SPLIT_PROJECTIONS = {"in_proj_qkv": ("in_proj_qkvz", (0, 1, 2)), "in_proj_z": ("in_proj_qkvz", (3,)),
+                         "in_proj_b": ("in_proj_ba", (0,)), "in_proj_a": ("in_proj_ba", (1,))}
+
+
+def checkpoint_source(cfg: ModelConfig, rel: str, shape) -> list:
+    """The recipe (compiler/weights.py) that makes weight ``rel`` (a Qwen3.5 name, relative to the text
+    model) from the checkpoint. Qwen3-Next stores the Gated DeltaNet projections fused and interleaved per
+    key-head group (transformers' Qwen3NextGatedDeltaNet.fix_query_key_value_ordering): in_proj_qkvz
+    is Hk groups of [q (Dk) | k (Dk) | v (Hv/Hk * Dv) | z (Hv/Hk * Dv)] rows, in_proj_ba Hk groups of
+    [b (Hv/Hk) | a (Hv/Hk)]; the Qwen3.5 layout (all q heads, then all k, then all v; z; b; a) is made
+    from them. A mixture-of-experts layer's experts (``layers.N.mlp.experts.gate_proj.weight``, ...) are
+    stacked from the checkpoint's per-expert tensors, rows of expert e at e * rows."""
+    src = ["ckpt", rel]
+    parts = rel.split(".")
+    if rel.endswith("conv1d.weight"):  # stored [C, 1, K]
+        return ["reshape", list(shape), src]
+    if cfg.fused_gdn_projections and len(parts) == 5 and parts[2] == "linear_attn" and \
+            parts[3] in GDN_SPLIT_PROJECTIONS:
+        fused, which = GDN_SPLIT_PROJECTIONS[parts[3]]
+        hk, r = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        sizes = [dk, dk, r * dv, r * dv] if fused == "in_proj_qkvz" else [r, r]
+        return ["groups", hk, sizes, list(which), ["ckpt", ".".join(parts[:3] + [fused, "weight"])]]
+    if len(parts) == 6 and parts[2:4] == ["mlp", "experts"]:
+        return ["experts", ".".join(parts[:4] + ["*"] + parts[4:]), cfg.num_experts]
+    return src
+
+
 def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0,
           all_logits: bool = False) -> Program:
     """Build the step program with every weight in its checkpoint layout, declared f32.
@@ -53,10 +81,7 @@ def lower(cfg: ModelConfig, max_seq: int, kv_dtype: str = "f32", rows: int = 0,
     tokens = p.add_state(TOKENS_STATE, "i32", (max_seq,))
 
     def weight(rel: str, shape):
-        src = ["ckpt", rel]
-        if rel.endswith("conv1d.weight"):  # stored [C, 1, K]
-            src = ["reshape", list(shape), src]
-        return p.add_weight(plan_weight_name(rel), "f32", shape, src)
+        return p.add_weight(plan_weight_name(rel), "f32", shape, checkpoint_source(cfg, rel, shape))
 
     eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
     embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
@@ -114,9 +139,24 @@ def _mlp(p: Program, cfg: ModelConfig, pre: str, h, weight):
     """The MLP of a decoder layer (after its own norm), on the residual stream h; returns its output."""
     h_dim, inter = cfg.hidden_size, cfg.intermediate_size
     x = emit(p, "rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=cfg.rms_norm_eps)
+    if pre.startswith("layers.") and cfg.mlp_type(int(pre.split(".")[1])) == "moe":
+        return _moe(p, cfg, pre + "mlp.", x, weight)
     gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
     up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
     return emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
+
+
+def _moe(p: Program, cfg: ModelConfig, pre: str, x, weight):
+    """Qwen3-Next's sparse MoE block on x (one row or M rows; kernels/moe.py has the semantics): the router
+    writes the layer's routing buffer (expert ids and weights), the experts read it."""
+    h, e, i, s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    ids, wts = emit(p, "moe_router", x, weight(pre + "gate.weight", (e, h)), top_k=cfg.num_experts_per_tok,
+                    norm_topk=int(cfg.norm_topk_prob))
+    sh = pre + "shared_expert."
+    return emit(p, "moe_experts", x, ids, wts, weight(pre + "experts.gate_proj.weight", (e * i, h)),
+                weight(pre + "experts.up_proj.weight", (e * i, h)), weight(pre + "experts.down_proj.weight", (e * h, i)),
+                weight(sh + "gate_proj.weight", (s, h)), weight(sh + "up_proj.weight", (s, h)),
+                weight(sh + "down_proj.weight", (h, s)), weight(pre + "shared_expert_gate.weight", (1, h)))
 
 
 def _gated_deltanet(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn):
@@ -268,10 +308,7 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
         name = plan_weight_name(rel)
         if name in p.weights:  # the MTP head's weights serve its row pass and its one-row drafts
             return p.weights[name]
-        src = ["ckpt", rel]
-        if rel.endswith("conv1d.weight"):  # stored [C, 1, K]
-            src = ["reshape", list(shape), src]
-        return p.add_weight(name, "f32", shape, src)
+        return p.add_weight(name, "f32", shape, checkpoint_source(cfg, rel, shape))
 
     eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
     embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))

@@ -7,8 +7,16 @@ Recipes (``Weight.source``) are small JSON-able trees written by the lowering an
     ["concat", axis, r1, r2..]  concatenation (passes/fuse.py merges sibling projections)
     ["cast", dtype, r]          to bf16 / f16 / f32 (passes/quantize.py)
     ["q4", group, r]            packed int4 + f16 scales (layout in kernels/matvec.py)
+    ["groups", G, [s0, s1..], [p0, p1..], r]
+                                r's rows as G groups of s0 + s1 + .. rows, each group split into parts of
+                                those sizes; the result is part p0 of every group (in group order), then
+                                part p1 of every group, ... (Qwen3-Next's in_proj_qkvz / in_proj_ba are
+                                interleaved per key-head group: compiler/qwen3_5.py gdn_projection_source)
+    ["experts", pattern, E]     the E checkpoint tensors pattern.replace("*", e), stacked along rows (a
+                                mixture-of-experts layer's experts as one [E * rows, cols] matrix)
 
-Only the tensors one weight needs are in memory at a time.
+Only the tensors one weight needs are in memory at a time. A q4 matrix is quantised in bands of rows
+(its rows quantise independently), so the quantiser's temporaries stay small beside the matrix.
 """
 from __future__ import annotations
 
@@ -32,8 +40,41 @@ def evaluate(recipe: list, read) -> torch.Tensor:
     if op == "cast":
         return evaluate(recipe[2], read).to(TORCH_DTYPES[recipe[1]])
     if op == "q4":
-        return q4_pack(evaluate(recipe[2], read), recipe[1])
+        return _q4_pack_bands(evaluate(recipe[2], read), recipe[1])
+    if op == "groups":
+        groups, sizes, parts, t = recipe[1], recipe[2], recipe[3], evaluate(recipe[4], read)
+        t = t.reshape(groups, sum(sizes), *t.shape[1:])
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return torch.cat([t[:, starts[i]:starts[i] + sizes[i]].reshape(-1, *t.shape[2:]) for i in parts])
+    if op == "experts":
+        pattern, n = recipe[1], recipe[2]
+        first = read(pattern.replace("*", "0")).to(torch.float32)
+        out = torch.empty((n * first.shape[0], *first.shape[1:]), dtype=torch.float32)
+        rows = first.shape[0]
+        out[:rows] = first
+        del first
+        for e in range(1, n):
+            out[e * rows:(e + 1) * rows] = read(pattern.replace("*", str(e)))
+        return out
     raise ValueError(f"unknown weight recipe {op!r}")
+
+
+Q4_BAND_ELEMENTS = 1 << 24
+
+
+def _q4_pack_bands(w: torch.Tensor, group: int) -> torch.Tensor:
+    """q4_pack of w [N, K], made band by band of rows (the same bytes: rows quantise independently)."""
+    n, k = w.shape
+    band = max(1, Q4_BAND_ELEMENTS // k)
+    if n <= band:
+        return q4_pack(w, group)
+    words, scales = [], []
+    for lo in range(0, n, band):
+        packed = q4_pack(w[lo:lo + band], group)
+        rows = min(band, n - lo)
+        words.append(packed[:rows * k // 2])
+        scales.append(packed[rows * k // 2:])
+    return torch.cat(words + scales)
 
 
 def weight_bytes(w: Weight, read) -> memoryview:

@@ -142,6 +142,15 @@ class BlockRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoeRule(Rule):
+    """kernels/moe.py: the router (one program per row: all E logits in registers, K in router_block_k
+    tiles of at most router_tile elements) and the grouped expert matvecs (the matvec row's tiles)."""
+    router_tile: int            # BLOCK_E * BLOCK_K at most this many elements
+    router_warps: int
+    max_block_n: int            # rows per program of the grouped matvecs, at most this
+
+
+@dataclass(frozen=True, kw_only=True)
 class SampleRule(Rule):
     """sample (kernels/sample.py): one program per ``tile`` logits, each keeping its top ``cand``."""
     tile: int                   # logits per program (a power of two): G = ceil(V / tile) programs
@@ -227,6 +236,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "matvec_rows": MatvecRowsRule(q4_ctas_per_sm=2, q4_block_k=1024, q4_warps=4, small_short_k=2048,
                                   small_short=(8, 256, 2), small_long=(4, 1024, 2),
                                   provenance=(_TUNING + "rows-sweep-h200.json",)),
+    # Qwen3-Next's router and grouped expert matvecs (kernels/moe.py): written without a device, not timed
+    "moe": MoeRule(router_tile=8192, router_warps=4, max_block_n=16, provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
@@ -251,6 +262,8 @@ class Target:
     sms: int  # SMs of ``part``
     smem_optin: int  # largest dynamic shared memory a CTA may opt into (bytes)
     part: str
+    memory_mib: int = 0  # device memory of the largest part of the class (nvidia-smi's total, MiB): the most a
+    #                      plan's arena may take (kestrelc build refuses a plan that cannot fit)
     rules: Mapping[str, Rule] = dataclasses.field(default_factory=untuned_rules, hash=False, compare=False,
                                                   repr=False)
 
@@ -266,12 +279,12 @@ def untuned_note(target: Target) -> str | None:
 
 
 TARGETS = {t.name: t for t in (
-    Target("sm_80", 80, 108, 163 * 1024, "A100"),
-    Target("sm_86", 86, 84, 99 * 1024, "RTX A6000"),
-    Target("sm_89", 89, 142, 99 * 1024, "L40S"),
-    Target("sm_90", 90, 132, 227 * 1024, "H100 / H200 SXM", SM90_RULES),
-    Target("sm_100", 100, 148, 227 * 1024, "B200"),
-    Target("sm_120", 120, 170, 99 * 1024, "RTX 5090"),
+    Target("sm_80", 80, 108, 163 * 1024, "A100", 81920),  # A100 80GB
+    Target("sm_86", 86, 84, 99 * 1024, "RTX A6000", 49140),
+    Target("sm_89", 89, 142, 99 * 1024, "L40S", 46068),
+    Target("sm_90", 90, 132, 227 * 1024, "H100 / H200 SXM", 143771, SM90_RULES),  # H200 (the one lent here: ~140 GiB)
+    Target("sm_100", 100, 148, 227 * 1024, "B200", 183359),
+    Target("sm_120", 120, 170, 99 * 1024, "RTX 5090", 32607),
 )}
 GPU_TARGETS = tuple(TARGETS)
 ALL_TARGETS = ("cpu",) + GPU_TARGETS

@@ -34,6 +34,9 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      its mean square from s itself or from the partials: the kernel's choice): no launch of its own, and no pass of one program over the whole vector
      (kernels/matvec.py). The final norm stays (its result is the ``hidden`` output)
   8. ops whose results nobody reads, and that write no state, are dropped.
+  (after 1) Qwen3-Next's ``moe_experts`` -> ``moe_gate_up`` then ``moe_down`` (the routed and shared
+     experts' gate/up products in one grouped launch, then their down products summed in a fixed order;
+     kernels/moe.py), the expert ids read from the router's routing buffer by both.
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
 ``check`` proves the invariant: every rewrite, run again on the result, finds nothing to do.
@@ -358,7 +361,26 @@ def _drop_dead(p: Program) -> int:
         n += len(dead)
 
 
-REWRITES = (("matmul_swiglu", _fuse_swiglu), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
+def _split_moe(p: Program) -> int:
+    """moe_experts -> moe_gate_up (the k routed experts' and the shared expert's silu(gate) * up, and the
+    shared gate's logit, in one grouped launch) then moe_down (the weighted sum of the down projections):
+    two launches, because every output row of the down projection needs all of an expert's intermediate."""
+    n = 0
+    for op in list(p.ops):
+        if op.kind != "moe_experts":
+            continue
+        x, ids, wts, wg, wu, wd, sg, su, sd, sgate = op.ins
+        h = x.type.shape[-1]
+        experts, k = wd.type.shape[0] // h, ids.type.shape[-1]
+        act = Value(TensorType("f32", tuple(x.type.shape[:-1]) + (k * wd.type.shape[1] + sg.type.shape[0] + 1,)))
+        i = p.ops.index(op)
+        p.ops[i:i + 1] = [Op("moe_gate_up", [act], [x, ids, wg, wu, sg, su, sgate], {"experts": experts}),
+                          Op("moe_down", [op.outs[0]], [act, ids, wts, wd, sd])]
+        n += 1
+    return n
+
+
+REWRITES = (("matmul_swiglu", _fuse_swiglu), ("moe_gate_up + moe_down", _split_moe), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
             ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
             ("norm into matmuls", _fuse_norm_into_matmuls), ("dead ops", _drop_dead))
 

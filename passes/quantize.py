@@ -2,7 +2,8 @@
 
 Invariant established: every weight read as a matrix (``MATRIX_OPERANDS``: the matmul family; all
 projections and lm_head) has the requested precision; the embedding table is f32 (none) or bf16;
-small tensors (norms, A_log, dt_bias, conv taps) stay f32; KV caches are bf16 unless --quant none.
+small tensors (norms, A_log, dt_bias, conv taps) stay f32; the MoE router and the shared expert's gate
+(``BF16_MATRIX_OPERANDS``) are bf16 under bf16 and q4; KV caches are bf16 unless --quant none.
 Weights change only their declared dtype and source recipe: the bytes are made when the plan is
 written, one weight at a time (compiler/weights.py), so a 27B checkpoint converts with bounded memory.
 
@@ -30,7 +31,11 @@ from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight, is_q4
 QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
 MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2), "matmul_add": (1,), "rmsnorm_matmul": (3,),
-                   "rmsnorm_matmul_swiglu": (3, 4)}
+                   "rmsnorm_matmul_swiglu": (3, 4), "moe_experts": (3, 4, 5, 6, 7, 8), "moe_gate_up": (2, 3, 4, 5),
+                   "moe_down": (3, 4)}
+# matrices kept at bf16 under q4 (f32 under none): the MoE router, whose top-k choice 4-bit noise could flip
+# (llama.cpp keeps ffn_gate_inp unquantised too), and the shared expert's one-row gate
+BF16_MATRIX_OPERANDS = {"moe_router": (1,), "moe_experts": (9,), "moe_gate_up": (6,)}
 TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
 DRAFT_PREFIX = "mtp."  # the draft model's weights (compiler/qwen3_5.py's MTP head and its draft lm_head)
 DRAFT_QUANT_MODES = ("q4",)
@@ -57,6 +62,10 @@ def _draft(w: Weight, draft: str | None) -> bool:
     return draft is not None and w.name.startswith(DRAFT_PREFIX)
 
 
+def _bf16_matrices(p: Program) -> set[int]:
+    return {id(op.ins[i]) for op in p.ops for i in BF16_MATRIX_OPERANDS.get(op.kind, ())}
+
+
 def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP, draft: str | None = None) -> Program:
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quant mode {mode!r}")
@@ -74,14 +83,17 @@ def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP
     if mode == "none":
         return p
     matrices = [w for w in matrices if not is_q4(w.type.dtype)]
+    bf16_only = _bf16_matrices(p)
     for w in p.weights.values():
-        if len(w.type.shape) == 2 and (id(w) in tables or w in matrices):
+        if len(w.type.shape) == 2 and (id(w) in tables or w in matrices or id(w) in bf16_only):
             w.type, w.source = type(w.type)("bf16", w.type.shape), ["cast", "bf16", w.source]
     for s in p.states.values():
         if s.name.endswith(("k_cache", "v_cache")):
             s.type = type(s.type)("bf16", s.type.shape)
     if mode == "q4":
         for w in matrices:
+            if id(w) in bf16_only:
+                continue
             g = _q4_group_for(w.type.shape[1], group)
             if g is None:
                 continue
@@ -102,12 +114,15 @@ def check(program: Program, mode: str, group: int = DEFAULT_Q4_GROUP, draft: str
     draft model's matrices the one ``draft`` gives them."""
     matrices, tables = _roles(program)
     matrix_ids = {id(w) for w in matrices}
+    bf16_only = _bf16_matrices(program)
 
     def want(w: Weight) -> str:
         if _draft(w, draft) and id(w) in matrix_ids and id(w) not in tables:
             g = _q4_group_for(w.type.shape[1], group)
             if g:
                 return f"q4g{g}"
+        if mode != "none" and id(w) in bf16_only:
+            return "bf16"
         if mode == "none" or (id(w) not in matrix_ids and id(w) not in tables):
             return "f32"
         if mode == "q4" and id(w) in matrix_ids and id(w) not in tables:

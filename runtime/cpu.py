@@ -182,6 +182,7 @@ class CpuStep:
             for v, r in zip(op.outs, res):
                 env[id(v)] = r
         self.outputs = {name: env[id(v)] for name, v in program.outputs.items()}
+        self.values = env  # every value of the last run, by id (tests read the MoE routing buffers)
 
     def output(self, name: str) -> np.ndarray:
         return self.outputs[name].detach().float().numpy()

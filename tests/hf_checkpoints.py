@@ -31,6 +31,35 @@ CONFIGS = {
 }
 
 
+# Qwen3-Next (model_type qwen3_next, MoE): name -> (config overrides on NEXT_BASE, save options). Different
+# expert counts and top-k, norm_topk_prob on and off, a dense layer among the sparse ones (mlp_only_layers),
+# decoder_sparse_step 2, odd layer counts, widths of the shared expert unlike the routed ones, a sharded save.
+NEXT_BASE = dict(BASE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1)
+NEXT_CONFIGS = {
+    "e8k2": ({}, {}),
+    "e16k4_nonorm_odd": (dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, num_hidden_layers=5,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=32, mlp_only_layers=[1]), {}),
+    "e6k3_step2_sharded": (dict(num_experts=6, num_experts_per_tok=3, num_hidden_layers=7, decoder_sparse_step=2,
+                                linear_num_value_heads=8, hidden_size=96, num_attention_heads=6,
+                                num_key_value_heads=2), {"max_shard_size": "60KB"}),
+}
+
+
+def make_next_checkpoint(folder: str, name: str, seed: int = 0):
+    """A Qwen3-Next checkpoint saved by transformers' Qwen3NextForCausalLM (experts one tensor each, as
+    save_pretrained writes them and the released checkpoints store them)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    overrides, save_opts = NEXT_CONFIGS[name]
+    cfg = Qwen3NextConfig(**{**NEXT_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(cfg).eval()
+    _redraw(model, seed)
+    model.save_pretrained(folder, **save_opts)
+    return model
+
+
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     sd = model.state_dict()
     fresh = random_weights({k: tuple(v.shape) for k, v in sd.items()}, seed)

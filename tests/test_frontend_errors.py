@@ -1,5 +1,6 @@
 """Bad checkpoints and options: one clear line, a distinct exit code, no traceback, nothing written."""
 import json
+import re
 import os
 
 import numpy as np
@@ -36,8 +37,9 @@ def _pop(d, k):
 CASES = {
     "unknown_model_type": (lambda f: edit_config(f, lambda c: _set(c, "model_type", "llama")),
                            ConfigError, "unknown model_type 'llama'"),
-    "qwen3_next": (lambda f: edit_config(f, lambda c: _set(c, "model_type", "qwen3_next")),
-                   UnsupportedError, "qwen3_next"),
+    # a Qwen3.5 checkpoint whose config says qwen3_next: its tensors are not a Qwen3-Next model's
+    "qwen3_next_config_on_qwen35": (lambda f: edit_config(f, lambda c: _set(c, "model_type", "qwen3_next")),
+                                    CheckpointError, "not part of a qwen3_next model"),
     "missing_key": (lambda f: edit_config(f, lambda c: _pop(c, "hidden_size")), ConfigError, "missing key 'hidden_size'"),
     "inconsistent_heads": (lambda f: edit_config(f, lambda c: _set(c, "num_attention_heads", 3)),
                            ConfigError, "multiple of num_key_value_heads"),
@@ -58,6 +60,57 @@ CASES = {
     "no_weights": (lambda f: os.remove(os.path.join(f, "model.safetensors")), CheckpointError,
                    "no model.safetensors"),
 }
+
+
+NEXT_CASES = {
+    "missing_expert": (lambda t: _pop(t, "model.layers.2.mlp.experts.5.up_proj.weight"),
+                       re.escape("missing tensor 'model.layers.2.mlp.experts.5.up_proj.weight' (expected shape [64, 128])")),
+    "missing_layer_of_experts": (lambda t: [_pop(t, k) for k in list(t) if k.startswith("model.layers.1.mlp.experts.")],
+                                 r"missing tensor 'model.layers.1.mlp.experts.0.gate_proj.weight' \(expected shape "
+                                 r"\[64, 128\]; 23 more tensors missing\)"),
+    "misshapen_expert": (lambda t: _set(t, "model.layers.0.mlp.experts.7.down_proj.weight", np.zeros((128, 32), np.float32)),
+                         r"'model.layers.0.mlp.experts.7.down_proj.weight' has shape \[128, 32\], expected \[128, 64\]"),
+    "misshapen_router": (lambda t: _set(t, "model.layers.3.mlp.gate.weight", np.zeros((9, 128), np.float32)),
+                         r"'model.layers.3.mlp.gate.weight' has shape \[9, 128\], expected \[8, 128\]"),
+    "unfused_gdn": (lambda t: _set(t, "model.layers.0.linear_attn.in_proj_qkv.weight", np.zeros((2, 2), np.float32)),
+                    "unexpected tensor 'model.layers.0.linear_attn.in_proj_qkv.weight'"),
+}
+
+
+@pytest.fixture(scope="module")
+def next_checkpoint(tmp_path_factory):
+    return synthesize("tiny-next", str(tmp_path_factory.mktemp("next")))
+
+
+@pytest.mark.parametrize("case", sorted(NEXT_CASES))
+def test_broken_qwen3_next_checkpoint(case, next_checkpoint, tmp_path):
+    """Missing or misshapen expert tensors are named in one line (exit 4), before anything is written."""
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(next_checkpoint, ckpt)
+    edit_tensors(ckpt, NEXT_CASES[case][0])
+    out = tmp_path / "m.plan"
+    r = run_cli("kestrelc", "build", ckpt, "-o", str(out))
+    assert r.returncode == CheckpointError.exit_code, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and re.search(NEXT_CASES[case][1], errors[0]), r.stderr
+
+
+def test_qwen3_next_config_errors(tmp_path):
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(synthesize("tiny-next", str(tmp_path / "src")), ckpt)
+    edit_config(ckpt, lambda c: _set(c, "num_experts_per_tok", 9))
+    r = run_cli("kestrelc", "build", ckpt, "-o", str(tmp_path / "m.plan"))
+    assert r.returncode == ConfigError.exit_code and "num_experts_per_tok 9 is more than num_experts 8" in r.stderr
+    r = run_cli("kestrelc", "build", "qwen3-next-80b-a3b", "--weights", "random", "--target", "sm_90",
+                "-o", str(tmp_path / "big.plan"))
+    assert r.returncode == 12 and not (tmp_path / "big.plan").exists()
+    assert re.search(r"error: qwen3-next-80b-a3b at --quant bf16 needs a 159\.\d GB arena .* the largest sm_90 GPU "
+                     r"\(H200 SXM\) has 150\.8 GB: build with --quant q4", r.stderr), r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -52,11 +52,18 @@ def _tiny_speculative_programs():
     return pre, run_passes(lower_speculative(cfg, 64, 2), PassOptions("sm_90", "q4", shares_arena_with=pre))
 
 
+def _tiny_next_programs():
+    """tiny-next (Qwen3-Next, MoE) for sm_90, q4: the one-token and the 8-row step."""
+    cfg = parse_config(PRESETS["tiny-next"], "preset tiny-next")
+    one = run_passes(lower(cfg, 64), PassOptions("sm_90", "q4"))
+    return one, run_passes(lower(cfg, 64, rows=8), PassOptions("sm_90", "q4", shares_arena_with=one))
+
+
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
     for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), _tiny_gpu_program(rows=32),
-                     *_tiny_speculative_programs()):
+                 *_tiny_speculative_programs(), *_tiny_next_programs()):
         for op in prog.ops:
             if is_view(op):
                 continue

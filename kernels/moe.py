@@ -1,0 +1,279 @@
+"""Qwen3-Next's sparse mixture-of-experts MLP, routed on the device inside the static step.
+
+Semantics (transformers' Qwen3NextSparseMoeBlock, Qwen3NextTopKRouter, Qwen3NextExperts; checked
+against transformers 5.24's modeling_qwen3_next.py), for one row x [H] after the layer's
+post-attention norm:
+
+    logits = Wr @ x                                  router ``mlp.gate`` [E, H]
+    p      = softmax(logits) in fp32
+    ids, w = the k largest p (k = num_experts_per_tok), largest first
+    w      = w / sum(w)                              when norm_topk_prob
+    y      = sum_j w_j * down_{ids_j}(silu(gate_{ids_j} x) * up_{ids_j} x)
+             + sigmoid(Ws . x) * shared_down(silu(shared_gate x) * shared_up x)
+
+**The routing buffer.** ``moe_router`` writes ids (i32 [k]) and weights (f32 [k]) of its layer into
+two arena buffers (at M rows [M, k]); the expert kernels read the expert ids from there and index
+the layer's *stacked* expert weights: every expert's gate (and up) projection is one [E * I, H]
+matrix, every down projection one [E * H, I] matrix (expert e's rows at e * I / e * H; for q4 the
+scales of all rows follow all the nibbles, so a row index of the stacked matrix finds both). No
+expert id is ever a kernel argument: the launch list is the same for every token whichever experts
+run (hoist_dynamic's ``check_routing`` proves it on every build).
+
+**Ties.** Among equal probabilities the lower expert index ranks first (a stable descending sort;
+the router kernel implements the same rule with an argmax that takes the first maximal index, k
+times). torch.topk on the CPU does *not* follow a fixed rule for ties (its order depends on the
+vector length and k: ``tests/test_moe.py`` shows a case), so the transformers oracle can choose
+another of several exactly tied experts; with real-valued logits exact ties of fp32 probabilities do
+not occur in practice, and where none occurs the sets and their order are torch.topk's.
+
+**The sum.** The routing weights are renormalised by their sum taken in rank order; the routed
+experts' contributions are summed in rank order, then the gated shared expert is added: a fixed
+order, no atomics (the GPU kernel sums per output row in the same order).
+
+The step runs the block as three launches: ``moe_router``; ``moe_gate_up`` (one grouped matvec over
+the k selected experts and the shared expert: silu(gate) * up for each, plus the shared gate's
+logit; result ``act`` = [k * I | Is | 1]); ``moe_down`` (each output row: the k routed down
+projections weighted, plus sigmoid(gate logit) times the shared down projection). The unfused op
+``moe_experts`` (what the lowering emits) is the composition of the last two.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.matvec import _matvec_rows, matvec_launch, matvec_ref
+from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.targets import pow2_at_least
+
+
+def weight_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo..hi of a weight as the references take it (a q4 weight keeps its codes and scales, so
+    ``matvec_ref`` computes the q4 product exactly as the GPU does)."""
+    part = w[lo:hi]
+    q4 = getattr(w, "q4", None)
+    if q4 is not None:
+        q, scales, group = q4
+        part = part.clone()
+        part.q4 = (q[lo:hi], scales[lo:hi], group)
+    return part
+
+
+def route_ref(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_k largest of probs [E], largest first, the lower index first among equal values."""
+    vals, idx = torch.sort(probs, descending=True, stable=True)
+    return idx[:top_k], vals[:top_k]
+
+
+def moe_router_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk: int):
+    """(ids i32 [k], weights f32 [k]) of x [H] (rows of x [M, H]: [M, k] each, row by row)."""
+    if x.dim() == 2:
+        rows = [moe_router_ref(r, w, top_k, norm_topk) for r in x]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    logits = matvec_ref(x, w)
+    probs = torch.softmax(logits.float(), dim=-1)
+    idx, vals = route_ref(probs, top_k)
+    if norm_topk:
+        total = vals[0].clone()
+        for j in range(1, top_k):  # in rank order (the kernel's order)
+            total = total + vals[j]
+        vals = vals / total
+    return idx.to(torch.int32), vals.float()
+
+
+def moe_shapes(x, wg, wd, sd) -> tuple[int, int, int, int]:
+    """(E, H, I, Is) from the operands: x [.., H], stacked gate [E * I, H], stacked down [E * H, I],
+    shared down [H, Is]."""
+    h = x.shape[-1]
+    e, i = wd.shape[0] // h, wd.shape[1]
+    return e, h, i, sd.shape[1]
+
+
+def moe_gate_up_ref(x, ids, wg, wu, sg, su, sgate, experts: int) -> torch.Tensor:
+    """act = [silu(Wg_e x) * (Wu_e x) for e in ids] | silu(Sg x) * (Su x) | Ws . x, as one f32 vector
+    of k * I + Is + 1 (rows of x: one such row each); I = rows of the stacked Wg / ``experts``."""
+    if x.dim() == 2:
+        return torch.stack([moe_gate_up_ref(r, i, wg, wu, sg, su, sgate, experts) for r, i in zip(x, ids)])
+    inter = wg.shape[0] // experts
+    parts = []
+    for e in ids.tolist():
+        g = matvec_ref(x, weight_rows(wg, e * inter, (e + 1) * inter))
+        u = matvec_ref(x, weight_rows(wu, e * inter, (e + 1) * inter))
+        parts.append(torch.nn.functional.silu(g) * u)
+    parts.append(torch.nn.functional.silu(matvec_ref(x, sg)) * matvec_ref(x, su))
+    parts.append(matvec_ref(x, sgate))
+    return torch.cat(parts).float()
+
+
+def moe_down_ref(act, ids, weights, wd, sd) -> torch.Tensor:
+    """y = sum_j weights_j * (Wd_{ids_j} @ act_j) in rank order, + sigmoid(act[-1]) * (Sd @ act_shared)."""
+    if act.dim() == 2:
+        return torch.stack([moe_down_ref(a, i, w, wd, sd) for a, i, w in zip(act, ids, weights)])
+    h, inter, s = sd.shape[0], wd.shape[1], sd.shape[1]
+    k = ids.shape[0]
+    y = torch.zeros(h, dtype=torch.float32)
+    for j, e in enumerate(ids.tolist()):
+        y = y + weights[j] * matvec_ref(act[j * inter:(j + 1) * inter], weight_rows(wd, e * h, (e + 1) * h))
+    shared = matvec_ref(act[k * inter:k * inter + s], sd)
+    return y + torch.sigmoid(act[k * inter + s]) * shared
+
+
+def moe_experts_ref(x, ids, weights, wg, wu, wd, sg, su, sd, sgate) -> torch.Tensor:
+    """The MoE block after its router: moe_down_ref(moe_gate_up_ref(...)) (fuse splits it so)."""
+    act = moe_gate_up_ref(x, ids, wg, wu, sg, su, sgate, wd.shape[0] // x.shape[-1])
+    return moe_down_ref(act, ids, weights, wd, sd)
+
+
+# --- launch rules (constants: kernels/targets.py, the "moe" and "matvec" rows) --------------------------
+
+
+def moe_router_launch(rows: int, e: int, k: int, top_k: int, target) -> dict:
+    """One program per row; the E logits in registers (BLOCK_E = pow2(E)), K in tiles of
+    router_tile / BLOCK_E (at least 16, at most pow2(K))."""
+    r = target.rules["moe"]
+    block_e = pow2_at_least(e)
+    block_k = max(16, min(pow2_at_least(k), r.router_tile // block_e))
+    return {"grid": [rows, 1, 1], "num_warps": r.router_warps,
+            "constexprs": {"E": e, "K": k, "TOPK": top_k, "BLOCK_E": block_e, "BLOCK_K": block_k,
+                           "BLOCK_T": pow2_at_least(max(2, top_k))}}
+
+
+def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the matvec launch rule for an [n, k] matrix, BLOCK_N at most
+    ``cap`` (a power of two)."""
+    m = matvec_launch(n, k, group, target)
+    c = m["constexprs"]
+    return min(c["BLOCK_N"], cap), c["BLOCK_K"], m["num_warps"]
+
+
+def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
+    """Programs over (slot, row block): top_k slots of ceil(I / BLOCK_N) blocks, the shared expert's
+    ceil(Is / BLOCK_N), one for the shared gate's logit; a grid row per input row. Tiles from the matvec
+    rule for the k + 1 experts' rows as one matrix; BLOCK_K a multiple of every q4 group."""
+    cap = min(target.rules["moe"].max_block_n, pow2_at_least(min(inter, shared)))
+    g = max(groups)
+    block_n, block_k, warps = _tiles(top_k * inter + shared, h, g, target, cap)
+    nb_i, nb_s = -(-inter // block_n), -(-shared // block_n)
+    return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": warps,
+            "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_G": groups[0],
+                           "GROUP_S": groups[1], "GROUP_GATE": groups[2], "BLOCK_N": block_n, "BLOCK_K": block_k}}
+
+
+def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
+    """Programs over blocks of the H output rows (a grid row per input row); each sums the k routed
+    products in rank order, then the gated shared one."""
+    block_n, block_kd, warps = _tiles(h, inter, groups[0], target, target.rules["moe"].max_block_n)
+    _, block_ks, _ = _tiles(h, shared, groups[1], target, block_n)
+    return {"grid": [-(-h // block_n), rows, 1], "num_warps": warps,
+            "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_D": groups[0],
+                           "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks}}
+
+
+# --- Triton kernels ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_router_kernel(x_ptr, w_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, K: tl.constexpr,
+                      TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """Row program_id(0) of x [M, K]: logits = W x (W [E, K], fp32 accumulation), softmax
+    in fp32, the TOPK largest probabilities (each an argmax taking the first maximal index: lower index
+    first among ties), renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and
+    weights [M, TOPK] (f32) of the row written."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    es = tl.arange(0, BLOCK_E)
+    emask = es < E
+    ec = tl.minimum(es, E - 1)
+    acc = tl.zeros([BLOCK_E], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ec.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    logits = tl.where(emask, acc, float("-inf"))
+    ex = tl.exp(logits - tl.max(logits, axis=0))
+    p = tl.where(emask, ex / tl.sum(ex, axis=0), -1.0)
+    ts = tl.arange(0, BLOCK_T)
+    ids = tl.zeros([BLOCK_T], tl.int32)
+    vals = tl.zeros([BLOCK_T], tl.float32)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        m = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == m, es, BLOCK_E), axis=0)
+        ids = tl.where(ts == j, idx, ids)
+        vals = tl.where(ts == j, m, vals)
+        if j == 0:
+            total = m
+        else:
+            total = total + m
+        p = tl.where(es == idx, -2.0, p)
+    if norm_topk != 0:
+        vals = vals / total
+    tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)
+    tl.store(wts_ptr + row * TOPK + ts, vals, mask=ts < TOPK)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, experts,
+                       E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
+                       GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """act[row] = [silu(Wg_e x) * (Wu_e x) for e in ids[row]] | silu(Sg x) * (Su x) | Ws . x (x = x[row],
+    row = program_id(1)). Program p < TOPK * NB_I: slot p // NB_I, rows block p % NB_I of the expert read
+    from the routing buffer (clamped into 0..E-1: no read outside the stacked weights whatever the buffer
+    holds) at rows e * I .. of the stacked [E * I, H] matrices; then the shared expert's blocks; the last
+    program the shared gate's logit. The matvec inner loop is kernels/matvec.py's (bf16 / f32 / q4)."""
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    NB_I: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+    NB_S: tl.constexpr = (IS + BLOCK_N - 1) // BLOCK_N
+    ACT: tl.constexpr = TOPK * I + IS + 1
+    x = x_ptr + row * H
+    out = act_ptr + row * ACT
+    ns = tl.arange(0, BLOCK_N)
+    if pid < TOPK * NB_I:
+        j = pid // NB_I
+        r = (pid % NB_I) * BLOCK_N + ns
+        e = tl.load(ids_ptr + row * TOPK + j)
+        e = tl.minimum(tl.maximum(e, 0), E - 1)
+        rows = e * I + tl.minimum(r, I - 1)
+        g = _matvec_rows(x, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K)
+        u = _matvec_rows(x, wu_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K)
+        tl.store(out + j * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < I)
+    elif pid < TOPK * NB_I + NB_S:
+        r = (pid - TOPK * NB_I) * BLOCK_N + ns
+        rows = tl.minimum(r, IS - 1)
+        g = _matvec_rows(x, sg_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K)
+        u = _matvec_rows(x, su_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K)
+        tl.store(out + TOPK * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < IS)
+    else:
+        y = _matvec_rows(x, sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_N, BLOCK_K)
+        tl.store(out + TOPK * I + IS + ns, y, mask=ns < 1)
+
+
+@triton.jit
+def moe_down_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
+                    I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr,
+                    GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """y[row, r] = sum_j wts_j * (Wd_{ids_j} act_j)[r] in rank order j = 0..TOPK-1, then
+    + sigmoid(gate logit) * (Sd act_shared)[r]: BLOCK_N output rows per program (row = program_id(1)),
+    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order."""
+    pdl_wait(PDL)
+    row = tl.program_id(1)
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.minimum(r, H - 1)
+    ACT: tl.constexpr = TOPK * I + IS + 1
+    act = act_ptr + row * ACT
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + row * TOPK + j)
+        e = tl.minimum(tl.maximum(e, 0), E - 1)
+        w = tl.load(wts_ptr + row * TOPK + j)
+        acc = acc + w * _matvec_rows(act + j * I, wd_ptr, e * H + rc, E * H, I, GROUP_D, BLOCK_N, BLOCK_KD)
+    s = _matvec_rows(act + TOPK * I, sd_ptr, rc, H, IS, GROUP_S, BLOCK_N, BLOCK_KS)
+    gate = tl.load(act + TOPK * I + IS)
+    acc = acc + s / (1.0 + tl.exp(-gate))
+    tl.store(y_ptr + row * H + r, acc, mask=r < H)

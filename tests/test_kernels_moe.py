@@ -1,0 +1,177 @@
+"""Qwen3-Next's MoE kernels (kernels/moe.py) in Triton's interpreter against their torch references:
+the router (logits, softmax, top-k with ties, renormalisation) and the grouped expert matvecs reading
+the expert ids from the routing buffer (f32, bf16, q4; one row and several rows routed differently);
+and each AOT-compiled for every GPU target at the 80B-A3B shapes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernel_harness import assert_close, interpret
+from kestrel.compiler.ops import OPS
+from kestrel.kernels.matvec import q4_pack, q4_unpack
+from kestrel.kernels.moe import (moe_down_kernel, moe_down_launch, moe_down_ref, moe_gate_up_kernel, moe_gate_up_launch,
+                                 moe_gate_up_ref, moe_router_kernel, moe_router_launch, moe_router_ref, route_ref)
+from kestrel.kernels.targets import ALL_TARGETS, TARGETS
+
+SM90 = TARGETS["sm_90"]
+
+
+def _router(x, w, k, norm):
+    rows, h = x.shape
+    e = w.shape[0]
+    ids = torch.full((rows, k), -7, dtype=torch.int32)
+    wts = torch.full((rows, k), float("nan"))
+    c = moe_router_launch(rows, e, h, k, SM90)
+    interpret(moe_router_kernel)[tuple(c["grid"])](x, w, ids, wts, k, norm, **c["constexprs"])
+    return ids, wts
+
+
+@pytest.mark.parametrize("e,k,norm,dtype", [(8, 2, 1, torch.float32), (60, 10, 1, torch.bfloat16),
+                                            (16, 4, 0, torch.float32), (5, 5, 1, torch.bfloat16)])
+def test_router(e, k, norm, dtype):
+    g = torch.Generator().manual_seed(e + k)
+    h = 96  # not a power of two: a masked K tail
+    x = torch.randn(3, h, generator=g)
+    w = (torch.randn(e, h, generator=g) * h ** -0.5 * 3).to(dtype)
+    ids, wts = _router(x, w, k, norm)
+    ref_ids, ref_wts = moe_router_ref(x, w, k, norm)
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
+    assert_close(wts, ref_wts, 1e-6, 1e-7, "routing weights")
+    if norm:
+        assert torch.allclose(wts.sum(-1), torch.ones(3))
+    assert len(set(ids[0].tolist())) == k  # k distinct experts
+
+
+def test_router_ties_lower_index_first():
+    """Experts 1, 4 and 6 have equal router rows (equal logits, equal probabilities): the kernel and the
+    reference rank the lower index first."""
+    g = torch.Generator().manual_seed(3)
+    h, e = 64, 8
+    w = torch.randn(e, h, generator=g) * 0.1
+    x = torch.randn(1, h, generator=g)
+    w[4] = w[1] = w[6] = x[0] / x[0].norm() * 2  # the largest logit, three times
+    ids, wts = _router(x, w, 2, 1)
+    ref_ids, _ = moe_router_ref(x, w, 2, 1)
+    assert ids[0].tolist() == ref_ids[0].tolist() == [1, 4]
+    assert wts[0, 0] == wts[0, 1] == 0.5
+
+
+def test_torch_topk_has_no_fixed_tie_order_but_agrees_without_ties():
+    """Why the reference does not call torch.topk: on the CPU its order among equal values depends on
+    the vector (here it puts a higher index first); without ties it equals route_ref's choice."""
+    x = torch.zeros(16)
+    x[[3, 5, 9, 11]] = 1
+    assert torch.topk(x, 2).indices.tolist() != [3, 5]  # torch 2.13 CPU gives [5, 9]
+    assert route_ref(x, 2)[0].tolist() == [3, 5]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p = torch.softmax(torch.randn(512, generator=g), -1)
+        assert torch.equal(torch.topk(p, 10).indices, route_ref(p, 10)[0])
+
+
+def _experts(dtype: str, e: int, h: int, inter: int, shared: int, g):
+    """Stacked expert weights as the plan stores them (and as the references take them)."""
+    def mat(n, k, q4_ok=True):
+        w = torch.randn(n, k, generator=g) * k ** -0.5
+        if dtype == "q4" and q4_ok:
+            grp = 64 if k % 64 == 0 else 32
+            buf = q4_pack(w, grp)
+            return buf, q4_unpack(buf, n, k, grp), grp
+        t = w.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        return t, t, 0
+    names = ("wg", "wu", "sg", "su", "wd", "sd")
+    shapes = ((e * inter, h), (e * inter, h), (shared, h), (shared, h), (e * h, inter), (h, shared))
+    out = {n: mat(*s) for n, s in zip(names, shapes)}
+    out["sgate"] = mat(1, h, q4_ok=False)  # bf16 / f32 (quantize keeps the shared gate unquantised)
+    return out
+
+
+@pytest.mark.parametrize("dtype,rows", [("f32", 1), ("bf16", 1), ("q4", 1), ("bf16", 3), ("q4", 2)])
+def test_grouped_experts(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    e, h, inter, shared, k = 6, 128, 64, 96, 3
+    w = _experts(dtype, e, h, inter, shared, g)
+    x = torch.randn(rows, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)]).to(torch.int32)
+    ids[0, 0] = e - 1  # the last expert's rows (the end of the stacked matrices, and of the q4 scales)
+    wts = torch.softmax(torch.randn(rows, k, generator=g), -1)
+    groups_gu = (w["wg"][2], w["sg"][2], w["sgate"][2])
+    c = moe_gate_up_launch(rows, e, h, inter, shared, k, groups_gu, SM90)
+    consts = dict(c["constexprs"], BLOCK_N=16)  # several blocks per expert
+    act_n = k * inter + shared + 1
+    grid = (k * (inter // 16) + shared // 16 + 1, rows)
+    act = torch.full((rows, act_n), float("nan"))
+    interpret(moe_gate_up_kernel)[grid](x, ids, w["wg"][0], w["wu"][0], w["sg"][0], w["su"][0], w["sgate"][0], act, e,
+                                        **consts)
+    ref_act = moe_gate_up_ref(x, ids, w["wg"][1], w["wu"][1], w["sg"][1], w["su"][1], w["sgate"][1], e)
+    assert_close(act, ref_act, 2e-5, 1e-6, f"moe_gate_up {dtype}")
+    d = moe_down_launch(rows, e, h, inter, shared, k, (w["wd"][2], w["sd"][2]), SM90)
+    dconsts = dict(d["constexprs"], BLOCK_N=32)
+    y = torch.full((rows, h), float("nan"))
+    interpret(moe_down_kernel)[(h // 32, rows)](ref_act, ids, wts, w["wd"][0], w["sd"][0], y, **dconsts)
+    ref_y = moe_down_ref(ref_act, ids, wts, w["wd"][1], w["sd"][1])
+    assert_close(y, ref_y, 2e-5, 1e-6, f"moe_down {dtype}")
+    # a wrong expert id changes the result: the kernels read the routing buffer
+    ids2 = ids.clone()
+    ids2[0, 0] = (ids[0, 0] + 1) % e if (ids[0, 0] + 1) % e not in ids[0].tolist() else ids[0, 0] - 1
+    act2 = torch.full((rows, act_n), float("nan"))
+    interpret(moe_gate_up_kernel)[grid](x, ids2, w["wg"][0], w["wu"][0], w["sg"][0], w["su"][0], w["sgate"][0], act2,
+                                        e, **consts)
+    assert not torch.equal(act2[0, :inter], act[0, :inter]) and torch.equal(act2[0, inter:], act[0, inter:])
+
+
+def aot_jobs():
+    """(key, kernel, signature, constexprs, warps, cc) at the 80B-A3B shapes, bf16 and q4, every target."""
+    jobs = []
+    e, h, inter, shared, k = 512, 2048, 512, 512, 10
+    for name in ALL_TARGETS:
+        if name == "cpu":
+            continue
+        t = TARGETS[name]
+        r = moe_router_launch(1, e, h, k, t)
+        jobs.append([f"moe_router/{name}", "kestrel.kernels.moe:moe_router_kernel",
+                     ["*fp32", "*bf16", "*i32", "*fp32", "i32", "i32"], r["constexprs"], r["num_warps"], t.cc])
+        for q, wt, groups in (("bf16", "*bf16", (0, 0, 0)), ("q4", "*u8", (128, 128, 0))):
+            gu = moe_gate_up_launch(1, e, h, inter, shared, k, groups, t)
+            jobs.append([f"moe_gate_up_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_kernel",
+                         ["*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32"], gu["constexprs"], gu["num_warps"],
+                         t.cc])
+            dn = moe_down_launch(256, e, h, inter, shared, k, groups[:2], t)
+            jobs.append([f"moe_down_{q}/{name}", "kestrel.kernels.moe:moe_down_kernel",
+                         ["*fp32", "*i32", "*fp32", wt, wt, "*fp32"], dn["constexprs"], dn["num_warps"], t.cc])
+    return jobs
+
+
+_COMPILE_ALL = """
+import json, sys
+from kestrel.compiler.codegen import compile_kernel
+res = {}
+for key, fn, types, consts, num_warps, cc in json.loads(sys.stdin.read()):
+    try:
+        ck = compile_kernel(key.split("/")[0], fn, types, consts, num_warps, cc, [t.startswith("*") for t in types])
+        res[key] = [len(ck.cubin), ck.num_warps, ck.arch, ck.cubin[:4].hex()]
+    except Exception as e:  # reported per (kernel, target) by the test
+        res[key] = repr(e)[-2000:]
+print(json.dumps(res))
+"""
+
+
+def test_aot_compiles_every_moe_kernel_for_every_target():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    jobs = aot_jobs()
+    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(jobs), capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    compiled = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(jobs) == 5 * (len(ALL_TARGETS) - 1)
+    for key, fn, types, consts, warps, cc in jobs:
+        res = compiled[key]
+        assert isinstance(res, list), f"{key}: {res}"
+        size, num_warps, arch, magic = res
+        assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
+    for kind in ("moe_router", "moe_gate_up", "moe_down"):
+        assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind
