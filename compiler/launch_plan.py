@@ -23,6 +23,8 @@ runtime/launch_binding.py turns it into device addresses; the runtime reads noth
 """
 from __future__ import annotations
 
+import math
+
 import re
 
 from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Program, State, Value, Weight
@@ -82,13 +84,19 @@ def _layer_of(op) -> int | None:
     return None
 
 
+# operands of the MoE expert kernels that are stacked per-expert matrices ([E * rows, cols], kernels/moe.py)
+STACKED_EXPERTS = {"moe_gate_up": (2, 3), "moe_down": (3,)}
+
+
 def _launch_bytes(op, counted: dict) -> dict:
     """Bytes launch ``op`` moves that no earlier launch of the step was charged for: ``{"fixed",
     "kv_row_bytes"}``. ``counted`` maps each weight / state (by id) to the bytes already charged and is
     updated. An embedding gather reads one row of its table; any other op reads a weight whole, so an
     embedding table that is also the lm_head (tied) is charged in full at the lm_head (the row the
     gather read is then part of that). States are read and written (twice their size), the token
-    sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); ``scratch.*`` states
+    sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); a MoE layer's stacked
+    experts the slices of the experts a token routes to (top_k of E; at M rows at most M top_k of them,
+    an upper bound when rows share experts); ``scratch.*`` states
     (a kernel's partials within one launch, L2-resident) none; the speculative verify's snapshots once
     (written; the rollback's copy of one of them back is not counted)."""
     fixed, rows = 0, []
@@ -102,6 +110,11 @@ def _launch_bytes(op, counted: dict) -> dict:
             continue
         if op.kind in ("embedding", "embedding_rows", "embedding_next_rows") and i == 0:
             want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
+        elif i in STACKED_EXPERTS.get(op.kind, ()):  # the routed experts' slices only: top_k of E a row
+            ids = op.ins[1].type.shape  # [k] or [M, k]
+            # moe_down: the stacked down is [E * H, I], the shared down (operand 4) [H, S]
+            experts = op.attrs["experts"] if op.kind == "moe_gate_up" else x.type.shape[0] // op.ins[4].type.shape[0]
+            want = x.type.nbytes // experts * min(experts, math.prod(ids))
         elif isinstance(x, State) and x.name == TOKENS_STATE:
             want = 8
         elif isinstance(x, State) and x.name.endswith("_snap"):  # the verify's snapshots: written once

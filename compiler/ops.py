@@ -525,6 +525,16 @@ def _infer_moe_router(ins, a):
     return [TensorType("i32", lead + (a["top_k"],)), _f32(lead + (a["top_k"],))]
 
 
+def _infer_moe_topk(ins, a):
+    (logits,) = ins
+    ls = _t(logits).shape
+    _need(len(ls) in (1, 2) and _t(logits).dtype == "f32", f"moe_topk logits {_t(logits)} must be f32 [E] or [M, E]")
+    _need(isinstance(a["top_k"], int) and 1 <= a["top_k"] <= ls[-1], f"moe_topk top_k {a['top_k']} must be in "
+          f"1..{ls[-1]} (the experts)")
+    _need(a["norm_topk"] in (0, 1), "moe_topk norm_topk must be 0 or 1")
+    return [TensorType("i32", ls[:-1] + (a["top_k"],)), _f32(ls[:-1] + (a["top_k"],))]
+
+
 def _moe_check(x, ids, wg, wu, sg, su, sgate, wd=None, sd=None, experts=None) -> tuple[int, int, int, int, int]:
     """(E, H, I, Is, k) of an MoE block's operands (stacked gate/up [E * I, H], down [E * H, I])."""
     lead, h = _lead(x), _t(x).shape[-1]
@@ -840,10 +850,9 @@ def _group(w) -> int:
     return q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
 
 
-def _moe_router(op: Op, t: Target) -> dict:
-    x, w = op.ins
-    e, k = w.type.shape
-    return {"kernel": "moe_router_" + w.type.dtype, **moe.moe_router_launch(_rows_of(x), e, k, op.attrs["top_k"], t)}
+def _moe_topk(op: Op, t: Target) -> dict:
+    (logits,) = op.ins
+    return {"kernel": "moe_topk", **moe.moe_topk_launch(_rows_of(logits), logits.type.shape[-1], op.attrs["top_k"], t)}
 
 
 def _moe_gate_up(op: Op, t: Target) -> dict:
@@ -1043,9 +1052,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="gdn_rows_norm storing the conv window after each valid row but the last"),
     # --- Qwen3-Next's mixture-of-experts MLP (kernels/moe.py: semantics, routing buffer, tie rule) ---
     OpDef("moe_router", "vw", ("top_k", "norm_topk"), _infer_moe_router, moe.moe_router_ref,
-          Kernel(moe.moe_router_kernel, _moe_router), _MOE_ONNX,
+          NotApplicable("the GPU runs it as the router's matmul (the logits) + moe_topk, which fuse emits"), _MOE_ONNX,
           doc="the routing buffer: the top_k experts of softmax(Wr @ x) (i32 ids, largest first, lower index "
               "first among ties) and their f32 weights (renormalised to sum 1 when norm_topk)"),
+    OpDef("moe_topk", "v", ("top_k", "norm_topk"), _infer_moe_topk, moe.moe_topk_ref,
+          Kernel(moe.moe_topk_kernel, _moe_topk), _MOE_ONNX,
+          doc="moe_router after its logits: the top_k experts of softmax(logits) and their weights (the routing buffer)"),
     OpDef("moe_experts", "vvvwwwwwww", (), _infer_moe_experts, moe.moe_experts_ref,
           NotApplicable("the GPU runs it as moe_gate_up + moe_down, which fuse emits"), _MOE_ONNX,
           doc="sum_j w_j * down_e(silu(gate_e x) * up_e x) over the routed experts e = ids_j (stacked weights "

@@ -11,7 +11,10 @@ post-attention norm:
     y      = sum_j w_j * down_{ids_j}(silu(gate_{ids_j} x) * up_{ids_j} x)
              + sigmoid(Ws . x) * shared_down(silu(shared_gate x) * shared_up x)
 
-**The routing buffer.** ``moe_router`` writes ids (i32 [k]) and weights (f32 [k]) of its layer into
+**The routing buffer.** ``moe_router`` (on the GPU: fuse splits it into the router's ``matmul``, the
+logits on the matvec kernel's many programs, and ``moe_topk``, one program per row: a router that
+read its [E, H] weight in one program took 147 us a layer at E = 512, H = 2048 on the H200) writes ids
+(i32 [k]) and weights (f32 [k]) of its layer into
 two arena buffers (at M rows [M, k]); the expert kernels read the expert ids from there and index
 the layer's *stacked* expert weights: every expert's gate (and up) projection is one [E * I, H]
 matrix, every down projection one [E * H, I] matrix (expert e's rows at e * I / e * H; for q4 the
@@ -30,7 +33,7 @@ not occur in practice, and where none occurs the sets and their order are torch.
 experts' contributions are summed in rank order, then the gated shared expert is added: a fixed
 order, no atomics (the GPU kernel sums per output row in the same order).
 
-The step runs the block as three launches: ``moe_router``; ``moe_gate_up`` (one grouped matvec over
+The step runs the block as four launches: the router's matmul and ``moe_topk``; ``moe_gate_up`` (one grouped matvec over
 the k selected experts and the shared expert: silu(gate) * up for each, plus the shared gate's
 logit; result ``act`` = [k * I | Is | 1]); ``moe_down`` (each output row: the k routed down
 projections weighted, plus sigmoid(gate logit) times the shared down projection). The unfused op
@@ -66,11 +69,17 @@ def route_ref(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def moe_router_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk: int):
-    """(ids i32 [k], weights f32 [k]) of x [H] (rows of x [M, H]: [M, k] each, row by row)."""
-    if x.dim() == 2:
-        rows = [moe_router_ref(r, w, top_k, norm_topk) for r in x]
+    """(ids i32 [k], weights f32 [k]) of x [H] (rows of x [M, H]: [M, k] each, row by row): the
+    logits W x as the matvec computes them, then ``moe_topk_ref``."""
+    return moe_topk_ref(matvec_ref(x, w), top_k, norm_topk)
+
+
+def moe_topk_ref(logits: torch.Tensor, top_k: int, norm_topk: int):
+    """(ids i32 [k], weights f32 [k]) of the router's logits [E] (rows [M, E]: [M, k]): softmax in fp32,
+    the top_k largest (``route_ref``), renormalised by their sum in rank order when norm_topk."""
+    if logits.dim() == 2:
+        rows = [moe_topk_ref(r, top_k, norm_topk) for r in logits]
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-    logits = matvec_ref(x, w)
     probs = torch.softmax(logits.float(), dim=-1)
     idx, vals = route_ref(probs, top_k)
     if norm_topk:
@@ -127,14 +136,10 @@ def moe_experts_ref(x, ids, weights, wg, wu, wd, sg, su, sd, sgate) -> torch.Ten
 # --- launch rules (constants: kernels/targets.py, the "moe" and "matvec" rows) --------------------------
 
 
-def moe_router_launch(rows: int, e: int, k: int, top_k: int, target) -> dict:
-    """One program per row; the E logits in registers (BLOCK_E = pow2(E)), K in tiles of
-    router_tile / BLOCK_E (at least 16, at most pow2(K))."""
-    r = target.rules["moe"]
-    block_e = pow2_at_least(e)
-    block_k = max(16, min(pow2_at_least(k), r.router_tile // block_e))
-    return {"grid": [rows, 1, 1], "num_warps": r.router_warps,
-            "constexprs": {"E": e, "K": k, "TOPK": top_k, "BLOCK_E": block_e, "BLOCK_K": block_k,
+def moe_topk_launch(rows: int, e: int, top_k: int, target) -> dict:
+    """One program per row, the E logits in registers (BLOCK_E = pow2(E))."""
+    return {"grid": [rows, 1, 1], "num_warps": target.rules["moe"].router_warps,
+            "constexprs": {"E": e, "TOPK": top_k, "BLOCK_E": pow2_at_least(e),
                            "BLOCK_T": pow2_at_least(max(2, top_k))}}
 
 
@@ -173,25 +178,17 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
 
 
 @triton.jit
-def moe_router_kernel(x_ptr, w_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, K: tl.constexpr,
-                      TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """Row program_id(0) of x [M, K]: logits = W x (W [E, K], fp32 accumulation), softmax
-    in fp32, the TOPK largest probabilities (each an argmax taking the first maximal index: lower index
-    first among ties), renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and
-    weights [M, TOPK] (f32) of the row written."""
+def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+    """Row program_id(0) of the router's logits [M, E] (the matvec's): softmax in fp32, the TOPK largest
+    probabilities (each an argmax taking the first maximal index: lower index first among ties),
+    renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights [M, TOPK]
+    (f32) of the row written."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     es = tl.arange(0, BLOCK_E)
     emask = es < E
-    ec = tl.minimum(es, E - 1)
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + ec.to(tl.int64)[:, None] * K + ks[None, :], mask=(ks < K)[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-    logits = tl.where(emask, acc, float("-inf"))
+    logits = tl.load(logits_ptr + row * E + es, mask=emask, other=float("-inf"))
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(emask, ex / tl.sum(ex, axis=0), -1.0)
     ts = tl.arange(0, BLOCK_T)

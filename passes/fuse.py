@@ -36,7 +36,8 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
   8. ops whose results nobody reads, and that write no state, are dropped.
   (after 1) Qwen3-Next's ``moe_experts`` -> ``moe_gate_up`` then ``moe_down`` (the routed and shared
      experts' gate/up products in one grouped launch, then their down products summed in a fixed order;
-     kernels/moe.py), the expert ids read from the router's routing buffer by both.
+     kernels/moe.py), the expert ids read from the router's routing buffer by both; ``moe_router`` ->
+     the router's ``matmul`` (its logits) then ``moe_topk`` (softmax, top-k, the routing buffer)
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
 ``check`` proves the invariant: every rewrite, run again on the result, finds nothing to do.
@@ -380,7 +381,23 @@ def _split_moe(p: Program) -> int:
     return n
 
 
-REWRITES = (("matmul_swiglu", _fuse_swiglu), ("moe_gate_up + moe_down", _split_moe), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
+def _split_router(p: Program) -> int:
+    """moe_router -> the router's matmul (the E logits on the matvec's many programs: one program reading
+    the whole [E, H] router took 147 us a layer at Qwen3-Next-80B's shape on the H200) then moe_topk (the
+    softmax and top-k of the logits, one program a row)."""
+    n = 0
+    for op in list(p.ops):
+        if op.kind != "moe_router":
+            continue
+        x, w = op.ins
+        logits = Value(TensorType("f32", tuple(x.type.shape[:-1]) + (w.type.shape[0],)))
+        i = p.ops.index(op)
+        p.ops[i:i + 1] = [Op("matmul", [logits], [x, w]), Op("moe_topk", op.outs, [logits], dict(op.attrs))]
+        n += 1
+    return n
+
+
+REWRITES = (("matmul_swiglu", _fuse_swiglu), ("moe_gate_up + moe_down", _split_moe), ("moe_topk", _split_router), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
             ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
             ("norm into matmuls", _fuse_norm_into_matmuls), ("dead ops", _drop_dead))
 

@@ -63,7 +63,10 @@ def _draft(w: Weight, draft: str | None) -> bool:
 
 
 def _bf16_matrices(p: Program) -> set[int]:
-    return {id(op.ins[i]) for op in p.ops for i in BF16_MATRIX_OPERANDS.get(op.kind, ())}
+    """BF16_MATRIX_OPERANDS', and the router after fuse split it: the matmul whose logits moe_topk reads."""
+    logits = {id(op.ins[0]) for op in p.ops if op.kind == "moe_topk"}
+    return {id(op.ins[i]) for op in p.ops for i in BF16_MATRIX_OPERANDS.get(op.kind, ())} | {
+        id(op.ins[1]) for op in p.ops if op.kind == "matmul" and id(op.outs[0]) in logits}
 
 
 def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP, draft: str | None = None) -> Program:

@@ -128,3 +128,22 @@ def test_profile_on_the_cpu_path(tmp_path):
                                                                      for r in sb["kv_row_bytes"]))
     assert all(x["ms"] > 0 for x in rep["launches"])
     assert abs(sum(g["ms"] for g in rep["by_layer_kind"].values()) - rep["sum_of_launches_ms"]) < 1e-9
+
+
+def test_step_bytes_count_the_routed_experts_only():
+    """A MoE layer's stacked experts are charged top_k / E of their bytes a token (the routed experts'
+    slices), every other weight whole: on tiny-next (8 experts, top 2), q4 and bf16."""
+    from kestrel.compiler.qwen3_5 import lower as lower_any
+
+    cfg = parse_config(PRESETS["tiny-next"], "tiny-next")
+    for quant in ("bf16", "q4"):
+        p = run_passes(lower_any(cfg, 64), PassOptions("sm_90", quant))
+        stacked = {id(op.ins[i]) for op in p.ops if op.kind in ("moe_gate_up", "moe_down")
+                   for i in ((2, 3) if op.kind == "moe_gate_up" else (3,))}
+        assert stacked
+        full = step_bytes(p)["fixed"]
+        whole = sum(w.type.nbytes for w in p.weights.values() if id(w) in stacked)
+        routed = sum(w.type.nbytes * cfg.num_experts_per_tok // cfg.num_experts for w in p.weights.values()
+                     if id(w) in stacked)
+        others = expected_fixed(p, cfg, cfg.tie_word_embeddings) - whole
+        assert full == others + routed and routed < whole

@@ -1,5 +1,5 @@
 """Qwen3-Next's MoE kernels (kernels/moe.py) in Triton's interpreter against their torch references:
-the router (logits, softmax, top-k with ties, renormalisation) and the grouped expert matvecs reading
+the router's top-k (moe_topk over the matvec's logits: softmax, top-k with ties, renormalisation) and the grouped expert matvecs reading
 the expert ids from the routing buffer (f32, bf16, q4; one row and several rows routed differently);
 and each AOT-compiled for every GPU target at the 80B-A3B shapes."""
 import json
@@ -12,21 +12,24 @@ import torch
 
 from kernel_harness import assert_close, interpret
 from kestrel.compiler.ops import OPS
-from kestrel.kernels.matvec import q4_pack, q4_unpack
+from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack
 from kestrel.kernels.moe import (moe_down_kernel, moe_down_launch, moe_down_ref, moe_gate_up_kernel, moe_gate_up_launch,
-                                 moe_gate_up_ref, moe_router_kernel, moe_router_launch, moe_router_ref, route_ref)
+                                 moe_gate_up_ref, moe_router_ref, moe_topk_kernel, moe_topk_launch, route_ref)
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 SM90 = TARGETS["sm_90"]
 
 
 def _router(x, w, k, norm):
+    """The router as the GPU runs it after fuse: the logits (the matvec's product, tested in
+    test_kernels_matvec.py) then moe_topk_kernel."""
     rows, h = x.shape
     e = w.shape[0]
+    logits = matvec_ref(x, w).contiguous()
     ids = torch.full((rows, k), -7, dtype=torch.int32)
     wts = torch.full((rows, k), float("nan"))
-    c = moe_router_launch(rows, e, h, k, SM90)
-    interpret(moe_router_kernel)[tuple(c["grid"])](x, w, ids, wts, k, norm, **c["constexprs"])
+    c = moe_topk_launch(rows, e, k, SM90)
+    interpret(moe_topk_kernel)[tuple(c["grid"])](logits, ids, wts, k, norm, **c["constexprs"])
     return ids, wts
 
 
@@ -132,9 +135,9 @@ def aot_jobs():
         if name == "cpu":
             continue
         t = TARGETS[name]
-        r = moe_router_launch(1, e, h, k, t)
-        jobs.append([f"moe_router/{name}", "kestrel.kernels.moe:moe_router_kernel",
-                     ["*fp32", "*bf16", "*i32", "*fp32", "i32", "i32"], r["constexprs"], r["num_warps"], t.cc])
+        r = moe_topk_launch(1, e, k, t)
+        jobs.append([f"moe_topk/{name}", "kestrel.kernels.moe:moe_topk_kernel",
+                     ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"], r["num_warps"], t.cc])
         for q, wt, groups in (("bf16", "*bf16", (0, 0, 0)), ("q4", "*u8", (128, 128, 0))):
             gu = moe_gate_up_launch(1, e, h, inter, shared, k, groups, t)
             jobs.append([f"moe_gate_up_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_kernel",
@@ -173,5 +176,5 @@ def test_aot_compiles_every_moe_kernel_for_every_target():
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, magic = res
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
-    for kind in ("moe_router", "moe_gate_up", "moe_down"):
+    for kind in ("moe_topk", "moe_gate_up", "moe_down"):
         assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind

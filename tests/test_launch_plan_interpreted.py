@@ -267,7 +267,7 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     plan = load_plan(path)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     kinds = [op.kind for op in cpu.program.ops]
-    assert kinds.count("moe_router") == kinds.count("moe_gate_up") == kinds.count("moe_down") == 2
+    assert kinds.count("moe_topk") == kinds.count("moe_gate_up") == kinds.count("moe_down") == 2
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
     for chunk in range(1 if rows else 0):
@@ -280,7 +280,7 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     bound = 3e-2 if rows else 1e-4
     launch_ops = [op for op in cpu.program.ops if not is_view(op)]
     split = max(i for i, op in enumerate(launch_ops) if op.kind == "moe_down") + 1
-    router = [op for op in launch_ops if op.kind == "moe_router"][-1]
+    router = [op for op in launch_ops if op.kind == "moe_topk"][-1]
     for step in range(1 if rows else 3):
         gpu.run(gpu.b.launches[:split])  # up to the last MoE block: its routing buffer is still live
         ids = gpu.view(gpu.b.regions["act"] + router.outs[0].loc[1], "*i32")[:3].clone()

@@ -31,7 +31,7 @@ def test_launch_list_same_whichever_experts_run(plan):
     before = launch_list(program)
     cpu = CpuStep(plan)
     cpu.begin([7, 100, 3], 0.0, 1.0, 0)
-    routers = [op for op in cpu.program.ops if op.kind == "moe_router"]
+    routers = [op for op in cpu.program.ops if op.kind == "moe_topk"]
     chosen = []
     for _ in range(6):
         cpu.run()
@@ -75,7 +75,8 @@ def test_fails_on_a_single_experts_weight(plan):
 
 def test_fails_when_the_routing_buffer_is_read_as_something_else(plan):
     program = parse_program(plan.program_text)
-    router = next(op for op in program.ops if op.kind == "moe_router")
-    program.ops.insert(program.ops.index(router) + 1, Op("matmul", [router.outs[1]], [router.outs[0], router.ins[1]]))
+    router = next(op for op in program.ops if op.kind == "moe_topk")
+    w = next(op for op in program.ops if op.outs and op.outs[0] is router.ins[0]).ins[1]  # the router's weight
+    program.ops.insert(program.ops.index(router) + 1, Op("matmul", [router.outs[1]], [router.outs[0], w]))
     with pytest.raises(IRError, match="reads a routing buffer"):
         check_routing(program)
