@@ -15,6 +15,7 @@ from kestrel.artifacts.plan import Plan
 from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
 from kestrel.compiler.ops import OPS, is_view
+from kestrel.compiler.launch_plan import REPLAY_STATE as REPLAY
 from kestrel.kernels.fill import fill_random_ref
 from kestrel.kernels.matvec import q4_unpack
 from kestrel.kernels.sample import step_end_ref
@@ -100,6 +101,17 @@ class CpuStep:
         self.states[TOKENS_STATE][start:len(prompt)] = torch.tensor(prompt[start:], dtype=torch.int32)
         self.dyn.update(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
                         seed=seed, top_k=top_k, min_p=min_p)
+        if "replay" in self.dyn:
+            self.dyn["replay"] = 0
+
+    def set_replay(self, tokens: list[int], accept: float) -> None:
+        """Controlled acceptance for this request (after ``begin``): the replayed token sequence in
+        ``spec.replay`` (zeros past it) and dyn.replay set (kernels/speculative.py, replay_drafts)."""
+        replay = self.states[REPLAY]
+        replay.zero_()
+        n = min(len(tokens), replay.numel())
+        replay[:n] = torch.tensor(tokens[:n], dtype=torch.int32)
+        self.dyn.update(replay=1, replay_accept=float(accept))
 
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """``n`` decode steps; each reads dyn.token at dyn.pos, leaves dyn.sampled, feeds the next
