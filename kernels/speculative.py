@@ -299,12 +299,6 @@ def replay_drafts_ref(pos: int, replay_on: int, replay_accept: float, seed: int,
             else corrupt_ref(t, seed, pos + i, vocab)
 
 
-def expected_accepted(accept: float, k: int) -> float:
-    """Mean drafts accepted per iteration when each is left intact with probability ``accept``: the
-    leading intact drafts of K, sum_{i=1..K} accept^i."""
-    return sum(accept ** i for i in range(1, k + 1))
-
-
 def spec_rows_launch(rows: int, vocab: int, target) -> dict:
     """spec_sample_rows: one program per row (argmax_rows' warps and slice width); draft_sample: one."""
     r = target.rules["speculative"]

@@ -80,6 +80,12 @@ class Replay:
             raise InputError(f"--draft-accept {self.accept}: must be in [0, 1]")
 
 
+def expected_accepted(accept: float, k: int) -> float:
+    """Mean drafts accepted per iteration under controlled acceptance: each of K drafts is intact with
+    probability ``accept`` and an iteration accepts its leading intact drafts: sum_{i=1..K} accept^i."""
+    return sum(accept ** i for i in range(1, k + 1))
+
+
 @dataclass
 class Generation:
     prompt_tokens: list[int]

@@ -12,6 +12,7 @@ from kernel_harness import interpret
 from kestrel.kernels import speculative as sp
 from kestrel.kernels.sample import sample_ref
 from kestrel.kernels.targets import TARGETS
+from kestrel.runtime.generate import expected_accepted
 
 SM90 = TARGETS["sm_90"]
 FILTERS = [  # (temperature, top_p, top_k, min_p)
@@ -140,7 +141,7 @@ def test_replay_acceptance_rate_is_set():
             runs.append(next((i for i, ok in enumerate(intact) if not ok), 3))
         mean = sum(runs) / len(runs)
         sd = (sum((r - mean) ** 2 for r in runs) / len(runs)) ** 0.5
-        assert abs(mean - sp.expected_accepted(a, 3)) <= 4 * sd / len(runs) ** 0.5 + 1e-9, (a, mean)
+        assert abs(mean - expected_accepted(a, 3)) <= 4 * sd / len(runs) ** 0.5 + 1e-9, (a, mean)
 
 
 # --- the statistics -----------------------------------------------------------------------------------------
