@@ -334,8 +334,8 @@ def _read_replay(path: str, ids: list[int], plan) -> list[int]:
     if not all(isinstance(t, int) and 0 <= t < vocab for t in seq):
         raise DraftSourceError(f"--draft-source replay:{path}: token ids outside this plan's vocabulary [0, {vocab})")
     if run["prompt_ids"] != ids:
-        raise DraftSourceError(f"--draft-source replay:{path}: made for another prompt ({len(run['prompt_ids'])} "
-                               f"prompt tokens, this request has {len(ids)}): replay a run of this prompt")
+        raise DraftSourceError(f"--draft-source replay:{path}: made for another prompt (its prompt ids differ from "
+                               f"this request's): replay a --json run of this prompt")
     if run.get("temperature", 0) != 0:
         raise DraftSourceError(f"--draft-source replay:{path}: a sampled run (temperature {run['temperature']}): "
                                f"replay a greedy run's --json")
