@@ -294,6 +294,5 @@ def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(spec_plan
                                                          extra=["--no-graph", "--temperature", "0.5"])],
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                             if k != "TRITON_INTERPRET"})
-    assert r.returncode == 0, r.stderr[-3000:]  # temperature > 0 decodes plainly on a speculative plan
-    out = json.loads(r.stdout.strip().splitlines()[-2])
-    assert out["draft_tokens"] == 0 and out["accepted_per_step"] is None
+    # temperature > 0 speculates too (speculative sampling on the device): the same guard
+    assert r.returncode != 0 and "speculative iterations moved the position" in r.stderr, r.stderr[-2000:]

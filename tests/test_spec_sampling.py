@@ -87,8 +87,8 @@ def test_spec_sample_rows_kernel_matches_reference(filt, k):
     t, top_p, top_k, min_p = filt
     v, block = 40, 16
     decisions = set()
-    for seed in range(4):
-        logits, q, tokens, pos = _rows_case(v, k, seed, filt, same_q=seed == 3)
+    for seed in range(3):
+        logits, q, tokens, pos = _rows_case(v, k, seed, filt, same_q=seed == 2)
         greedy = sp.argmax_rows_ref(logits)
         replay = torch.arange(32, dtype=torch.int32) + 1000
         for replay_on in (0, 1) if seed == 0 else (0,):
@@ -191,15 +191,15 @@ def _stat_inputs(case_seed):
 
 @pytest.mark.parametrize("filt,case_seed", STAT_CASES)
 def test_speculative_sampling_preserves_the_target_distribution(filt, case_seed):
-    """4000 seeded draws at a 12-token vocabulary: the emitted tokens pass a chi-square test against p
+    """2500 seeded draws at a 12-token vocabulary: the emitted tokens pass a chi-square test against p
     (alpha 0.001), while q itself, a separate plain draw from q, fails it (the test has power)."""
     p_logits, q_logits = _stat_inputs(case_seed)
     p = sp.filtered_probs_ref(p_logits, *filt)
     q = sp.filtered_probs_ref(q_logits, *filt)
-    counts = _emitted(p_logits, q_logits, filt, 4000)
+    counts = _emitted(p_logits, q_logits, filt, 2500)
     stat, df = _chi2(counts, p)
     assert stat < _chi2_critical(df), f"chi2 {stat:.1f} >= {_chi2_critical(df):.1f} (df {df})"
-    plain_q = torch.bincount(torch.tensor([sp.draw_ref(q, sp.spec_uniform(s, 0, 9)) for s in range(4000)]),
+    plain_q = torch.bincount(torch.tensor([sp.draw_ref(q, sp.spec_uniform(s, 0, 9)) for s in range(2500)]),
                              minlength=12)
     stat_q, df_q = _chi2(plain_q, p)
     assert stat_q > _chi2_critical(df_q)
@@ -218,5 +218,5 @@ def test_the_statistical_test_rejects_a_biased_acceptance_rule(rule, monkeypatch
     p_logits, q_logits = _stat_inputs(case_seed)
     p = sp.filtered_probs_ref(p_logits, *filt)
     monkeypatch.setattr(sp, "accept_rule", BIASED[rule])
-    stat, df = _chi2(_emitted(p_logits, q_logits, filt, 4000), p)
+    stat, df = _chi2(_emitted(p_logits, q_logits, filt, 1500), p)
     assert stat > _chi2_critical(df), f"{rule}: chi2 {stat:.1f} passes"
