@@ -337,23 +337,29 @@ def _in_prefix(key, idx, kc, ic):
 
 
 @triton.jit
-def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal, MASS: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr):
-    """The shortest prefix of the order, within the prefix (lim_kc, lim_ic), whose count (or with MASS its
-    sum of w = exp((x - m) * inv_t)) reaches goal, as its last element (kc, ic); the limit itself when the
-    whole limit falls short. Two 16-ary searches, each pass a sweep over the row: the last element's key
-    (the largest kc with agg(key >= kc) >= goal), then its index among the ties at kc (the smallest ic
-    with agg(key > kc) + agg(key == kc, index <= ic) >= goal)."""
+def _agg(x, idx, key, inl, m, inv_t, mass):
+    """The values a prefix search adds up: w = exp((x - m) * inv_t) with ``mass``, else 1, on ``inl``."""
+    return tl.where(inl, tl.where(mass, tl.exp((x - m) * inv_t), 1.0), 0.0)
+
+
+@triton.jit
+def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal_count, frac, mass, V: tl.constexpr, BLOCK: tl.constexpr):
+    """The shortest prefix of the order, within the prefix (lim_kc, lim_ic), whose count reaches goal_count
+    (or with ``mass``, whose sum of w = exp((x - m) * inv_t) reaches frac * the limit's), as its last element
+    (kc, ic); the limit itself when the whole limit falls short. A sweep for the limit's total, then two
+    16-ary searches, each pass a sweep over the row: the last element's key (the largest kc with
+    agg(key >= kc) >= goal), then its index among the ties at kc (the smallest ic with agg(key > kc) +
+    agg(key == kc, index <= ic) >= goal). ``mass`` is a runtime flag: one copy of the code serves top-k
+    and top-p."""
     offs = tl.arange(0, BLOCK)
     j = tl.arange(0, 16).to(tl.int64)
     total = tl.zeros([], tl.float32)
     for start in range(0, V, BLOCK):
         idx = start + offs
         x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        inl = (idx < V) & _in_prefix(_key(x), idx, lim_kc, lim_ic)
-        if MASS:
-            total += tl.sum(tl.where(inl, tl.exp((x - m) * inv_t), 0.0), axis=0)
-        else:
-            total += tl.sum(inl.to(tl.float32), axis=0)
+        key = _key(x)
+        total += tl.sum(_agg(x, idx, key, (idx < V) & _in_prefix(key, idx, lim_kc, lim_ic), m, inv_t, mass), axis=0)
+    goal = tl.where(mass, frac * total, goal_count)
     kc = lim_kc
     ic = lim_ic
     if total >= goal:
@@ -367,43 +373,27 @@ def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal, MASS: tl.constexpr, V: tl
                 idx = start + offs
                 x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
                 key = _key(x)
-                inl = (idx < V) & _in_prefix(key, idx, lim_kc, lim_ic)
-                if MASS:
-                    val = tl.where(inl, tl.exp((x - m) * inv_t), 0.0)
-                else:
-                    val = inl.to(tl.float32)
+                val = _agg(x, idx, key, (idx < V) & _in_prefix(key, idx, lim_kc, lim_ic), m, inv_t, mass)
                 f += tl.sum(tl.where(key.to(tl.int64)[None, :] >= t[:, None], val[None, :], 0.0), axis=1)
             ok = (f >= goal) & (t <= hi)
             nlo = tl.max(tl.where(ok, t, lo), axis=0)
             hi = tl.min(tl.where((t > nlo) & (t <= hi), t - 1, hi), axis=0)
             lo = nlo
         kc = lo.to(tl.int32)
-        above = tl.zeros([], tl.float32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            key = _key(x)
-            inl = (idx < V) & (key > kc) & _in_prefix(key, idx, lim_kc, lim_ic)
-            if MASS:
-                above += tl.sum(tl.where(inl, tl.exp((x - m) * inv_t), 0.0), axis=0)
-            else:
-                above += tl.sum(inl.to(tl.float32), axis=0)
         lo = tl.zeros([], tl.int64)  # the smallest ic with the goal reached: in [lo, hi]
         hi = tl.full([], V - 1, tl.int64)
         while lo < hi:
             step = (hi - lo) // 16 + 1
             t = lo + j * step
-            f = tl.zeros([16], tl.float32) + above
+            f = tl.zeros([16], tl.float32)
             for start in range(0, V, BLOCK):
                 idx = start + offs
                 x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
                 key = _key(x)
-                inl = (idx < V) & (key == kc) & _in_prefix(key, idx, lim_kc, lim_ic)
-                if MASS:
-                    val = tl.where(inl, tl.exp((x - m) * inv_t), 0.0)
-                else:
-                    val = inl.to(tl.float32)
-                f += tl.sum(tl.where(idx.to(tl.int64)[None, :] <= t[:, None], val[None, :], 0.0), axis=1)
+                val = _agg(x, idx, key, (idx < V) & (key >= kc) & _in_prefix(key, idx, lim_kc, lim_ic), m, inv_t,
+                           mass)
+                f += tl.sum(tl.where((key > kc) | (idx.to(tl.int64)[None, :] <= t[:, None]), val[None, :], 0.0),
+                            axis=1)
             ok = (f >= goal) | (t >= hi)
             nhi = tl.min(tl.where(ok, tl.minimum(t, hi), hi), axis=0)
             lo = tl.max(tl.where(~ok & (t < nhi), t + 1, lo), axis=0)
@@ -416,7 +406,7 @@ def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal, MASS: tl.constexpr, V: tl
 def _filter(x_ptr, temperature, top_p, top_k, min_p, V: tl.constexpr, BLOCK: tl.constexpr):
     """filtered_probs_ref's kept set and normaliser for one row of logits: (m, inv_t, kc, ic, Z): token i is
     kept when it lies in the order's prefix ending at (kc, ic) and w_i >= min_p (w_i = exp((x_i - m) *
-    inv_t)); its probability is w_i / Z."""
+    inv_t)); its probability is w_i / Z. Top-k, then top-p over the top-k set: one prefix search each."""
     offs = tl.arange(0, BLOCK)
     m = tl.full([], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
@@ -425,15 +415,10 @@ def _filter(x_ptr, temperature, top_p, top_k, min_p, V: tl.constexpr, BLOCK: tl.
     inv_t = 1.0 / temperature
     kc = tl.full([], -2147483648, tl.int32)  # the whole vocabulary
     ic = tl.full([], V - 1, tl.int32)
-    if (top_k > 0) & (top_k < V):
-        kc, ic = _prefix_cut(x_ptr, m, inv_t, kc, ic, top_k.to(tl.float32), False, V, BLOCK)
-    if top_p < 1.0:
-        mass = tl.zeros([], tl.float32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            mass += tl.sum(tl.where((idx < V) & _in_prefix(_key(x), idx, kc, ic), tl.exp((x - m) * inv_t), 0.0), axis=0)
-        kc, ic = _prefix_cut(x_ptr, m, inv_t, kc, ic, top_p * mass, True, V, BLOCK)
+    for phase in range(2):  # 0: top-k (a count), 1: top-p (a mass within the top-k set)
+        mass = phase == 1
+        if tl.where(mass, top_p < 1.0, (top_k > 0) & (top_k < V)):
+            kc, ic = _prefix_cut(x_ptr, m, inv_t, kc, ic, top_k.to(tl.float32), top_p, mass, V, BLOCK)
     z = tl.zeros([], tl.float32)
     for start in range(0, V, BLOCK):
         idx = start + offs
@@ -451,19 +436,17 @@ def _probs(x, idx, m, inv_t, kc, ic, min_p, z, V: tl.constexpr):
 
 
 @triton.jit
-def _draw(x_ptr, q_ptr, m, inv_t, kc, ic, min_p, z, u, RESID: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr):
-    """draw_ref over p (RESID: max(0, p - q), q a row of V probabilities): the first index whose running
-    sum exceeds u * the sum (the last of positive weight if none); also returns the sum."""
+def _draw(x_ptr, q_ptr, m, inv_t, kc, ic, min_p, z, u, resid, V: tl.constexpr, BLOCK: tl.constexpr):
+    """draw_ref over p, or with ``resid`` (a runtime flag) over max(0, p - q) for q a row of V probabilities:
+    the first index whose running sum exceeds u * the sum (the last of positive weight if none); also
+    returns the sum."""
     offs = tl.arange(0, BLOCK)
     total = tl.zeros([], tl.float32)
-    if RESID:
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            q = tl.load(q_ptr + idx, mask=idx < V, other=0.0)
-            total += tl.sum(tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0), axis=0)
-    else:
-        total = tl.full([], 1.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        q = tl.load(q_ptr + idx, mask=(idx < V) & resid, other=0.0)
+        total += tl.sum(tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0), axis=0)
     target = u * total
     run = tl.zeros([], tl.float32)
     tok = tl.full([], -1, tl.int32)
@@ -471,9 +454,8 @@ def _draw(x_ptr, q_ptr, m, inv_t, kc, ic, min_p, z, u, RESID: tl.constexpr, V: t
     for start in range(0, V, BLOCK):
         idx = start + offs
         x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        wv = _probs(x, idx, m, inv_t, kc, ic, min_p, z, V)
-        if RESID:
-            wv = tl.maximum(wv - tl.load(q_ptr + idx, mask=idx < V, other=0.0), 0.0)
+        q = tl.load(q_ptr + idx, mask=(idx < V) & resid, other=0.0)
+        wv = tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0)
         c = run + tl.cumsum(wv, axis=0)
         first = tl.min(tl.where((c > target) & (wv > 0.0), idx, V), axis=0)
         tok = tl.where((tok < 0) & (first < V), first, tok)
@@ -520,19 +502,15 @@ def spec_sample_rows_kernel(logits_ptr, greedy_ptr, q_ptr, tokens_ptr, replay_pt
         row = logits_ptr + r.to(tl.int64) * V
         q_row = q_ptr + tl.minimum(r, K - 1).to(tl.int64) * V
         m, inv_t, kc, ic, z = _filter(row, temperature, tl.load(top_p_ptr), tl.load(top_k_ptr), min_p, V, BLOCK)
-        u2 = _spec_uniform(seed, at, 2)  # RESIDUAL
-        if r < K:
-            d = tl.minimum(tl.maximum(tl.load(tokens_ptr + at_c), 0), V - 1)
-            xd = tl.load(row + d).to(tl.float32)
-            pd = _probs(xd, d, m, inv_t, kc, ic, min_p, z, V)
-            qd = tl.load(q_row + d)
-            if _spec_uniform(seed, at, 1) * qd < pd:  # ACCEPT
-                tok = d
-            else:
-                res, total = _draw(row, q_row, m, inv_t, kc, ic, min_p, z, u2, True, V, BLOCK)
-                tok = tl.where(total > 0.0, res, d)
-        else:
-            tok, _ = _draw(row, q_row, m, inv_t, kc, ic, min_p, z, u2, False, V, BLOCK)
+        drafted = r < K  # row K (every draft accepted) draws from p
+        d = tl.minimum(tl.maximum(tl.load(tokens_ptr + at_c), 0), V - 1)
+        pd = _probs(tl.load(row + d).to(tl.float32), d, m, inv_t, kc, ic, min_p, z, V)
+        qd = tl.load(q_row + d, mask=drafted, other=0.0)
+        if drafted & (_spec_uniform(seed, at, 1) * qd < pd):  # ACCEPT: probability min(1, p / q)
+            tok = d
+        else:  # the residual max(0, p - q) (row K: p itself)
+            res, total = _draw(row, q_row, m, inv_t, kc, ic, min_p, z, _spec_uniform(seed, at, 2), drafted, V, BLOCK)
+            tok = tl.where(total > 0.0, res, d)
     if tl.load(replay_on_ptr) != 0:
         tok = tl.load(replay_ptr + at_c)
     tl.store(out_ptr + r, tok)
