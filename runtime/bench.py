@@ -338,12 +338,13 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
 
 
 def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float], rounds: int = 3, log=print,
-                     source: str = "replay", step=None) -> dict:
+                     source: str = "replay", step=None, launches: list | None = None) -> dict:
     """ms/token of speculative decoding at controlled acceptance: for each ``accepts`` value a, requests
     replaying ``seq`` (prompt + a greedy run's tokens) with each draft intact with probability a (the
     iteration does all its work: the MTP head drafts, its drafts are replaced on the device), interleaved
     with plain decoding over ``rounds`` rounds after a warm-up (round r's corruption seeded by r); then
-    the iteration's phases kernel by kernel (iteration_phases). Every figure is a controlled-acceptance one."""
+    the iteration's phases kernel by kernel (iteration_phases). Every figure is a controlled-acceptance one.
+    ``step`` (a loaded GpuStep) and ``launches`` (its iteration's launch-plan entries) stand in for ``plan``."""
     step = step or GpuStep(plan, use_graph=True, use_graph_m=True)
     if not step.spec_k:
         raise DraftSourceError("--draft-source replays drafts into speculative iterations: this plan has none; "
@@ -381,14 +382,14 @@ def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float],
                      "iterations": sum(n for _, n in acc[a]), "ms_per_token": ms,
                      "ms_per_token_range": [min(times[a]), max(times[a])], "speedup_over_plain": plain_ms / ms,
                      "tokens_equal_replay": same[a]})
-    lp_launches = plan.launch_plan["speculative"]["iteration"]["launches"]
+    lp_launches = launches if launches is not None else plan.launch_plan["speculative"]["iteration"]["launches"]
     return {"controlled_acceptance": {
         "label": CONTROLLED_LABEL, "draft_source": source, "draft_tokens": k, "prompt_tokens": len(ids),
         "new_tokens": n_new, "rounds": rounds, "plain_ms_per_token": plain_ms,
         "plain_ms_per_token_rounds": plain, "rows": rows,
         "iteration": iteration_phases(step, lp_launches, ids, seq),
         "spec_graph": step.graph_spec_exec is not None,
-        "weights": "random" if plan.random_weights else "checkpoint"}}
+        "weights": None if plan is None else "random" if plan.random_weights else "checkpoint"}}
 
 
 def format_controlled(r: dict) -> str:
