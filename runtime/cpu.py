@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from kestrel.artifacts.errors import DraftSourceError
 from kestrel.artifacts.plan import Plan
 from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
@@ -76,6 +77,9 @@ class CpuStep:
         self.spec_prefill_program, self.spec_program = spec_programs or (None, None)
         self.spec_k = next((op.attrs["rows"] - 1 for op in self.spec_program.ops if op.kind == "spec_begin"), 0) \
             if self.spec_program is not None else 0
+        # speculative sampling at temperature > 0 and replay (plans from before them speculate greedily only)
+        self.spec_sampling = self.spec_program is not None and any(op.kind == "spec_sample_rows"
+                                                                   for op in self.spec_program.ops)
         progs = [p for p in (prog, prefill_program, self.spec_prefill_program, self.spec_program) if p is not None]
         self.states = {}
         for p in progs:  # every program's states (the MTP head's KV caches, the rollback snapshots)
@@ -107,6 +111,9 @@ class CpuStep:
     def set_replay(self, tokens: list[int], accept: float) -> None:
         """Controlled acceptance for this request (after ``begin``): the replayed token sequence in
         ``spec.replay`` (zeros past it) and dyn.replay set (kernels/speculative.py, replay_drafts)."""
+        if REPLAY not in self.states:
+            raise DraftSourceError("this plan has no replay buffer for --draft-source (made by an older Kestrel): "
+                                   "rebuild it with --speculative mtp")
         replay = self.states[REPLAY]
         replay.zero_()
         n = min(len(tokens), replay.numel())

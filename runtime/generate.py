@@ -13,7 +13,9 @@ A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
   * ``prefill_rows`` and ``run_prefill(n, marks=None)``: the M-row step, when the plan has one (0 if not).
   * ``spec_k`` (0 if none), ``run_spec_prefill(n, marks=None)``, ``run_spec(n, marks=None)`` and
     ``read_spec(lo, hi)`` (a handle whose ``wait()`` returns (tokens[lo:hi], pos)): speculative decoding,
-    when the plan has it (``kestrelc build --speculative mtp``; the CPU path and the GPU runtime run it).
+    when the plan has it (``kestrelc build --speculative mtp``; the CPU path and the GPU runtime run it);
+    ``spec_sampling``: its iteration samples at temperature > 0 (plans built before that speculate only
+    greedy requests), and ``set_replay(tokens, accept)``: controlled acceptance for the request begun.
 Prefill runs the same step once per prompt token, or the M-row step once per chunk of M tokens.
 
 Speculative decoding (``_speculate``; requests on a plan built with ``--speculative mtp``, greedy or sampled): the
@@ -168,6 +170,7 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     chunks = -(-(n - resume_from) // rows) if rows else 0
     k = getattr(step, "spec_k", 0)
     speculate = (k > 0 and rows > 0 and not hooks and resume_from == 0
+                 and (sampling.temperature == 0 or getattr(step, "spec_sampling", False))  # (older plans: greedy)
                  and max_new_tokens > 1 and n + 2 * k + 2 <= step.max_seq)  # room for one iteration at least
     if replay is not None:
         replay.check()

@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from kestrel.artifacts.errors import ArtifactError, DeviceError, UnsupportedError
+from kestrel.artifacts.errors import ArtifactError, DeviceError, DraftSourceError, UnsupportedError
 from kestrel.artifacts.plan import Plan
 from kestrel.runtime import cuda as kc
 from kestrel.runtime.launch_binding import bind
@@ -177,6 +177,9 @@ class GpuStep:
         # speculative decoding (--speculative mtp): its prefill (an M-row program, under KESTREL_GRAPH_M) and
         # its iteration (KESTREL_GRAPH_SPEC), each its own graph with plain edges, built here at load
         self.spec_k = b.draft_tokens if b.spec_launches else 0
+        # speculative sampling at temperature > 0 and replay (plans from before them speculate greedily only)
+        self.spec_sampling = bool(self.spec_k) and any(launch["op"] == "spec_sample_rows"
+                                                       for launch in lp["speculative"]["iteration"]["launches"])
         self.spec_prefill_launches = [self._pack(launch) for launch in b.spec_prefill_launches or []]
         self.spec_launches = [self._pack(launch) for launch in b.spec_launches or []]
         self._spec_outputs = {name: (o.address, o.numel) for name, o in (b.spec_outputs or {}).items()}
@@ -308,7 +311,7 @@ class GpuStep:
         ``spec.replay`` (zeros past it), dyn.replay and dyn.replay_accept set (kernels/speculative.py)."""
         buf = self.binding.spec_replay
         if buf is None:
-            raise ArtifactError("this plan has no replay buffer for --draft-source (made by an older Kestrel): "
+            raise DraftSourceError("this plan has no replay buffer for --draft-source (made by an older Kestrel): "
                                 "rebuild it with --speculative mtp")
         image = np.zeros(buf.numel, dtype=np.int32)
         n = min(len(tokens), buf.numel)

@@ -57,6 +57,12 @@ def test_sampled_speculation_is_deterministic_per_seed(steps):
     c = generate(spec, PROMPT, 16, SamplingParams(temperature=0.8, top_p=0.9, seed=4, top_k=40))
     assert c.tokens != a.tokens
     assert a.tokens[0] == generate(plain, PROMPT, 1, s).tokens[0]  # the prefill's token: the plain sampler's
+    spec.spec_sampling = False  # a plan built before speculative sampling: sampled requests decode plainly
+    try:
+        old = generate(spec, PROMPT, 16, s)
+    finally:
+        spec.spec_sampling = True
+    assert old.draft_tokens == 0 and old.tokens == generate(plain, PROMPT, 16, s).tokens
 
 
 def test_first_speculative_token_follows_the_plain_distribution(steps):
