@@ -218,5 +218,5 @@ def test_the_statistical_test_rejects_a_biased_acceptance_rule(rule, monkeypatch
     p_logits, q_logits = _stat_inputs(case_seed)
     p = sp.filtered_probs_ref(p_logits, *filt)
     monkeypatch.setattr(sp, "accept_rule", BIASED[rule])
-    stat, df = _chi2(_emitted(p_logits, q_logits, filt, 1500), p)
+    stat, df = _chi2(_emitted(p_logits, q_logits, filt, 800), p)
     assert stat > _chi2_critical(df), f"{rule}: chi2 {stat:.1f} passes"
