@@ -348,8 +348,8 @@ def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal_count, frac, mass, V: tl.c
     (or with ``mass``, whose sum of w = exp((x - m) * inv_t) reaches frac * the limit's), as its last element
     (kc, ic); the limit itself when the whole limit falls short. A sweep for the limit's total, then two
     16-ary searches, each pass a sweep over the row: the last element's key (the largest kc with
-    agg(key >= kc) >= goal), then its index among the ties at kc (the smallest ic with agg(key > kc) +
-    agg(key == kc, index <= ic) >= goal). ``mass`` is a runtime flag: one copy of the code serves top-k
+    agg(key >= kc) >= goal), then, only when several tokens share key kc (a sweep counts them), its index
+    among them (the smallest ic with agg(key > kc) + agg(key == kc, index <= ic) >= goal). ``mass`` is a runtime flag: one copy of the code serves top-k
     and top-p."""
     offs = tl.arange(0, BLOCK)
     j = tl.arange(0, 16).to(tl.int64)
@@ -380,8 +380,20 @@ def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal_count, frac, mass, V: tl.c
             hi = tl.min(tl.where((t > nlo) & (t <= hi), t - 1, hi), axis=0)
             lo = nlo
         kc = lo.to(tl.int32)
+        ties = tl.zeros([], tl.int32)  # the limit's tokens at key kc; with one, the prefix ends at it
+        last = tl.full([], -1, tl.int32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            key = _key(x)
+            tie = (idx < V) & (key == kc) & _in_prefix(key, idx, lim_kc, lim_ic)
+            ties += tl.sum(tie.to(tl.int32), axis=0)
+            last = tl.maximum(last, tl.max(tl.where(tie, idx, -1), axis=0))
         lo = tl.zeros([], tl.int64)  # the smallest ic with the goal reached: in [lo, hi]
         hi = tl.full([], V - 1, tl.int64)
+        if ties <= 1:
+            lo = last.to(tl.int64)
+            hi = lo
         while lo < hi:
             step = (hi - lo) // 16 + 1
             t = lo + j * step

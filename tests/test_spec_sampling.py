@@ -68,6 +68,24 @@ def test_filtered_probs_keep_the_samplers_set(v, block, filt):
     assert not q.any()
 
 
+@pytest.mark.parametrize("filt", [(1.0, 1.0, 3, 0.0), (1.0, 0.3, 0, 0.0), (1.0, 0.7, 6, 0.0)])
+def test_filtered_cut_inside_a_tie(filt):
+    """Equal logits straddling the cut (top-k's k-th token, top-p's crossing token): the ties are kept
+    by index, as sample_ref's stable order keeps them, and the kernel's index search finds the same."""
+    v, block = 40, 16
+    x = torch.linspace(-2.0, 0.0, v)
+    x[[5, 21, 30, 33]] = 1.0  # one tie group of four across slices: the 3rd / the crossing falls inside it
+    x[12] = 2.0
+    p = sp.filtered_probs_ref(x, *filt)
+    kept_ties = [i for i in (5, 21, 30, 33) if p[i] > 0]
+    assert 0 < len(kept_ties) < 4 and kept_ties == [5, 21, 30, 33][:len(kept_ties)]
+    q = torch.zeros(1, v)
+    draft = i32(-1)
+    interpret(sp.draft_sample_kernel)[(1,)](x, draft, f32(filt[0]), f32(filt[1]), i32(filt[2]), f32(filt[3]),
+                                            i32(2), i32(0), q, draft, 0, V=v, BLOCK=block)
+    assert torch.allclose(q[0], p, atol=1e-6), (q[0], p)
+
+
 def _rows_case(v, k, seed, filt, same_q=False):
     """Verify logits [K + 1, V], q rows [K, V] from the head's own logits, drafts drawn from them."""
     t, top_p, top_k, min_p = filt
