@@ -87,6 +87,13 @@ class NoDraftHeadError(KestrelError):
     exit_code = 11
 
 
+class DraftSourceError(KestrelError):
+    """``kestrel-run --draft-source replay:FILE``: the file is missing, unreadable, not a ``--json`` output
+    with tokens, or for another prompt; or the plan has no speculative programs to replay into."""
+
+    exit_code = 13
+
+
 def import_optional(module: str, missing: str):
     """An optional backend's module (onnx, tensorrt), or BackendMissingError with ``missing``
     (``{error}`` in it is replaced by the ImportError)."""

@@ -8,10 +8,16 @@ Per plan, in one process (the runtime's own API: kestrel.runtime.gpu.GpuStep and
     graph and streamed (the KESTREL_GRAPH_SPEC gate's paired A/B; with random weights
     nearly every draft is rejected, so each iteration gives one token), and the iteration alone
     (events around each of 24 replays of its graph after a speculative prefill);
-  * the projection the issue's controlled-acceptance table asks for, labelled as such: an iteration runs
-    the same launches whatever it accepts (only the rollback's state copy is skipped when all K are
-    accepted), so at A accepted drafts per iteration a token costs iteration / (A + 1). Not a measurement
-    of acceptance: `--draft-source replay:` (drafts controlled on the device) is not built.
+  * the projection from the iteration's time (at A accepted drafts per iteration a token costs
+    iteration / (A + 1)), labelled as arithmetic;
+  * the controlled-acceptance table (kestrel.runtime.bench.bench_controlled, what `kestrel-run PLAN --bench
+    --draft-source replay:FILE --draft-accept 0,0.5,0.8,1` runs; labelled controlled-acceptance figures):
+    the replay is this plan's own greedy speculative run of IDS (written to OUT.replay-N.json), its drafts
+    corrupted at 1 - A on the device, so acceptance is set exactly: ms/token per A, the measured and
+    expected mean accepted, the speed-up over plain decoding, the iteration kernel by kernel split into
+    the verify at K + 1 rows (over the one-token step), accept + rollback and the MTP drafts;
+  * speculative sampling at temperature 0.7 / top-p 0.8 / top-k 20: repeatable for a seed, ms/token against
+    plain sampling, drafts accepted.
 
     python3 bench/device_spec.py OUT.json PLAN [PLAN ...]
 """
@@ -23,6 +29,7 @@ import statistics
 import sys
 
 from kestrel.artifacts.plan import load_plan
+from kestrel.runtime.bench import SAMPLED, bench_controlled, format_controlled
 from kestrel.runtime.generate import SamplingParams, generate
 from kestrel.runtime.gpu import GpuStep
 
@@ -30,16 +37,20 @@ IDS = [(i * 7919) % 5000 + 3 for i in range(40)]
 NEW = 64
 
 
-def run(step, spec: bool, graph: bool = True):
+def run(step, spec: bool, graph: bool = True, sampling: SamplingParams | None = None):
     k, g = step.spec_k, step.graph_spec_exec
     try:
         if not spec:
             step.spec_k = 0
         if not graph:
             step.graph_spec_exec = None
-        return generate(step, IDS, NEW, SamplingParams())
+        return generate(step, IDS, NEW, sampling or SamplingParams())
     finally:
         step.spec_k, step.graph_spec_exec = k, g
+
+
+def step_launches(path: str) -> list:
+    return load_plan(path).launch_plan["speculative"]["iteration"]["launches"]
 
 
 def iteration_ms(step, n: int = 24) -> list[float]:
@@ -89,6 +100,21 @@ def main(out: str, plans: list[str]) -> None:
                   "ms_per_iteration": med["iteration"], "rounds": times,
                   "projected_ms_per_token_at_accepted": {a: med["iteration"] / (a + 1) for a in range(k + 1)} |
                   {2.5: med["iteration"] / 3.5}})
+        # speculative sampling (temperature > 0) and the controlled-acceptance table
+        a, b = run(step, True, sampling=SAMPLED), run(step, True, sampling=SAMPLED)
+        ts = {"spec": [], "plain": []}
+        for _ in range(3):
+            ts["spec"].append(run(step, True, sampling=SAMPLED).ms_per_token)
+            ts["plain"].append(run(step, False, sampling=SAMPLED).ms_per_token)
+        r["sampled"] = {"setting": "temperature 0.7, top-p 0.8, top-k 20, seed 1", "repeatable": a.tokens == b.tokens,
+                        "accepted_per_step": a.accepted_per_step, "ms_per_token_speculative": statistics.median(ts["spec"]),
+                        "ms_per_token_plain": statistics.median(ts["plain"]), "rounds": ts}
+        replay = f"{out}.replay-{len(report)}.json"
+        json.dump({"tokens": spec.tokens, "prompt_ids": IDS, "temperature": 0.0, "plan": path}, open(replay, "w"))
+        c = bench_controlled(None, IDS, IDS + spec.tokens, [0.0, 0.5, 0.8, 1.0], 3, source=f"replay:{replay}",
+                             step=step, launches=step_launches(path))
+        r.update(c)
+        print(format_controlled(c), flush=True)
         report.append(r)
         print(f"{path}: K={k} spec==plain {r['spec_equals_plain']} (first diff {r['first_difference']}) "
               f"graph==stream {r['graph_equals_streaming']} accepted {r['accepted_per_step']:.2f}/iter; plain "

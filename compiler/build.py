@@ -390,8 +390,10 @@ def speculative_memory_report(spec: Program, spec_prefill: Program) -> str:
     snaps = sum(st.type.nbytes for n, st in states.items() if n.endswith(("_snap",)))
     head_kv = sum(st.type.nbytes for n, st in states.items() if n.startswith("mtp."))
     head_w = sum(w.type.nbytes for n, w in spec.weights.items() if n.startswith("mtp."))
+    sampling = sum(st.type.nbytes for n, st in states.items() if n.startswith("spec."))
     return (f"memory: speculative decoding adds the MTP head's weights {head_w / 1e6:.2f} MB + its KV caches "
-            f"{head_kv / 1e6:.2f} MB + the rollback snapshots {snaps / 1e6:.2f} MB")
+            f"{head_kv / 1e6:.2f} MB + the rollback snapshots {snaps / 1e6:.2f} MB + the drafts' distributions "
+            f"and the replay buffer {sampling / 1e6:.2f} MB")
 
 
 # --- kestrelc export-onnx ----------------------------------------------------------------------------

@@ -18,7 +18,10 @@ as constants. The dyn-invariance check compares two of these lists.
   * ``step_bytes``: the bytes one step moves, as a fixed part and the bytes per KV-cache row read;
   * ``probes``: measuring kernels in the table that no step launches (the read-only bandwidth stream);
   * ``prefill`` (plans with an M-row step): its row count, its launches (same kernel table, same
-    arena and dyn slots) and its outputs' placements.
+    arena and dyn slots) and its outputs' placements;
+  * ``speculative`` (plans built with ``--speculative mtp``): K, the speculative prefill's and the
+    iteration's launches and outputs, and ``replay``, the placement of the replayed token sequence
+    that controlled acceptance uploads (``--draft-source replay:FILE``).
 runtime/launch_binding.py turns it into device addresses; the runtime reads nothing else.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import re
 from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Program, State, Value, Weight
 from kestrel.compiler.ops import is_view
 
+REPLAY_STATE = "spec.replay"  # the replayed token sequence of controlled acceptance (compiler/qwen3_5.py)
 REGIONS = ("weights", "state", "dyn", "act", "scratch")  # arena order
 RESET_REGIONS = ("state", "dyn")  # zeroed at the start of every request
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -207,7 +211,8 @@ def launch_plan(program: Program, kernels: list[dict] | None = None, kernel_of_l
             "method": "mtp", "draft_tokens": speculative[4],
             "prefill": {"rows": next(op.attrs["rows"] for op in sp.ops if op.kind == "prefill_end"),
                         "launches": spec_lists[0], "outputs": {n: _placement(v) for n, v in sp.outputs.items()}},
-            "iteration": {"launches": spec_lists[1], "outputs": {n: _placement(v) for n, v in it.outputs.items()}}}
+            "iteration": {"launches": spec_lists[1], "outputs": {n: _placement(v) for n, v in it.outputs.items()}},
+            "replay": _placement(it.states[REPLAY_STATE]) if REPLAY_STATE in it.states else None}
     return lp
 
 

@@ -457,6 +457,38 @@ def _infer_accept(ins, a):
     return []
 
 
+def _infer_draft_sample(ins, a):
+    logits, draft, temp, top_p, top_k, min_p, seed, dpos, q = ins
+    _need(len(_t(logits).shape) == 1, "draft_sample takes a [vocab] logits vector")
+    _infer_rows_dyn(draft, top_k, seed, dpos)
+    _need(temp.dtype == "f32" and top_p.dtype == "f32" and min_p.dtype == "f32", "draft_sample: f32 sampling slots")
+    _need(_t(q).dtype == "f32" and len(_t(q).shape) == 2 and _t(q).shape[1] == _t(logits).shape[0]
+          and 0 <= a["row"] < _t(q).shape[0], "draft_sample: q rows must be f32[K, vocab] and row in [0, K)")
+    return []
+
+
+def _infer_spec_sample_rows(ins, a):
+    logits, greedy, q, tokens, replay, pos, temp, top_p, top_k, min_p, seed, replay_on = ins
+    r, v = _t(logits).shape if len(_t(logits).shape) == 2 else (0, 0)
+    _need(r >= 2 and _t(greedy).dtype == "i32" and _t(greedy).shape == (r,),
+          "spec_sample_rows: [K + 1, V] logits and their i32[K + 1] greedy choices")
+    _need(_t(q).dtype == "f32" and _t(q).shape == (r - 1, v), f"spec_sample_rows: q rows must be f32[{r - 1}, {v}]")
+    _need(_t(tokens).dtype == "i32" and _t(replay).dtype == "i32" and _t(tokens).shape == _t(replay).shape
+          and len(_t(tokens).shape) == 1, "spec_sample_rows: the token and replay sequences must be i32[max_seq]")
+    _infer_rows_dyn(pos, top_k, seed, replay_on)
+    return [TensorType("i32", (r,))]
+
+
+def _infer_replay_drafts(ins, a):
+    pos, replay_on, accept, seed, replay, tokens = ins
+    _infer_rows_dyn(pos, replay_on, seed)
+    _need(accept.dtype == "f32", "replay_drafts: the acceptance slot must be f32")
+    _need(_t(tokens).dtype == "i32" and _t(replay).dtype == "i32" and _t(tokens).shape == _t(replay).shape
+          and len(_t(tokens).shape) == 1, "replay_drafts: the token and replay sequences must be i32[max_seq]")
+    _need(a["rows"] > 1 and a["vocab"] >= 2, "replay_drafts: at least one draft and two tokens")
+    return []
+
+
 def _infer_draft_end(ins, a):
     dpos, draft, n_prompt, tokens = ins
     _infer_rows_dyn(dpos, draft, n_prompt)
@@ -735,6 +767,17 @@ def _spec_scalar(kind: str, **consts):
 
 def _argmax_rows(op: Op, t: Target) -> dict:
     return {"kernel": "argmax_rows", **speculative.argmax_rows_launch(*op.ins[0].type.shape, t)}
+
+
+def _spec_sample_rows(op: Op, t: Target) -> dict:
+    rows, vocab = op.ins[0].type.shape
+    launch = speculative.spec_rows_launch(rows, vocab, t)
+    return {"kernel": "spec_sample_rows", **launch,
+            "constexprs": {**launch["constexprs"], "K": rows - 1, "S": op.ins[3].type.shape[0]}}
+
+
+def _draft_sample(op: Op, t: Target) -> dict:
+    return {"kernel": "draft_sample", **speculative.spec_rows_launch(1, op.ins[0].type.shape[0], t)}
 
 
 def _gdn_rows_delta_snap(op: Op, t: Target) -> dict:
@@ -1031,6 +1074,22 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           _SPEC_ONNX, inout=(2,), writes_dyn=True,
           doc="drafts tokens[pos+1..pos+K] accepted while equal to the target's choices; tokens[pos+a+1] = the "
               "target's token at row a; writes npos = pos+a+1, dpos = pos+a, sampled = that token, accepted = a"),
+    OpDef("draft_sample", "vddddddds", ("row",), _infer_draft_sample, speculative.draft_sample_ref,
+          Kernel(speculative.draft_sample_kernel, _draft_sample), _SPEC_ONNX, inout=(8,), writes_dyn=True,
+          doc="temperature > 0: q = the filtered distribution of the head's logits, kept as q[row]; the draft "
+              "drawn from it (spec_uniform(seed, dpos + 2, DRAFT)); temperature 0: the greedy draft stands"),
+    OpDef("spec_sample_rows", "vvsssddddddd", (), _infer_spec_sample_rows, speculative.spec_sample_rows_ref,
+          Kernel(speculative.spec_sample_rows_kernel, _spec_sample_rows), _SPEC_ONNX,
+          doc="each verified row's token for accept: temperature 0 the greedy choice; else draft r accepted "
+              "with probability min(1, p/q), else a draw from max(0, p - q); row K a draw from p; with "
+              "dyn.replay the replayed tokens (controlled acceptance)"),
+    OpDef("replay_drafts", "ddddss", ("rows", "vocab"), _infer_replay_drafts, speculative.replay_drafts_ref,
+          Kernel(speculative.replay_drafts_kernel, _spec_scalar(
+              "replay_drafts", S=lambda op: op.ins[5].type.shape[0],
+              BLOCK_R=lambda op: max(2, 1 << (op.attrs["rows"] - 1).bit_length()))),
+          _SPEC_ONNX, inout=(5,),
+          doc="with dyn.replay: the drafts tokens[pos+1..pos+K] <- the replayed tokens, each corrupted with "
+              "probability 1 - replay_accept (controlled acceptance)"),
     OpDef("draft_end", "ddds", (), _infer_draft_end, speculative.draft_end_ref,
           Kernel(speculative.draft_end_kernel, _spec_scalar("draft_end", S=lambda op: op.ins[3].type.shape[0])),
           _SPEC_ONNX, inout=(3,), writes_dyn=True,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from kestrel.compiler.frontend import ModelConfig
 from kestrel.compiler.ir import SCRATCH_PREFIX, TOKENS_STATE, Program
+from kestrel.compiler.launch_plan import REPLAY_STATE
 from kestrel.compiler.ops import emit
 
 DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
@@ -263,7 +264,8 @@ def _gated_attention_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn
 # --- speculative decoding with the model's MTP head (--speculative mtp) -----------------------------------
 
 SPEC_DYN_SLOTS = (("vend", "i32"), ("npos", "i32"), ("dpos", "i32"), ("draft", "i32"), ("accepted", "i32"),
-                  ("draft_temperature", "f32"))
+                  ("draft_temperature", "f32"), ("replay", "i32"), ("replay_accept", "f32"))
+DRAFT_PROBS, REPLAY = "spec.draft_probs", REPLAY_STATE  # q of each draft [K, V]; the replayed tokens [max_seq]
 
 
 def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtype: str = "f32",
@@ -314,12 +316,18 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     embed = weight("embed_tokens.weight", (cfg.vocab_size, h_dim))
     bound = dyn["n_prompt"]
     spec = {name: p.add_dyn(name, dt, host=True) for name, dt in SPEC_DYN_SLOTS}
+    q_rows = p.add_state(DRAFT_PROBS, "f32", (draft_tokens, cfg.vocab_size))
+    replay = p.add_state(REPLAY, "i32", (max_seq,))
     if verify:
         emit(p, "spec_begin", dyn["pos"], rows=rows, out=spec["vend"])
+        emit(p, "replay_drafts", dyn["pos"], spec["replay"], spec["replay_accept"], dyn["seed"], replay, tokens,
+             rows=rows, vocab=cfg.vocab_size)
         bound = spec["vend"]
     h = emit(p, "embedding_rows", embed, tokens, dyn["pos"], bound, rows=rows)
     snaps = [] if verify else None
     h = _layers(p, cfg, h, weight, dict(dyn, n_prompt=bound), max_seq, kv_dtype, rows, snaps=snaps)
+    for name in (DRAFT_PROBS, REPLAY):  # declared after the layers' states (the step's order comes first)
+        p.states[name] = p.states.pop(name)
     hidden_rows = emit(p, "rmsnorm", h, weight("norm.weight", (h_dim,)), eps=eps)
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     partials = p.add_state(SAMPLE_PARTIALS, "f32", (1, 1))
@@ -329,6 +337,8 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     if verify:
         logits = emit(p, "matmul", hidden_rows, head)
         targets = emit(p, "argmax_rows", logits)
+        targets = emit(p, "spec_sample_rows", logits, targets, q_rows, tokens, replay, dyn["pos"], dyn["temperature"],
+                       dyn["top_p"], dyn["top_k"], dyn["min_p"], dyn["seed"], spec["replay"])
         emit(p, "accept", targets, dyn["pos"], tokens, out=[spec["npos"], spec["dpos"], dyn["sampled"],
                                                               spec["accepted"]])
         for rec, rec_snap, conv, conv_snap in snaps:
@@ -343,9 +353,11 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
         emit(p, "chunk_last", dyn["pos"], dyn["n_prompt"], rows=rows, out=spec["dpos"])
         row_end = bound  # the draft chain starts at the chunk's last valid row
 
-    def draft(logits_row):
+    def draft(logits_row, j):  # the greedy draft, then at temperature > 0 a draw from q (kept as q_rows[j])
         emit(p, "sample", logits_row, spec["draft_temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"],
              dyn["seed"], spec["dpos"], partials, ticket, out=spec["draft"])
+        emit(p, "draft_sample", logits_row, spec["draft"], dyn["temperature"], dyn["top_p"], dyn["top_k"],
+             dyn["min_p"], dyn["seed"], spec["dpos"], q_rows, row=j, out=spec["draft"])
         emit(p, "draft_end", spec["dpos"], spec["draft"], dyn["n_prompt"], tokens, out=spec["dpos"])
 
     # draft 1: the MTP head over the rows (the token after each row, the model's hidden state there)
@@ -355,11 +367,11 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     if draft_head:
         head = weight("mtp.draft_head", (cfg.vocab_size, h_dim))
         head.source = ["ckpt", "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    draft(emit(p, "matmul", m, head))
-    for _ in range(draft_tokens - 1):  # drafts 2..K: the previous draft and the head's own hidden state
+    draft(emit(p, "matmul", m, head), 0)
+    for j in range(1, draft_tokens):  # drafts 2..K: the previous draft and the head's own hidden state
         e = emit(p, "embedding", embed, spec["draft"])
         m = _mtp_head(p, cfg, e, m, weight, {"pos": spec["dpos"]}, False, *mtp_kv)
-        draft(emit(p, "matmul", m, head))
+        draft(emit(p, "matmul", m, head), j)
     if verify:
         emit(p, "spec_end", spec["npos"], dyn["sampled"], out=[dyn["pos"], dyn["token"]])
         p.outputs["hidden"], p.outputs["logits"] = hidden_rows, logits

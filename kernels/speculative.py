@@ -143,3 +143,404 @@ def spec_end_kernel(npos_ptr, sampled_ptr, pos_ptr, token_ptr, PDL: tl.constexpr
     pdl_wait(PDL)
     tl.store(pos_ptr, tl.load(npos_ptr))
     tl.store(token_ptr, tl.load(sampled_ptr))
+
+
+# --- speculative sampling at temperature > 0, and controlled acceptance (replay) --------------------------
+#
+# The distributions. p_r, the target's at verified row r, and q_j, the MTP head's at draft j, are both the
+# *filtered* distribution the plain sampler draws from (``sample_ref``): softmax of logits / T over the
+# tokens kept by top-k, then top-p over those, then min-p, renormalised (0 elsewhere), each at the
+# request's own temperature / top-k / top-p / min-p. ``filtered_probs_ref`` defines it.
+#
+# An iteration at T > 0 (Leviathan et al. 2023, Chen et al. 2023): draft j was drawn from q_j
+# (``draft_sample_ref``, which also keeps q_j as row j of the state ``spec.draft_probs``); at row r < K the
+# draft d = tokens[pos + 1 + r] is accepted when u * q_r(d) < p_r(d) (probability min(1, p/q)), and on the
+# first rejection the row's token is drawn from the normalised residual max(0, p_r - q_r); row K (all
+# accepted) draws from p_K. ``spec_sample_rows_ref`` makes each row's token so that ``accept_ref``'s
+# "longest prefix of drafts equal to the row tokens" is exactly this rule: an accepted draft is its own
+# row token, and a residual draw never equals a rejected draft (rejection implies p(d) < q(d), so the
+# residual is 0 at d). At T = 0 the row tokens are the greedy choices, unchanged.
+#
+# The random numbers are counter-based (``spec_uniform``): a hash of (seed, position, purpose), the
+# position being that of the token decided, so a run repeats exactly for a seed and a position's draws
+# are used by one decision only (positions after a rejection are drawn again in the next iteration;
+# nothing emitted ever depended on their earlier draws).
+#
+# Controlled acceptance (``kestrel-run --draft-source replay:FILE --draft-accept A``): with dyn.replay = 1
+# the drafts the verify reads are replaced on the device by a replayed token sequence (state
+# ``spec.replay``: a previous greedy run's prompt + tokens), each corrupted with probability 1 - A into
+# another token (``replay_drafts_ref``), and the row tokens are the replayed ones (``spec_sample_rows_ref``):
+# so draft i is accepted exactly when it and every draft before it were left intact, whatever the model
+# computes; the MTP head still runs (its drafts are overwritten), so an iteration does all its work.
+
+ACCEPT, RESIDUAL, DRAFT, CORRUPT, CORRUPT_TOKEN = 1, 2, 3, 4, 5  # the purposes of spec_uniform's draws
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(seed: int, i: int) -> int:
+    """kernels/sample.py's counter hash (murmur3's finaliser of seed * 0x9E3779B1 + i * 0x85EBCA77 + c)."""
+    x = ((seed & _M32) * 0x9E3779B1 + (i & _M32) * 0x85EBCA77 + 0x165667B1) & _M32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def spec_uniform(seed: int, pos: int, purpose: int) -> float:
+    """A uniform in [0, 1) with 24 bits from (seed, position, purpose) only."""
+    return (_hash32(_hash32(seed, purpose), pos) >> 8) / float(1 << 24)
+
+
+def _weights(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """w = exp((x - max x) * (1 / T)) in fp32, as the kernels compute it (max w = 1)."""
+    x = logits.float()
+    inv_t = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+    return torch.exp((x - x.max()) * inv_t)
+
+
+def filtered_probs_ref(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """The distribution ``sample_ref`` draws from at temperature > 0, as probabilities [V] (fp32, 0 for the
+    tokens top-k / top-p / min-p drop): its kept set order[:L] (order: logits descending, ties by lower
+    index), each kept token's w over the kept tokens' sum."""
+    x = logits.float()
+    w = _weights(x, temperature)
+    p, mp = (torch.tensor(v, dtype=torch.float32) for v in (top_p, min_p))
+    order = torch.sort(x, descending=True, stable=True).indices
+    n = x.numel()
+    L = min(n, top_k) if 0 < top_k else n
+    if p < 1:
+        ws = w[order[:L]]
+        L = min(L, 1 + int(torch.searchsorted(torch.cumsum(ws, 0), (p * ws.sum()).reshape(1))[0]))
+    if mp > 0:
+        L = max(1, min(L, int((w[order[:L]] >= mp).sum())))
+    out = torch.zeros(n, dtype=torch.float32)
+    kept = order[:L]
+    out[kept] = w[kept] / w[kept].sum()
+    return out
+
+
+def draw_ref(weights: torch.Tensor, u: float) -> int:
+    """Inverse CDF in vocabulary order: the first index whose running sum of ``weights`` (>= 0) exceeds
+    u * their sum; if rounding leaves none, the last index of positive weight."""
+    c = torch.cumsum(weights.float(), 0)
+    target = torch.tensor(u, dtype=torch.float32) * c[-1]
+    hit = ((c > target) & (weights > 0)).nonzero()
+    if hit.numel():
+        return int(hit[0])
+    return int((weights > 0).nonzero()[-1])
+
+
+def draft_sample_ref(logits, draft: int, temperature: float, top_p: float, top_k: int, min_p: float, seed: int,
+                     dpos: int, q: torch.Tensor, row: int) -> int:
+    """Draft ``row`` of the chain (made at dpos, predicting the token at dpos + 2). T <= 0: the greedy
+    ``draft`` (the sampler's argmax) stands. T > 0: q = filtered_probs_ref of the head's logits is kept in
+    q[row] (in place) and the draft drawn from it with spec_uniform(seed, dpos + 2, DRAFT)."""
+    if temperature <= 0:
+        return int(draft)
+    probs = filtered_probs_ref(logits, temperature, top_p, top_k, min_p)
+    q[row] = probs
+    return draw_ref(probs, spec_uniform(seed, dpos + 2, DRAFT))
+
+
+def accept_rule(u: float, p: float, q: float) -> bool:
+    """Accept a draft with probability min(1, p / q): u * q < p for a uniform u in [0, 1) (the kernel's
+    rule; tests swap this function for biased ones to show the statistical test catches them)."""
+    return u * q < p
+
+
+def spec_sample_rows_ref(logits, greedy, q, tokens, replay, pos: int, temperature: float, top_p: float, top_k: int,
+                         min_p: float, seed: int, replay_on: int) -> torch.Tensor:
+    """Each verified row's token (i32[K + 1]), for ``accept_ref``. T <= 0: ``greedy`` (argmax_rows). T > 0,
+    row r < K, draft d = tokens[pos + 1 + r]: d when u * q_r(d) < p_r(d) (u = spec_uniform(seed, pos + 1 + r,
+    ACCEPT)), else a draw from max(0, p_r - q_r) (spec_uniform(..., RESIDUAL); d itself if that is all zero,
+    i.e. p = q); row K: a draw from p_K (RESIDUAL). replay_on: every row's token is the replayed one,
+    replay[pos + 1 + r] (controlled acceptance: the model's choice is not consulted)."""
+    rows, v = logits.shape
+    k, s = rows - 1, tokens.numel()
+    out = greedy.clone().to(torch.int32)
+    if temperature > 0:
+        for r in range(rows):
+            p = filtered_probs_ref(logits[r], temperature, top_p, top_k, min_p)
+            at = pos + 1 + r
+            u2 = spec_uniform(seed, at, RESIDUAL)
+            if r == k:
+                out[r] = draw_ref(p, u2)
+                continue
+            d = min(max(int(tokens[_clamp(at, s)]), 0), v - 1)
+            if accept_rule(spec_uniform(seed, at, ACCEPT), float(p[d]), float(q[r, d])):
+                out[r] = d
+                continue
+            res = torch.clamp(p - q[r].float(), min=0.0)
+            out[r] = draw_ref(res, u2) if float(res.sum()) > 0 else d
+    if replay_on:
+        out = torch.tensor([int(replay[_clamp(pos + 1 + r, s)]) for r in range(rows)], dtype=torch.int32)
+    return out
+
+
+def corrupt_ref(token: int, seed: int, at: int, vocab: int) -> int:
+    """A token other than ``token`` (vocab >= 2), chosen by spec_uniform(seed, at, CORRUPT_TOKEN)."""
+    off = 1 + min(int(spec_uniform(seed, at, CORRUPT_TOKEN) * (vocab - 1)), vocab - 2)
+    return (token + off) % vocab
+
+
+def replay_drafts_ref(pos: int, replay_on: int, replay_accept: float, seed: int, replay: torch.Tensor,
+                      tokens: torch.Tensor, rows: int, vocab: int) -> None:
+    """With replay_on: the drafts tokens[pos + 1 .. pos + rows - 1] <- the replayed tokens there, each left
+    intact when spec_uniform(seed, position, CORRUPT) < replay_accept, else corrupt_ref's other token."""
+    if not replay_on:
+        return
+    s = tokens.numel()
+    a = torch.tensor(replay_accept, dtype=torch.float32)
+    for i in range(1, rows):
+        at = _clamp(pos + i, s)
+        t = int(replay[at])
+        tokens[at] = t if torch.tensor(spec_uniform(seed, pos + i, CORRUPT), dtype=torch.float32) < a \
+            else corrupt_ref(t, seed, pos + i, vocab)
+
+
+def spec_rows_launch(rows: int, vocab: int, target) -> dict:
+    """spec_sample_rows: one program per row (argmax_rows' warps and slice width); draft_sample: one."""
+    r = target.rules["speculative"]
+    return {"grid": [rows, 1, 1], "num_warps": r.num_warps,
+            "constexprs": {"V": vocab, "BLOCK": min(r.block, pow2_at_least(vocab))}}
+
+
+@triton.jit
+def _hash_u32(seed, i):
+    x = seed.to(tl.uint32) * 0x9E3779B1 + i.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _spec_uniform(seed, pos, purpose: tl.constexpr):
+    """spec_uniform on the device."""
+    h = _hash_u32(seed, tl.full([], purpose, tl.int32))
+    return (_hash_u32(h, pos) >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _key(x):
+    """The int32 whose order is the order of the fp32 x (bits ^ 0x7FFFFFFF when negative; -0 as +0)."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _in_prefix(key, idx, kc, ic):
+    """Membership of the prefix of the order (key descending, index ascending) that ends at (kc, ic)."""
+    return (key > kc) | ((key == kc) & (idx <= ic))
+
+
+@triton.jit
+def _agg(x, idx, key, inl, m, inv_t, mass):
+    """The values a prefix search adds up: w = exp((x - m) * inv_t) with ``mass``, else 1, on ``inl``."""
+    return tl.where(inl, tl.where(mass, tl.exp((x - m) * inv_t), 1.0), 0.0)
+
+
+@triton.jit
+def _prefix_cut(x_ptr, m, inv_t, lim_kc, lim_ic, goal_count, frac, mass, V: tl.constexpr, BLOCK: tl.constexpr):
+    """The shortest prefix of the order, within the prefix (lim_kc, lim_ic), whose count reaches goal_count
+    (or with ``mass``, whose sum of w = exp((x - m) * inv_t) reaches frac * the limit's), as its last element
+    (kc, ic); the limit itself when the whole limit falls short. A sweep for the limit's total, then two
+    16-ary searches, each pass a sweep over the row: the last element's key (the largest kc with
+    agg(key >= kc) >= goal), then, only when several tokens share key kc (a sweep counts them), its index
+    among them (the smallest ic with agg(key > kc) + agg(key == kc, index <= ic) >= goal). ``mass`` is a runtime flag: one copy of the code serves top-k
+    and top-p."""
+    offs = tl.arange(0, BLOCK)
+    j = tl.arange(0, 16).to(tl.int64)
+    total = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        key = _key(x)
+        total += tl.sum(_agg(x, idx, key, (idx < V) & _in_prefix(key, idx, lim_kc, lim_ic), m, inv_t, mass), axis=0)
+    goal = tl.where(mass, frac * total, goal_count)
+    kc = lim_kc
+    ic = lim_ic
+    if total >= goal:
+        lo = tl.full([], -2147483648, tl.int64)  # agg(key >= lo) = total >= goal
+        hi = tl.full([], 2147483647, tl.int64)
+        while lo < hi:
+            step = (hi - lo) // 16 + 1
+            t = lo + j * step
+            f = tl.zeros([16], tl.float32)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                key = _key(x)
+                val = _agg(x, idx, key, (idx < V) & _in_prefix(key, idx, lim_kc, lim_ic), m, inv_t, mass)
+                f += tl.sum(tl.where(key.to(tl.int64)[None, :] >= t[:, None], val[None, :], 0.0), axis=1)
+            ok = (f >= goal) & (t <= hi)
+            nlo = tl.max(tl.where(ok, t, lo), axis=0)
+            hi = tl.min(tl.where((t > nlo) & (t <= hi), t - 1, hi), axis=0)
+            lo = nlo
+        kc = lo.to(tl.int32)
+        ties = tl.zeros([], tl.int32)  # the limit's tokens at key kc; with one, the prefix ends at it
+        last = tl.full([], -1, tl.int32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            key = _key(x)
+            tie = (idx < V) & (key == kc) & _in_prefix(key, idx, lim_kc, lim_ic)
+            ties += tl.sum(tie.to(tl.int32), axis=0)
+            last = tl.maximum(last, tl.max(tl.where(tie, idx, -1), axis=0))
+        lo = tl.zeros([], tl.int64)  # the smallest ic with the goal reached: in [lo, hi]
+        hi = tl.full([], V - 1, tl.int64)
+        if ties <= 1:
+            lo = last.to(tl.int64)
+            hi = lo
+        while lo < hi:
+            step = (hi - lo) // 16 + 1
+            t = lo + j * step
+            f = tl.zeros([16], tl.float32)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                key = _key(x)
+                val = _agg(x, idx, key, (idx < V) & (key >= kc) & _in_prefix(key, idx, lim_kc, lim_ic), m, inv_t,
+                           mass)
+                f += tl.sum(tl.where((key > kc) | (idx.to(tl.int64)[None, :] <= t[:, None]), val[None, :], 0.0),
+                            axis=1)
+            ok = (f >= goal) | (t >= hi)
+            nhi = tl.min(tl.where(ok, tl.minimum(t, hi), hi), axis=0)
+            lo = tl.max(tl.where(~ok & (t < nhi), t + 1, lo), axis=0)
+            hi = nhi
+        ic = lo.to(tl.int32)
+    return kc, ic
+
+
+@triton.jit
+def _filter(x_ptr, temperature, top_p, top_k, min_p, V: tl.constexpr, BLOCK: tl.constexpr):
+    """filtered_probs_ref's kept set and normaliser for one row of logits: (m, inv_t, kc, ic, Z): token i is
+    kept when it lies in the order's prefix ending at (kc, ic) and w_i >= min_p (w_i = exp((x_i - m) *
+    inv_t)); its probability is w_i / Z. Top-k, then top-p over the top-k set: one prefix search each."""
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        m = tl.maximum(m, tl.max(tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32), axis=0))
+    inv_t = 1.0 / temperature
+    kc = tl.full([], -2147483648, tl.int32)  # the whole vocabulary
+    ic = tl.full([], V - 1, tl.int32)
+    for phase in range(2):  # 0: top-k (a count), 1: top-p (a mass within the top-k set)
+        mass = phase == 1
+        if tl.where(mass, top_p < 1.0, (top_k > 0) & (top_k < V)):
+            kc, ic = _prefix_cut(x_ptr, m, inv_t, kc, ic, top_k.to(tl.float32), top_p, mass, V, BLOCK)
+    z = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        w = tl.exp((x - m) * inv_t)
+        z += tl.sum(tl.where((idx < V) & _in_prefix(_key(x), idx, kc, ic) & (w >= min_p), w, 0.0), axis=0)
+    return m, inv_t, kc, ic, z
+
+
+@triton.jit
+def _probs(x, idx, m, inv_t, kc, ic, min_p, z, V: tl.constexpr):
+    """The filtered probabilities of a slice of logits x at indices idx."""
+    w = tl.exp((x - m) * inv_t)
+    return tl.where((idx < V) & _in_prefix(_key(x), idx, kc, ic) & (w >= min_p), w / z, 0.0)
+
+
+@triton.jit
+def _draw(x_ptr, q_ptr, m, inv_t, kc, ic, min_p, z, u, resid, V: tl.constexpr, BLOCK: tl.constexpr):
+    """draw_ref over p, or with ``resid`` (a runtime flag) over max(0, p - q) for q a row of V probabilities:
+    the first index whose running sum exceeds u * the sum (the last of positive weight if none); also
+    returns the sum."""
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        q = tl.load(q_ptr + idx, mask=(idx < V) & resid, other=0.0)
+        total += tl.sum(tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0), axis=0)
+    target = u * total
+    run = tl.zeros([], tl.float32)
+    tok = tl.full([], -1, tl.int32)
+    last = tl.full([], -1, tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        q = tl.load(q_ptr + idx, mask=(idx < V) & resid, other=0.0)
+        wv = tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0)
+        c = run + tl.cumsum(wv, axis=0)
+        first = tl.min(tl.where((c > target) & (wv > 0.0), idx, V), axis=0)
+        tok = tl.where((tok < 0) & (first < V), first, tok)
+        last = tl.maximum(last, tl.max(tl.where(wv > 0.0, idx, -1), axis=0))
+        run += tl.sum(wv, axis=0)
+    return tl.where(tok < 0, last, tok), total
+
+
+@triton.jit
+def draft_sample_kernel(logits_ptr, draft_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, dpos_ptr,
+                        q_ptr, draft_out_ptr, row, V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """``draft_sample_ref``: one program; at T <= 0 it returns at once (the greedy draft stands)."""
+    pdl_wait(PDL)
+    temperature = tl.load(temperature_ptr)
+    if temperature > 0.0:
+        min_p = tl.load(min_p_ptr)
+        m, inv_t, kc, ic, z = _filter(logits_ptr, temperature, tl.load(top_p_ptr), tl.load(top_k_ptr), min_p, V, BLOCK)
+        q_row = q_ptr + row.to(tl.int64) * V
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            tl.store(q_row + idx, _probs(x, idx, m, inv_t, kc, ic, min_p, z, V), mask=idx < V)
+        u = _spec_uniform(tl.load(seed_ptr), tl.load(dpos_ptr) + 2, 3)  # DRAFT
+        tok, _ = _draw(logits_ptr, q_row, m, inv_t, kc, ic, min_p, z, u, False, V, BLOCK)
+        tl.store(draft_out_ptr, tok)
+
+
+@triton.jit
+def spec_sample_rows_kernel(logits_ptr, greedy_ptr, q_ptr, tokens_ptr, replay_ptr, pos_ptr, temperature_ptr, top_p_ptr,
+                            top_k_ptr, min_p_ptr, seed_ptr, replay_on_ptr, out_ptr, K: tl.constexpr, S: tl.constexpr,
+                            V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """``spec_sample_rows_ref``: program r decides row r (at T <= 0 it copies the greedy choice)."""
+    pdl_wait(PDL)
+    r = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    at = pos + 1 + r
+    at_c = tl.minimum(tl.maximum(at, 0), S - 1)
+    tok = tl.load(greedy_ptr + r)
+    temperature = tl.load(temperature_ptr)
+    if temperature > 0.0:
+        seed = tl.load(seed_ptr)
+        min_p = tl.load(min_p_ptr)
+        row = logits_ptr + r.to(tl.int64) * V
+        q_row = q_ptr + tl.minimum(r, K - 1).to(tl.int64) * V
+        m, inv_t, kc, ic, z = _filter(row, temperature, tl.load(top_p_ptr), tl.load(top_k_ptr), min_p, V, BLOCK)
+        drafted = r < K  # row K (every draft accepted) draws from p
+        d = tl.minimum(tl.maximum(tl.load(tokens_ptr + at_c), 0), V - 1)
+        pd = _probs(tl.load(row + d).to(tl.float32), d, m, inv_t, kc, ic, min_p, z, V)
+        qd = tl.load(q_row + d, mask=drafted, other=0.0)
+        if drafted & (_spec_uniform(seed, at, 1) * qd < pd):  # ACCEPT: probability min(1, p / q)
+            tok = d
+        else:  # the residual max(0, p - q) (row K: p itself)
+            res, total = _draw(row, q_row, m, inv_t, kc, ic, min_p, z, _spec_uniform(seed, at, 2), drafted, V, BLOCK)
+            tok = tl.where(total > 0.0, res, d)
+    if tl.load(replay_on_ptr) != 0:
+        tok = tl.load(replay_ptr + at_c)
+    tl.store(out_ptr + r, tok)
+
+
+@triton.jit
+def replay_drafts_kernel(pos_ptr, replay_on_ptr, replay_accept_ptr, seed_ptr, replay_ptr, tokens_ptr, rows, vocab,
+                         S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    """``replay_drafts_ref``: one program; nothing unless dyn.replay is set."""
+    pdl_wait(PDL)
+    if tl.load(replay_on_ptr) != 0:
+        pos = tl.load(pos_ptr)
+        seed = tl.load(seed_ptr)
+        i = tl.arange(0, BLOCK_R)
+        live = (i >= 1) & (i < rows)
+        at = pos + i
+        at_c = tl.minimum(tl.maximum(at, 0), S - 1)
+        t = tl.load(replay_ptr + at_c, mask=live, other=0)
+        keep = _spec_uniform(seed, at, 4) < tl.load(replay_accept_ptr)  # CORRUPT
+        off = 1 + tl.minimum((_spec_uniform(seed, at, 5) * (vocab - 1)).to(tl.int32), vocab - 2)  # CORRUPT_TOKEN
+        tl.store(tokens_ptr + at_c, tl.where(keep, t, (t + off) % vocab), mask=live)

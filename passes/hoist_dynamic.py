@@ -52,10 +52,10 @@ END_OPS = ("step_end", "prefill_end", "spec_end")  # the ops that advance pos (t
 # the speculative iteration's)
 STATES = ({"pos": 3, "token": 17, "sampled": 5, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 2,
            "last": 3, "top_k": 0, "min_p": 0.0, "vend": 7, "npos": 5, "dpos": 4, "draft": 9, "accepted": 1,
-           "draft_temperature": 0.0},
+           "draft_temperature": 0.0, "replay": 0, "replay_accept": 0.0},
           {"pos": 117, "token": 2, "sampled": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4, "n_prompt": 200,
            "last": 180, "top_k": 20, "min_p": 0.05, "vend": 121, "npos": 118, "dpos": 119, "draft": 3,
-           "accepted": 0, "draft_temperature": 0.0})
+           "accepted": 0, "draft_temperature": 0.0, "replay": 1, "replay_accept": 0.8})
 
 
 def check_dyn_invariance(program: Program) -> int:

@@ -25,9 +25,10 @@ import time
 
 import numpy as np
 
-from kestrel.artifacts.errors import DeviceError
+from kestrel.artifacts.errors import DeviceError, DraftSourceError
 from kestrel.runtime import cuda as kc
-from kestrel.runtime.generate import SamplingParams, generate
+from kestrel.runtime import profile  # (profile imports this module too: used at call time)
+from kestrel.runtime.generate import Replay, SamplingParams, expected_accepted, generate
 from kestrel.runtime.gpu import GpuStep
 from kestrel.runtime.launch_binding import bytes_per_step
 
@@ -278,3 +279,131 @@ def verify(plan, ids: list[int], n_new: int) -> dict:
             raise DeviceError(f"--verify: the M-row step's graph and streaming runs differ (output {bad})")
         res["m_row_outputs_compared"] = len(outs["graph"])
     return res
+
+
+# --- controlled acceptance (kestrel-run PLAN --bench --draft-source replay:FILE --draft-accept 0,0.5,0.8,1) ---
+
+CONTROLLED_LABEL = ("controlled-acceptance figures: the drafts are a previous greedy run's tokens replayed, each "
+                    "corrupted with probability 1 - draft_accept; not the MTP head's own acceptance")
+SPEC_PHASES = ("verify", "accept_rollback", "draft")
+
+
+def spec_phases(launches: list[dict]) -> list[str]:
+    """Each launch of the speculative iteration's phase: ``verify`` (spec_begin, the replay override and
+    the M-row pass of the target through its lm_head), ``accept_rollback`` (the row decisions, accept and
+    the Gated DeltaNet rollback), ``draft`` (the MTP head over the verified rows, its one-row passes, each
+    draft's lm_head and selection, and spec_end)."""
+    first = next(i for i, ln in enumerate(launches) if ln["op"] == "argmax_rows")
+    last = max(i for i, ln in enumerate(launches) if ln["op"] in ("accept", "gdn_rollback"))
+    return ["verify" if i < first else "accept_rollback" if i <= last else "draft" for i in range(len(launches))]
+
+
+def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int], n: int = 8) -> dict:
+    """The iteration's launches kernel by kernel (each between two events, behind profile's stream gate) over
+    ``n`` iterations of a replayed request at acceptance 1, and the one-token step's the same way and as
+    graph replays: ms per phase (median over iterations), the verify at K + 1 rows over the M=1 step."""
+    cu = kc.driver()
+    phases = spec_phases(launches)
+    k = step.spec_k
+    n = max(1, min(n, (step.max_seq - len(ids) - 4 * k - 4) // (k + 3)))  # every position inside max_seq
+    use_graph = step.use_graph
+    step.begin(ids, 0.0, 1.0, 0)
+    step.set_replay(seq, 1.0)
+    step.run_spec_prefill(-(-len(ids) // step.prefill_rows))
+    gate = profile._open_gate(step)
+    events = [[kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)] for _ in step.spec_launches]
+    m1_events = [[kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)] for _ in step.launches]
+    try:
+        per_iter = [profile._timed_launches(step, step.spec_launches, events, gate) for _ in range(n)]
+        m1 = [sum(profile._timed_launches(step, step.launches, m1_events, gate)) for _ in range(n)]
+        m1_graph = None
+        if step.graph_exec is not None:
+            step.set_graph(True)
+            marks: list = []
+            step.run(1, marks)
+            step.run(n, marks)
+            m1_graph = statistics.median(step.mark_ms(marks))
+    finally:
+        profile._release(gate, events)
+        profile._release(None, m1_events)
+        step.set_graph(use_graph)
+    med = {ph: statistics.median(sum(ms for ms, p in zip(row, phases) if p == ph) for row in per_iter)
+           for ph in SPEC_PHASES}
+    m1_med = statistics.median(m1)
+    return {"phase_ms_kernel_by_kernel": med, "launches_per_phase": {ph: phases.count(ph) for ph in SPEC_PHASES},
+            "iteration_ms_kernel_by_kernel": statistics.median(sum(row) for row in per_iter),
+            "m1_step_ms_kernel_by_kernel": m1_med, "m1_step_ms_graph": m1_graph,
+            "verify_over_m1_step": med["verify"] / m1_med if m1_med > 0 else None,
+            "draft_ms_per_draft": med["draft"] / step.spec_k}
+
+
+def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float], rounds: int = 3, log=print,
+                     source: str = "replay", step=None, launches: list | None = None) -> dict:
+    """ms/token of speculative decoding at controlled acceptance: for each ``accepts`` value a, requests
+    replaying ``seq`` (prompt + a greedy run's tokens) with each draft intact with probability a (the
+    iteration does all its work: the MTP head drafts, its drafts are replaced on the device), interleaved
+    with plain decoding over ``rounds`` rounds after a warm-up (round r's corruption seeded by r); then
+    the iteration's phases kernel by kernel (iteration_phases). Every figure is a controlled-acceptance one.
+    ``step`` (a loaded GpuStep) and ``launches`` (its iteration's launch-plan entries) stand in for ``plan``."""
+    step = step or GpuStep(plan, use_graph=True, use_graph_m=True)
+    if not step.spec_k:
+        raise DraftSourceError("--draft-source replays drafts into speculative iterations: this plan has none; "
+                               "rebuild it with --speculative mtp")
+    k, n_new = step.spec_k, len(seq) - len(ids)
+    times = {a: [] for a in accepts}
+    acc = {a: [] for a in accepts}
+    same = {a: True for a in accepts}
+    plain = []
+    for r in range(rounds + 1):  # round 0 warms up
+        k_saved, step.spec_k = step.spec_k, 0
+        try:
+            g = generate(step, ids, n_new, SamplingParams())
+        finally:
+            step.spec_k = k_saved
+        if r:
+            plain.append(g.ms_per_token)
+        for a in accepts:
+            g = generate(step, ids, n_new, SamplingParams(seed=r), replay=Replay(seq, a))
+            same[a] &= g.tokens == seq[len(ids):len(ids) + len(g.tokens)]
+            if r:
+                times[a].append(g.ms_per_token)
+                acc[a].append((g.spec_accepted, g.spec_iterations))
+        if r:
+            log(f"round {r}: plain {plain[-1]:.3f} ms/token; " + ", ".join(
+                f"accept {a}: {times[a][-1]:.3f} ms/token ({acc[a][-1][0] / max(1, acc[a][-1][1]):.2f} accepted)"
+                for a in accepts))
+    plain_ms = statistics.median(plain)
+    rows = []
+    for a in accepts:
+        accepted = sum(x for x, _ in acc[a]) / max(1, sum(n for _, n in acc[a]))
+        ms = statistics.median(times[a])
+        rows.append({"draft_accept": a, "expected_accepted_per_step": expected_accepted(a, k),
+                     "accepted_per_step": accepted, "tokens_per_iteration": accepted + 1,
+                     "iterations": sum(n for _, n in acc[a]), "ms_per_token": ms,
+                     "ms_per_token_range": [min(times[a]), max(times[a])], "speedup_over_plain": plain_ms / ms,
+                     "tokens_equal_replay": same[a]})
+    lp_launches = launches if launches is not None else plan.launch_plan["speculative"]["iteration"]["launches"]
+    return {"controlled_acceptance": {
+        "label": CONTROLLED_LABEL, "draft_source": source, "draft_tokens": k, "prompt_tokens": len(ids),
+        "new_tokens": n_new, "rounds": rounds, "plain_ms_per_token": plain_ms,
+        "plain_ms_per_token_rounds": plain, "rows": rows,
+        "iteration": iteration_phases(step, lp_launches, ids, seq),
+        "spec_graph": step.graph_spec_exec is not None,
+        "weights": None if plan is None else "random" if plan.random_weights else "checkpoint"}}
+
+
+def format_controlled(r: dict) -> str:
+    c = r["controlled_acceptance"]
+    it = c["iteration"]
+    lines = [f"controlled-acceptance figures (K = {c['draft_tokens']}, drafts replayed from {c['draft_source']}; "
+             f"plain decoding {c['plain_ms_per_token']:.3f} ms/token)",
+             "draft_accept  accepted/iter (expected)  tokens/iter  ms/token  x plain"]
+    for row in c["rows"]:
+        lines.append(f"{row['draft_accept']:>12}  {row['accepted_per_step']:>13.2f} ({row['expected_accepted_per_step']:.2f})"
+                     f"  {row['tokens_per_iteration']:>11.2f}  {row['ms_per_token']:>8.3f}  {row['speedup_over_plain']:>7.2f}")
+    ph = it["phase_ms_kernel_by_kernel"]
+    lines.append(f"iteration kernel by kernel {it['iteration_ms_kernel_by_kernel']:.3f} ms: verify at K + 1 rows "
+                 f"{ph['verify']:.3f} ms ({it['verify_over_m1_step']:.2f}x the M=1 step's "
+                 f"{it['m1_step_ms_kernel_by_kernel']:.3f}), accept + rollback {ph['accept_rollback']:.3f} ms, "
+                 f"MTP drafts {ph['draft']:.3f} ms ({it['draft_ms_per_draft']:.3f} per draft)")
+    return "\n".join(lines)

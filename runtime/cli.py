@@ -7,13 +7,14 @@ import sys
 
 import click
 
-from kestrel.artifacts.errors import InputError, UnsupportedError, exit_on_error, run_command
+from kestrel.artifacts.errors import DraftSourceError, InputError, UnsupportedError, exit_on_error, run_command
 from kestrel.artifacts.output import output_file, output_folder, writing
 from kestrel.artifacts.plan import load_plan
 from kestrel.runtime import bench as gpu_bench
 from kestrel.runtime.chat import ChatTemplate
 from kestrel.runtime.cuda import NoGpuError
-from kestrel.runtime.generate import MIN_TEMPERATURE, SamplingParams, check_lengths, generate
+from kestrel.runtime.generate import (MIN_TEMPERATURE, Replay, SamplingParams, check_lengths, expected_accepted,
+                                      generate)
 from kestrel.runtime.gpu import GpuStep, graph_enabled, graph_m_enabled
 from kestrel.runtime.profile import format_report, profile_plan
 from kestrel.runtime.tensorrt import TrtStep
@@ -125,10 +126,17 @@ def printable(text: str) -> str:
               help="Apply the checkpoint's chat template to --prompt as a user turn; without --prompt, chat "
                    "interactively: one user turn per line of standard input, the model's state kept between turns.")
 @click.option("--system", help="--chat: a system message first.")
+@click.option("--draft-source", metavar="mtp|replay:FILE", default="mtp", show_default=True,
+              help="Speculative plans: where the drafts come from. replay:FILE (controlled acceptance, for "
+                   "measuring): the tokens of FILE, a previous greedy --json run of this plan and prompt, each "
+                   "corrupted with probability 1 - --draft-accept, so acceptance is set exactly.")
+@click.option("--draft-accept", metavar="A[,A,...]",
+              help="With --draft-source replay: the probability each replayed draft is left intact (default 1); "
+                   "--bench takes a list (default 0,0.5,0.8,1) and reports ms/token at each.")
 @exit_on_error
 def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperature, top_p, top_k, min_p, seed, device,
             no_graph, as_json, dump_dir, bench_out, rounds, prompt_lengths, profile_out, positions, verify, chat,
-            system):
+            system, draft_source, draft_accept):
     """Run PLAN: prefill the prompt, then generate up to --max-new-tokens tokens."""
     if prompt_file is not None:
         if prompt is not None:
@@ -170,6 +178,10 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         seek = _parse_ids(positions, "--positions")
         if not seek or min(seek) < 1:
             raise InputError(f"--positions {positions}: give positive positions, e.g. 4096,32768")
+    replay_path, accepts = _draft_source(draft_source, draft_accept, bench_out is not None)
+    if replay_path is not None and (chat or verify or profile_out is not None or dump_dir is not None):
+        raise InputError("--draft-source replay goes with a plain request or --bench, not --chat, --verify, "
+                         "--profile or --dump")
     plan = load_plan(plan_path)
     tok = PlanTokenizer(plan.tokenizer_json)
     template = ChatTemplate.from_manifest(plan.manifest) if chat else None
@@ -185,6 +197,13 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
     bad = [t for t in ids if not 0 <= t < model["vocab_size"]]
     if bad:  # checked here too, so no path (--bench, --verify) lets a kernel read outside the table
         raise InputError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model['vocab_size']})")
+    replay_seq = None
+    if replay_path is not None:
+        replay_seq = _read_replay(replay_path, ids, plan)
+        if bench_out is None and max_new_tokens > len(replay_seq) - len(ids):
+            raise DraftSourceError(f"--draft-source {draft_source}: it holds {len(replay_seq) - len(ids)} generated "
+                                   f"tokens and --max-new-tokens asks for {max_new_tokens}: lower --max-new-tokens "
+                                   f"or replay a longer run")
     auto = device == "auto"
     if plan.backend == "tensorrt":  # the engine holds the weights: no CPU path, no launch list to bench
         if device == "cpu" or bench_out is not None or verify or profile_out is not None:
@@ -203,6 +222,9 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
             check_lengths(max(lengths), 1, plan.manifest["max_seq"])
         if seek:
             check_lengths(max(seek) + 1, max_new_tokens + 1, plan.manifest["max_seq"])
+        if replay_seq is not None:
+            _bench_controlled(plan, ids, replay_seq, replay_path, accepts, as_json, bench_out, rounds)
+            return
         _bench_or_verify(plan, ids, max_new_tokens, as_json, bench_out, rounds, verify, lengths, seek)
         return
     if profile_out is not None:
@@ -235,8 +257,9 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, model["vocab_size"], as_json)
         return
     stream = None if as_json else _TextStream(tok)
+    replay = Replay(replay_seq, accepts[0]) if replay_seq is not None else None
     gen = generate(step, ids, max_new_tokens, sampling, eos_ids=set(eos), max_seq=step.max_seq,
-                   vocab_size=model["vocab_size"], dump_dir=dump_dir, on_tokens=stream)
+                   vocab_size=model["vocab_size"], dump_dir=dump_dir, on_tokens=stream, replay=replay)
     if as_json:
         click.echo(json.dumps({
             "tokens": gen.tokens, "text": tok.decode(gen.tokens), "mode": step.mode,
@@ -250,13 +273,86 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
             "draft_tokens": gen.draft_tokens,
             "accepted_per_step": None if gen.accepted_per_step is None else round(gen.accepted_per_step, 4),
             "speculative_iterations": gen.spec_iterations,
+            "prompt_ids": ids, "temperature": sampling.temperature,
+            "controlled_acceptance": None if replay is None else {
+                "label": CONTROLLED_LABEL, "draft_source": draft_source, "draft_accept": replay.accept,
+                "expected_accepted_per_step": round(expected_accepted(replay.accept, gen.draft_tokens), 4),
+                "tokens_equal_replay": gen.tokens == replay_seq[len(ids):len(ids) + len(gen.tokens)]},
         }))
     else:
         stream.close()
         spec = (f"; speculative: {gen.accepted_per_step:.2f} of {gen.draft_tokens} drafts accepted per iteration "
                 f"({gen.spec_iterations} iterations)" if gen.spec_iterations else "")
+        if replay is not None:
+            spec += f" [controlled acceptance: replayed drafts intact with probability {replay.accept}]"
         click.echo(f"[{step.mode}] {len(ids)} prompt tokens, {len(gen.tokens)} generated "
                    f"({gen.stopped_by}), {gen.ms_per_token:.2f} ms/token{spec}", err=True)
+
+
+CONTROLLED_LABEL = ("controlled-acceptance figures: the drafts are a previous greedy run's tokens replayed, each "
+                    "corrupted with probability 1 - draft_accept; not the MTP head's own acceptance")
+
+
+def _draft_source(source: str, accept: str | None, bench: bool) -> tuple[str | None, list[float]]:
+    """(the replay file or None, the --draft-accept values)."""
+    if source == "mtp":
+        if accept is not None:
+            raise InputError("--draft-accept goes with --draft-source replay:FILE")
+        return None, []
+    if not source.startswith("replay:") or not source[len("replay:"):]:
+        raise InputError(f"--draft-source {source!r}: give mtp (the model's head) or replay:FILE")
+    default = "0,0.5,0.8,1" if bench else "1"
+    try:
+        accepts = [float(a) for a in (accept if accept is not None else default).split(",")]
+    except ValueError:
+        raise InputError(f"--draft-accept {accept!r}: expected numbers in [0, 1] separated by commas") from None
+    if not accepts or any(not 0 <= a <= 1 for a in accepts):
+        raise InputError(f"--draft-accept {accept!r}: every value must be in [0, 1]")
+    if len(accepts) > 1 and not bench:
+        raise InputError("--draft-accept takes one value for a request (a list goes with --bench)")
+    return source[len("replay:"):], accepts
+
+
+def _read_replay(path: str, ids: list[int], plan) -> list[int]:
+    """The replayed sequence (prompt + generated tokens) from a ``kestrel-run --json`` output, checked
+    against this request and plan."""
+    if plan.spec_programs is None:
+        raise DraftSourceError("--draft-source replays drafts into speculative iterations: this plan has none; "
+                               "rebuild it with --speculative mtp")
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except OSError as e:
+        raise DraftSourceError(f"--draft-source replay:{path}: cannot be read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise DraftSourceError(f"--draft-source replay:{path}: not the JSON of kestrel-run --json") from None
+    if not isinstance(run, dict) or not isinstance(run.get("tokens"), list) or "prompt_ids" not in run:
+        raise DraftSourceError(f"--draft-source replay:{path}: no tokens and prompt_ids: give the output of "
+                               f"kestrel-run PLAN --prompt ... --json (greedy) of this Kestrel")
+    vocab = plan.manifest["model"]["vocab_size"]
+    seq = run["prompt_ids"] + run["tokens"]
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in seq):
+        raise DraftSourceError(f"--draft-source replay:{path}: token ids outside this plan's vocabulary [0, {vocab})")
+    if run["prompt_ids"] != ids:
+        raise DraftSourceError(f"--draft-source replay:{path}: made for another prompt (its prompt ids differ from "
+                               f"this request's): replay a --json run of this prompt")
+    if run.get("temperature", 0) != 0:
+        raise DraftSourceError(f"--draft-source replay:{path}: a sampled run (temperature {run['temperature']}): "
+                               f"replay a greedy run's --json")
+    if len(run["tokens"]) < 2:
+        raise DraftSourceError(f"--draft-source replay:{path}: {len(run['tokens'])} generated tokens: replay a run "
+                               f"of at least 2")
+    return seq
+
+
+def _bench_controlled(plan, ids, seq, path, accepts, as_json, bench_out, rounds) -> None:
+    r = gpu_bench.bench_controlled(plan, ids, seq, accepts, max(3, rounds), log=lambda m: click.echo(m, err=True),
+                                   source=f"replay:{path}")
+    text = json.dumps(r, indent=1)
+    if bench_out != "-":
+        with writing(bench_out, "--bench"), open(bench_out, "w") as f:
+            f.write(text)
+    click.echo(text if as_json else gpu_bench.format_controlled(r))
 
 
 def _chat_loop(step, tok, template, messages, sampling, eos, max_new_tokens, vocab_size, as_json) -> None:

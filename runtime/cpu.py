@@ -11,10 +11,12 @@ import time
 import numpy as np
 import torch
 
+from kestrel.artifacts.errors import DraftSourceError
 from kestrel.artifacts.plan import Plan
 from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
 from kestrel.compiler.ops import OPS, is_view
+from kestrel.compiler.launch_plan import REPLAY_STATE as REPLAY
 from kestrel.kernels.fill import fill_random_ref
 from kestrel.kernels.matvec import q4_unpack
 from kestrel.kernels.sample import step_end_ref
@@ -75,6 +77,9 @@ class CpuStep:
         self.spec_prefill_program, self.spec_program = spec_programs or (None, None)
         self.spec_k = next((op.attrs["rows"] - 1 for op in self.spec_program.ops if op.kind == "spec_begin"), 0) \
             if self.spec_program is not None else 0
+        # speculative sampling at temperature > 0 and replay (plans from before them speculate greedily only)
+        self.spec_sampling = self.spec_program is not None and any(op.kind == "spec_sample_rows"
+                                                                   for op in self.spec_program.ops)
         progs = [p for p in (prog, prefill_program, self.spec_prefill_program, self.spec_program) if p is not None]
         self.states = {}
         for p in progs:  # every program's states (the MTP head's KV caches, the rollback snapshots)
@@ -100,6 +105,20 @@ class CpuStep:
         self.states[TOKENS_STATE][start:len(prompt)] = torch.tensor(prompt[start:], dtype=torch.int32)
         self.dyn.update(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
                         seed=seed, top_k=top_k, min_p=min_p)
+        if "replay" in self.dyn:
+            self.dyn["replay"] = 0
+
+    def set_replay(self, tokens: list[int], accept: float) -> None:
+        """Controlled acceptance for this request (after ``begin``): the replayed token sequence in
+        ``spec.replay`` (zeros past it) and dyn.replay set (kernels/speculative.py, replay_drafts)."""
+        if REPLAY not in self.states:
+            raise DraftSourceError("this plan has no replay buffer for --draft-source (made by an older Kestrel): "
+                                   "rebuild it with --speculative mtp")
+        replay = self.states[REPLAY]
+        replay.zero_()
+        n = min(len(tokens), replay.numel())
+        replay[:n] = torch.tensor(tokens[:n], dtype=torch.int32)
+        self.dyn.update(replay=1, replay_accept=float(accept))
 
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """``n`` decode steps; each reads dyn.token at dyn.pos, leaves dyn.sampled, feeds the next

@@ -13,18 +13,26 @@ A *step* object (runtime/cpu.py CpuStep, runtime/gpu.py GpuStep) exposes
   * ``prefill_rows`` and ``run_prefill(n, marks=None)``: the M-row step, when the plan has one (0 if not).
   * ``spec_k`` (0 if none), ``run_spec_prefill(n, marks=None)``, ``run_spec(n, marks=None)`` and
     ``read_spec(lo, hi)`` (a handle whose ``wait()`` returns (tokens[lo:hi], pos)): speculative decoding,
-    when the plan has it (``kestrelc build --speculative mtp``; the CPU path and the GPU runtime run it).
+    when the plan has it (``kestrelc build --speculative mtp``; the CPU path and the GPU runtime run it);
+    ``spec_sampling``: its iteration samples at temperature > 0 (plans built before that speculate only
+    greedy requests), and ``set_replay(tokens, accept)``: controlled acceptance for the request begun.
 Prefill runs the same step once per prompt token, or the M-row step once per chunk of M tokens.
 
-Speculative decoding (``_speculate``; greedy requests on a plan built with ``--speculative mtp``): the
+Speculative decoding (``_speculate``; requests on a plan built with ``--speculative mtp``, greedy or sampled): the
 speculative prefill leaves the first token and K drafts in ``tokens``; each iteration then verifies,
 accepts on the device and drafts again, advancing pos by 1 .. K + 1. Iterations are enqueued in
 batches; after each batch an asynchronous read-back brings dyn.pos and the rows of ``tokens`` the batch
 may have written, and the host waits for a batch only once the next is enqueued, as for the one-token
 step. An iteration at position p writes up to row p + 2K + 1, so iterations run while that fits in
-max_seq; the rest (and temperature > 0, ``--dump``, chats) is plain decoding, which continues from any
-iteration's end exactly (the iteration leaves pos, token and every state where the one-token step would
-have them).
+max_seq; the rest (and ``--dump``, chats) is plain decoding, which continues from any iteration's end
+exactly (the iteration leaves pos, token and every state where the one-token step would have them). At
+temperature > 0 the iteration samples speculatively on the device (kernels/speculative.py): the output
+follows the plain sampler's distribution, not its token stream.
+
+Controlled acceptance (``replay``, ``kestrel-run --draft-source replay:FILE``): a ``Replay`` puts a previous
+greedy run's tokens in the ``spec.replay`` state (``step.set_replay``, after ``begin``) and sets dyn.replay;
+each iteration's drafts are then those tokens, each corrupted with probability 1 - accept, and the
+iteration emits the replayed tokens, so acceptance is set while the iteration does all its work.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from kestrel.artifacts.errors import DeviceError, InputError, OutputError
+from kestrel.artifacts.errors import DeviceError, DraftSourceError, InputError, OutputError
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / T overflow fp32: use 0 (greedy)
 
@@ -59,6 +67,25 @@ class SamplingParams:
             raise InputError(f"--top-k {self.top_k}: must be 0 (off) or a positive number of tokens")
         if not 0 <= self.min_p <= 1:
             raise InputError(f"--min-p {self.min_p}: must be in [0, 1] (0: off)")
+
+
+@dataclass
+class Replay:
+    """Controlled acceptance: ``tokens`` = a previous greedy run's prompt + generated tokens; each draft is
+    the replayed token with probability ``accept``, else another one (kernels/speculative.py)."""
+
+    tokens: list[int]
+    accept: float
+
+    def check(self):
+        if not 0 <= self.accept <= 1:
+            raise InputError(f"--draft-accept {self.accept}: must be in [0, 1]")
+
+
+def expected_accepted(accept: float, k: int) -> float:
+    """Mean drafts accepted per iteration under controlled acceptance: each of K drafts is intact with
+    probability ``accept`` and an iteration accepts its leading intact drafts: sum_{i=1..K} accept^i."""
+    return sum(accept ** i for i in range(1, k + 1))
 
 
 @dataclass
@@ -103,7 +130,7 @@ READBACK_EVERY = 8  # k: sampled tokens reach the host every k/2 steps, two batc
 def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, eos_ids=(),
              max_seq: int | None = None, vocab_size: int | None = None, dump_dir: str | None = None,
              on_step=None, step_ms: list | None = None, readback_every: int = READBACK_EVERY,
-             on_tokens=None, resume_from: int = 0) -> Generation:
+             on_tokens=None, resume_from: int = 0, replay: Replay | None = None) -> Generation:
     """Prefill ``prompt`` and generate up to ``max_new_tokens`` tokens (stopping after an EOS id).
 
     The prompt ids and sampling settings are written once (``step.begin``); from then on the step
@@ -122,7 +149,8 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     reach the host (a read-back batch at a time; streamed output). ``step_ms``, if given, receives
     each decode step's duration (device-side timing marks on the GPU). ``resume_from`` > 0: the step's
     states already hold ``prompt[:resume_from]`` (a chat's earlier turns, consumed with no overrun:
-    run one step at a time); only the rest is prefilled.
+    run one step at a time); only the rest is prefilled. ``replay``: controlled acceptance (a speculative
+    plan; the request must be the replayed one's prompt and fit in its tokens: the caller checks).
     """
     sampling.check()
     check_lengths(len(prompt), max_new_tokens, max_seq if max_seq is not None else step.max_seq)
@@ -141,12 +169,20 @@ def generate(step, prompt: list[int], max_new_tokens: int, sampling: SamplingPar
     rows = getattr(step, "prefill_rows", 0) if dumper is None else 0  # a dump records every prompt step
     chunks = -(-(n - resume_from) // rows) if rows else 0
     k = getattr(step, "spec_k", 0)
-    speculate = (k > 0 and rows > 0 and not hooks and resume_from == 0 and sampling.temperature == 0
+    speculate = (k > 0 and rows > 0 and not hooks and resume_from == 0
+                 and (sampling.temperature == 0 or getattr(step, "spec_sampling", False))  # (older plans: greedy)
                  and max_new_tokens > 1 and n + 2 * k + 2 <= step.max_seq)  # room for one iteration at least
+    if replay is not None:
+        replay.check()
+        if not speculate:
+            raise DraftSourceError("--draft-source replays drafts into speculative iterations: this request runs none "
+                             "(a plan without --speculative mtp, --dump, or no room for an iteration before max_seq)")
 
     t0 = time.perf_counter()
     step.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed, start=resume_from,
                top_k=sampling.top_k, min_p=sampling.min_p)
+    if replay is not None:
+        step.set_replay(replay.tokens, replay.accept)
     if hooks:  # one step at a time, the outputs of each read back
         seq = list(prompt)
         start = resume_from

@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from kestrel.artifacts.errors import ArtifactError, DeviceError, UnsupportedError
+from kestrel.artifacts.errors import ArtifactError, DeviceError, DraftSourceError, UnsupportedError
 from kestrel.artifacts.plan import Plan
 from kestrel.runtime import cuda as kc
 from kestrel.runtime.launch_binding import bind
@@ -177,6 +177,9 @@ class GpuStep:
         # speculative decoding (--speculative mtp): its prefill (an M-row program, under KESTREL_GRAPH_M) and
         # its iteration (KESTREL_GRAPH_SPEC), each its own graph with plain edges, built here at load
         self.spec_k = b.draft_tokens if b.spec_launches else 0
+        # speculative sampling at temperature > 0 and replay (plans from before them speculate greedily only)
+        self.spec_sampling = bool(self.spec_k) and any(launch["op"] == "spec_sample_rows"
+                                                       for launch in lp["speculative"]["iteration"]["launches"])
         self.spec_prefill_launches = [self._pack(launch) for launch in b.spec_prefill_launches or []]
         self.spec_launches = [self._pack(launch) for launch in b.spec_launches or []]
         self._spec_outputs = {name: (o.address, o.numel) for name, o in (b.spec_outputs or {}).items()}
@@ -294,7 +297,7 @@ class GpuStep:
         slots, base = self.dyn.table, self.binding.regions["dyn"]
         image = np.zeros(max(s.address - base for s in slots.values()) // 4 + 1, dtype=np.int32)
         values = dict(pos=start, token=prompt[start], n_prompt=len(prompt), temperature=temperature, top_p=top_p,
-                      seed=seed, top_k=top_k, min_p=min_p)
+                      seed=seed, top_k=top_k, min_p=min_p, replay=0)
         for name, v in values.items():
             if name in slots:
                 arr = image.view(np.float32) if slots[name].dtype == "f32" else image
@@ -302,6 +305,20 @@ class GpuStep:
         self.copy_to_device(base, image)
         self.copy_to_device(self.tokens_addr + 4 * start, np.asarray(prompt[start:self.max_seq], dtype=np.int32))
         self._n_marks = 0
+
+    def set_replay(self, tokens: list[int], accept: float) -> None:
+        """Controlled acceptance for this request (after ``begin``): the replayed token sequence uploaded to
+        ``spec.replay`` (zeros past it), dyn.replay and dyn.replay_accept set (kernels/speculative.py)."""
+        buf = self.binding.spec_replay
+        if buf is None:
+            raise DraftSourceError("this plan has no replay buffer for --draft-source (made by an older Kestrel): "
+                                "rebuild it with --speculative mtp")
+        image = np.zeros(buf.numel, dtype=np.int32)
+        n = min(len(tokens), buf.numel)
+        image[:n] = np.asarray(tokens[:n], dtype=np.int32)
+        self.copy_to_device(buf.address, image)
+        self.dyn["replay_accept"] = float(accept)
+        self.dyn["replay"] = 1
 
     def run(self, n: int = 1, marks: list | None = None) -> None:
         """``n`` steps, asynchronously on the stream (reading a dyn slot or an output waits for them);

@@ -49,6 +49,7 @@ class Binding:
     spec_prefill_launches: list[BoundLaunch] | None = None  # the speculative prefill, in order
     spec_launches: list[BoundLaunch] | None = None  # one speculative iteration, in order
     spec_outputs: dict[str, Buffer] | None = None  # the iteration's outputs (the verify's rows)
+    spec_replay: Buffer | None = None  # the replayed token sequence (controlled acceptance)
 
 
 def _bind_launch(lp: dict, launch: dict, regions: dict[str, int]) -> BoundLaunch:
@@ -87,7 +88,8 @@ def bind(lp: dict, base: int) -> Binding:
         if spec else None,
         spec_launches=[_bind_launch(lp, launch, regions) for launch in spec["iteration"]["launches"]]
         if spec else None,
-        spec_outputs={name: buffer(p) for name, p in spec["iteration"]["outputs"].items()} if spec else None)
+        spec_outputs={name: buffer(p) for name, p in spec["iteration"]["outputs"].items()} if spec else None,
+        spec_replay=buffer(spec["replay"]) if spec and spec.get("replay") else None)
 
 
 def bytes_per_step(step_bytes: dict, mean_len: float) -> int:

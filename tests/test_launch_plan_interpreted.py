@@ -223,6 +223,43 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_check
         cpu.run()
         assert gpu.dyn("pos") == cpu.dyn["pos"] and gpu.dyn("sampled") == cpu.dyn["sampled"]
         _close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
+    # speculative sampling at temperature 1 (a new request, reset as the runtime's begin resets): the drafts
+    # drawn from q (kept in spec.draft_probs), the accept / residual decisions, on the device as on the CPU
+    for addr, nbytes in gpu.b.reset:
+        gpu.arena[addr:addr + nbytes] = 0
+    cpu.begin(prompt, 1.0, 1.0, 5)
+    for name, v in (("temperature", 1.0), ("top_p", 1.0), ("seed", 5), ("token", prompt[0]),
+                    ("n_prompt", len(prompt))):
+        gpu.dyn(name, v)
+    tokens[:len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+    gpu.run(gpu.b.spec_prefill_launches)
+    cpu.run_spec_prefill(1)
+    decided = []
+    for it in range(1):
+        _close(f"sampled iteration {it}: q rows", *state("spec.draft_probs"), 3e-2)
+        gpu.run(gpu.b.spec_launches)
+        cpu.run_spec(1)
+        for slot in ("pos", "sampled", "accepted", "draft"):
+            assert gpu.dyn(slot) == cpu.dyn[slot], f"sampled iteration {it}: dyn.{slot}"
+        assert torch.equal(tokens, cpu.states["tokens"]), f"sampled iteration {it}: token sequence"
+        decided.append(gpu.dyn("accepted"))
+    # controlled acceptance: the drafts replaced by a replayed sequence (half of them corrupted), the
+    # replayed tokens emitted
+    seq = [int(t) for t in tokens[:gpu.dyn("pos") + 1]] + [7, 11, 13, 17, 19, 23]
+    cpu.set_replay(seq, 0.5)
+    rp = gpu.view(gpu.b.spec_replay.address, "*i32")[:gpu.b.spec_replay.numel]
+    rp[:] = 0
+    rp[:len(seq)] = torch.tensor(seq, dtype=torch.int32)
+    gpu.dyn("replay", 1)
+    gpu.dyn("replay_accept", 0.5)
+    for it in range(1):
+        gpu.run(gpu.b.spec_launches)
+        cpu.run_spec(1)
+        for slot in ("pos", "sampled", "accepted"):
+            assert gpu.dyn(slot) == cpu.dyn[slot], f"replayed iteration {it}: dyn.{slot}"
+        assert torch.equal(tokens, cpu.states["tokens"]), f"replayed iteration {it}: token sequence"
+    assert [int(t) for t in tokens[:gpu.dyn("pos") + 1]] == seq[:gpu.dyn("pos") + 1]
+    print(f"sampled: accepted {decided}")
 
 
 # Qwen3-Next at interpreter size: fused GDN projections, a sparse MoE MLP in both layers (6 experts, top 3,

@@ -294,6 +294,92 @@ def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(spec_plan
                                                          extra=["--no-graph", "--temperature", "0.5"])],
                        capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                             if k != "TRITON_INTERPRET"})
-    assert r.returncode == 0, r.stderr[-3000:]  # temperature > 0 decodes plainly on a speculative plan
-    out = json.loads(r.stdout.strip().splitlines()[-2])
-    assert out["draft_tokens"] == 0 and out["accepted_per_step"] is None
+    # temperature > 0 speculates too (speculative sampling on the device): the same guard
+    assert r.returncode != 0 and "speculative iterations moved the position" in r.stderr, r.stderr[-2000:]
+
+
+REPLAY_RUN = r"""
+import json, sys
+sys.modules["torch"] = None
+sys.modules["triton"] = None
+sys.path.insert(0, {stubs!r})
+import numpy as np
+from cuda.bindings import driver as stub
+from kestrel.artifacts.plan import load_plan
+from kestrel.runtime import bench
+from kestrel.runtime.generate import Generation
+from kestrel.runtime.gpu import GpuStep
+plan = load_plan({plan!r})
+step = GpuStep(plan, use_graph=True)
+ids, seq = [1, 2, 3], [1, 2, 3] + list(range(10, 22))
+step.begin(ids, 0.0, 1.0, 0)
+step.set_replay(seq, 0.5)
+buf = step.binding.spec_replay
+image = np.zeros(buf.numel, dtype=np.int32)
+step.copy_from_device(image, buf.address)
+on = [step.dyn["replay"], step.dyn["replay_accept"]]
+step.begin(ids, 0.0, 1.0, 0)
+off = step.dyn["replay"]
+calls = []
+def token_loop(st, prompt, n, sampling, replay=None, **kw):
+    # the stub runs no kernel, so the real loop cannot advance: this one sets what a request would, and
+    # returns the replayed tokens with the acceptance the setting gives
+    st.begin(prompt, sampling.temperature, sampling.top_p, sampling.seed)
+    if replay is not None:
+        st.set_replay(replay.tokens, replay.accept)
+    calls.append(None if replay is None else [replay.accept, sampling.seed])
+    g = Generation(prompt_tokens=list(prompt), tokens=seq[len(prompt):len(prompt) + n], decode_ms=2.0 * n)
+    if replay is not None:
+        g.draft_tokens, g.spec_iterations, g.spec_accepted = st.spec_k, 4, round(4 * replay.accept * st.spec_k)
+        g.decode_ms = 1.0 * n
+    return g
+bench.generate = token_loop
+n0 = len(stub.LAUNCHES)
+r = bench.bench_controlled(plan, ids, seq, [0.0, 1.0], 3, log=lambda m: None, source="replay:run.json", step=step)
+print(json.dumps({{"image": image[:len(seq) + 2].tolist(), "on": on, "off": off, "calls": calls, "report": r,
+                   "text": bench.format_controlled(r),
+                   "launched": [name for name, *_ in stub.LAUNCHES[n0:]]}}))
+"""
+
+
+def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
+    """Controlled acceptance on the GPU runtime: set_replay uploads the replayed sequence to the plan's
+    replay buffer and sets dyn.replay / replay_accept, the next request's begin turns it off; the bench
+    interleaves plain and replayed requests per round (seeded by the round), reports every setting under
+    controlled_acceptance, and times the iteration's launches kernel by kernel split into verify /
+    accept + rollback / draft, and the one-token step's, from the launch plan."""
+    r = subprocess.run([sys.executable, "-c", REPLAY_RUN.format(stubs=STUBS, plan=spec_plan)],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["image"] == [1, 2, 3] + list(range(10, 22)) + [0, 0]
+    assert out["on"] == [1, 0.5] and out["off"] == 0
+    assert out["calls"] == [c for rnd in range(4) for c in (None, [0.0, rnd], [1.0, rnd])]
+    c = out["report"]["controlled_acceptance"]
+    assert c["label"].startswith("controlled-acceptance") and c["draft_tokens"] == 2 and c["rounds"] == 3
+    assert [row["draft_accept"] for row in c["rows"]] == [0.0, 1.0]
+    assert [row["accepted_per_step"] for row in c["rows"]] == [0.0, 2.0]
+    assert [row["expected_accepted_per_step"] for row in c["rows"]] == [0.0, 2.0]
+    assert all(row["tokens_equal_replay"] and row["speedup_over_plain"] == 2.0 for row in c["rows"])
+    lp = load_plan(spec_plan).launch_plan
+    names = [k["name"] for k in lp["kernels"]]
+    iteration = [names[launch["kernel_index"]] for launch in lp["speculative"]["iteration"]["launches"]]
+    step = [names[launch["kernel_index"]] for launch in lp["launches"]]
+    prefill = [names[launch["kernel_index"]] for launch in lp["speculative"]["prefill"]["launches"]]
+    it = c["iteration"]
+    n = (32 - 3 - 4 * 2 - 4) // (2 + 3)  # iterations timed: as many as fit in max_seq 32 (at most 8)
+    # the speculative prefill, n iterations and n one-token steps kernel by kernel, n + 1 step graph replays
+    assert out["launched"] == prefill + iteration * n + step * n + step * (n + 1)
+    assert sum(it["launches_per_phase"].values()) == len(iteration)
+    assert all(it["phase_ms_kernel_by_kernel"][ph] > 0 for ph in ("verify", "accept_rollback", "draft"))
+    assert it["verify_over_m1_step"] > 0 and it["m1_step_ms_graph"] is not None
+    assert "controlled-acceptance" in out["text"] and "verify at K + 1 rows" in out["text"]
+    # the phases follow the ops: the row decisions and rollback between the verify's lm_head and the head
+    ops = [launch["op"] for launch in lp["speculative"]["iteration"]["launches"]]
+    from kestrel.runtime.bench import spec_phases
+    phases = spec_phases(lp["speculative"]["iteration"]["launches"])
+    assert {o for o, p in zip(ops, phases) if p == "accept_rollback"} == {"argmax_rows", "spec_sample_rows", "accept",
+                                                                        "gdn_rollback"}
+    assert ops[:2] == ["spec_begin", "replay_drafts"] and phases[:2] == ["verify", "verify"]
+    assert ops.count("draft_sample") == 2 and all(p == "draft" for o, p in zip(ops, phases) if o == "draft_sample")
