@@ -493,7 +493,9 @@ def draft_sample_kernel(logits_ptr, draft_ptr, temperature_ptr, top_p_ptr, top_k
             tl.store(q_row + idx, _probs(x, idx, m, inv_t, kc, ic, min_p, z, V), mask=idx < V)
         u = _spec_uniform(tl.load(seed_ptr), tl.load(dpos_ptr) + 2, 3)  # DRAFT
         tok, _ = _draw(logits_ptr, q_row, m, inv_t, kc, ic, min_p, z, u, False, V, BLOCK)
-        tl.store(draft_out_ptr, tok)
+        # no token of positive weight (non-finite logits: the q4 product's range, kernels/matvec.py): the
+        # greedy draft stands, never an id outside the vocabulary (the next embedding would read past the table)
+        tl.store(draft_out_ptr, tok, mask=(tok >= 0) & (tok < V))
 
 
 @triton.jit

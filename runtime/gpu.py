@@ -72,6 +72,15 @@ def graph_spec_enabled() -> bool:
     return os.environ.get("KESTREL_GRAPH_SPEC", "1") != "0"
 
 
+def spec_sampling_enabled() -> bool:
+    """The KESTREL_SPEC_SAMPLING gate (speculative plans, requests at temperature > 0): off unless
+    KESTREL_SPEC_SAMPLING=1. Off, a sampled request decodes plainly (one-token steps, the many-CTA sampler);
+    on, it speculates with the iteration's speculative-sampling kernels, which sweep the vocabulary one
+    program a row: on the H200 at 27B q4 that took 46.5 ms/token against plain sampling's 6.3
+    (bench/results/stop22, call 7). Greedy requests and ``--draft-source replay:`` do not read it."""
+    return os.environ.get("KESTREL_SPEC_SAMPLING", "0") == "1"
+
+
 class _DynSlots:
     """dict-like access to the dyn buffer in device memory (4-byte slots)."""
 
@@ -177,9 +186,10 @@ class GpuStep:
         # speculative decoding (--speculative mtp): its prefill (an M-row program, under KESTREL_GRAPH_M) and
         # its iteration (KESTREL_GRAPH_SPEC), each its own graph with plain edges, built here at load
         self.spec_k = b.draft_tokens if b.spec_launches else 0
-        # speculative sampling at temperature > 0 and replay (plans from before them speculate greedily only)
-        self.spec_sampling = bool(self.spec_k) and any(launch["op"] == "spec_sample_rows"
-                                                       for launch in lp["speculative"]["iteration"]["launches"])
+        # speculative sampling at temperature > 0 (plans from before it speculate greedily only), under the
+        # KESTREL_SPEC_SAMPLING gate (off: sampled requests decode plainly, much faster today)
+        self.spec_sampling = bool(self.spec_k) and spec_sampling_enabled() and any(
+            launch["op"] == "spec_sample_rows" for launch in lp["speculative"]["iteration"]["launches"])
         self.spec_prefill_launches = [self._pack(launch) for launch in b.spec_prefill_launches or []]
         self.spec_launches = [self._pack(launch) for launch in b.spec_launches or []]
         self._spec_outputs = {name: (o.address, o.numel) for name, o in (b.spec_outputs or {}).items()}

@@ -252,3 +252,19 @@ def test_aligned_pointers_give_16_byte_loads(aot, group):
 def test_unaligned_pointers_give_narrow_loads(aot):
     """The check above is not vacuous: without the 16-byte alignment hint Triton cannot vectorise."""
     assert _wide_loads(aot[1][(0, False)]) == 0
+
+
+def test_q4_product_range():
+    """The q4 product's documented range (kernels/matvec.py): x / 64 in fp16 lanes keeps every lane finite
+    for |x| < 2^17 (the reference emulates the lanes: finite there, within the fp16 lanes' error of the fp32
+    product), and overflows past it (inf / NaN), the known limit the README names."""
+    g = torch.Generator().manual_seed(5)
+    n, k, group = 24, 256, 64
+    buf = q4_pack(torch.randn(n, k, generator=g), group)
+    w = q4_unpack(buf, n, k, group)
+    x = torch.rand(k, generator=g) * 2 - 1
+    x = x / x.abs().max() * (2 ** 17 / 8.5)  # a lane's four products stay below 2^16
+    ref = matvec_ref(x, w)
+    exact = torch.mv(w.double(), x.double()).float()
+    assert torch.isfinite(ref).all() and (ref - exact).abs().max() <= 2e-3 * exact.abs().max()
+    assert not torch.isfinite(matvec_ref(x * 64, w)).all()
