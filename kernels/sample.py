@@ -17,15 +17,20 @@ from kestrel.kernels.targets import pow2_at_least
 _M32 = 0xFFFFFFFF
 
 
-def uniform_from(seed: int, pos: int) -> float:
-    """A uniform float in [0, 1) with 24 bits, from (seed, pos) only."""
-    x = (seed * 0x9E3779B1 + pos * 0x85EBCA77 + 0x165667B1) & _M32
+def counter_hash32(seed: int, i: int) -> int:
+    """murmur3's finaliser of seed * 0x9E3779B1 + i * 0x85EBCA77 + 0x165667B1 in uint32 arithmetic
+    (``counter_hash``, the device's)."""
+    x = ((seed & _M32) * 0x9E3779B1 + (i & _M32) * 0x85EBCA77 + 0x165667B1) & _M32
     x ^= x >> 16
     x = (x * 0x85EBCA6B) & _M32
     x ^= x >> 13
     x = (x * 0xC2B2AE35) & _M32
-    x ^= x >> 16
-    return (x >> 8) / float(1 << 24)
+    return x ^ (x >> 16)
+
+
+def uniform_from(seed: int, pos: int) -> float:
+    """A uniform float in [0, 1) with 24 bits, from (seed, pos) only."""
+    return (counter_hash32(seed, pos) >> 8) / float(1 << 24)
 
 
 def sample_ref(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float, seed: int,

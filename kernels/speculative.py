@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.sample import counter_hash, counter_hash32
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -174,22 +175,11 @@ def spec_end_kernel(npos_ptr, sampled_ptr, pos_ptr, token_ptr, PDL: tl.constexpr
 # computes; the MTP head still runs (its drafts are overwritten), so an iteration does all its work.
 
 ACCEPT, RESIDUAL, DRAFT, CORRUPT, CORRUPT_TOKEN = 1, 2, 3, 4, 5  # the purposes of spec_uniform's draws
-_M32 = 0xFFFFFFFF
-
-
-def _hash32(seed: int, i: int) -> int:
-    """kernels/sample.py's counter hash (murmur3's finaliser of seed * 0x9E3779B1 + i * 0x85EBCA77 + c)."""
-    x = ((seed & _M32) * 0x9E3779B1 + (i & _M32) * 0x85EBCA77 + 0x165667B1) & _M32
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & _M32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
 
 
 def spec_uniform(seed: int, pos: int, purpose: int) -> float:
     """A uniform in [0, 1) with 24 bits from (seed, position, purpose) only."""
-    return (_hash32(_hash32(seed, purpose), pos) >> 8) / float(1 << 24)
+    return (counter_hash32(counter_hash32(seed, purpose), pos) >> 8) / float(1 << 24)
 
 
 def _weights(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -307,20 +297,10 @@ def spec_rows_launch(rows: int, vocab: int, target) -> dict:
 
 
 @triton.jit
-def _hash_u32(seed, i):
-    x = seed.to(tl.uint32) * 0x9E3779B1 + i.to(tl.uint32) * 0x85EBCA77 + 0x165667B1
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    return x ^ (x >> 16)
-
-
-@triton.jit
 def _spec_uniform(seed, pos, purpose: tl.constexpr):
     """spec_uniform on the device."""
-    h = _hash_u32(seed, tl.full([], purpose, tl.int32))
-    return (_hash_u32(h, pos) >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    h = counter_hash(seed, tl.full([], purpose, tl.int32))
+    return (counter_hash(h, pos) >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
 @triton.jit
