@@ -143,8 +143,8 @@ class BlockRule(Rule):
 
 @dataclass(frozen=True, kw_only=True)
 class MoeRule(Rule):
-    """kernels/moe.py: the router (one program per row: all E logits in registers, K in router_block_k
-    tiles of at most router_tile elements) and the grouped expert matvecs (the matvec row's tiles)."""
+    """kernels/moe.py: moe_topk (the router's softmax and top-k, one program per row, all E logits in
+    registers; the logits themselves are a matvec) and the grouped expert matvecs (the matvec row's tiles)."""
     router_warps: int           # moe_topk (the router's softmax and top-k over E logits, one program a row)
     max_block_n: int            # rows per program of the grouped matvecs, at most this
 
