@@ -25,7 +25,7 @@ run (hoist_dynamic's ``check_routing`` proves it on every build).
 **Ties.** Among equal probabilities the lower expert index ranks first (a stable descending sort;
 ``moe_topk_kernel`` implements the same rule with an argmax that takes the first maximal index, k
 times). torch.topk on the CPU does *not* follow a fixed rule for ties (its order depends on the
-vector length and k: ``tests/test_moe.py`` shows a case), so the transformers oracle can choose
+vector length and k: ``tests/test_kernels_moe.py`` shows a case), so the transformers oracle can choose
 another of several exactly tied experts; with real-valued logits exact ties of fp32 probabilities do
 not occur in practice, and where none occurs the sets and their order are torch.topk's.
 
