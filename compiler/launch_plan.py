@@ -88,8 +88,10 @@ def _layer_of(op) -> int | None:
     return None
 
 
-# operands of the MoE expert kernels that are stacked per-expert matrices ([E * rows, cols], kernels/moe.py)
-STACKED_EXPERTS = {"moe_gate_up": (2, 3), "moe_down": (3,)}
+# the MoE expert kernels: (their routing ids operand, the operands that are stacked per-expert matrices
+# [E * rows, cols], kernels/moe.py)
+STACKED_EXPERTS = {"moe_gate_up": (1, (2, 3)), "moe_down": (1, (3,)), "rmsnorm_moe_gate_up": (3, (4, 5)),
+                   "moe_down_add": (1, (3,))}
 
 
 def _launch_bytes(op, counted: dict) -> dict:
@@ -114,10 +116,10 @@ def _launch_bytes(op, counted: dict) -> dict:
             continue
         if op.kind in ("embedding", "embedding_rows", "embedding_next_rows") and i == 0:
             want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
-        elif i in STACKED_EXPERTS.get(op.kind, ()):  # the routed experts' slices only: top_k of E a row
-            ids = op.ins[1].type.shape  # [k] or [M, k]
+        elif i in STACKED_EXPERTS.get(op.kind, (0, ()))[1]:  # the routed experts' slices only: top_k of E a row
+            ids = op.ins[STACKED_EXPERTS[op.kind][0]].type.shape  # [k] or [M, k]
             # moe_down: the stacked down is [E * H, I], the shared down (operand 4) [H, S]
-            experts = op.attrs["experts"] if op.kind == "moe_gate_up" else x.type.shape[0] // op.ins[4].type.shape[0]
+            experts = op.attrs["experts"] if "experts" in op.attrs else x.type.shape[0] // op.ins[4].type.shape[0]
             want = x.type.nbytes // experts * min(experts, math.prod(ids))
         elif isinstance(x, State) and x.name == TOKENS_STATE:
             want = 8

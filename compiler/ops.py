@@ -616,6 +616,26 @@ def _infer_moe_down(ins, a):
     return [_f32(_lead(ids) + (h,))]
 
 
+def _infer_moe_down_add(ins, a):
+    """moe_down's operands, then the residual r [H] -> s [H], ss [ceil(H / partial_rows)] (matmul_add's)."""
+    *down, r = ins
+    (y,) = _infer_moe_down(down, a)
+    _need(len(y.shape) == 1, "moe_down_add takes one row")
+    _need(_t(r).shape == y.shape, f"moe_down_add residual {_t(r).shape} vs the block's {y.shape}")
+    rows = a["partial_rows"]
+    _need(isinstance(rows, int) and rows > 0, "moe_down_add partial_rows must be a positive int")
+    return [y, _f32(((y.shape[0] + rows - 1) // rows,))]
+
+
+def _infer_rmsnorm_moe_gate_up(ins, a):
+    """s [H], ss [P], norm weight [H], then moe_gate_up's ids and weights."""
+    s, ss, nw, *rest = ins
+    _need(len(_t(s).shape) == 1, "rmsnorm_moe_gate_up takes one row")
+    _need(len(_t(ss).shape) == 1 and _t(ss).dtype == "f32", "rmsnorm_moe_gate_up partials must be f32[P]")
+    _need(_t(nw).shape == _t(s).shape, f"rmsnorm weight {_t(nw).shape} vs the input {_t(s).shape}")
+    return _infer_moe_gate_up([s, *rest], a)
+
+
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
 def _matrix(w: Weight) -> tuple[int, int, int]:
@@ -907,11 +927,23 @@ def _moe_gate_up(op: Op, t: Target) -> dict:
                                      ids.type.shape[-1], (_group(wg), _group(sg), _group(sgate)), t)}
 
 
+def _rmsnorm_moe_gate_up(op: Op, t: Target) -> dict:
+    """moe_gate_up's launch with the producer's partials (operand 1)."""
+    s, ss, nw, ids, wg, wu, sg, su, sgate = op.ins
+    e = op.attrs["experts"]
+    dtypes = "_".join(dict.fromkeys([wg.type.dtype, sg.type.dtype, sgate.type.dtype]))
+    return {"kernel": "rmsnorm_moe_gate_up_" + dtypes,
+            **moe.moe_gate_up_launch(1, e, s.type.shape[-1], wg.type.shape[0] // e, sg.type.shape[0],
+                                     ids.type.shape[-1], (_group(wg), _group(sg), _group(sgate)), t,
+                                     partials=ss.type.shape[0])}
+
+
 def _moe_down(op: Op, t: Target) -> dict:
-    act, ids, wts, wd, sd = op.ins
+    """moe_down's (and moe_down_add's: partial_rows, select_kernels sets it, is its BLOCK_N) launch."""
+    act, ids, wts, wd, sd = op.ins[:5]
     h, s = sd.type.shape
     dtypes = "_".join(dict.fromkeys([wd.type.dtype, sd.type.dtype]))
-    return {"kernel": "moe_down_" + dtypes,
+    return {"kernel": ("moe_down_add_" if op.kind == "moe_down_add" else "moe_down_") + dtypes,
             **moe.moe_down_launch(_rows_of(act), wd.type.shape[0] // h, h, wd.type.shape[1], s, ids.type.shape[-1],
                                   (_group(wd), _group(sd)), t)}
 
@@ -1126,6 +1158,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="[silu(gate_e x) * (up_e x) for e in ids] | the shared expert's | its gate logit Ws . x"),
     OpDef("moe_down", "vvvww", (), _infer_moe_down, moe.moe_down_ref, Kernel(moe.moe_down_kernel, _moe_down),
           _MOE_ONNX, doc="sum_j w_j * down_{ids_j}(act_j) in rank order + sigmoid(gate logit) * shared down"),
+    OpDef("moe_down_add", "vvvwwv", ("partial_rows",), _infer_moe_down_add, moe.moe_down_add_ref,
+          Kernel(moe.moe_down_add_kernel, _moe_down), _MOE_ONNX,
+          doc="s = r + moe_down(...); ss: the next rmsnorm's partial sums of s^2 (as matmul_add's)"),
+    OpDef("rmsnorm_moe_gate_up", "vvwvwwwww", ("experts", "eps"), _infer_rmsnorm_moe_gate_up,
+          moe.rmsnorm_moe_gate_up_ref, Kernel(moe.rmsnorm_moe_gate_up_kernel, _rmsnorm_moe_gate_up), _MOE_ONNX,
+          doc="moe_gate_up of rmsnorm(s, nw) (the mean square from moe_down_add's / matmul_add's partials ss)"),
     OpDef("gdn_rollback", "ssssdd", (), _infer_gdn_rollback, gated_delta.gdn_rollback_ref,
           Kernel(gated_delta.gdn_rollback_kernel, _gdn_rollback), _SPEC_ONNX, inout=(0, 2),
           doc="states <- the snapshot after the last accepted row (kept = npos - pos), unless all rows were kept"),

@@ -45,8 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.matvec import _matvec_rows, matvec_launch, matvec_ref
+from kestrel.kernels.matvec import (NORM_NONE, NORM_PARTIALS, _matvec_rows, _matvec_tile, _partials_rstd, matvec_launch,
+                                    matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -127,6 +129,21 @@ def moe_down_ref(act, ids, weights, wd, sd) -> torch.Tensor:
     return y + torch.sigmoid(act[k * inter + s]) * shared
 
 
+def moe_down_add_ref(act, ids, weights, wd, sd, r, partial_rows: int):
+    """(s, ss) of the MoE block's output and the residual r, as ``matvec_add_ref`` makes them for a matmul:
+    s = r + moe_down_ref(...), ss[i] = the sum of s^2 over rows [i * partial_rows, (i + 1) * partial_rows)
+    (the next rmsnorm's partial sums)."""
+    s = r + moe_down_ref(act, ids, weights, wd, sd)
+    ss = torch.stack([(s[i:i + partial_rows].float() ** 2).sum() for i in range(0, s.shape[0], partial_rows)])
+    return s, ss
+
+
+def rmsnorm_moe_gate_up_ref(s, ss, nw, ids, wg, wu, sg, su, sgate, experts: int, eps: float) -> torch.Tensor:
+    """moe_gate_up_ref of rmsnorm(s) (kernels/rmsnorm.py's zero-centred norm); ss (the producer's partial sums
+    of s^2) is how the GPU gets the mean square, the reference takes it from s as the unfused norm does."""
+    return moe_gate_up_ref(rmsnorm_ref(s, nw, eps), ids, wg, wu, sg, su, sgate, experts)
+
+
 def moe_experts_ref(x, ids, weights, wg, wu, wd, sg, su, sd, sgate) -> torch.Tensor:
     """The MoE block after its router: moe_down_ref(moe_gate_up_ref(...)) (fuse splits it so)."""
     act = moe_gate_up_ref(x, ids, wg, wu, sg, su, sgate, wd.shape[0] // x.shape[-1])
@@ -151,27 +168,34 @@ def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]
     return min(c["BLOCK_N"], cap), c["BLOCK_K"], m["num_warps"]
 
 
-def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
+def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target,
+                       partials: int = 0) -> dict:
     """Programs over (slot, row block): top_k slots of ceil(I / BLOCK_N) blocks, the shared expert's
     ceil(Is / BLOCK_N), one for the shared gate's logit; a grid row per input row. Tiles from the matvec
-    rule for the k + 1 experts' rows as one matrix; BLOCK_K a multiple of every q4 group."""
+    rule for the k + 1 experts' rows as one matrix; BLOCK_K a multiple of every q4 group. ``partials``
+    (rmsnorm_moe_gate_up): the producer's partial sums of squares, P and BLOCK_P as the rmsnorm matvec's."""
     cap = min(target.rules["moe"].max_block_n, pow2_at_least(min(inter, shared)))
     g = max(groups)
     block_n, block_k, warps = _tiles(top_k * inter + shared, h, g, target, cap)
     nb_i, nb_s = -(-inter // block_n), -(-shared // block_n)
-    return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": warps,
-            "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_G": groups[0],
-                           "GROUP_S": groups[1], "GROUP_GATE": groups[2], "BLOCK_N": block_n, "BLOCK_K": block_k}}
+    consts = {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_G": groups[0], "GROUP_S": groups[1],
+              "GROUP_GATE": groups[2], "BLOCK_N": block_n, "BLOCK_K": block_k}
+    if partials:
+        consts |= {"P": partials, "BLOCK_P": pow2_at_least(partials)}
+    return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": warps, "constexprs": consts}
 
 
 def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
-    """Programs over blocks of the H output rows (a grid row per input row); each sums the k routed
-    products in rank order, then the gated shared one."""
-    block_n, block_kd, warps = _tiles(h, inter, groups[0], target, target.rules["moe"].max_block_n)
+    """Programs over blocks of the H output rows (a grid row per input row); each streams the k routed
+    experts' tiles in one software-pipelined loop (``down_stages`` deep) and sums their products in rank
+    order, then the gated shared one."""
+    rule = target.rules["moe"]
+    block_n, block_kd, warps = _tiles(h, inter, groups[0], target, rule.max_block_n)
     _, block_ks, _ = _tiles(h, shared, groups[1], target, block_n)
     return {"grid": [-(-h // block_n), rows, 1], "num_warps": warps,
             "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_D": groups[0],
-                           "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks}}
+                           "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks,
+                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": rule.down_stages}}
 
 
 # --- Triton kernels ------------------------------------------------------------------------------------
@@ -181,30 +205,34 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
 def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
     """Row program_id(0) of the router's logits [M, E] (the matvec's): softmax in fp32, the TOPK largest
-    probabilities (each an argmax taking the first maximal index: lower index first among ties),
-    renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights [M, TOPK]
-    (f32) of the row written."""
+    probabilities, renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights
+    [M, TOPK] (f32) of the row written. Each rank is one max over a 64-bit key per expert: the
+    probability's bits (a non-negative float orders as its bit pattern) above BLOCK_E - 1 - index, so the
+    largest key is the largest probability and, among equal ones, the lower index (the tie rule)."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     es = tl.arange(0, BLOCK_E)
     emask = es < E
     logits = tl.load(logits_ptr + row * E + es, mask=emask, other=float("-inf"))
     ex = tl.exp(logits - tl.max(logits, axis=0))
-    p = tl.where(emask, ex / tl.sum(ex, axis=0), -1.0)
+    p = ex / tl.sum(ex, axis=0)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
+    key = tl.where(emask, key, -1)
     ts = tl.arange(0, BLOCK_T)
     ids = tl.zeros([BLOCK_T], tl.int32)
     vals = tl.zeros([BLOCK_T], tl.float32)
     total = 0.0
     for j in tl.static_range(TOPK):
-        m = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == m, es, BLOCK_E), axis=0)
+        top = tl.max(key, axis=0)
+        idx = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+        m = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         ids = tl.where(ts == j, idx, ids)
         vals = tl.where(ts == j, m, vals)
         if j == 0:
             total = m
         else:
             total = total + m
-        p = tl.where(es == idx, -2.0, p)
+        key = tl.where(es == idx, -1, key)
     if norm_topk != 0:
         vals = vals / total
     tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)
@@ -212,16 +240,11 @@ def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.conste
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, experts,
-                       E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
-                       GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """act[row] = [silu(Wg_e x) * (Wu_e x) for e in ids[row]] | silu(Sg x) * (Su x) | Ws . x (x = x[row],
-    row = program_id(1)). Program p < TOPK * NB_I: slot p // NB_I, rows block p % NB_I of the expert read
-    from the routing buffer (clamped into 0..E-1: no read outside the stacked weights whatever the buffer
-    holds) at rows e * I .. of the stacked [E * I, H] matrices; then the shared expert's blocks; the last
-    program the shared gate's logit. The matvec inner loop is kernels/matvec.py's (bf16 / f32 / q4)."""
-    pdl_wait(PDL)
+def _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps,
+                 E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
+                 GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """moe_gate_up_kernel's program (NORM: its input x normed per tile, kernels/matvec.py's _matvec_tile)."""
     pid = tl.program_id(0)
     row = tl.program_id(1)
     NB_I: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
@@ -236,41 +259,117 @@ def moe_gate_up_kernel(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr
         e = tl.load(ids_ptr + row * TOPK + j)
         e = tl.minimum(tl.maximum(e, 0), E - 1)
         rows = e * I + tl.minimum(r, I - 1)
-        g = _matvec_rows(x, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K)
-        u = _matvec_rows(x, wu_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K)
+        g = _matvec_rows(x, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
+        u = _matvec_rows(x, wu_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
         tl.store(out + j * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < I)
     elif pid < TOPK * NB_I + NB_S:
         r = (pid - TOPK * NB_I) * BLOCK_N + ns
         rows = tl.minimum(r, IS - 1)
-        g = _matvec_rows(x, sg_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K)
-        u = _matvec_rows(x, su_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K)
+        g = _matvec_rows(x, sg_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
+        u = _matvec_rows(x, su_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
         tl.store(out + TOPK * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < IS)
     else:
-        y = _matvec_rows(x, sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_N, BLOCK_K)
+        y = _matvec_rows(x, sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
         tl.store(out + TOPK * I + IS + ns, y, mask=ns < 1)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, experts,
+                       E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
+                       GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """act[row] = [silu(Wg_e x) * (Wu_e x) for e in ids[row]] | silu(Sg x) * (Su x) | Ws . x (x = x[row],
+    row = program_id(1)). Program p < TOPK * NB_I: slot p // NB_I, rows block p % NB_I of the expert read
+    from the routing buffer (clamped into 0..E-1: no read outside the stacked weights whatever the buffer
+    holds) at rows e * I .. of the stacked [E * I, H] matrices; then the shared expert's blocks; the last
+    program the shared gate's logit. The matvec inner loop is kernels/matvec.py's (bf16 / f32 / q4)."""
+    pdl_wait(PDL)
+    _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, None, 1.0, 0.0, E, H, I, IS, TOPK,
+                 GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, NORM_NONE)
+
+
+@triton.jit
+def rmsnorm_moe_gate_up_kernel(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr,
+                               experts, eps, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
+                               TOPK: tl.constexpr, GROUP_G: tl.constexpr, GROUP_S: tl.constexpr,
+                               GROUP_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               P: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+    """moe_gate_up_kernel of rmsnorm(x) (one row: the layer's post-attention norm, fused): the mean square
+    from the producer's P partial sums of x^2 (matvec_add_kernel's), summed in index order by every
+    program, and x * rstd * (1 + nw) made per tile (kernels/matvec.py's NORM_PARTIALS)."""
+    pdl_wait(PDL)
+    rstd = _partials_rstd(ss_ptr, eps, H, P, BLOCK_P)
+    _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps, E, H, I, IS,
+                 TOPK, GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, NORM_PARTIALS)
+
+
+@triton.jit
+def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                  IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr, GROUP_S: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_T: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """sum_j wts_j * (Wd_{ids_j} act_j)[rc] in rank order, + sigmoid(gate logit) * (Sd act_shared)[rc], for
+    one row (ids_ptr / wts_ptr / act at that row). The routed experts' tiles are one software-pipelined
+    loop over (expert, K tile) with the ids and weights loaded once before it (no load chain inside: the
+    pipeline keeps STAGES tiles of different experts in flight, where one matvec per expert after the
+    other waited on each expert's first tile); each tile's products are summed and weighted at once."""
+    ts = tl.arange(0, BLOCK_T)
+    live = ts < TOPK
+    ids = tl.load(ids_ptr + ts, mask=live, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1)  # no read outside the stacked weights whatever the buffer holds
+    wts = tl.load(wts_ptr + ts, mask=live, other=0.0)
+    if GROUP_D > 0:
+        CHUNK: tl.constexpr = 32
+        SCALE: tl.constexpr = 64.0  # Q4_X_SCALE (kernels/matvec.py)
+    else:
+        BITS: tl.constexpr = wd_ptr.dtype.element_ty.primitive_bitwidth
+        CHUNK: tl.constexpr = 128 // BITS if BLOCK_KD >= 128 // BITS else BLOCK_KD
+        SCALE: tl.constexpr = 1.0
+    KT: tl.constexpr = (I + BLOCK_KD - 1) // BLOCK_KD
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for t in tl.range(0, TOPK * KT, num_stages=STAGES):
+        j = t // KT
+        e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
+        w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
+        part, _ = _matvec_tile(act + j * I, wd_ptr, e * H + rc, (t % KT) * BLOCK_KD, None, 1.0, 0.0, E * H, I, GROUP_D,
+                               BLOCK_N, BLOCK_KD, CHUNK, I % BLOCK_KD != 0, NORM_NONE)
+        acc = acc + w * (tl.sum(part, axis=1) * SCALE)
+    s = _matvec_rows(act + TOPK * I, sd_ptr, rc, H, IS, GROUP_S, BLOCK_N, BLOCK_KS)
+    gate = tl.load(act + TOPK * I + IS)
+    return acc + s / (1.0 + tl.exp(-gate))
 
 
 @triton.jit
 def moe_down_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
                     I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr,
                     GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """y[row, r] = sum_j wts_j * (Wd_{ids_j} act_j)[r] in rank order j = 0..TOPK-1, then
     + sigmoid(gate logit) * (Sd act_shared)[r]: BLOCK_N output rows per program (row = program_id(1)),
-    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order."""
+    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order (_moe_down_sum)."""
     pdl_wait(PDL)
     row = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rc = tl.minimum(r, H - 1)
-    ACT: tl.constexpr = TOPK * I + IS + 1
-    act = act_ptr + row * ACT
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOPK):
-        e = tl.load(ids_ptr + row * TOPK + j)
-        e = tl.minimum(tl.maximum(e, 0), E - 1)
-        w = tl.load(wts_ptr + row * TOPK + j)
-        acc = acc + w * _matvec_rows(act + j * I, wd_ptr, e * H + rc, E * H, I, GROUP_D, BLOCK_N, BLOCK_KD)
-    s = _matvec_rows(act + TOPK * I, sd_ptr, rc, H, IS, GROUP_S, BLOCK_N, BLOCK_KS)
-    gate = tl.load(act + TOPK * I + IS)
-    acc = acc + s / (1.0 + tl.exp(-gate))
+    acc = _moe_down_sum(act_ptr + row * (TOPK * I + IS + 1), ids_ptr + row * TOPK, wts_ptr + row * TOPK, wd_ptr,
+                        sd_ptr, tl.minimum(r, H - 1), E, H, I, IS, TOPK, GROUP_D, GROUP_S, BLOCK_N, BLOCK_KD,
+                        BLOCK_KS, BLOCK_T, STAGES)
     tl.store(y_ptr + row * H + r, acc, mask=r < H)
+
+
+@triton.jit
+def moe_down_add_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, r_ptr, s_ptr, ss_ptr, partial_rows,
+                        E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
+                        GROUP_D: tl.constexpr, GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    """s = r + moe_down (one row: the residual add after the MoE block, fused as matvec_add_kernel fuses it
+    after a matmul) and ss[program] = the sum of s^2 over the program's BLOCK_N rows (``partial_rows``,
+    the op's attribute; not read): the next rmsnorm's partial sums."""
+    pdl_wait(PDL)
+    r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = _moe_down_sum(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, tl.minimum(r, H - 1), E, H, I, IS, TOPK, GROUP_D,
+                      GROUP_S, BLOCK_N, BLOCK_KD, BLOCK_KS, BLOCK_T, STAGES)
+    live = r < H
+    s = tl.load(r_ptr + r, mask=live, other=0.0) + y
+    tl.store(s_ptr + r, s, mask=live)
+    tl.store(ss_ptr + tl.program_id(0), tl.sum(tl.where(live, s * s, 0.0), axis=0))

@@ -147,6 +147,7 @@ class MoeRule(Rule):
     registers; the logits themselves are a matvec) and the grouped expert matvecs (the matvec row's tiles)."""
     router_warps: int           # moe_topk (the router's softmax and top-k over E logits, one program a row)
     max_block_n: int            # rows per program of the grouped matvecs, at most this
+    down_stages: int            # moe_down's software pipeline over the routed experts' tiles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +237,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                                   small_short=(8, 256, 2), small_long=(4, 1024, 2),
                                   provenance=(_TUNING + "rows-sweep-h200.json",)),
     # Qwen3-Next's router and grouped expert matvecs (kernels/moe.py): written without a device, not timed
-    "moe": MoeRule(router_warps=4, max_block_n=16, provenance=(RULE_OF_THUMB,)),
+    # (moe_topk's one warp: every rank a max over 64-bit keys by warp shuffles alone, no shared-memory round)
+    "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=4, provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

@@ -27,10 +27,11 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      the caches) then ``attn_rows_q`` (the queries over the caches: every row's K/V is in place before
      any query reads it)
   7. at one row, an ``add_rmsnorm`` between two matrix products (the residual add after a mixer's or
-     MLP's output projection, and the next norm, read only by ``matmul`` / ``matmul_swiglu``s) is
-     folded into them: the producer becomes ``matmul_add`` (s = r + W x, and the partial sums of s^2
+     MLP's output projection, and the next norm, read only by ``matmul`` / ``matmul_swiglu``s, or
+     Qwen3-Next's router ``matmul`` and ``moe_gate_up``) is folded into them: the producer becomes
+     ``matmul_add`` (``moe_down_add`` after a MoE block: s = r + W x, and the partial sums of s^2
      per ``partial_rows`` rows: one partial here, select_kernels sets the GPU kernel's), each consumer
-     ``rmsnorm_matmul`` / ``rmsnorm_matmul_swiglu`` (W @ rmsnorm(s), the input normed per tile,
+     ``rmsnorm_matmul`` / ``rmsnorm_matmul_swiglu`` / ``rmsnorm_moe_gate_up`` (W @ rmsnorm(s), the input normed per tile,
      its mean square from s itself or from the partials: the kernel's choice): no launch of its own, and no pass of one program over the whole vector
      (kernels/matvec.py). The final norm stays (its result is the ``hidden`` output)
   8. ops whose results nobody reads, and that write no state, are dropped.
@@ -322,27 +323,33 @@ def _fuse_rows(p: Program) -> int:
     return n
 
 
+# rule 7: the ops that can produce the residual add's operand (-> the op that also adds and makes the
+# partials) and the ops that can consume the norm (-> the op that norms its input per tile)
+NORM_PRODUCERS = {"matmul": "matmul_add", "moe_down": "moe_down_add"}
+NORM_CONSUMERS = {"matmul": "rmsnorm_matmul", "matmul_swiglu": "rmsnorm_matmul_swiglu",
+                  "moe_gate_up": "rmsnorm_moe_gate_up"}
+
+
 def _fuse_norm_into_matmuls(p: Program) -> int:
     g, n = _Graph(p), 0
     for op in list(p.ops):
         if op.kind != "add_rmsnorm" or len(op.ins[0].type.shape) != 1:
             continue
         r, y, nw = op.ins
-        mm = g.prod(y, "matmul")
-        if mm is None or not g.only_user(y):  # the product is the add's second operand (the residual's first)
-            continue
+        mm = g.producer.get(id(y))
+        if mm is None or mm.kind not in NORM_PRODUCERS or not g.only_user(y):
+            continue  # (the product is the add's second operand, the residual its first)
         s, normed = op.outs
         users = g.users.get(id(normed), [])
         if not users or id(normed) in g.outputs or any(
-                u.kind not in ("matmul", "matmul_swiglu") or u.ins[0] is not normed for u in users):
+                u.kind not in NORM_CONSUMERS or u.ins[0] is not normed for u in users):
             continue
         ss = Value(TensorType("f32", (1,)))
-        p.ops[p.ops.index(op)] = Op("matmul_add", [s, ss], [mm.ins[0], mm.ins[1], r],
-                                    {"partial_rows": y.type.shape[0]})
+        p.ops[p.ops.index(op)] = Op(NORM_PRODUCERS[mm.kind], [s, ss], [*mm.ins, r], {"partial_rows": y.type.shape[0]})
         p.ops.remove(mm)
         for u in users:
-            kind = "rmsnorm_matmul" if u.kind == "matmul" else "rmsnorm_matmul_swiglu"
-            p.ops[p.ops.index(u)] = Op(kind, u.outs, [s, ss, nw, *u.ins[1:]], {"eps": op.attrs["eps"]})
+            p.ops[p.ops.index(u)] = Op(NORM_CONSUMERS[u.kind], u.outs, [s, ss, nw, *u.ins[1:]],
+                                       {**u.attrs, "eps": op.attrs["eps"]})
         g = _Graph(p)
         n += 1
     return n

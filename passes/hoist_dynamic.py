@@ -69,7 +69,8 @@ def check_dyn_invariance(program: Program) -> int:
     return n
 
 
-ROUTING_READERS = {"moe_experts": (1, 2), "moe_gate_up": (1,), "moe_down": (1, 2)}  # op -> routing operands
+ROUTING_READERS = {"moe_experts": (1, 2), "moe_gate_up": (1,), "moe_down": (1, 2), "rmsnorm_moe_gate_up": (3,),
+                   "moe_down_add": (1, 2)}  # op -> routing operands
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 

@@ -32,10 +32,10 @@ QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
 MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2), "matmul_add": (1,), "rmsnorm_matmul": (3,),
                    "rmsnorm_matmul_swiglu": (3, 4), "moe_experts": (3, 4, 5, 6, 7, 8), "moe_gate_up": (2, 3, 4, 5),
-                   "moe_down": (3, 4)}
+                   "moe_down": (3, 4), "rmsnorm_moe_gate_up": (4, 5, 6, 7), "moe_down_add": (3, 4)}
 # matrices kept at bf16 under q4 (f32 under none): the MoE router, whose top-k choice 4-bit noise could flip
 # (llama.cpp keeps ffn_gate_inp unquantised too), and the shared expert's one-row gate
-BF16_MATRIX_OPERANDS = {"moe_router": (1,), "moe_experts": (9,), "moe_gate_up": (6,)}
+BF16_MATRIX_OPERANDS = {"moe_router": (1,), "moe_experts": (9,), "moe_gate_up": (6,), "rmsnorm_moe_gate_up": (8,)}
 TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
 DRAFT_PREFIX = "mtp."  # the draft model's weights (compiler/qwen3_5.py's MTP head and its draft lm_head)
 DRAFT_QUANT_MODES = ("q4",)
@@ -63,10 +63,12 @@ def _draft(w: Weight, draft: str | None) -> bool:
 
 
 def _bf16_matrices(p: Program) -> set[int]:
-    """BF16_MATRIX_OPERANDS', and the router after fuse split it: the matmul whose logits moe_topk reads."""
+    """BF16_MATRIX_OPERANDS', and the router after fuse split it: the matmul (rmsnorm_matmul, the norm
+    folded in) whose logits moe_topk reads."""
     logits = {id(op.ins[0]) for op in p.ops if op.kind == "moe_topk"}
+    weight = {"matmul": 1, "rmsnorm_matmul": 3}
     return {id(op.ins[i]) for op in p.ops for i in BF16_MATRIX_OPERANDS.get(op.kind, ())} | {
-        id(op.ins[1]) for op in p.ops if op.kind == "matmul" and id(op.outs[0]) in logits}
+        id(op.ins[weight[op.kind]]) for op in p.ops if op.kind in weight and id(op.outs[0]) in logits}
 
 
 def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP, draft: str | None = None) -> Program:

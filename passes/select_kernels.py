@@ -41,10 +41,10 @@ def _size_sample_scratch(p: Program, target) -> None:
 
 
 def _size_norm_partials(p: Program, target) -> None:
-    """Each matmul_add's partials (result 1, read by the rmsnorm matmuls after it) get one entry per
-    program of its kernel: partial_rows = the launch's rows per program."""
+    """Each matmul_add's (moe_down_add's) partials (result 1, read by the rmsnorm matmuls after it) get one
+    entry per program of its kernel: partial_rows = the launch's rows per program."""
     for op in p.ops:
-        if op.kind == "matmul_add":
+        if op.kind in ("matmul_add", "moe_down_add"):
             rows = OPS[op.kind].kernel.launch(op, target)["constexprs"]["BLOCK_N"]
             n = op.outs[0].type.shape[0]
             op.attrs["partial_rows"] = rows

@@ -12,9 +12,10 @@ import torch
 
 from kernel_harness import assert_close, interpret
 from kestrel.compiler.ops import OPS
-from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack
-from kestrel.kernels.moe import (moe_down_kernel, moe_down_launch, moe_down_ref, moe_gate_up_kernel, moe_gate_up_launch,
-                                 moe_gate_up_ref, moe_router_ref, moe_topk_kernel, moe_topk_launch, route_ref)
+from kestrel.kernels.matvec import matvec_launch, matvec_ref, q4_pack, q4_unpack
+from kestrel.kernels.moe import (moe_down_add_kernel, moe_down_add_ref, moe_down_kernel, moe_down_launch, moe_down_ref,
+                                 moe_gate_up_kernel, moe_gate_up_launch, moe_gate_up_ref, moe_router_ref, moe_topk_kernel,
+                                 moe_topk_launch, rmsnorm_moe_gate_up_kernel, rmsnorm_moe_gate_up_ref, route_ref)
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 SM90 = TARGETS["sm_90"]
@@ -127,6 +128,42 @@ def test_grouped_experts(dtype, rows):
     assert not torch.equal(act2[0, :inter], act[0, :inter]) and torch.equal(act2[0, inter:], act[0, inter:])
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "q4"])
+def test_fused_norm_and_residual(dtype):
+    """One row with the residual add and the next norm folded in (fuse's rule 7): moe_down_add makes
+    s = r + the block's output and its partial sums of s^2; rmsnorm_moe_gate_up norms s from those partials
+    per tile. Against the references (the unfused ops composed); the down's expert loop spans two K tiles
+    of each expert here (BLOCK_KD = I / 2) as well as one."""
+    g = torch.Generator().manual_seed(5)
+    e, h, inter, shared, k = 6, 128, 64, 96, 3
+    w = _experts(dtype, e, h, inter, shared, g)
+    ids = torch.randperm(e, generator=g)[:k].to(torch.int32)
+    wts = torch.softmax(torch.randn(k, generator=g), -1)
+    act = torch.randn(k * inter + shared + 1, generator=g)
+    r = torch.randn(h, generator=g) * 3
+    for block_kd in (inter, inter // 2):
+        d = moe_down_launch(1, e, h, inter, shared, k, (w["wd"][2], w["sd"][2]), SM90)
+        consts = dict(d["constexprs"], BLOCK_N=16, BLOCK_KD=max(block_kd, w["wd"][2]))
+        s, ss = torch.full((h,), float("nan")), torch.full((h // 16,), float("nan"))
+        interpret(moe_down_add_kernel)[(h // 16, 1)](act, ids, wts, w["wd"][0], w["sd"][0], r, s, ss, 16, **consts)
+        ref_s, ref_ss = moe_down_add_ref(act, ids, wts, w["wd"][1], w["sd"][1], r, 16)
+        assert_close(s, ref_s, 2e-5, 1e-6, f"moe_down_add {dtype} BLOCK_KD {consts['BLOCK_KD']}")
+        assert_close(ss, ref_ss, 2e-5, 1e-6, f"moe_down_add partials {dtype}")
+    nw = torch.randn(h, generator=g) * 0.1
+    c = moe_gate_up_launch(1, e, h, inter, shared, k, (w["wg"][2], w["sg"][2], w["sgate"][2]), SM90, partials=h // 16)
+    consts = dict(c["constexprs"], BLOCK_N=16)
+    out = torch.full((k * inter + shared + 1,), float("nan"))
+    grid = (k * (inter // 16) + shared // 16 + 1, 1)
+    interpret(rmsnorm_moe_gate_up_kernel)[grid](s, ss, nw, ids, w["wg"][0], w["wu"][0], w["sg"][0], w["su"][0],
+                                                w["sgate"][0], out, e, 1e-6, **consts)
+    ref = rmsnorm_moe_gate_up_ref(ref_s, ref_ss, nw, ids, w["wg"][1], w["wu"][1], w["sg"][1], w["su"][1],
+                                  w["sgate"][1], e, 1e-6)
+    assert_close(out, ref, 2e-5, 1e-6, f"rmsnorm_moe_gate_up {dtype}")
+    # the norm is applied: the same kernel without it differs
+    plain = moe_gate_up_ref(ref_s, ids, w["wg"][1], w["wu"][1], w["sg"][1], w["su"][1], w["sgate"][1], e)
+    assert not torch.allclose(out, plain, rtol=1e-2, atol=1e-3)
+
+
 def aot_jobs():
     """(key, kernel, signature, constexprs, warps, cc) at the 80B-A3B shapes, bf16 and q4, every target."""
     jobs = []
@@ -146,6 +183,16 @@ def aot_jobs():
             dn = moe_down_launch(256, e, h, inter, shared, k, groups[:2], t)
             jobs.append([f"moe_down_{q}/{name}", "kestrel.kernels.moe:moe_down_kernel",
                          ["*fp32", "*i32", "*fp32", wt, wt, "*fp32"], dn["constexprs"], dn["num_warps"], t.cc])
+            # one row, the norm and the residual folded in (fuse's rule 7)
+            p = h // matvec_launch(h, 4096, groups[0], t)["constexprs"]["BLOCK_N"]
+            gn = moe_gate_up_launch(1, e, h, inter, shared, k, groups, t, partials=p)
+            jobs.append([f"rmsnorm_moe_gate_up_{q}/{name}", "kestrel.kernels.moe:rmsnorm_moe_gate_up_kernel",
+                         ["*fp32", "*fp32", "*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32", "fp32"],
+                         gn["constexprs"], gn["num_warps"], t.cc])
+            da = moe_down_launch(1, e, h, inter, shared, k, groups[:2], t)
+            jobs.append([f"moe_down_add_{q}/{name}", "kestrel.kernels.moe:moe_down_add_kernel",
+                         ["*fp32", "*i32", "*fp32", wt, wt, "*fp32", "*fp32", "*fp32", "i32"], da["constexprs"],
+                         da["num_warps"], t.cc])
     return jobs
 
 
@@ -170,11 +217,11 @@ def test_aot_compiles_every_moe_kernel_for_every_target():
                        env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(jobs) == 5 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 9 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, magic = res
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
-    for kind in ("moe_topk", "moe_gate_up", "moe_down"):
+    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add"):
         assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind

@@ -189,7 +189,8 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
                        "concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
                        "gdn_rows_snap", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback",
                        "draft_sample", "spec_sample_rows", "replay_drafts",
-                       "moe_router", "moe_topk", "moe_experts", "moe_gate_up", "moe_down"}
+                       "moe_router", "moe_topk", "moe_experts", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up",
+                       "moe_down_add"}
     assert kinds | {"gdn_delta", "gdn_norm"} | no_onnx == set(OPS)
 
 

@@ -40,12 +40,18 @@ def test_launch_list_same_whichever_experts_run(plan):
     assert launch_list(program) == before == launch_list(parse_program(plan.program_text))
     # the plan's stored launches (what the runtime replays) carry no expert id: the same kernels, grids and
     # arguments as the program's, and no scalar at all for the expert kernels
-    stored = [ln for ln in plan.launch_plan["launches"] if ln["op"] in ("moe_gate_up", "moe_down")]
-    assert stored and all(ln["scalars"] in ([], [8]) for ln in stored)
+    # (moe_gate_up's scalar is the expert count, 8; the fused ones' the norm's eps and the partials' rows)
+    stored = [ln for ln in plan.launch_plan["launches"]
+              if ln["op"] in ("moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add")]
+    assert {ln["op"] for ln in stored} >= {"rmsnorm_moe_gate_up", "moe_down_add"}
+    assert all(ln["scalars"] in ([], [8], [8, 1e-6]) or ln["op"] == "moe_down_add" and len(ln["scalars"]) == 1
+               for ln in stored)
 
 
 def _gate_up(program):
-    return next(op for op in program.ops if op.kind == "moe_gate_up")
+    """The one-row program's grouped gate/up op (the post-attention norm folded in) and its stacked gate."""
+    op = next(op for op in program.ops if op.kind in ("moe_gate_up", "rmsnorm_moe_gate_up"))
+    return op
 
 
 def test_fails_when_an_expert_id_is_a_kernel_argument(plan):
@@ -64,11 +70,12 @@ def test_fails_when_an_expert_id_is_a_kernel_argument(plan):
 def test_fails_on_a_single_experts_weight(plan):
     program = parse_program(plan.program_text)
     op = _gate_up(program)
-    w = op.ins[2]
+    i = 4 if op.kind == "rmsnorm_moe_gate_up" else 2
+    w = op.ins[i]
     one = copy.copy(w)
     one.name = w.name.replace(".experts.", ".experts.3.")
     program.weights[one.name] = one
-    op.ins[2] = one
+    op.ins[i] = one
     with pytest.raises(IRError, match="one expert's"):
         check_routing(program)
 
@@ -76,7 +83,7 @@ def test_fails_on_a_single_experts_weight(plan):
 def test_fails_when_the_routing_buffer_is_read_as_something_else(plan):
     program = parse_program(plan.program_text)
     router = next(op for op in program.ops if op.kind == "moe_topk")
-    w = next(op for op in program.ops if op.outs and op.outs[0] is router.ins[0]).ins[1]  # the router's weight
+    w = next(op for op in program.ops if op.outs and op.outs[0] is router.ins[0]).ins[-1]  # the router's weight (its last operand)
     program.ops.insert(program.ops.index(router) + 1, Op("matmul", [router.outs[1]], [router.outs[0], w]))
     with pytest.raises(IRError, match="reads a routing buffer"):
         check_routing(program)
