@@ -3,7 +3,7 @@
 Here (no GPU):   python bench/matvec_sweep.py compile DIR [SET]     # cubins + index.json
 On the device:   python3 bench/matvec_sweep.py time DIR $OUT/sweep.json
 SET: q4-27b (the first sweep: bench/results/tuning/q4-sweep-h200.json), small (0.8B and 4B shapes,
-bf16 and q4), or q4-decode (every q4 matvec shape of the 0.8B, 9B and 27B decode steps: the f16x2
+bf16 and q4), next (Qwen3-Next-80B-A3B's q4 matrices at hidden 2048), or q4-decode (every q4 matvec shape of the 0.8B, 9B and 27B decode steps: the f16x2
 kernel of stop 18, whose rule was read off 5-12 configurations at 27B and 0.8B). Each variant (BLOCK_N, BLOCK_K, num_warps) is checked against the reference and timed
 as in bench/device_kernels.py (a CUDA graph of launches rotating over copies larger than L2); the
 report also names the variant the current launch rule picks.
@@ -25,6 +25,9 @@ SETS = {
                                           "lm_head": ("matvec", 248320, 1024)}),
                                 ("4b", {"in_proj": ("matvec", 16448, 2560), "down": ("matvec", 2560, 9216)}))
               for name, (kind, n, k) in shapes.items()},
+    # Qwen3-Next-80B-A3B's dense q4 matrices (hidden 2048): GDN in_proj, attention q|gate|k|v, out_proj / o_proj
+    "next": {"in_proj": ("matvec", 12352, 2048, "q4"), "attn_qkv": ("matvec", 9216, 2048, "q4"),
+             "out_proj": ("matvec", 2048, 4096, "q4"), "lm_head": ("matvec", 151936, 2048, "q4")},
 }
 GROUP = 128
 
