@@ -16,7 +16,8 @@ prefill), verifies the K + 1 rows pos .. pos + K in one M-row pass of the target
 * ``spec_end_ref``: pos = npos, token = the accepted next token: where the one-token step would be.
 
 Every index into the token sequence is clamped into it (the host keeps iterations where they fit).
-Kernels: one program each (a handful of scalars), except ``argmax_rows``: one program per row.
+Kernels: one program each (a handful of scalars), except ``argmax_rows``: one program per row, and the
+speculative sampler (below): many programs a row.
 """
 from __future__ import annotations
 
@@ -162,6 +163,17 @@ def spec_end_kernel(npos_ptr, sampled_ptr, pos_ptr, token_ptr, PDL: tl.constexpr
 # "longest prefix of drafts equal to the row tokens" is exactly this rule: an accepted draft is its own
 # row token, and a residual draw never equals a rejected draft (rejection implies p(d) < q(d), so the
 # residual is 0 at d). At T = 0 the row tokens are the greedy choices, unchanged.
+#
+# On the device (many programs a row, kernels/sample.py's design): ``spec_filter`` finds each row's filtered
+# distribution (G = ceil(V / TILE) programs a row write per-tile maxima, masses and top-CAND candidates; the
+# last to take the row's ticket merges them in program order into the kept set, as the order's prefix ending
+# at (kc, ic), and its normaliser Z; the exact one-program search when the candidates cannot prove the set),
+# then ``draft_sample`` (G programs: q's tile and its mass; the last draws the draft) or ``spec_sample_rows``
+# (G programs a row: the acceptance test, then on rejection the tile's mass of max(0, p - q); the last draws
+# the tile by the masses' prefix and the token inside it). The references are unchanged and stay the
+# definition (the CPU path runs them); the kernels sum the normaliser and the masses in another order (per
+# tile, then tiles in order), so a token can differ only where a uniform lands within rounding of a boundary
+# of the inverse CDF or of u * q = p, as with sample_kernel against sample_ref; the tests compare every seed.
 #
 # The random numbers are counter-based (``spec_uniform``): a hash of (seed, position, purpose), the
 # position being that of the token decided, so a run repeats exactly for a seed and a position's draws
