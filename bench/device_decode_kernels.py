@@ -7,7 +7,13 @@ their CPU references, and timed.
     than L2) and that as a fraction of the read-only bandwidth measured in the same run;
   * sample (kernels/sample.py) at the 248,320-token vocabulary: the token equal to ``sample_ref``'s for
     every seed, per setting (greedy, Qwen's 0.7 / 0.8 / top-k 20, plain temperature, top-p alone,
-    min-p), us per launch.
+    min-p), us per launch;
+  * the speculative sampler (kernels/speculative.py, issue 12) at 248,320 tokens and K = 3 (SPEC_SAMPLE=0
+    skips it): a draft (spec_filter over one row + draft_sample) and the verified rows (spec_filter over the
+    K + 1 rows + spec_sample_rows), per setting: the draft / row tokens equal to ``draft_sample_ref`` /
+    ``spec_sample_rows_ref``'s for every seed, q's kept set equal to ``filtered_probs_ref``'s, the filter's
+    merge path (1 every token, 2 candidates, 3 the one-program search), us per pair of launches, and one
+    sampled iteration's sampling (K drafts + the rows) as K x draft + rows.
 
     python3 bench/device_decode_kernels.py OUT.json
 """
@@ -211,12 +217,100 @@ def sample_sweep(seeds: int = 8) -> list:
     return out
 
 
+def spec_sample_section(seeds: int = 16, k: int = 3) -> list:
+    """The speculative sampler's two launch pairs at the 248,320-token vocabulary (module docstring)."""
+    from kestrel.kernels import speculative as sp
+
+    v = 248320
+    fl, rl, dl = sp.spec_filter_launch(k + 1, v, T), sp.spec_rows_launch(k + 1, v, T), sp.spec_rows_launch(1, v, T)
+    f1 = sp.spec_filter_launch(1, v, T)
+    part = torch.zeros(sp.spec_scratch_shape(k + 1, v, T), dtype=torch.float32, device=DEV)
+    tickets = torch.zeros(k + 1, dtype=torch.int32, device=DEV)
+    g = torch.Generator().manual_seed(2)
+    dists = {"random": torch.randn(k + 1, v, generator=g) * 3,
+             "peaked": torch.randn(k + 1, v, generator=g) * 3 + torch.where(torch.rand(k + 1, v, generator=g) < 1e-3,
+                                                                            12.0, 0.0)}
+    out = []
+    for dname, logits in dists.items():
+        head = logits[:k] + torch.randn(k, v, generator=g) * torch.tensor([0.0, 0.5, 3.0][:k]).reshape(k, 1)
+        ld, hd = logits.to(DEV), head.to(DEV)
+        for name, t, p, topk, mp in SETTINGS:
+            if t == 0:
+                continue
+            dev = lambda val, dt=torch.float32: torch.tensor([val], dtype=dt, device=DEV)  # noqa: E731
+            t_t, p_t, k_t, mp_t = dev(t), dev(p), dev(topk, torch.int32), dev(mp)
+            seed_t, dpos_t, draft_t, pos_t = (dev(0, torch.int32) for _ in range(4))
+            q = torch.zeros(k, v, dtype=torch.float32, device=DEV)
+
+            def draft(j):
+                sp.spec_filter_kernel[tuple(f1["grid"])](hd[j], t_t, p_t, k_t, mp_t, part, tickets,
+                                                         num_warps=f1["num_warps"], **f1["constexprs"])
+                sp.draft_sample_kernel[tuple(dl["grid"])](hd[j], draft_t, t_t, p_t, k_t, mp_t, seed_t, dpos_t, q, part,
+                                                          tickets, draft_t, j, num_warps=dl["num_warps"],
+                                                          **dl["constexprs"])
+            # drafts: every seed's draft and q rows against the references
+            agree_d, q_ref = 0, torch.zeros(k, v)
+            for s in range(seeds):
+                seed_t.fill_(s)
+                dpos_t.fill_(3 * s)
+                draft_t.fill_(-1)
+                draft(s % k)
+                agree_d += int(draft_t.item()) == sp.draft_sample_ref(head[s % k], -1, t, p, topk, mp, s, 3 * s, q_ref,
+                                                                      s % k)
+            draft_path = int(part[f1["grid"][0], 6].view(torch.int32).item())
+            kept_same = bool(torch.equal(q.cpu() > 0, q_ref > 0))
+            us_draft = time_launches(lambda r: draft(r % k))
+            # the verified rows: drafts drawn from q by the reference per seed
+            s_len = 64
+            tokens_t = torch.zeros(s_len, dtype=torch.int32, device=DEV)
+            replay_t = torch.zeros(s_len, dtype=torch.int32, device=DEV)
+            greedy = sp.argmax_rows_ref(logits)
+            greedy_t, rows_t, zero_t = greedy.to(DEV), torch.zeros(k + 1, dtype=torch.int32, device=DEV), dev(0, torch.int32)
+            q_dev = q_ref.to(DEV)
+
+            def rows():
+                sp.spec_filter_kernel[tuple(fl["grid"])](ld, t_t, p_t, k_t, mp_t, part, tickets,
+                                                         num_warps=fl["num_warps"], **fl["constexprs"])
+                sp.spec_sample_rows_kernel[tuple(rl["grid"])](ld, greedy_t, q_dev, tokens_t, replay_t, pos_t, t_t, p_t,
+                                                              k_t, mp_t, seed_t, zero_t, part, tickets, rows_t,
+                                                              K=k, S=s_len, num_warps=rl["num_warps"],
+                                                              **rl["constexprs"])
+            agree_r, accepted, pos = 0, 0, 5
+            pos_t.fill_(pos)
+            for s in range(seeds):
+                tokens = torch.zeros(s_len, dtype=torch.int32)
+                for j in range(k):
+                    tokens[pos + 1 + j] = sp.draw_ref(q_ref[j], sp.spec_uniform(s, pos + 1 + j, sp.DRAFT))
+                tokens_t.copy_(tokens)
+                seed_t.fill_(s)
+                rows()
+                ref = sp.spec_sample_rows_ref(logits, greedy, q_ref, tokens, tokens, pos, t, p, topk, mp, s, 0)
+                agree_r += bool(torch.equal(rows_t.cpu(), ref))
+                accepted += sum(int(ref[r]) == int(tokens[pos + 1 + r]) for r in range(k))
+            rows_path = [int(part[r * (fl["grid"][0] + 1) + fl["grid"][0], 6].view(torch.int32).item())
+                         for r in range(k + 1)]
+            us_rows = time_launches(lambda r: rows())
+            row = {"distribution": dname, "setting": name, "temperature": t, "top_p": p, "top_k": topk, "min_p": mp,
+                   "k": k, "seeds": seeds, "draft_equal_to_reference": agree_d, "q_kept_set_equal": kept_same,
+                   "draft_path": draft_path, "us_draft": us_draft, "rows_equal_to_reference": agree_r,
+                   "rows_path": rows_path, "drafts_accepted_of": [accepted, k * seeds], "us_rows": us_rows,
+                   "us_iteration_sampling": k * us_draft + us_rows, "tickets_after": tickets.tolist()}
+            out.append(row)
+            print(f"spec sample {dname:6} {name:22} draft {us_draft:7.1f} us (equal {agree_d}/{seeds}, q set "
+                  f"{kept_same}, path {draft_path})  rows {us_rows:7.1f} us (equal {agree_r}/{seeds}, paths "
+                  f"{rows_path}, accepted {accepted}/{k * seeds})  iteration's sampling K={k}: "
+                  f"{row['us_iteration_sampling']:7.1f} us", flush=True)
+    return out
+
+
 def main():
     t0 = time.time()
     rb = read_bandwidth()
     print(f"read-only {rb / 1e9:.0f} GB/s", flush=True)
     cands = [int(c) for c in os.environ.get("SAMPLE_CANDS", "0").split(",")]
     rep = {"read_GBps": rb / 1e9, "sample": [r for c in cands for r in sample_section(cand=c)]}
+    if os.environ.get("SPEC_SAMPLE", "1") == "1":
+        rep["spec_sample"] = spec_sample_section()
     if os.environ.get("Q4", "1") == "1":
         rep["q4"] = q4_section(rb)
     if os.environ.get("SAMPLE_SWEEP") == "1":

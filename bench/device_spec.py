@@ -17,7 +17,10 @@ Per plan, in one process (the runtime's own API: kestrel.runtime.gpu.GpuStep and
     expected mean accepted, the speed-up over plain decoding, the iteration kernel by kernel split into
     the verify at K + 1 rows (over the one-token step), accept + rollback and the MTP drafts;
   * speculative sampling at temperature 0.7 / top-p 0.8 / top-k 20: repeatable for a seed, ms/token against
-    plain sampling, drafts accepted.
+    plain sampling, drafts accepted (the token loop speculates only under KESTREL_SPEC_SAMPLING=1: "speculated"
+    says which ran), and the iteration alone replayed at that setting against the same graph at
+    temperature 0, interleaved: their difference is what the iteration's sampling (K drafts + the K + 1
+    rows) costs.
 
     python3 bench/device_spec.py OUT.json PLAN [PLAN ...]
 """
@@ -53,8 +56,9 @@ def step_launches(path: str) -> list:
     return load_plan(path).launch_plan["speculative"]["iteration"]["launches"]
 
 
-def iteration_ms(step, n: int = 24) -> list[float]:
-    step.begin(IDS, 0.0, 1.0, 0)
+def iteration_ms(step, n: int = 24, sampling: SamplingParams | None = None) -> list[float]:
+    s = sampling or SamplingParams()
+    step.begin(IDS, s.temperature, s.top_p, s.seed, top_k=s.top_k, min_p=s.min_p)
     step.run_spec_prefill(-(-len(IDS) // step.prefill_rows))
     marks: list = []
     step.run_spec(1, marks)
@@ -102,13 +106,27 @@ def main(out: str, plans: list[str]) -> None:
                   {2.5: med["iteration"] / 3.5}})
         # speculative sampling (temperature > 0) and the controlled-acceptance table
         a, b = run(step, True, sampling=SAMPLED), run(step, True, sampling=SAMPLED)
-        ts = {"spec": [], "plain": []}
-        for _ in range(3):
+        ts = {"spec": [], "plain": [], "iteration_sampled": [], "iteration_greedy": []}
+        for _ in range(3):  # interleaved: the sampled iteration against the greedy one (same launches, T = 0)
             ts["spec"].append(run(step, True, sampling=SAMPLED).ms_per_token)
             ts["plain"].append(run(step, False, sampling=SAMPLED).ms_per_token)
+            ts["iteration_sampled"].append(statistics.median(iteration_ms(step, sampling=SAMPLED)))
+            ts["iteration_greedy"].append(statistics.median(iteration_ms(step)))
+        extra = [x - y for x, y in zip(ts["iteration_sampled"], ts["iteration_greedy"])]
         r["sampled"] = {"setting": "temperature 0.7, top-p 0.8, top-k 20, seed 1", "repeatable": a.tokens == b.tokens,
+                        "speculated": a.draft_tokens > 0,  # KESTREL_SPEC_SAMPLING=1 (else plain decoding)
                         "accepted_per_step": a.accepted_per_step, "ms_per_token_speculative": statistics.median(ts["spec"]),
-                        "ms_per_token_plain": statistics.median(ts["plain"]), "rounds": ts}
+                        "ms_per_token_plain": statistics.median(ts["plain"]),
+                        "ms_per_iteration_sampled": statistics.median(ts["iteration_sampled"]),
+                        "ms_per_iteration_greedy": statistics.median(ts["iteration_greedy"]),
+                        "sampling_ms_per_iteration": statistics.median(extra),
+                        "sampling_ms_paired_range": max(extra) - min(extra), "rounds": ts}
+        print(f"{path}: sampled ({r['sampled']['setting']}; speculated {r['sampled']['speculated']}): "
+              f"{r['sampled']['ms_per_token_speculative']:.3f} ms/token against plain sampling's "
+              f"{r['sampled']['ms_per_token_plain']:.3f}; iteration {r['sampled']['ms_per_iteration_sampled']:.3f} ms "
+              f"sampled vs {r['sampled']['ms_per_iteration_greedy']:.3f} greedy: the sampling costs "
+              f"{r['sampled']['sampling_ms_per_iteration']:.3f} ms (paired range "
+              f"{r['sampled']['sampling_ms_paired_range']:.3f})", flush=True)
         replay = f"{out}.replay-{len(report)}.json"
         json.dump({"tokens": spec.tokens, "prompt_ids": IDS, "temperature": 0.0, "plan": path}, open(replay, "w"))
         c = bench_controlled(None, IDS, IDS + spec.tokens, [0.0, 0.5, 0.8, 1.0], 3, source=f"replay:{replay}",

@@ -457,8 +457,25 @@ def _infer_accept(ins, a):
     return []
 
 
+def _spec_scratch(partials, tickets, what: str):
+    _need(_t(partials).dtype == "f32" and len(_t(partials).shape) == 2 and _t(tickets).dtype == "i32"
+          and len(_t(tickets).shape) == 1, f"{what}'s scratch: f32 partials [n, w] and i32 tickets [rows]")
+
+
+def _infer_spec_filter(ins, a):
+    logits, temp, top_p, top_k, min_p, partials, tickets = ins
+    _need(len(_t(logits).shape) in (1, 2), "spec_filter takes [vocab] or [rows, vocab] logits")
+    rows = _t(logits).shape[0] if len(_t(logits).shape) == 2 else 1
+    _infer_rows_dyn(top_k)
+    _need(temp.dtype == "f32" and top_p.dtype == "f32" and min_p.dtype == "f32", "spec_filter: f32 sampling slots")
+    _spec_scratch(partials, tickets, "spec_filter")
+    _need(_t(tickets).shape[0] >= rows, "spec_filter: a ticket per row")
+    return []
+
+
 def _infer_draft_sample(ins, a):
-    logits, draft, temp, top_p, top_k, min_p, seed, dpos, q = ins
+    logits, draft, temp, top_p, top_k, min_p, seed, dpos, q, partials, tickets = ins
+    _spec_scratch(partials, tickets, "draft_sample")
     _need(len(_t(logits).shape) == 1, "draft_sample takes a [vocab] logits vector")
     _infer_rows_dyn(draft, top_k, seed, dpos)
     _need(temp.dtype == "f32" and top_p.dtype == "f32" and min_p.dtype == "f32", "draft_sample: f32 sampling slots")
@@ -468,8 +485,10 @@ def _infer_draft_sample(ins, a):
 
 
 def _infer_spec_sample_rows(ins, a):
-    logits, greedy, q, tokens, replay, pos, temp, top_p, top_k, min_p, seed, replay_on = ins
+    logits, greedy, q, tokens, replay, pos, temp, top_p, top_k, min_p, seed, replay_on, partials, tickets = ins
+    _spec_scratch(partials, tickets, "spec_sample_rows")
     r, v = _t(logits).shape if len(_t(logits).shape) == 2 else (0, 0)
+    _need(_t(tickets).shape[0] >= r, "spec_sample_rows: a ticket per row")
     _need(r >= 2 and _t(greedy).dtype == "i32" and _t(greedy).shape == (r,),
           "spec_sample_rows: [K + 1, V] logits and their i32[K + 1] greedy choices")
     _need(_t(q).dtype == "f32" and _t(q).shape == (r - 1, v), f"spec_sample_rows: q rows must be f32[{r - 1}, {v}]")
@@ -789,6 +808,12 @@ def _argmax_rows(op: Op, t: Target) -> dict:
     return {"kernel": "argmax_rows", **speculative.argmax_rows_launch(*op.ins[0].type.shape, t)}
 
 
+def _spec_filter(op: Op, t: Target) -> dict:
+    shape = op.ins[0].type.shape
+    rows = shape[0] if len(shape) == 2 else 1
+    return {"kernel": "spec_filter", **speculative.spec_filter_launch(rows, shape[-1], t)}
+
+
 def _spec_sample_rows(op: Op, t: Target) -> dict:
     rows, vocab = op.ins[0].type.shape
     launch = speculative.spec_rows_launch(rows, vocab, t)
@@ -798,6 +823,18 @@ def _spec_sample_rows(op: Op, t: Target) -> dict:
 
 def _draft_sample(op: Op, t: Target) -> dict:
     return {"kernel": "draft_sample", **speculative.spec_rows_launch(1, op.ins[0].type.shape[0], t)}
+
+
+def _draft_sample_ref(logits, draft, temperature, top_p, top_k, min_p, seed, dpos, q, partials, tickets, row):
+    """draft_sample_ref; the partials and tickets are the GPU kernels' scratch."""
+    return speculative.draft_sample_ref(logits, draft, temperature, top_p, top_k, min_p, seed, dpos, q, row)
+
+
+def _spec_sample_rows_ref(logits, greedy, q, tokens, replay, pos, temperature, top_p, top_k, min_p, seed, replay_on,
+                          partials, tickets):
+    """spec_sample_rows_ref; the partials and tickets are the GPU kernels' scratch."""
+    return speculative.spec_sample_rows_ref(logits, greedy, q, tokens, replay, pos, temperature, top_p, top_k, min_p,
+                                            seed, replay_on)
 
 
 def _gdn_rows_delta_snap(op: Op, t: Target) -> dict:
@@ -1106,15 +1143,21 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           _SPEC_ONNX, inout=(2,), writes_dyn=True,
           doc="drafts tokens[pos+1..pos+K] accepted while equal to the target's choices; tokens[pos+a+1] = the "
               "target's token at row a; writes npos = pos+a+1, dpos = pos+a, sampled = that token, accepted = a"),
-    OpDef("draft_sample", "vddddddds", ("row",), _infer_draft_sample, speculative.draft_sample_ref,
-          Kernel(speculative.draft_sample_kernel, _draft_sample), _SPEC_ONNX, inout=(8,), writes_dyn=True,
-          doc="temperature > 0: q = the filtered distribution of the head's logits, kept as q[row]; the draft "
-              "drawn from it (spec_uniform(seed, dpos + 2, DRAFT)); temperature 0: the greedy draft stands"),
-    OpDef("spec_sample_rows", "vvsssddddddd", (), _infer_spec_sample_rows, speculative.spec_sample_rows_ref,
-          Kernel(speculative.spec_sample_rows_kernel, _spec_sample_rows), _SPEC_ONNX,
-          doc="each verified row's token for accept: temperature 0 the greedy choice; else draft r accepted "
-              "with probability min(1, p/q), else a draw from max(0, p - q); row K a draw from p; with "
-              "dyn.replay the replayed tokens (controlled acceptance)"),
+    OpDef("spec_filter", "vddddss", (), _infer_spec_filter, speculative.spec_filter_ref,
+          Kernel(speculative.spec_filter_kernel, _spec_filter), _SPEC_ONNX, inout=(5, 6),
+          doc="temperature > 0: each row's filtered distribution (top-k, top-p, min-p: the kept set as the "
+              "order's prefix, and its normaliser), many programs a row, into the scratch that draft_sample / "
+              "spec_sample_rows read next (the CPU path keeps nothing: their references filter)"),
+    OpDef("draft_sample", "vdddddddsss", ("row",), _infer_draft_sample, _draft_sample_ref,
+          Kernel(speculative.draft_sample_kernel, _draft_sample), _SPEC_ONNX, inout=(8, 9, 10), writes_dyn=True,
+          doc="temperature > 0: q = the filtered distribution of the head's logits (spec_filter's), kept as "
+              "q[row]; the draft drawn from it (spec_uniform(seed, dpos + 2, DRAFT)); temperature 0: the greedy "
+              "draft stands"),
+    OpDef("spec_sample_rows", "vvsssdddddddss", (), _infer_spec_sample_rows, _spec_sample_rows_ref,
+          Kernel(speculative.spec_sample_rows_kernel, _spec_sample_rows), _SPEC_ONNX, inout=(12, 13),
+          doc="each verified row's token for accept: temperature 0 the greedy choice; else (after spec_filter) "
+              "draft r accepted with probability min(1, p/q), else a draw from max(0, p - q); row K a draw from "
+              "p; with dyn.replay the replayed tokens (controlled acceptance)"),
     OpDef("replay_drafts", "ddddss", ("rows", "vocab"), _infer_replay_drafts, speculative.replay_drafts_ref,
           Kernel(speculative.replay_drafts_kernel, _spec_scalar(
               "replay_drafts", S=lambda op: op.ins[5].type.shape[0],

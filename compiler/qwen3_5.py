@@ -28,6 +28,8 @@ DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
              ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"), ("n_prompt", "i32"),
              ("top_k", "i32"), ("min_p", "f32"))
 SAMPLE_PARTIALS, SAMPLE_TICKET = SCRATCH_PREFIX + "sample_partials", SCRATCH_PREFIX + "sample_ticket"
+# the speculative sampler's scratch (spec_filter, draft_sample, spec_sample_rows): sized by select_kernels
+SPEC_PARTIALS, SPEC_TICKETS = SCRATCH_PREFIX + "spec_partials", SCRATCH_PREFIX + "spec_tickets"
 
 
 def plan_weight_name(rel: str) -> str:
@@ -332,13 +334,17 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     head = embed if cfg.tie_word_embeddings else weight("lm_head.weight", (cfg.vocab_size, h_dim))
     partials = p.add_state(SAMPLE_PARTIALS, "f32", (1, 1))
     ticket = p.add_state(SAMPLE_TICKET, "i32", (1,))
+    spec_part = p.add_state(SPEC_PARTIALS, "f32", (1, 1))
+    spec_tickets = p.add_state(SPEC_TICKETS, "i32", (draft_tokens + 1,))
     mtp_kv = (max_seq, kv_dtype)
 
     if verify:
         logits = emit(p, "matmul", hidden_rows, head)
         targets = emit(p, "argmax_rows", logits)
+        emit(p, "spec_filter", logits, dyn["temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"], spec_part,
+             spec_tickets)
         targets = emit(p, "spec_sample_rows", logits, targets, q_rows, tokens, replay, dyn["pos"], dyn["temperature"],
-                       dyn["top_p"], dyn["top_k"], dyn["min_p"], dyn["seed"], spec["replay"])
+                       dyn["top_p"], dyn["top_k"], dyn["min_p"], dyn["seed"], spec["replay"], spec_part, spec_tickets)
         emit(p, "accept", targets, dyn["pos"], tokens, out=[spec["npos"], spec["dpos"], dyn["sampled"],
                                                               spec["accepted"]])
         for rec, rec_snap, conv, conv_snap in snaps:
@@ -356,8 +362,10 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     def draft(logits_row, j):  # the greedy draft, then at temperature > 0 a draw from q (kept as q_rows[j])
         emit(p, "sample", logits_row, spec["draft_temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"],
              dyn["seed"], spec["dpos"], partials, ticket, out=spec["draft"])
+        emit(p, "spec_filter", logits_row, dyn["temperature"], dyn["top_p"], dyn["top_k"], dyn["min_p"], spec_part,
+             spec_tickets)
         emit(p, "draft_sample", logits_row, spec["draft"], dyn["temperature"], dyn["top_p"], dyn["top_k"],
-             dyn["min_p"], dyn["seed"], spec["dpos"], q_rows, row=j, out=spec["draft"])
+             dyn["min_p"], dyn["seed"], spec["dpos"], q_rows, spec_part, spec_tickets, row=j, out=spec["draft"])
         emit(p, "draft_end", spec["dpos"], spec["draft"], dyn["n_prompt"], tokens, out=spec["dpos"])
 
     # draft 1: the MTP head over the rows (the token after each row, the model's hidden state there)

@@ -527,16 +527,18 @@ def _sample_full(logits_ptr, m, arg, inv_t, u, k_on, top_k, p_on, top_p, mp_on, 
 
 
 @triton.jit
-def _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, n, top_k, p_on, top_p, mp_on, min_p,
-                  V: tl.constexpr, CAND: tl.constexpr):
-    """Top-k, top-p, min-p and the draw over a prefix of the order holding the top-k set (n kept
+def _small_keep(partials_ptr, x, idx, kept, m, arg, inv_t, n, top_k, p_on, top_p, mp_on, min_p,
+                V: tl.constexpr, CAND: tl.constexpr):
+    """Top-k, top-p and min-p over a prefix of the order holding the top-k set (n kept
     candidates, top_k <= n <= CAND, or all of them when fewer): the prefix is compacted in vocabulary
     order into CAND slots (written to partials row 0, free once every row has been read, and read
     back); a [CAND, CAND] compare gives each slot the slots ahead of it in the order (logit desc,
     index asc): its rank (top-k: rank < top_k) and its exclusive prefix mass over the top-k set (the
     reference's cumsum without a sort); top-p keeps the slots whose prefix stays below top_p * the
     set's mass (and the first), min-p those with key >= the smallest kept key whose w reaches min_p;
-    the draw is _pick."""
+    returns (keep, ws, ids, ks) over the CAND slots: the kept set, the weights (0 outside the top-k set),
+    the indices (V past n) and the order keys (_sample_small draws from them; kernels/speculative.py's
+    filter reads the kept set's last element and mass)."""
     pos = tl.cumsum(kept.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every thread has read the rows before they are reused
     tl.store(partials_ptr + _HDR + pos, x, mask=kept)
@@ -558,7 +560,82 @@ def _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, n, top_k, p_on, 
     if mp_on:
         kappa = tl.min(tl.where(keep & (ws >= min_p), ks, _KEY_MAX), axis=0)
         keep = (keep & (ks >= kappa)) | (ids == arg)
+    return keep, ws, ids, ks
+
+
+@triton.jit
+def _sample_small(partials_ptr, x, idx, kept, m, arg, inv_t, u, n, top_k, p_on, top_p, mp_on, min_p,
+                  V: tl.constexpr, CAND: tl.constexpr):
+    """_small_keep's kept set, then the draw (_pick)."""
+    keep, ws, ids, ks = _small_keep(partials_ptr, x, idx, kept, m, arg, inv_t, n, top_k, p_on, top_p, mp_on, min_p,
+                                    V, CAND)
     return _pick(keep, ws, ids, u * tl.sum(tl.where(keep, ws, 0.0), axis=0), V)
+
+
+@triton.jit
+def _candidates(partials_ptr, m, inv_t, V: tl.constexpr, CAND: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+    """The G * CAND candidates of partials rows 0 .. G - 1 as one vector in vocabulary order: (x, idx, valid,
+    key, w = exp((x - m) * inv_t)); padding has index V and w 0."""
+    W: tl.constexpr = _HDR + 2 * CAND
+    N: tl.constexpr = GP * CAND
+    o = tl.arange(0, N)
+    live = o // CAND < G
+    slot = partials_ptr + (o // CAND) * W + _HDR + o % CAND
+    x = tl.load(slot, mask=live, other=float("-inf"), cache_modifier=".cg")
+    idx = tl.load(slot + CAND, mask=live, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
+    idx = tl.where(live, idx, V)  # ascending over the valid entries: tiles in order, each in index order
+    valid = idx < V
+    w = tl.where(valid & (x > float("-inf")), tl.exp((x - m) * inv_t), 0.0)
+    return x, idx, valid, _order_key(x), w
+
+
+@triton.jit
+def _large_keep(partials_ptr, key, idx, valid, w, m, arg, D, inv_t, k_on, top_k, p_on, top_p, mp_on, min_p,
+                TILE: tl.constexpr, CAND: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+    """The kept set among the candidates when top-k is off or above CAND (sample_kernel's docstring,
+    "otherwise"): returns (kept, exact), exact when it is provably the reference's whole set."""
+    W: tl.constexpr = _HDR + 2 * CAND
+    g = tl.arange(0, GP)
+    e_tile = tl.load(partials_ptr + g * W + 3, mask=g < G, other=0.0, cache_modifier=".cg")
+    e_tile = tl.where(g < G, e_tile.to(tl.int32, bitcast=True), _KEY_NONE)
+    e_max = tl.max(e_tile, axis=0)
+    none_left = e_max == _KEY_NONE  # every logit is a candidate
+    key_top = _order_key(m)
+    kept = valid
+    exact = tl.full([], True, tl.int1)
+    closed = tl.full([], False, tl.int1)  # a step bounded the kept set (before that it may pass the candidates)
+    if k_on:
+        n_cand = tl.sum(tl.load(partials_ptr + g * W + 4, mask=g < G, other=0.0, cache_modifier=".cg")
+                        .to(tl.int32, bitcast=True), axis=0)
+        kept = _take_top(key, valid, _kth_key(key, valid, top_k, m, top_k), top_k)
+        exact = none_left | ((n_cand >= top_k) & _global_prefix(key, idx, kept, e_tile, g, TILE))
+        closed = tl.full([], True, tl.int1)
+    if p_on:
+        wk = tl.where(kept, w, 0.0)
+        mass = tl.sum(wk, axis=0)
+        thr = top_p * tl.where(k_on, mass, D)
+        if k_on | (mass >= thr):  # without top-k and below thr the candidates run out: all kept, still open
+            vp = _search(partials_ptr, key, wk, thr, tl.min(tl.where(kept, key, _KEY_MAX), axis=0), key_top, m, CAND)
+            before = tl.sum(tl.where(key > vp, wk, 0.0), axis=0)
+            tie = kept & (key == vp)
+            in_tie = tl.where(before < thr, tie, False)  # (a scalar test broadcast by where: Triton's
+            # interpreter mistypes scalar comparisons splat into a tensor &)
+            if tl.sum(tie.to(tl.int32), axis=0) > 1:
+                tw = tl.where(tie, w, 0.0)
+                in_tie = tie & (before + (tl.cumsum(tw, axis=0) - tw) < thr)
+            kept = (kept & (key > vp)) | in_tie | (idx == arg)
+            if not k_on:
+                exact = _global_prefix(key, idx, kept, e_tile, g, TILE)
+                closed = tl.full([], True, tl.int1)
+    if mp_on:
+        kappa = tl.min(tl.where(kept & (w >= min_p), key, _KEY_MAX), axis=0)
+        kept = (kept & (key >= kappa)) | (idx == arg)
+        if not closed:  # exact when every left-out logit fails min-p (they all have keys <= e_max)
+            exact = none_left | (tl.exp((_key_logit(e_max) - m) * inv_t) < min_p)
+            closed = tl.full([], True, tl.int1)
+    if not closed:
+        exact = none_left
+    return kept, exact
 
 
 @triton.jit
@@ -568,18 +645,7 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
     """Truncated sampling over the G * CAND candidates (sample_kernel's docstring); the full-vocabulary
     fallback when the result is not provably the reference's. Returns (token, path: 2 candidates,
     3 fallback)."""
-    W: tl.constexpr = _HDR + 2 * CAND
-    N: tl.constexpr = GP * CAND
-    g = tl.arange(0, GP)
-    o = tl.arange(0, N)
-    live = o // CAND < G
-    slot = partials_ptr + (o // CAND) * W + _HDR + o % CAND
-    x = tl.load(slot, mask=live, other=float("-inf"), cache_modifier=".cg")
-    idx = tl.load(slot + CAND, mask=live, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
-    idx = tl.where(live, idx, V)  # ascending over the valid entries: tiles in order, each in index order
-    valid = idx < V
-    key = _order_key(x)
-    w = tl.where(valid & (x > float("-inf")), tl.exp((x - m) * inv_t), 0.0)
+    x, idx, valid, key, w = _candidates(partials_ptr, m, inv_t, V, CAND, G, GP)
     path = tl.full([], 2, tl.int32)
     if k_on & (top_k <= CAND):  # the top-k set is inside the candidates (each tile holds its share of it)
         kept = _take_top(key, valid, _kth_key(key, valid, top_k, m, CAND), CAND)  # a prefix of top_k..CAND
@@ -587,45 +653,8 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
                               p_on, top_p, mp_on, min_p, V,
                               CAND)
     else:
-        e_tile = tl.load(partials_ptr + g * W + 3, mask=g < G, other=0.0, cache_modifier=".cg")
-        e_tile = tl.where(g < G, e_tile.to(tl.int32, bitcast=True), _KEY_NONE)
-        e_max = tl.max(e_tile, axis=0)
-        none_left = e_max == _KEY_NONE  # every logit is a candidate
-        key_top = _order_key(m)
-        kept = valid
-        exact = tl.full([], True, tl.int1)
-        closed = tl.full([], False, tl.int1)  # a step bounded the kept set (before that it may pass the candidates)
-        if k_on:
-            n_cand = tl.sum(tl.load(partials_ptr + g * W + 4, mask=g < G, other=0.0, cache_modifier=".cg")
-                            .to(tl.int32, bitcast=True), axis=0)
-            kept = _take_top(key, valid, _kth_key(key, valid, top_k, m, top_k), top_k)
-            exact = none_left | ((n_cand >= top_k) & _global_prefix(key, idx, kept, e_tile, g, TILE))
-            closed = tl.full([], True, tl.int1)
-        if p_on:
-            wk = tl.where(kept, w, 0.0)
-            mass = tl.sum(wk, axis=0)
-            thr = top_p * tl.where(k_on, mass, D)
-            if k_on | (mass >= thr):  # without top-k and below thr the candidates run out: all kept, still open
-                vp = _search(partials_ptr, key, wk, thr, tl.min(tl.where(kept, key, _KEY_MAX), axis=0), key_top, m, CAND)
-                before = tl.sum(tl.where(key > vp, wk, 0.0), axis=0)
-                tie = kept & (key == vp)
-                in_tie = tl.where(before < thr, tie, False)  # (a scalar test broadcast by where: Triton's
-                # interpreter mistypes scalar comparisons splat into a tensor &)
-                if tl.sum(tie.to(tl.int32), axis=0) > 1:
-                    tw = tl.where(tie, w, 0.0)
-                    in_tie = tie & (before + (tl.cumsum(tw, axis=0) - tw) < thr)
-                kept = (kept & (key > vp)) | in_tie | (idx == arg)
-                if not k_on:
-                    exact = _global_prefix(key, idx, kept, e_tile, g, TILE)
-                    closed = tl.full([], True, tl.int1)
-        if mp_on:
-            kappa = tl.min(tl.where(kept & (w >= min_p), key, _KEY_MAX), axis=0)
-            kept = (kept & (key >= kappa)) | (idx == arg)
-            if not closed:  # exact when every left-out logit fails min-p (they all have keys <= e_max)
-                exact = none_left | (tl.exp((_key_logit(e_max) - m) * inv_t) < min_p)
-                closed = tl.full([], True, tl.int1)
-        if not closed:
-            exact = none_left
+        kept, exact = _large_keep(partials_ptr, key, idx, valid, w, m, arg, D, inv_t, k_on, top_k, p_on, top_p, mp_on,
+                                  min_p, TILE, CAND, G, GP)
         if exact:
             token = _pick(kept, w, idx, u * tl.sum(tl.where(kept, w, 0.0), axis=0), V)
         else:

@@ -16,7 +16,8 @@ prefill), verifies the K + 1 rows pos .. pos + K in one M-row pass of the target
 * ``spec_end_ref``: pos = npos, token = the accepted next token: where the one-token step would be.
 
 Every index into the token sequence is clamped into it (the host keeps iterations where they fit).
-Kernels: one program each (a handful of scalars), except ``argmax_rows``: one program per row.
+Kernels: one program each (a handful of scalars), except ``argmax_rows``: one program per row, and the
+speculative sampler (below): many programs a row.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.pdl import pdl_wait
-from kestrel.kernels.sample import counter_hash, counter_hash32
+from kestrel.kernels.sample import (SCRATCH_HEADER, _HDR, _KEY_MAX, _KEY_NONE, _candidates, _kth_key, _large_keep,
+                                    _order_key, _sample_shape, _small_keep, _take_top, counter_hash, counter_hash32)
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -162,6 +164,17 @@ def spec_end_kernel(npos_ptr, sampled_ptr, pos_ptr, token_ptr, PDL: tl.constexpr
 # row token, and a residual draw never equals a rejected draft (rejection implies p(d) < q(d), so the
 # residual is 0 at d). At T = 0 the row tokens are the greedy choices, unchanged.
 #
+# On the device (many programs a row, kernels/sample.py's design): ``spec_filter`` finds each row's filtered
+# distribution (G = ceil(V / TILE) programs a row write per-tile maxima, masses and top-CAND candidates; the
+# last to take the row's ticket merges them in program order into the kept set, as the order's prefix ending
+# at (kc, ic), and its normaliser Z; the exact one-program search when the candidates cannot prove the set),
+# then ``draft_sample`` (G programs: q's tile and its mass; the last draws the draft) or ``spec_sample_rows``
+# (G programs a row: the acceptance test, then on rejection the tile's mass of max(0, p - q); the last draws
+# the tile by the masses' prefix and the token inside it). The references are unchanged and stay the
+# definition (the CPU path runs them); the kernels sum the normaliser and the masses in another order (per
+# tile, then tiles in order), so a token can differ only where a uniform lands within rounding of a boundary
+# of the inverse CDF or of u * q = p, as with sample_kernel against sample_ref; the tests compare every seed.
+#
 # The random numbers are counter-based (``spec_uniform``): a hash of (seed, position, purpose), the
 # position being that of the token decided, so a run repeats exactly for a seed and a position's draws
 # are used by one decision only (positions after a rejection are drawn again in the next iteration;
@@ -289,11 +302,39 @@ def replay_drafts_ref(pos: int, replay_on: int, replay_accept: float, seed: int,
             else corrupt_ref(t, seed, pos + i, vocab)
 
 
+def spec_sampler_shape(vocab: int, target) -> tuple[int, int, int, int]:
+    """(TILE, CAND, G, BLOCK): the plain sampler's (kernels/sample.py ``sample_launch``, ``target.rules["sample"]``)."""
+    return _sample_shape(vocab, target)
+
+
+def spec_scratch_shape(rows: int, vocab: int, target) -> tuple[int, int]:
+    """The scratch the speculative sampler's launches share (f32 [rows * (G + 1), W], W = 8 + 2 * CAND): per
+    row r (a verified row, or row 0 for a draft) G tile rows of W words (the filter's per-tile partials, laid
+    out as sample_kernel's; then the finishing launch's per-tile masses in word 6) and one row of the
+    filter's result (``spec_filter_kernel``'s docstring). The tickets: i32 [rows]."""
+    _, cand, g, _ = spec_sampler_shape(vocab, target)
+    return rows * (g + 1), SCRATCH_HEADER + 2 * cand
+
+
+def spec_filter_launch(rows: int, vocab: int, target) -> dict:
+    """spec_filter: grid [G, rows], G = ceil(V / TILE) programs per row of the plain sampler's warps; the last
+    program of each row to take its ticket merges (TILE, CAND, BLOCK as sample_launch)."""
+    tile, cand, g, block = spec_sampler_shape(vocab, target)
+    return {"grid": [g, rows, 1], "num_warps": target.rules["sample"].num_warps,
+            "constexprs": {"V": vocab, "TILE": tile, "CAND": cand, "BLOCK": block}}
+
+
 def spec_rows_launch(rows: int, vocab: int, target) -> dict:
-    """spec_sample_rows: one program per row (argmax_rows' warps and slice width); draft_sample: one."""
-    r = target.rules["speculative"]
-    return {"grid": [rows, 1, 1], "num_warps": r.num_warps,
-            "constexprs": {"V": vocab, "BLOCK": min(r.block, pow2_at_least(vocab))}}
+    """spec_sample_rows (rows = K + 1) and draft_sample (rows = 1): grid [G, rows], as spec_filter."""
+    tile, cand, g, _ = spec_sampler_shape(vocab, target)
+    return {"grid": [g, rows, 1], "num_warps": target.rules["sample"].num_warps,
+            "constexprs": {"V": vocab, "TILE": tile, "CAND": cand}}
+
+
+def spec_filter_ref(logits, temperature, top_p, top_k, min_p, partials, tickets) -> None:
+    """The CPU path keeps nothing: the filter's result (kept set and normaliser) is what
+    ``draft_sample_ref`` and ``spec_sample_rows_ref`` compute through ``filtered_probs_ref``."""
+    return None
 
 
 @triton.jit
@@ -428,86 +469,256 @@ def _probs(x, idx, m, inv_t, kc, ic, min_p, z, V: tl.constexpr):
 
 
 @triton.jit
-def _draw(x_ptr, q_ptr, m, inv_t, kc, ic, min_p, z, u, resid, V: tl.constexpr, BLOCK: tl.constexpr):
-    """draw_ref over p, or with ``resid`` (a runtime flag) over max(0, p - q) for q a row of V probabilities:
-    the first index whose running sum exceeds u * the sum (the last of positive weight if none); also
-    returns the sum."""
-    offs = tl.arange(0, BLOCK)
-    total = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        q = tl.load(q_ptr + idx, mask=(idx < V) & resid, other=0.0)
-        total += tl.sum(tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0), axis=0)
+def _prefix_end(keep, key, idx):
+    """The last element (kc, ic) in the order (key desc, index asc) of a kept set that is a prefix of it."""
+    kc = tl.min(tl.where(keep, key, _KEY_MAX), axis=0)
+    return kc, tl.max(tl.where(keep & (key == kc), idx, -1), axis=0)
+
+
+@triton.jit
+def spec_filter_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, partials_ptr, tickets_ptr,
+                       V: tl.constexpr, TILE: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """The filtered distribution of each row of logits [R, V] (``filtered_probs_ref``'s kept set and normaliser),
+    many programs a row: grid [G, R], G = ceil(V / TILE); nothing at temperature <= 0.
+
+    Phase 1, program (g, r) over the row's logits [g * TILE, (g + 1) * TILE): sample_kernel's phase 1 into
+    tile row g of row r's scratch block (base = partials + r * (G + 1) * W): the tile max and first argmax,
+    s_g = sum exp((x - m_g) / T), and with truncation (top-k, top-p or min-p on) the tile's first CAND
+    candidates in the order (logit desc, index asc), its first left-out key and the count. Then the row's
+    ticket; the program that draws G - 1 merges the G rows in program order (no float atomics) as
+    sample_kernel's merge does, but keeps the kept set instead of drawing from it: the kept set is a prefix of
+    the order (top-k, then top-p over it, then min-p), stored as its last element (kc, ic), so that token i
+    is kept when key_i > kc or (key_i == kc and i <= ic), and the normaliser Z = the kept tokens' sum of
+    w = exp((x - m) / T):
+      no truncation: every token, Z = sum_g s_g exp((m_g - m) / T)  (path 1);
+      top-k <= CAND: _small_keep over the candidates' prefix (path 2);
+      otherwise: _large_keep, when it proves the candidates' kept set is the whole vocabulary's (path 2),
+        else the exact one-program search over the row (``_filter``: slow, ~25 sweeps; path 3: top-k above
+        CAND with more than CAND of the top-k in one tile, top-p or min-p without top-k whose kept set runs
+        past a tile's candidates, e.g. flat or high-temperature logits).
+    The merge writes row G of the block: word 0 m, 1 inv_t = 1 / T, 2 kc, 3 ic (int32 bits), 4 Z, 5 the
+    min-p still to apply (0: folded into (kc, ic); path 3's kept set is (kc, ic) and w >= min_p), 6 the path;
+    and puts the ticket back at 0. ``draft_sample_kernel`` and ``spec_sample_rows_kernel`` read it."""
+    pdl_wait(PDL)
+    G: tl.constexpr = (V + TILE - 1) // TILE
+    Q1: tl.constexpr = (G - 1) | ((G - 1) >> 1)
+    Q2: tl.constexpr = Q1 | (Q1 >> 2)
+    Q3: tl.constexpr = Q2 | (Q2 >> 4)
+    Q4: tl.constexpr = Q3 | (Q3 >> 8)
+    GP: tl.constexpr = (Q4 | (Q4 >> 16)) + 1  # G rounded up to a power of two (sample_kernel's GP)
+    W: tl.constexpr = _HDR + 2 * CAND
+    pid = tl.program_id(0)
+    r = tl.program_id(1)
+    temperature = tl.load(temperature_ptr)
+    if temperature > 0.0:
+        top_p = tl.load(top_p_ptr)
+        top_k = tl.load(top_k_ptr)
+        min_p = tl.load(min_p_ptr)
+        k_on = (top_k > 0) & (top_k < V)
+        p_on = top_p < 1.0
+        mp_on = min_p > 0.0
+        trunc = k_on | p_on | mp_on
+        inv_t = 1.0 / temperature
+        x_row = logits_ptr + r.to(tl.int64) * V
+        base = partials_ptr + r * ((G + 1) * W)
+        offs = pid * TILE + tl.arange(0, TILE)
+        valid = offs < V
+        x = tl.load(x_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        m_t = tl.max(x, axis=0)
+        row = base + pid * W
+        tl.store(row, m_t)
+        tl.store(row + 2, tl.min(tl.where(x == m_t, offs, V), axis=0).to(tl.float32, bitcast=True))
+        tl.store(row + 1, tl.sum(tl.where(x > float("-inf"), tl.exp((x - m_t) * inv_t), 0.0), axis=0))
+        if trunc:  # the tile's candidates, as sample_kernel takes them
+            key = _order_key(x)
+            cnt = tl.minimum(V - pid * TILE, CAND)
+            goal = tl.where(k_on & (top_k < cnt), top_k, cnt)
+            take = _take_top(key, valid, _kth_key(key, valid, goal, m_t, cnt), cnt)
+            slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+            n_take = tl.sum(take.to(tl.int32), axis=0)
+            tl.store(row + _HDR + slot, x, mask=take)
+            tl.store(row + _HDR + CAND + slot, offs.to(tl.float32, bitcast=True), mask=take)
+            c = tl.arange(0, CAND)
+            tl.store(row + _HDR + c, tl.full([CAND], float("-inf"), tl.float32), mask=c >= n_take)
+            tl.store(row + _HDR + CAND + c, tl.full([CAND], V, tl.int32).to(tl.float32, bitcast=True),
+                     mask=c >= n_take)
+            tl.store(row + 3, tl.max(tl.where(valid & ~take, key, _KEY_NONE), axis=0).to(tl.float32, bitcast=True))
+            tl.store(row + 4, n_take.to(tl.float32, bitcast=True))
+        tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
+        ticket = tl.atomic_add(tickets_ptr + r, 1, sem="acq_rel", scope="gpu")
+        if ticket == G - 1:  # the last program of the row merges its G tile rows, in program order
+            g = tl.arange(0, GP)
+            gm = g < G
+            head = base + g * W
+            m_all = tl.load(head, mask=gm, other=float("-inf"), cache_modifier=".cg")
+            m = tl.max(m_all, axis=0)
+            a_all = tl.load(head + 2, mask=gm, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
+            arg = tl.min(tl.where(gm & (m_all == m), a_all, V), axis=0)
+            s_all = tl.load(head + 1, mask=gm, other=0.0, cache_modifier=".cg")
+            z = tl.sum(tl.where(gm & (m_all > float("-inf")), s_all * tl.exp((m_all - m) * inv_t), 0.0), axis=0)
+            kc = tl.full([], _KEY_NONE, tl.int32)  # no truncation: every token
+            ic = tl.full([], V - 1, tl.int32)
+            mp_left = tl.zeros([], tl.float32)
+            path = tl.full([], 1, tl.int32)
+            if trunc:
+                xc, idx, cv, key, w = _candidates(base, m, inv_t, V, CAND, G, GP)
+                path = tl.full([], 2, tl.int32)
+                if k_on & (top_k <= CAND):  # the top-k set is inside the candidates
+                    kept = _take_top(key, cv, _kth_key(key, cv, top_k, m, CAND), CAND)
+                    keep, ws, ids, ks = _small_keep(base, xc, idx, kept, m, arg, inv_t,
+                                                    tl.sum(kept.to(tl.int32), axis=0), top_k, p_on, top_p, mp_on,
+                                                    min_p, V, CAND)
+                    kc, ic = _prefix_end(keep, ks, ids)
+                    z = tl.sum(tl.where(keep, ws, 0.0), axis=0)
+                else:
+                    kept, exact = _large_keep(base, key, idx, cv, w, m, arg, z, inv_t, k_on, top_k, p_on, top_p,
+                                              mp_on, min_p, TILE, CAND, G, GP)
+                    if exact:
+                        kc, ic = _prefix_end(kept, key, idx)
+                        z = tl.sum(tl.where(kept, w, 0.0), axis=0)
+                    else:  # not provable from the candidates: the exact one-program search (slow)
+                        _m, _i, kc, ic, z = _filter(x_row, temperature, top_p, top_k, min_p, V, BLOCK)
+                        mp_left = min_p
+                        path = tl.full([], 3, tl.int32)
+            prm = base + G * W
+            tl.store(prm, m)
+            tl.store(prm + 1, inv_t)
+            tl.store(prm + 2, kc.to(tl.float32, bitcast=True))
+            tl.store(prm + 3, ic.to(tl.float32, bitcast=True))
+            tl.store(prm + 4, z)
+            tl.store(prm + 5, mp_left)
+            tl.store(prm + 6, path.to(tl.float32, bitcast=True))
+            tl.atomic_xchg(tickets_ptr + r, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _filter_result(prm):
+    """spec_filter_kernel's result row: (m, inv_t, kc, ic, Z, min-p left)."""
+    m = tl.load(prm, cache_modifier=".cg")
+    inv_t = tl.load(prm + 1, cache_modifier=".cg")
+    kc = tl.load(prm + 2, cache_modifier=".cg").to(tl.int32, bitcast=True)
+    ic = tl.load(prm + 3, cache_modifier=".cg").to(tl.int32, bitcast=True)
+    return m, inv_t, kc, ic, tl.load(prm + 4, cache_modifier=".cg"), tl.load(prm + 5, cache_modifier=".cg")
+
+
+@triton.jit
+def _tile_weights(x_row, q_row, pid, m, inv_t, kc, ic, mp, z, resid, V: tl.constexpr, TILE: tl.constexpr):
+    """Tile pid's indices and draw weights: p (the filtered probabilities), or with ``resid`` max(0, p - q)."""
+    idx = pid * TILE + tl.arange(0, TILE)
+    valid = idx < V
+    x = tl.load(x_row + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    q = tl.load(q_row + idx, mask=valid & resid, other=0.0)
+    return idx, tl.maximum(_probs(x, idx, m, inv_t, kc, ic, mp, z, V) - q, 0.0)
+
+
+@triton.jit
+def _two_level_draw(base, x_row, q_row, m, inv_t, kc, ic, mp, z, u, resid, V: tl.constexpr, TILE: tl.constexpr,
+                    CAND: tl.constexpr, G: tl.constexpr):
+    """draw_ref over the row's weights (_tile_weights) from the G tile masses in word 6 of the tile rows: the
+    tile by inverse CDF over the masses in tile order (target u * their sum), then the token inside it by
+    inverse CDF with the rest of the target, its weights recomputed (L2-hot); the last token of positive
+    weight in the chosen tile (the last tile of positive mass) when rounding leaves none. Returns (token
+    or -1, the total mass)."""
+    Q1: tl.constexpr = (G - 1) | ((G - 1) >> 1)
+    Q2: tl.constexpr = Q1 | (Q1 >> 2)
+    Q3: tl.constexpr = Q2 | (Q2 >> 4)
+    Q4: tl.constexpr = Q3 | (Q3 >> 8)
+    GP: tl.constexpr = (Q4 | (Q4 >> 16)) + 1  # G rounded up to a power of two (sample_kernel's GP)
+    W: tl.constexpr = _HDR + 2 * CAND
+    g = tl.arange(0, GP)
+    mass = tl.load(base + g * W + 6, mask=g < G, other=0.0, cache_modifier=".cg")
+    mass = tl.where(mass > 0.0, mass, 0.0)  # (NaN weights, from non-finite logits, count as none)
+    total = tl.sum(mass, axis=0)
     target = u * total
-    run = tl.zeros([], tl.float32)
-    tok = tl.full([], -1, tl.int32)
-    last = tl.full([], -1, tl.int32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        q = tl.load(q_ptr + idx, mask=(idx < V) & resid, other=0.0)
-        wv = tl.maximum(_probs(x, idx, m, inv_t, kc, ic, min_p, z, V) - q, 0.0)
-        c = run + tl.cumsum(wv, axis=0)
-        first = tl.min(tl.where((c > target) & (wv > 0.0), idx, V), axis=0)
-        tok = tl.where((tok < 0) & (first < V), first, tok)
-        last = tl.maximum(last, tl.max(tl.where(wv > 0.0, idx, -1), axis=0))
-        run += tl.sum(wv, axis=0)
-    return tl.where(tok < 0, last, tok), total
+    cm = tl.cumsum(mass, axis=0)
+    gsel = tl.min(tl.where((cm > target) & (mass > 0.0), g, GP), axis=0)
+    gsel = tl.where(gsel < GP, gsel, tl.max(tl.where(mass > 0.0, g, 0), axis=0))
+    rem = target - tl.sum(tl.where(g == gsel, cm - mass, 0.0), axis=0)
+    idx, wv = _tile_weights(x_row, q_row, gsel, m, inv_t, kc, ic, mp, z, resid, V, TILE)
+    first = tl.min(tl.where((tl.cumsum(wv, axis=0) > rem) & (wv > 0.0), idx, V), axis=0)
+    return tl.where(first < V, first, tl.max(tl.where(wv > 0.0, idx, -1), axis=0)), total
 
 
 @triton.jit
 def draft_sample_kernel(logits_ptr, draft_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, dpos_ptr,
-                        q_ptr, draft_out_ptr, row, V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """``draft_sample_ref``: one program; at T <= 0 it returns at once (the greedy draft stands)."""
+                        q_ptr, partials_ptr, tickets_ptr, draft_out_ptr, row, V: tl.constexpr, TILE: tl.constexpr,
+                        CAND: tl.constexpr, PDL: tl.constexpr = False):
+    """``draft_sample_ref`` after spec_filter (one row: scratch block 0, ticket 0), G programs; at T <= 0
+    nothing (the greedy draft stands). Program g writes q[row]'s tile g (the filtered probabilities, 0 outside
+    the kept set) and its mass; the last to take the ticket draws the draft from q (_two_level_draw,
+    spec_uniform(seed, dpos + 2, DRAFT))."""
     pdl_wait(PDL)
+    G: tl.constexpr = (V + TILE - 1) // TILE
+    W: tl.constexpr = _HDR + 2 * CAND
+    pid = tl.program_id(0)
     temperature = tl.load(temperature_ptr)
     if temperature > 0.0:
-        min_p = tl.load(min_p_ptr)
-        m, inv_t, kc, ic, z = _filter(logits_ptr, temperature, tl.load(top_p_ptr), tl.load(top_k_ptr), min_p, V, BLOCK)
+        m, inv_t, kc, ic, z, mp = _filter_result(partials_ptr + G * W)
         q_row = q_ptr + row.to(tl.int64) * V
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            x = tl.load(logits_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            tl.store(q_row + idx, _probs(x, idx, m, inv_t, kc, ic, min_p, z, V), mask=idx < V)
-        u = _spec_uniform(tl.load(seed_ptr), tl.load(dpos_ptr) + 2, 3)  # DRAFT
-        tok, _ = _draw(logits_ptr, q_row, m, inv_t, kc, ic, min_p, z, u, False, V, BLOCK)
-        # no token of positive weight (non-finite logits: the q4 product's range, kernels/matvec.py): the
-        # greedy draft stands, never an id outside the vocabulary (the next embedding would read past the table)
-        tl.store(draft_out_ptr, tok, mask=(tok >= 0) & (tok < V))
+        idx, p = _tile_weights(logits_ptr, q_row, pid, m, inv_t, kc, ic, mp, z, False, V, TILE)
+        tl.store(q_row + idx, p, mask=idx < V)
+        tl.store(partials_ptr + pid * W + 6, tl.sum(p, axis=0))
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == G - 1:
+            u = _spec_uniform(tl.load(seed_ptr), tl.load(dpos_ptr) + 2, 3)  # DRAFT
+            tok, total = _two_level_draw(partials_ptr, logits_ptr, q_row, m, inv_t, kc, ic, mp, z, u, False, V, TILE,
+                                         CAND, G)
+            # no token of positive weight (non-finite logits: the q4 product's range, kernels/matvec.py): the
+            # greedy draft stands, never an id outside the vocabulary (the next embedding would read past the table)
+            tl.store(draft_out_ptr, tok, mask=(total > 0.0) & (tok >= 0) & (tok < V))
+            tl.atomic_xchg(tickets_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def spec_sample_rows_kernel(logits_ptr, greedy_ptr, q_ptr, tokens_ptr, replay_ptr, pos_ptr, temperature_ptr, top_p_ptr,
-                            top_k_ptr, min_p_ptr, seed_ptr, replay_on_ptr, out_ptr, K: tl.constexpr, S: tl.constexpr,
-                            V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """``spec_sample_rows_ref``: program r decides row r (at T <= 0 it copies the greedy choice)."""
+                            top_k_ptr, min_p_ptr, seed_ptr, replay_on_ptr, partials_ptr, tickets_ptr, out_ptr,
+                            K: tl.constexpr, S: tl.constexpr, V: tl.constexpr, TILE: tl.constexpr,
+                            CAND: tl.constexpr, PDL: tl.constexpr = False):
+    """``spec_sample_rows_ref`` after spec_filter over the K + 1 rows: grid [G, K + 1]. At T <= 0 program
+    (0, r) writes the greedy choice. At T > 0 every program of row r makes the acceptance test itself (p(d) from
+    the filter's result, q(d) from q's row r: a few loads); when the draft is rejected (and at row K) program g
+    writes its tile's mass of max(0, p - q) (row K: of p); the last to take row r's ticket writes d when
+    accepted, else the two-level draw (d itself when the residual is all zero)."""
     pdl_wait(PDL)
-    r = tl.program_id(0)
+    G: tl.constexpr = (V + TILE - 1) // TILE
+    W: tl.constexpr = _HDR + 2 * CAND
+    pid = tl.program_id(0)
+    r = tl.program_id(1)
     pos = tl.load(pos_ptr)
     at = pos + 1 + r
     at_c = tl.minimum(tl.maximum(at, 0), S - 1)
-    tok = tl.load(greedy_ptr + r)
+    replay_on = tl.load(replay_on_ptr) != 0
     temperature = tl.load(temperature_ptr)
     if temperature > 0.0:
         seed = tl.load(seed_ptr)
-        min_p = tl.load(min_p_ptr)
-        row = logits_ptr + r.to(tl.int64) * V
+        base = partials_ptr + r * ((G + 1) * W)
+        m, inv_t, kc, ic, z, mp = _filter_result(base + G * W)
+        x_row = logits_ptr + r.to(tl.int64) * V
         q_row = q_ptr + tl.minimum(r, K - 1).to(tl.int64) * V
-        m, inv_t, kc, ic, z = _filter(row, temperature, tl.load(top_p_ptr), tl.load(top_k_ptr), min_p, V, BLOCK)
         drafted = r < K  # row K (every draft accepted) draws from p
         d = tl.minimum(tl.maximum(tl.load(tokens_ptr + at_c), 0), V - 1)
-        pd = _probs(tl.load(row + d).to(tl.float32), d, m, inv_t, kc, ic, min_p, z, V)
+        pd = _probs(tl.load(x_row + d).to(tl.float32), d, m, inv_t, kc, ic, mp, z, V)
         qd = tl.load(q_row + d, mask=drafted, other=0.0)
-        if drafted & (_spec_uniform(seed, at, 1) * qd < pd):  # ACCEPT: probability min(1, p / q)
+        accepted = drafted & (_spec_uniform(seed, at, 1) * qd < pd)  # ACCEPT: probability min(1, p / q)
+        if not accepted:  # the residual max(0, p - q) (row K: p itself)
+            idx, wv = _tile_weights(x_row, q_row, pid, m, inv_t, kc, ic, mp, z, drafted, V, TILE)
+            tl.store(base + pid * W + 6, tl.sum(wv, axis=0))
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + r, 1, sem="acq_rel", scope="gpu")
+        if ticket == G - 1:
             tok = d
-        else:  # the residual max(0, p - q) (row K: p itself)
-            res, total = _draw(row, q_row, m, inv_t, kc, ic, min_p, z, _spec_uniform(seed, at, 2), drafted, V, BLOCK)
-            tok = tl.where(total > 0.0, res, d)
-    if tl.load(replay_on_ptr) != 0:
-        tok = tl.load(replay_ptr + at_c)
-    tl.store(out_ptr + r, tok)
+            if not accepted:
+                res, total = _two_level_draw(base, x_row, q_row, m, inv_t, kc, ic, mp, z,
+                                             _spec_uniform(seed, at, 2), drafted, V, TILE, CAND, G)  # RESIDUAL
+                tok = tl.where((total > 0.0) & (res >= 0), res, d)
+            tok = tl.where(replay_on, tl.load(replay_ptr + at_c), tok)
+            tl.store(out_ptr + r, tok)
+            tl.atomic_xchg(tickets_ptr + r, 0, sem="relaxed", scope="gpu")
+    elif pid == 0:
+        tok = tl.load(greedy_ptr + r)
+        tl.store(out_ptr + r, tl.where(replay_on, tl.load(replay_ptr + at_c), tok))
 
 
 @triton.jit

@@ -9,7 +9,8 @@ program: an op with no GPU kernel (an unfused elementwise op) is an error that n
 
 Target-dependent shapes are decided here too: the attention scratch states (made by fuse with one
 split) get the target's number of sequence splits, the sampling partials (made by the lowering with
-one row) a row per program of the target's sampling kernel. plan_memory runs after this pass.
+one row) a row per program of the target's sampling kernel, the speculative sampler's partials (spec_filter's)
+(K + 1) blocks of G + 1 such rows. plan_memory runs after this pass.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kestrel.compiler.ir import IRError, Program
 from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view
 from kestrel.kernels.attention import attn_splits
 from kestrel.kernels.sample import sample_scratch_shape
+from kestrel.kernels.speculative import spec_scratch_shape
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 
@@ -40,6 +42,17 @@ def _size_sample_scratch(p: Program, target) -> None:
             part.type = type(part.type)("f32", sample_scratch_shape(op.ins[0].type.shape[0], target))
 
 
+def _size_spec_scratch(p: Program, target) -> None:
+    """The speculative sampler's partials (spec_filter's operand 5; made by the lowering with one row): (K + 1)
+    blocks of G + 1 rows of the target's sampler (spec_scratch_shape; K + 1 = its tickets), the same in the
+    speculative prefill and the iteration (they share the state)."""
+    for op in p.ops:
+        if op.kind == "spec_filter":
+            part, tickets = op.ins[5], op.ins[6]
+            part.type = type(part.type)("f32", spec_scratch_shape(tickets.type.shape[0], op.ins[0].type.shape[-1],
+                                                                  target))
+
+
 def _size_norm_partials(p: Program, target) -> None:
     """Each matmul_add's (moe_down_add's) partials (result 1, read by the rmsnorm matmuls after it) get one
     entry per program of its kernel: partial_rows = the launch's rows per program."""
@@ -59,6 +72,7 @@ def select_kernels(program: Program, target: str) -> Program:
     if target != "cpu":
         _size_attention_scratch(p, TARGETS[target])
         _size_sample_scratch(p, TARGETS[target])
+        _size_spec_scratch(p, TARGETS[target])
         _size_norm_partials(p, TARGETS[target])
     for op in p.ops:
         if is_view(op):

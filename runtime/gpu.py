@@ -75,9 +75,12 @@ def graph_spec_enabled() -> bool:
 def spec_sampling_enabled() -> bool:
     """The KESTREL_SPEC_SAMPLING gate (speculative plans, requests at temperature > 0): off unless
     KESTREL_SPEC_SAMPLING=1. Off, a sampled request decodes plainly (one-token steps, the many-CTA sampler);
-    on, it speculates with the iteration's speculative-sampling kernels, which sweep the vocabulary one
-    program a row: on the H200 at 27B q4 that took 46.5 ms/token against plain sampling's 6.3
-    (bench/results/stop22, call 7). Greedy requests and ``--draft-source replay:`` do not read it."""
+    on, it speculates with the iteration's speculative-sampling kernels. Off by default because their first,
+    one-program-a-row form took 46.5 ms/token on the H200 at 27B q4 against plain sampling's 6.3
+    (bench/results/stop22, call 7); they are now many-program (kernels/speculative.py: spec_filter, then
+    draft_sample / spec_sample_rows), not yet measured: the default waits for that measurement
+    (bench/device_spec.py, bench/device_decode_kernels.py). Greedy requests and ``--draft-source replay:``
+    do not read it."""
     return os.environ.get("KESTREL_SPEC_SAMPLING", "0") == "1"
 
 

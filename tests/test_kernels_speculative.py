@@ -21,7 +21,8 @@ from kestrel.kernels.gated_delta import (gdn_rollback_kernel, gdn_rollback_launc
 from kestrel.kernels.mtp import concat_kernel, concat_launch, concat_ref
 from kestrel.kernels.speculative import (accept_kernel, accept_ref, argmax_rows_kernel, argmax_rows_launch,
                                          argmax_rows_ref, draft_end_kernel, draft_end_ref, spec_begin_kernel,
-                                         spec_begin_ref, spec_end_kernel, spec_end_ref, spec_rows_launch)
+                                         spec_begin_ref, spec_end_kernel, spec_end_ref, spec_filter_launch,
+                                         spec_rows_launch)
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 SM90 = TARGETS["sm_90"]
@@ -218,6 +219,7 @@ def aot_jobs():
         rl = gdn_rollback_launch(hv, dk, dv, c, kc, 3, t)
         sr = spec_rows_launch(4, 248320, t)
         ds = spec_rows_launch(1, 248320, t)
+        sf = spec_filter_launch(4, 248320, t)
         one = t.rules["step_end"].num_warps
         mod = "kestrel.kernels."
         for key, fn, types, consts, warps in [
@@ -236,12 +238,14 @@ def aot_jobs():
              ["*fp32"] * 4 + ["*i32"] * 2 + ["*fp32"] * 2 + ["i32"] * 2 + ["fp32"], nl["constexprs"], nl["num_warps"]),
             ("gdn_rollback", "gated_delta:gdn_rollback_kernel", ["*fp32"] * 4 + ["*i32"] * 2, rl["constexprs"],
              rl["num_warps"]),
+            ("spec_filter", "speculative:spec_filter_kernel",
+             ["*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32"], sf["constexprs"], sf["num_warps"]),
             ("draft_sample", "speculative:draft_sample_kernel",
-             ["*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32", "i32"],
-             ds["constexprs"], ds["num_warps"]),
+             ["*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*fp32", "*i32", "*i32",
+              "i32"], ds["constexprs"], ds["num_warps"]),
             ("spec_sample_rows", "speculative:spec_sample_rows_kernel",
              ["*fp32", "*i32", "*fp32", "*i32", "*i32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*i32",
-              "*i32"], {**sr["constexprs"], "K": 3, "S": 4096}, sr["num_warps"]),
+              "*fp32", "*i32", "*i32"], {**sr["constexprs"], "K": 3, "S": 4096}, sr["num_warps"]),
             ("replay_drafts", "speculative:replay_drafts_kernel",
              ["*i32", "*i32", "*fp32", "*i32", "*i32", "*i32", "i32", "i32"], {"S": 4096, "BLOCK_R": 4}, one),
         ]:
@@ -274,7 +278,7 @@ def compiled():
 
 def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
     jobs = aot_jobs()
-    assert len(jobs) == 13 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 14 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
@@ -282,8 +286,8 @@ def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
     # every op kind of the speculative family is covered, with the kernel its record names
     kinds = {"concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
-             "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback", "draft_sample", "spec_sample_rows",
-             "replay_drafts"}
+             "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback", "spec_filter", "draft_sample",
+             "spec_sample_rows", "replay_drafts"}
     for kind in kinds:
         jit = OPS[kind].kernel.jit
         assert any(fn.endswith(":" + jit.fn.__name__) for _, fn, *_ in jobs), kind

@@ -188,7 +188,7 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
                        "gdn_rows_delta", "gdn_rows_norm", "attn_rows_kv", "attn_rows_q",
                        "concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
                        "gdn_rows_snap", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback",
-                       "draft_sample", "spec_sample_rows", "replay_drafts",
+                       "spec_filter", "draft_sample", "spec_sample_rows", "replay_drafts",
                        "moe_router", "moe_topk", "moe_experts", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up",
                        "moe_down_add"}
     assert kinds | {"gdn_delta", "gdn_norm"} | no_onnx == set(OPS)

@@ -28,6 +28,61 @@ def f32(v):
     return torch.tensor([v], dtype=torch.float32)
 
 
+def _tile_shape(v, tile, cand):
+    g = -(-v // tile)
+    return g, 8 + 2 * cand
+
+
+def spec_scratch(v, rows, tile, cand):
+    """Garbage-filled partials (they are scratch between launches) and zeroed tickets."""
+    g, w = _tile_shape(v, tile, cand)
+    return torch.full((rows * (g + 1), w), float("nan")), torch.zeros(rows, dtype=torch.int32)
+
+
+def run_filter(logits, filt, part, tickets, tile, cand, block):
+    """spec_filter over logits [V] or [R, V]; returns each row's merge path (1 all kept, 2 candidates, 3 the
+    one-program search)."""
+    t, top_p, top_k, min_p = filt
+    rows, v = (1, logits.numel()) if logits.dim() == 1 else logits.shape
+    g, w = _tile_shape(v, tile, cand)
+    interpret(sp.spec_filter_kernel)[(g, rows)](logits, f32(t), f32(top_p), i32(top_k), f32(min_p), part, tickets,
+                                                 V=v, TILE=tile, CAND=cand, BLOCK=block)
+    assert not tickets.any()
+    return [int(part[r * (g + 1) + g, 6:7].view(torch.int32)[0]) for r in range(rows)]
+
+
+def run_draft_sample(x, draft, filt, seed, dpos, q, row, tile=16, cand=8, block=16, part=None, tickets=None):
+    """spec_filter then draft_sample (one row); returns the filter's path."""
+    t, top_p, top_k, min_p = filt
+    v = x.numel()
+    if part is None:
+        part, tickets = spec_scratch(v, 1, tile, cand)
+    path = run_filter(x, filt, part, tickets, tile, cand, block) if t > 0 else [0]
+    g, _ = _tile_shape(v, tile, cand)
+    interpret(sp.draft_sample_kernel)[(g, 1)](x, draft, f32(t), f32(top_p), i32(top_k), f32(min_p), i32(seed),
+                                              i32(dpos), q, part, tickets, draft, row, V=v, TILE=tile, CAND=cand)
+    assert not tickets.any()
+    return path[0]
+
+
+def run_spec_rows(logits, greedy, q, tokens, replay, pos, filt, seed, replay_on, tile=16, cand=8, block=16,
+                  filtered=None):
+    """spec_filter over the K + 1 rows (or ``filtered``: (part, tickets) it already made for these logits and
+    filter; its result does not depend on the seed), then spec_sample_rows; returns the row tokens."""
+    t, top_p, top_k, min_p = filt
+    rows, v = logits.shape
+    part, tickets = filtered if filtered is not None else spec_scratch(v, rows, tile, cand)
+    if filtered is None and t > 0:
+        run_filter(logits, filt, part, tickets, tile, cand, block)
+    g, _ = _tile_shape(v, tile, cand)
+    out = torch.full((rows,), -1, dtype=torch.int32)
+    interpret(sp.spec_sample_rows_kernel)[(g, rows)](
+        logits, greedy, q, tokens, replay, i32(pos), f32(t), f32(top_p), i32(top_k), f32(min_p), i32(seed),
+        i32(replay_on), part, tickets, out, K=rows - 1, S=tokens.numel(), V=v, TILE=tile, CAND=cand)
+    assert not tickets.any()
+    return out
+
+
 def _logits(v, seed, ties=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(v, generator=g) * 2
@@ -53,8 +108,7 @@ def test_filtered_probs_keep_the_samplers_set(v, block, filt):
         q = torch.zeros(3, v)
         q_ref = q.clone()
         draft = i32(-5)
-        interpret(sp.draft_sample_kernel)[(1,)](x, draft, f32(t), f32(top_p), i32(top_k), f32(min_p), i32(seed),
-                                                i32(dpos), q, draft, 1, V=v, BLOCK=block)
+        run_draft_sample(x, draft, filt, seed, dpos, q, 1, tile=block, cand=8, block=block)
         want = sp.draft_sample_ref(x, -5, t, top_p, top_k, min_p, seed, dpos, q_ref, 1)
         assert torch.allclose(q, q_ref, atol=1e-6) and torch.equal(q_ref[1], p)
         assert int(draft[0]) == want and p[want] > 0
@@ -62,8 +116,7 @@ def test_filtered_probs_keep_the_samplers_set(v, block, filt):
         return
     draft = i32(42)  # greedy: the sampler's argmax stands, no q row written
     q = torch.zeros(3, v)
-    interpret(sp.draft_sample_kernel)[(1,)](x, draft, f32(0.0), f32(top_p), i32(top_k), f32(min_p), i32(0), i32(0),
-                                            q, draft, 1, V=v, BLOCK=block)
+    run_draft_sample(x, draft, (0.0, top_p, top_k, min_p), 0, 0, q, 1, tile=block, cand=8, block=block)
     assert int(draft[0]) == 42 == sp.draft_sample_ref(x, 42, 0.0, top_p, top_k, min_p, 0, 0, q, 1)
     assert not q.any()
 
@@ -81,8 +134,7 @@ def test_filtered_cut_inside_a_tie(filt):
     assert 0 < len(kept_ties) < 4 and kept_ties == [5, 21, 30, 33][:len(kept_ties)]
     q = torch.zeros(1, v)
     draft = i32(-1)
-    interpret(sp.draft_sample_kernel)[(1,)](x, draft, f32(filt[0]), f32(filt[1]), i32(filt[2]), f32(filt[3]),
-                                            i32(2), i32(0), q, draft, 0, V=v, BLOCK=block)
+    run_draft_sample(x, draft, filt, 2, 0, q, 0, tile=block, cand=4, block=block)
     assert torch.allclose(q[0], p, atol=1e-6), (q[0], p)
 
 
@@ -110,10 +162,8 @@ def test_spec_sample_rows_kernel_matches_reference(filt, k):
         greedy = sp.argmax_rows_ref(logits)
         replay = torch.arange(32, dtype=torch.int32) + 1000
         for replay_on in (0, 1) if seed == 0 else (0,):
-            out = torch.full((k + 1,), -1, dtype=torch.int32)
-            interpret(sp.spec_sample_rows_kernel)[(k + 1,)](
-                logits, greedy, q, tokens, replay, i32(pos), f32(t), f32(top_p), i32(top_k), f32(min_p), i32(seed),
-                i32(replay_on), out, K=k, S=32, V=v, BLOCK=block)
+            out = run_spec_rows(logits, greedy, q, tokens, replay, pos, filt, seed, replay_on, tile=block, cand=8,
+                                block=block)
             ref = sp.spec_sample_rows_ref(logits, greedy, q, tokens, replay, pos, t, top_p, top_k, min_p, seed,
                                           replay_on)
             assert torch.equal(out, ref), (seed, replay_on, out, ref)
@@ -122,9 +172,8 @@ def test_spec_sample_rows_kernel_matches_reference(filt, k):
             else:
                 decisions |= {int(ref[r]) == int(tokens[pos + 1 + r]) for r in range(k)}
     assert decisions == {True, False}  # both acceptances and rejections were exercised
-    out = torch.full((k + 1,), -1, dtype=torch.int32)  # greedy: argmax_rows' choices pass through
-    interpret(sp.spec_sample_rows_kernel)[(k + 1,)](logits, greedy, q, tokens, replay, i32(pos), f32(0.0), f32(1.0),
-                                                    i32(0), f32(0.0), i32(0), i32(0), out, K=k, S=32, V=v, BLOCK=block)
+    out = run_spec_rows(logits, greedy, q, tokens, replay, pos, (0.0, 1.0, 0, 0.0), 0, 0, tile=block, cand=8,
+                        block=block)  # greedy: argmax_rows' choices pass through
     assert torch.equal(out, greedy)
 
 
