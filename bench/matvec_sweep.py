@@ -70,7 +70,7 @@ def _compile(job):
     wt = "*u8" if dt == "q4" else "*bf16"
     types = ["*fp32", wt, "*fp32"] if kind == "matvec" else ["*fp32", wt, wt, "*fp32"]
     group = GROUP if dt == "q4" else 0
-    consts = {"N": n, "K": k, "GROUP": group, "BLOCK_N": bn, "BLOCK_K": bk}
+    consts = {"N": n, "K": k, "GROUP": group, "BLOCK_N": bn, "BLOCK_K": bk, "PDL_LATE": False}
     kid = f"{kind}_q4g{GROUP}" if dt == "q4" else f"{kind}_bf16"
     try:
         c = compile_kernel(kid, matvec_kernel if kind == "matvec" else matvec_swiglu_kernel, types, consts, nw, 90, [True] * len(types))
