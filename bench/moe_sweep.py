@@ -37,7 +37,7 @@ def down_variants():
     for bn in (2, 4, 8, 16, 32):
         for bk in (128, 256, 512):
             for nw in (1, 2, 4):
-                for st in (2, 3, 4, 6):
+                for st in (0, 2, 3, 4):
                     if nw <= max(1, bn * bk // 32 // 32):
                         yield {"BLOCK_N": bn, "BLOCK_KD": bk, "BLOCK_KS": bk, "STAGES": st}, nw
 
@@ -45,6 +45,7 @@ def down_variants():
 TYPES = {
     "topk": ["*fp32", "*i32", "*fp32", "i32", "i32"],
     "gate_up": ["*fp32", "*fp32", "*fp32", "*i32", "*u8", "*u8", "*u8", "*u8", "*bf16", "*fp32", "i32", "fp32"],
+    "gate_up_plain": ["*fp32", "*i32", "*u8", "*u8", "*u8", "*u8", "*bf16", "*fp32", "i32"],
     "down_add": ["*fp32", "*i32", "*fp32", "*u8", "*u8", "*fp32", "*fp32", "*fp32", "i32"],
 }
 
@@ -64,6 +65,8 @@ def jobs():
     out = [("topk", dict(rule["topk"]["constexprs"]), nw) for nw in (1, 2, 4)]
     base = rule["gate_up"]["constexprs"]
     out += [("gate_up", base | c, nw) for c, nw in gate_up_variants()]
+    plain = {k: v for k, v in base.items() if k not in ("P", "BLOCK_P")}  # moe_gate_up (no norm folded in)
+    out += [("gate_up_plain", plain | c, nw) for c, nw in gate_up_variants() if c["BLOCK_K"] >= 1024]
     base = rule["down_add"]["constexprs"]
     out += [("down_add", base | c, nw) for c, nw in down_variants()]
     return out
@@ -75,7 +78,7 @@ def _compile(job):
 
     kind, consts, nw = job
     fn = {"topk": moe.moe_topk_kernel, "gate_up": moe.rmsnorm_moe_gate_up_kernel,
-          "down_add": moe.moe_down_add_kernel}[kind]
+          "gate_up_plain": moe.moe_gate_up_kernel, "down_add": moe.moe_down_add_kernel}[kind]
     try:
         c = compile_kernel(kind, fn, TYPES[kind], consts, nw, 90, [t.startswith("*") for t in TYPES[kind]])
     except Exception as e:  # noqa: BLE001 - a variant that does not compile is just skipped
@@ -95,7 +98,7 @@ def compile_all(folder):
             kind, consts, nw, fn, cubin, shared = res
             f = f"{kind}-{i}.cubin"
             open(os.path.join(folder, f), "wb").write(cubin)
-            r = rule[kind]
+            r = rule.get(kind, {"constexprs": None, "num_warps": 0})
             is_rule = r["constexprs"] == consts and r["num_warps"] == nw
             index.append(dict(kind=kind, consts=consts, num_warps=nw, name=fn, cubin=f, shared=shared, rule=is_rule))
     json.dump(index, open(os.path.join(folder, "index.json"), "w"), indent=1)
@@ -137,17 +140,22 @@ def time_all(folder, out):
     wg, wu, wd = (_q4_random(E * I, H, gen), _q4_random(E * I, H, gen), _q4_random(E * H, I, gen))
     sg, su, sd = _q4_random(IS, H, gen), _q4_random(IS, H, gen), _q4_random(H, IS, gen)
     sgate = (torch.randn(1, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(ID_SETS)]).to(torch.int32)
-    wts = torch.softmax(torch.randn(ID_SETS, K, generator=gen, device="cuda"), -1)
+    kp = -(-K // 4) * 4  # rows of the routing buffers 16-byte aligned too
+    ids = torch.zeros(ID_SETS, kp, dtype=torch.int32, device="cuda")
+    ids[:, :K] = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(ID_SETS)])
+    wts = torch.zeros(ID_SETS, kp, device="cuda")
+    wts[:, :K] = torch.softmax(torch.randn(ID_SETS, K, generator=gen, device="cuda"), -1)
     logits = torch.randn(ID_SETS, E, generator=gen, device="cuda")
     s = torch.randn(H, generator=gen, device="cuda")
     ss = torch.stack([(s[i:i + 4] ** 2).sum() for i in range(0, H, 4)])
     nw = torch.randn(H, generator=gen, device="cuda") * 0.1
-    act = torch.randn(ID_SETS, K * I + IS + 1, generator=gen, device="cuda") * 0.05
+    act_n = K * I + IS + 1
+    stride = -(-act_n // 4) * 4  # each set's row 16-byte aligned (the kernels were compiled assuming it)
+    act = (torch.randn(ID_SETS, stride, generator=gen, device="cuda") * 0.05)[:, :act_n]
     r = torch.randn(H, generator=gen, device="cuda")
 
     # the references, on set 0 (the routed experts' rows only: the stacked matrices unpacked whole would be GBs)
-    e0 = ids[0].long()
+    e0 = ids[0, :K].long()
     rows_gu = (e0[:, None] * I + torch.arange(I, device="cuda")).reshape(-1)
     rows_d = (e0[:, None] * H + torch.arange(H, device="cuda")).reshape(-1)
     local = torch.arange(K, dtype=torch.int32)
@@ -157,7 +165,10 @@ def time_all(folder, out):
         "gate_up": moe.moe_gate_up_ref(rmsnorm_ref(s.cpu(), nw.cpu(), 1e-6), local, _rows_of(wg, E * I, H, rows_gu),
                                        _rows_of(wu, E * I, H, rows_gu), unpack(sg, IS, H), unpack(su, IS, H),
                                        sgate.cpu(), K),
-        "down_add": r.cpu() + moe.moe_down_ref(act[0].cpu(), local, wts[0].cpu(), _rows_of(wd, E * H, I, rows_d),
+        "gate_up_plain": moe.moe_gate_up_ref(s.cpu(), local, _rows_of(wg, E * I, H, rows_gu),
+                                             _rows_of(wu, E * I, H, rows_gu), unpack(sg, IS, H), unpack(su, IS, H),
+                                             sgate.cpu(), K),
+        "down_add": r.cpu() + moe.moe_down_ref(act[0].cpu(), local, wts[0, :K].cpu(), _rows_of(wd, E * H, I, rows_d),
                                                unpack(sd, H, IS)),
     }
     rows, first = [], {}
@@ -165,18 +176,20 @@ def time_all(folder, out):
         kind, c = e["kind"], e["consts"]
         kern = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["name"], e["num_warps"], e["shared"])
         if kind == "topk":
-            o_ids = torch.empty(ID_SETS, K, dtype=torch.int32, device="cuda")
-            o_w = torch.empty(ID_SETS, K, device="cuda")
+            o_ids = torch.empty(ID_SETS, kp, dtype=torch.int32, device="cuda")
+            o_w = torch.empty(ID_SETS, kp, device="cuda")
             grid = [1, 1, 1]
             sets = [[logits[j].data_ptr(), o_ids[j].data_ptr(), o_w[j].data_ptr(), K, 1] for j in range(ID_SETS)]
-            result = lambda: (o_ids[0].cpu(), o_w[0].cpu())  # noqa: E731
-        elif kind == "gate_up":
+            result = lambda: (o_ids[0, :K].cpu(), o_w[0, :K].cpu())  # noqa: E731
+        elif kind.startswith("gate_up"):
             nb = -(-I // c["BLOCK_N"])
             grid = [K * nb + -(-IS // c["BLOCK_N"]) + 1, 1, 1]
-            o = torch.empty(ID_SETS, K * I + IS + 1, device="cuda")
+            o = torch.empty(ID_SETS, stride, device="cuda")
             sets = [[s.data_ptr(), ss.data_ptr(), nw.data_ptr(), ids[j].data_ptr(), wg.data_ptr(), wu.data_ptr(),
                      sg.data_ptr(), su.data_ptr(), sgate.data_ptr(), o[j].data_ptr(), E, 1e-6] for j in range(ID_SETS)]
-            result = lambda: o[0].cpu()  # noqa: E731
+            if kind == "gate_up_plain":
+                sets = [[v[0]] + v[3:11] for v in sets]
+            result = lambda: o[0, :act_n].cpu()  # noqa: E731
         else:
             grid = [-(-H // c["BLOCK_N"]), 1, 1]
             o = torch.empty(ID_SETS, H, device="cuda")
@@ -200,9 +213,9 @@ def time_all(folder, out):
         first.setdefault(kind, row)
     json.dump(rows, open(out, "w"), indent=1)
     print("\nbest per kernel (err < 1e-3), and the launch rule's pick:")
-    for kind in ("topk", "gate_up", "down_add"):
+    for kind in ("topk", "gate_up", "gate_up_plain", "down_add"):
         rs = sorted((r for r in rows if r["kind"] == kind and r["err"] < 1e-3), key=lambda r: r["us"])
-        for r in rs[:4] + [r for r in rows if r["kind"] == kind and r["rule"]]:
+        for r in rs[:6] + [r for r in rows if r["kind"] == kind and r["rule"]]:
             print(f"{kind:9} {json.dumps({k: v for k, v in r['consts'].items() if k.startswith(('BLOCK', 'STAGES'))})} "
                   f"nw={r['num_warps']} {r['us']:8.2f} us err {r['err']:.1e}{' (rule)' if r['rule'] else ''}")
 

@@ -171,24 +171,27 @@ def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]
 def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target,
                        partials: int = 0) -> dict:
     """Programs over (slot, row block): top_k slots of ceil(I / BLOCK_N) blocks, the shared expert's
-    ceil(Is / BLOCK_N), one for the shared gate's logit; a grid row per input row. Tiles from the matvec
-    rule for the k + 1 experts' rows as one matrix; BLOCK_K a multiple of every q4 group. ``partials``
-    (rmsnorm_moe_gate_up): the producer's partial sums of squares, P and BLOCK_P as the rmsnorm matvec's."""
-    cap = min(target.rules["moe"].max_block_n, pow2_at_least(min(inter, shared)))
-    g = max(groups)
-    block_n, block_k, warps = _tiles(top_k * inter + shared, h, g, target, cap)
+    ceil(Is / BLOCK_N), one for the shared gate's logit; a grid row per input row. The moe rule's tiles:
+    BLOCK_N rows (at most the smaller expert width), the whole input in one tile up to ``gate_up_max_k``
+    (a multiple of every q4 group). ``partials`` (rmsnorm_moe_gate_up): the producer's partial sums of
+    squares, P and BLOCK_P as the rmsnorm matvec's."""
+    rule = target.rules["moe"]
+    block_n = min(rule.gate_up_block_n, pow2_at_least(min(inter, shared)))
+    block_k = max(max(groups), min(rule.gate_up_max_k, pow2_at_least(h)))
     nb_i, nb_s = -(-inter // block_n), -(-shared // block_n)
     consts = {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_G": groups[0], "GROUP_S": groups[1],
               "GROUP_GATE": groups[2], "BLOCK_N": block_n, "BLOCK_K": block_k}
     if partials:
         consts |= {"P": partials, "BLOCK_P": pow2_at_least(partials)}
-    return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": warps, "constexprs": consts}
+    return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": max(1, min(rule.gate_up_warps,
+                                                                                 block_n * block_k // 1024)),
+            "constexprs": consts}
 
 
 def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
-    """Programs over blocks of the H output rows (a grid row per input row); each streams the k routed
-    experts' tiles in one software-pipelined loop (``down_stages`` deep) and sums their products in rank
-    order, then the gated shared one."""
+    """Programs over blocks of the H output rows (a grid row per input row); each sums the k routed
+    products in rank order (_moe_down_sum: unrolled, or pipelined when ``down_stages``), then the gated
+    shared one. Tiles from the matvec rule for one expert's [H, I] down projection."""
     rule = target.rules["moe"]
     block_n, block_kd, warps = _tiles(h, inter, groups[0], target, rule.max_block_n)
     _, block_ks, _ = _tiles(h, shared, groups[1], target, block_n)
@@ -309,10 +312,10 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
                   BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_T: tl.constexpr,
                   STAGES: tl.constexpr):
     """sum_j wts_j * (Wd_{ids_j} act_j)[rc] in rank order, + sigmoid(gate logit) * (Sd act_shared)[rc], for
-    one row (ids_ptr / wts_ptr / act at that row). The routed experts' tiles are one software-pipelined
-    loop over (expert, K tile) with the ids and weights loaded once before it (no load chain inside: the
-    pipeline keeps STAGES tiles of different experts in flight, where one matvec per expert after the
-    other waited on each expert's first tile); each tile's products are summed and weighted at once."""
+    one row (ids_ptr / wts_ptr / act at that row), the ids and weights loaded once before the experts'
+    products. STAGES = 0: the k experts unrolled, one matvec each (kernels/matvec.py's, its own K loop);
+    STAGES > 0: one software-pipelined loop over (expert, K tile), each tile's products summed and weighted
+    at once (on the H200 at the 80B-A3B shape the unrolled form was the faster: bench/results/stop23)."""
     ts = tl.arange(0, BLOCK_T)
     live = ts < TOPK
     ids = tl.load(ids_ptr + ts, mask=live, other=0)
@@ -327,13 +330,19 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
         SCALE: tl.constexpr = 1.0
     KT: tl.constexpr = (I + BLOCK_KD - 1) // BLOCK_KD
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for t in tl.range(0, TOPK * KT, num_stages=STAGES):
-        j = t // KT
-        e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
-        w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
-        part, _ = _matvec_tile(act + j * I, wd_ptr, e * H + rc, (t % KT) * BLOCK_KD, None, 1.0, 0.0, E * H, I, GROUP_D,
-                               BLOCK_N, BLOCK_KD, CHUNK, I % BLOCK_KD != 0, NORM_NONE)
-        acc = acc + w * (tl.sum(part, axis=1) * SCALE)
+    if STAGES == 0:  # the experts unrolled, each one matvec (the compiler may issue their loads together)
+        for j in tl.static_range(TOPK):
+            e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
+            w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
+            acc = acc + w * _matvec_rows(act + j * I, wd_ptr, e * H + rc, E * H, I, GROUP_D, BLOCK_N, BLOCK_KD)
+    else:  # one software-pipelined loop over (expert, K tile), STAGES tiles in flight
+        for t in tl.range(0, TOPK * KT, num_stages=STAGES):
+            j = t // KT
+            e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
+            w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
+            part, _ = _matvec_tile(act + j * I, wd_ptr, e * H + rc, (t % KT) * BLOCK_KD, None, 1.0, 0.0, E * H, I,
+                                   GROUP_D, BLOCK_N, BLOCK_KD, CHUNK, I % BLOCK_KD != 0, NORM_NONE)
+            acc = acc + w * (tl.sum(part, axis=1) * SCALE)
     s = _matvec_rows(act + TOPK * I, sd_ptr, rc, H, IS, GROUP_S, BLOCK_N, BLOCK_KS)
     gate = tl.load(act + TOPK * I + IS)
     return acc + s / (1.0 + tl.exp(-gate))

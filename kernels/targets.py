@@ -146,8 +146,11 @@ class MoeRule(Rule):
     """kernels/moe.py: moe_topk (the router's softmax and top-k, one program per row, all E logits in
     registers; the logits themselves are a matvec) and the grouped expert matvecs (the matvec row's tiles)."""
     router_warps: int           # moe_topk (the router's softmax and top-k over E logits, one program a row)
-    max_block_n: int            # rows per program of the grouped matvecs, at most this
-    down_stages: int            # moe_down's software pipeline over the routed experts' tiles
+    max_block_n: int            # rows per program of moe_down, at most this
+    down_stages: int            # moe_down: 0 the routed experts unrolled, else a pipeline over their tiles this deep
+    gate_up_block_n: int        # moe_gate_up: rows per program
+    gate_up_max_k: int          # moe_gate_up: the whole input in one tile up to this many inputs
+    gate_up_warps: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,8 +240,11 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                                   small_short=(8, 256, 2), small_long=(4, 1024, 2),
                                   provenance=(_TUNING + "rows-sweep-h200.json",)),
     # Qwen3-Next's router and grouped expert matvecs (kernels/moe.py): written without a device, not timed
-    # (moe_topk's one warp: every rank a max over 64-bit keys by warp shuffles alone, no shared-memory round)
-    "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=4, provenance=(RULE_OF_THUMB,)),
+    # the one-row kernels at the 80B-A3B shape (bench/moe_sweep.py): moe_topk one warp (3.37 us against 3.52
+    # with 4), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
+    # moe_down: the matvec rule's tiles, its experts unrolled
+    "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
+                   gate_up_warps=4, provenance=(_TUNING + "moe-sweep-h200.json",)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
