@@ -525,6 +525,9 @@ def spec_filter_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_
         offs = pid * TILE + tl.arange(0, TILE)
         valid = offs < V
         x = tl.load(x_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        # a NaN logit (the q4 product's range, kernels/matvec.py: an MTP draft's) counts as -inf, never kept: an
+        # all-NaN tile would otherwise store no argmax (V), and the merge would read past the row with it
+        x = tl.where(x == x, x, float("-inf"))
         m_t = tl.max(x, axis=0)
         row = base + pid * W
         tl.store(row, m_t)
@@ -608,6 +611,7 @@ def _tile_weights(x_row, q_row, pid, m, inv_t, kc, ic, mp, z, resid, V: tl.const
     idx = pid * TILE + tl.arange(0, TILE)
     valid = idx < V
     x = tl.load(x_row + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN: -inf, as spec_filter takes it
     q = tl.load(q_row + idx, mask=valid & resid, other=0.0)
     return idx, tl.maximum(_probs(x, idx, m, inv_t, kc, ic, mp, z, V) - q, 0.0)
 
@@ -655,7 +659,7 @@ def draft_sample_kernel(logits_ptr, draft_ptr, temperature_ptr, top_p_ptr, top_k
     temperature = tl.load(temperature_ptr)
     if temperature > 0.0:
         m, inv_t, kc, ic, z, mp = _filter_result(partials_ptr + G * W)
-        q_row = q_ptr + row.to(tl.int64) * V
+        q_row = q_ptr + tl.cast(row, tl.int64) * V
         idx, p = _tile_weights(logits_ptr, q_row, pid, m, inv_t, kc, ic, mp, z, False, V, TILE)
         tl.store(q_row + idx, p, mask=idx < V)
         tl.store(partials_ptr + pid * W + 6, tl.sum(p, axis=0))

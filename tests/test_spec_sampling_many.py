@@ -143,3 +143,26 @@ def test_spec_sample_rows_many_programs(kind, filt, path):
     assert out.tolist() == [7 + pos + 1 + r for r in range(k + 1)]
     out = run_spec_rows(logits, greedy, q, tokens, replay, pos, (0.0,) + filt[1:], 0, 0, TILE, CAND, BLOCK)
     assert torch.equal(out, greedy)  # temperature 0: argmax_rows' choices
+
+
+@pytest.mark.parametrize("filt", [(0.7, 0.8, 20, 0.0), (1.0, 1.0, 0, 0.0), (1.0, 0.9, 0, 0.0)],
+                         ids=["qwen", "temperature", "top_p"])
+def test_non_finite_draft_logits(filt):
+    """An MTP head's q4 drafts can be NaN (the q4 product's range, kernels/matvec.py; seen at 27B q4 with
+    random weights on the H200, where the GPU read outside the logits until this): spec_filter counts a NaN
+    logit as -inf, so every tile's argmax stays inside the row; an all-NaN row keeps the greedy draft, and a
+    half-NaN row draws only tokens of finite logits."""
+    all_nan = torch.full((V,), float("nan"))
+    half = torch.where(torch.arange(V) % 2 == 0, _logits("randn"), torch.tensor(float("nan")))
+    g = -(-V // TILE)
+    for x, greedy_stays in ((all_nan, True), (half, False)):
+        part, tickets = spec_scratch(V, 1, TILE, CAND)
+        run_filter(x, filt, part, tickets, TILE, CAND, BLOCK)
+        args = part[:g, 2].view(torch.int32)
+        assert ((args >= 0) & (args < V)).all(), args
+        q = torch.zeros(1, V)
+        draft = torch.tensor([42], dtype=torch.int32)
+        run_draft_sample(x, draft, filt, 3, 0, q, 0, TILE, CAND, BLOCK)
+        assert not tickets.any()
+        d = int(draft[0])
+        assert d == 42 if greedy_stays else (0 <= d < V and d % 2 == 0), d
