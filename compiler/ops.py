@@ -655,6 +655,45 @@ def _infer_rmsnorm_moe_gate_up(ins, a):
     return _infer_moe_gate_up([s, *rest], a)
 
 
+def _infer_moe_group(ins, a):
+    """ids i32 [M, k] -> src i32 [P], pos i32 [P], chunks i32 [C, 4] (P = M k; kernels/moe.py)."""
+    (ids,) = ins
+    _need(_t(ids).dtype == "i32" and len(_t(ids).shape) == 2, f"moe_group: ids {_t(ids)} must be i32 [M, k]")
+    e, r = a["experts"], a["chunk"]
+    _need(isinstance(e, int) and e > 0 and r in (1, 2, 3, 4), "moe_group: experts > 0, chunk 1..4 (FEW_ROWS)")
+    p = math.prod(_t(ids).shape)
+    _need(e * p < 2 ** 31, f"moe_group: {e} experts x {p} pairs overflow its 32-bit sort keys")
+    return [TensorType("i32", (p,)), TensorType("i32", (p,)), TensorType("i32", (moe.grouped_chunks(p, e, r), 4))]
+
+
+def _infer_moe_gate_up_grouped(ins, a):
+    """x [M, H], src [P], chunks [C, 4], stacked gate / up [E * I, H] -> act_s [P, I]."""
+    x, src, chunks, wg, wu = ins
+    e = a["experts"]
+    (m, h), (p,) = _t(x).shape, _t(src).shape
+    _need(_t(wg).shape == _t(wu).shape and _t(wg).shape[1] == h and _t(wg).shape[0] % e == 0,
+          f"moe_gate_up_grouped: stacked gate / up {_t(wg).shape} must be [{e} * I, {h}]")
+    return [_f32((p, _t(wg).shape[0] // e))]
+
+
+def _infer_moe_down_grouped(ins, a):
+    """act_s [P, I], chunks [C, 4], stacked down [E * H, I] -> y_s [P, H]."""
+    act, chunks, wd = ins
+    e = a["experts"]
+    _need(_t(wd).shape[1] == _t(act).shape[1] and _t(wd).shape[0] % e == 0,
+          f"moe_down_grouped: stacked down {_t(wd).shape} must be [{e} * H, {_t(act).shape[1]}]")
+    return [_f32((_t(act).shape[0], _t(wd).shape[0] // e))]
+
+
+def _infer_moe_combine(ins, a):
+    """y_s [P, H], pos [P], weights [M, k], x [M, H], shared gate [1, H], shared expert [M, H] -> y [M, H]."""
+    ys, pos, wts, x, sgate, sh = ins
+    (m, k), (_, h) = _t(wts).shape, _t(x).shape
+    _need(_t(ys).shape == (m * k, h) and _t(pos).shape == (m * k,) and _t(sh).shape == (m, h)
+          and _t(sgate).shape == (1, h), "moe_combine: y_s [M k, H], pos [M k], shared [M, H], gate [1, H]")
+    return [_f32((m, h))]
+
+
 # --- launch rules: op -> kernel id and launch configuration (constants per target: kernels/) ---------
 
 def _matrix(w: Weight) -> tuple[int, int, int]:
@@ -985,6 +1024,27 @@ def _moe_down(op: Op, t: Target) -> dict:
                                   (_group(wd), _group(sd)), t)}
 
 
+def _moe_group(op: Op, t: Target) -> dict:
+    (ids,) = op.ins
+    return {"kernel": "moe_group", **moe.moe_group_launch(math.prod(ids.type.shape), op.attrs["experts"],
+                                                          ids.type.shape[1], op.attrs["chunk"], t)}
+
+
+def _moe_grouped(op: Op, t: Target) -> dict:
+    """moe_gate_up_grouped's and moe_down_grouped's launch (the few-rows tiles of one expert's matrix)."""
+    e = op.attrs["experts"]
+    w = op.ins[3] if op.kind == "moe_gate_up_grouped" else op.ins[2]
+    pairs = op.outs[0].type.shape[0]
+    n, k = w.type.shape[0] // e, w.type.shape[1]
+    return {"kernel": f"{op.kind}_{w.type.dtype}",
+            **moe.moe_grouped_launch(pairs, e, n, k, _group(w), moe.FEW_ROWS, t, pair=op.kind == "moe_gate_up_grouped")}
+
+
+def _moe_combine(op: Op, t: Target) -> dict:
+    m, k = op.ins[2].type.shape
+    return {"kernel": f"moe_combine_{op.ins[4].type.dtype}", **moe.moe_combine_launch(m, op.ins[3].type.shape[1], k, t)}
+
+
 def _leading_slice(op: Op) -> bool:
     return all(d == 1 for d in op.ins[0].type.shape[:op.attrs["axis"]])
 
@@ -1201,6 +1261,17 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="[silu(gate_e x) * (up_e x) for e in ids] | the shared expert's | its gate logit Ws . x"),
     OpDef("moe_down", "vvvww", (), _infer_moe_down, moe.moe_down_ref, Kernel(moe.moe_down_kernel, _moe_down),
           _MOE_ONNX, doc="sum_j w_j * down_{ids_j}(act_j) in rank order + sigmoid(gate logit) * shared down"),
+    OpDef("moe_group", "v", ("experts", "chunk"), _infer_moe_group, moe.moe_group_ref, Kernel(moe.moe_group_kernel, _moe_group),
+          _MOE_ONNX, doc="M rows: the (row, slot) pairs sorted by expert (src rows, pos of each pair) and the chunk "
+                         "table (expert, first pair, pairs) cutting each expert's run every `chunk` pairs"),
+    OpDef("moe_gate_up_grouped", "vvvww", ("experts",), _infer_moe_gate_up_grouped, moe.moe_gate_up_grouped_ref,
+          Kernel(moe.moe_gate_up_grouped_kernel, _moe_grouped), _MOE_ONNX,
+          doc="M rows grouped: act_s[i] = silu(Wg_e x[src[i]]) * (Wu_e x[src[i]]) per chunk of expert e"),
+    OpDef("moe_down_grouped", "vvw", ("experts",), _infer_moe_down_grouped, moe.moe_down_grouped_ref,
+          Kernel(moe.moe_down_grouped_kernel, _moe_grouped), _MOE_ONNX,
+          doc="M rows grouped: y_s[i] = Wd_e act_s[i] per chunk of expert e"),
+    OpDef("moe_combine", "vvvvwv", (), _infer_moe_combine, moe.moe_combine_ref, Kernel(moe.moe_combine_kernel, _moe_combine),
+          _MOE_ONNX, doc="y[r] = sum_j w[r, j] y_s[pos[r k + j]] in rank order + sigmoid(Ws . x[r]) shared[r]"),
     OpDef("moe_down_add", "vvvwwv", ("partial_rows",), _infer_moe_down_add, moe.moe_down_add_ref,
           Kernel(moe.moe_down_add_kernel, _moe_down), _MOE_ONNX,
           doc="s = r + moe_down(...); ss: the next rmsnorm's partial sums of s^2 (as matmul_add's)"),

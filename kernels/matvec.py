@@ -668,14 +668,20 @@ def _fp_part(w, xv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.cons
 @triton.jit
 def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, xidx_ptr=None):
     """The partial products of weight rows ``rows`` with inputs [k0, k0 + BLOCK_K) for x rows r0 ..
-    r0 + R - 1 (clamped to M - 1): ``_matvec_tile``'s, four [BLOCK_N, BLOCK_K / CHUNK] (rows past R: 0)."""
+    r0 + R - 1 (clamped to M - 1): ``_matvec_tile``'s, four [BLOCK_N, BLOCK_K / CHUNK] (rows past R: 0).
+    ``xidx_ptr``: the x rows are gathered, row r0 + i being x row xidx[r0 + i] (kernels/moe.py's grouped
+    experts: the rows routed to one expert)."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    x0 = _load_x(x_ptr, tl.minimum(r0, M - 1), ks, K, MASKED)
-    x1 = _load_x(x_ptr, tl.minimum(r0 + 1, M - 1), ks, K, MASKED)
-    x2 = _load_x(x_ptr, tl.minimum(r0 + 2, M - 1), ks, K, MASKED)
-    x3 = _load_x(x_ptr, tl.minimum(r0 + 3, M - 1), ks, K, MASKED)
+    i0, i1, i2 = tl.minimum(r0, M - 1), tl.minimum(r0 + 1, M - 1), tl.minimum(r0 + 2, M - 1)
+    i3 = tl.minimum(r0 + 3, M - 1)
+    if xidx_ptr is not None:
+        i0, i1, i2, i3 = tl.load(xidx_ptr + i0), tl.load(xidx_ptr + i1), tl.load(xidx_ptr + i2), tl.load(xidx_ptr + i3)
+    x0 = _load_x(x_ptr, i0, ks, K, MASKED)
+    x1 = _load_x(x_ptr, i1, ks, K, MASKED)
+    x2 = _load_x(x_ptr, i2, ks, K, MASKED)
+    x3 = _load_x(x_ptr, i3, ks, K, MASKED)
     zero = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     p1, p2, p3 = zero, zero, zero
     if GROUP > 0:
@@ -749,8 +755,10 @@ def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: 
 
 @triton.jit
 def _matvec_few_rows(x_ptr, w_ptr, rows, r0, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr):
-    """``_matvec_rows`` for x rows r0 .. r0 + R - 1 at once: four [BLOCK_N] (rows past R: 0)."""
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                     xidx_ptr=None):
+    """``_matvec_rows`` for x rows r0 .. r0 + R - 1 at once: four [BLOCK_N] (rows past R: 0); gathered
+    through ``xidx_ptr`` when given (_rows_tile)."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     tl.static_assert(R >= 1 and R <= 4)  # FEW_ROWS
     if GROUP > 0:
@@ -770,13 +778,15 @@ def _matvec_few_rows(x_ptr, w_ptr, rows, r0, M: tl.constexpr, N: tl.constexpr, K
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
-        p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, k0, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, False)
+        p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, k0, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, False,
+                                    xidx_ptr)
         acc0 += p0
         acc1 += p1
         acc2 += p2
         acc3 += p3
     if K_FULL < K:
-        p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, K_FULL, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, True)
+        p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, K_FULL, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, True,
+                                    xidx_ptr)
         acc0 += p0
         acc1 += p1
         acc2 += p2

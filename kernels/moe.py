@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.matvec import (NORM_NONE, NORM_PARTIALS, _matvec_rows, _matvec_tile, _partials_rstd, matvec_launch,
-                                    matvec_ref)
+from kestrel.kernels.matvec import (FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows, _matvec_rows, _matvec_tile,
+                                    _partials_rstd, matvec_launch, matvec_ref, matvec_rows_launch)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
@@ -150,6 +150,92 @@ def moe_experts_ref(x, ids, weights, wg, wu, wd, sg, su, sd, sgate) -> torch.Ten
     return moe_down_ref(act, ids, weights, wd, sd)
 
 
+# --- M rows, grouped by expert ----------------------------------------------------------------------------
+#
+# At M rows (the M-row step prefilling a prompt) every row routed on its own reads its k experts for itself:
+# at 256 rows and k = 10 of E = 512 that is 2,560 expert reads a layer where each expert serves ~5 rows. The
+# grouped form (fuse emits it from GROUPED_MIN_ROWS rows) sorts the M k (row, slot) pairs by expert once
+# (``moe_group``: stable, so within an expert the pairs keep their (row, slot) order) and cuts each expert's
+# run into chunks of at most ``chunk`` (FEW_ROWS) pairs; ``moe_gate_up_grouped`` / ``moe_down_grouped`` run
+# one program per (chunk, block of weight rows), reading the weight tile once for the chunk's rows (the
+# matvec's few-rows form, kernels/matvec.py, x rows gathered); ``moe_combine`` sums each row's k results in
+# rank order and adds the gated shared expert (itself two ordinary M-row matmuls). Each (row, expert)
+# product is the per-row path's, so the result is the ungrouped one's (moe_experts_ref) op for op.
+#
+# The chunk table [C, 4] (expert, first pair, pairs, 0): C = grouped_chunks(P, E, chunk) bounds the chunk
+# count of any routing (P = M k pairs), rows past the used ones hold 0 pairs (their programs return).
+
+
+def grouped_chunks(pairs: int, experts: int, chunk: int) -> int:
+    """The most chunks any routing of ``pairs`` pairs over ``experts`` experts makes: sum over the experts
+    used of ceil(n_e / chunk) <= (P + min(E, P) (chunk - 1)) / chunk."""
+    return -(-(pairs + min(experts, pairs) * (chunk - 1)) // chunk)
+
+
+def moe_group_ref(ids: torch.Tensor, experts: int, chunk: int):
+    """(src i32 [P], pos i32 [P], chunks i32 [C, 4]) of the routing ids [M, k]: the pairs p = row k + slot
+    stably sorted by expert; src[i] the row of sorted pair i, pos[p] the sorted index of pair p; chunks
+    (expert, start, count, 0), each expert's run cut every ``chunk`` pairs, in sorted order, then zeros."""
+    m, k = ids.shape
+    flat = ids.reshape(-1).long().clamp(0, experts - 1)
+    order = torch.sort(flat, stable=True).indices
+    src = (order // k).to(torch.int32)
+    pos = torch.empty_like(src)
+    pos[order] = torch.arange(m * k, dtype=torch.int32)
+    chunks = torch.zeros(grouped_chunks(m * k, experts, chunk), 4, dtype=torch.int32)
+    c, i = 0, 0
+    se = flat[order]
+    while i < m * k:
+        e = int(se[i])
+        n = 1
+        while n < chunk and i + n < m * k and int(se[i + n]) == e:
+            n += 1
+        chunks[c] = torch.tensor([e, i, n, 0], dtype=torch.int32)
+        c, i = c + 1, i + n
+    return src, pos, chunks
+
+
+def _chunk_pairs(chunks: torch.Tensor):
+    """(expert, sorted pair index) of every pair the chunk table covers."""
+    for e, start, n, _ in chunks.tolist():
+        for i in range(start, start + n):
+            yield e, i
+
+
+def moe_gate_up_grouped_ref(x, src, chunks, wg, wu, experts: int) -> torch.Tensor:
+    """act_s [P, I]: sorted pair i's silu(Wg_e x[src[i]]) * (Wu_e x[src[i]]) (e its chunk's expert)."""
+    inter = wg.shape[0] // experts
+    act = torch.zeros(src.shape[0], inter)
+    for e, i in _chunk_pairs(chunks):
+        xr = x[int(src[i])]
+        g = matvec_ref(xr, weight_rows(wg, e * inter, (e + 1) * inter))
+        u = matvec_ref(xr, weight_rows(wu, e * inter, (e + 1) * inter))
+        act[i] = torch.nn.functional.silu(g) * u
+    return act
+
+
+def moe_down_grouped_ref(act, chunks, wd, experts: int) -> torch.Tensor:
+    """y_s [P, H]: sorted pair i's Wd_e act_s[i] (e its chunk's expert; H = rows of the stacked Wd / E)."""
+    h = wd.shape[0] // experts
+    y = torch.zeros(act.shape[0], h)
+    for e, i in _chunk_pairs(chunks):
+        y[i] = matvec_ref(act[i], weight_rows(wd, e * h, (e + 1) * h))
+    return y
+
+
+def moe_combine_ref(y_s, pos, weights, x, sgate, shared) -> torch.Tensor:
+    """y [M, H]: row r's sum_j weights[r, j] y_s[pos[r k + j]] in rank order, + sigmoid(Ws . x[r]) shared[r]
+    (moe_down_ref's order: the routed products from zero, then the gated shared expert)."""
+    m, k = weights.shape
+    out = []
+    for r in range(m):
+        y = torch.zeros(y_s.shape[1])
+        for j in range(k):
+            y = y + weights[r, j] * y_s[int(pos[r * k + j])]
+        out.append(y + torch.sigmoid(matvec_ref(x[r], sgate)[0]) * shared[r])
+    return torch.stack(out)
+
+
 # --- launch rules (constants: kernels/targets.py, the "moe" and "matvec" rows) --------------------------
 
 
@@ -199,6 +285,32 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
             "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_D": groups[0],
                            "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks,
                            "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": rule.down_stages}}
+
+
+def moe_group_launch(pairs: int, e: int, top_k: int, chunk: int, target) -> dict:
+    """One program: the sort of the P pairs' keys (expert P + pair, all in registers) and the chunk table."""
+    c = grouped_chunks(pairs, e, chunk)
+    return {"grid": [1, 1, 1], "num_warps": target.rules["moe"].group_warps,
+            "constexprs": {"P": pairs, "TOPK": top_k, "E": e, "C": c, "R": chunk, "BLOCK_P": pow2_at_least(pairs),
+                           "BLOCK_C": pow2_at_least(c)}}
+
+
+def moe_grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunk: int, target, pair: bool = False) -> dict:
+    """moe_gate_up_grouped's (``pair``: n = I, k = H) and moe_down_grouped's (n = H, k = I) launch: grid
+    [C chunks, ceil(n / BLOCK_N)], the tiles of the few-rows matvec (matvec_rows_launch) for one expert's
+    [n, k] matrix at ``chunk`` rows."""
+    rows = matvec_rows_launch(chunk, n, k, group, target, pair=pair)
+    c = rows["constexprs"]
+    return {"grid": [grouped_chunks(pairs, e, chunk), -(-n // c["BLOCK_N"]), 1], "num_warps": rows["num_warps"],
+            "constexprs": {"P": pairs, "E": e, "N": n, "K": k, "GROUP": group, "BLOCK_N": c["BLOCK_N"],
+                           "BLOCK_K": c["BLOCK_K"], "R": chunk}}
+
+
+def moe_combine_launch(m: int, h: int, top_k: int, target) -> dict:
+    """Programs over (row, block of H columns)."""
+    block = min(target.rules["moe"].combine_block, pow2_at_least(h))
+    return {"grid": [m, -(-h // block), 1], "num_warps": 4,
+            "constexprs": {"H": h, "TOPK": top_k, "BLOCK": block, "BLOCK_H": pow2_at_least(h)}}
 
 
 # --- Triton kernels ------------------------------------------------------------------------------------
@@ -382,3 +494,125 @@ def moe_down_add_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, r_ptr, s_ptr,
     s = tl.load(r_ptr + r, mask=live, other=0.0) + y
     tl.store(s_ptr + r, s, mask=live)
     tl.store(ss_ptr + tl.program_id(0), tl.sum(tl.where(live, s * s, 0.0), axis=0))
+
+
+# --- M rows, grouped by expert (the kernels; the references and the chunk table above) ------------------
+
+
+@triton.jit
+def _max_i32(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def moe_group_kernel(ids_ptr, src_ptr, pos_ptr, chunks_ptr, experts, chunk, P: tl.constexpr, TOPK: tl.constexpr,
+                     E: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """``moe_group_ref`` in one program: the keys expert * P + pair (distinct: a stable order by expert)
+    sorted in registers; the sorted experts go through ``src`` once (each position reads its neighbours:
+    a run's first position, and how many of the next R - 1 share its expert), then ``src`` gets the rows;
+    chunk c at the c-th position whose rank in its run is a multiple of R; the rest of the table zeros."""
+    pdl_wait(PDL)
+    i = tl.arange(0, BLOCK_P)
+    live = i < P
+    e = tl.load(ids_ptr + i, mask=live, other=0)
+    e = tl.minimum(tl.maximum(e, 0), E - 1)  # no expert outside the stacked weights whatever the buffer holds
+    key = tl.sort(tl.where(live, e * P + i, E * P))
+    p = key % P
+    es = key // P
+    tl.store(src_ptr + i, es, mask=live)
+    tl.debug_barrier()
+    prev = tl.load(src_ptr + i - 1, mask=live & (i > 0), other=-1)
+    run_start = tl.associative_scan(tl.where(live & (es != prev), i, 0), 0, _max_i32)
+    is_chunk = live & ((i - run_start) % R == 0)
+    n = tl.full([BLOCK_P], 1, tl.int32)
+    for d in tl.static_range(1, R):
+        nxt = tl.load(src_ptr + i + d, mask=i + d < P, other=-1)
+        n += (nxt == es).to(tl.int32)
+    c = tl.cumsum(is_chunk.to(tl.int32), axis=0) - 1
+    used = tl.sum(is_chunk.to(tl.int32), axis=0)
+    tl.debug_barrier()  # every neighbour read before src is rewritten
+    tl.store(src_ptr + i, p // TOPK, mask=live)
+    tl.store(pos_ptr + p, i, mask=live)
+    row = chunks_ptr + c * 4
+    tl.store(row, es, mask=is_chunk)
+    tl.store(row + 1, i, mask=is_chunk)
+    tl.store(row + 2, n, mask=is_chunk)
+    tl.store(row + 3, i * 0, mask=is_chunk)
+    j = tl.arange(0, BLOCK_C)
+    rest = (j >= used) & (j < C)
+    for f in tl.static_range(4):
+        tl.store(chunks_ptr + j * 4 + f, j * 0, mask=rest)
+
+
+@triton.jit
+def _chunk(chunks_ptr, P: tl.constexpr, E: tl.constexpr):
+    """(expert, first sorted pair, pairs) of program_id(0)'s chunk (clamped into range)."""
+    c = chunks_ptr + tl.program_id(0) * 4
+    e = tl.minimum(tl.maximum(tl.load(c), 0), E - 1)
+    return e, tl.minimum(tl.maximum(tl.load(c + 1), 0), P - 1), tl.load(c + 2)
+
+
+@triton.jit
+def _store_pairs(y_ptr, y0, y1, y2, y3, cols, s, n, N: tl.constexpr):
+    """Rows s .. s + n - 1 (n <= 4) of y [P, N] at columns ``cols``."""
+    live = cols < N
+    tl.store(y_ptr + s * N + cols, y0, mask=live)
+    tl.store(y_ptr + (s + 1) * N + cols, y1, mask=live & (n > 1))
+    tl.store(y_ptr + (s + 2) * N + cols, y2, mask=live & (n > 2))
+    tl.store(y_ptr + (s + 3) * N + cols, y3, mask=live & (n > 3))
+
+
+@triton.jit
+def moe_gate_up_grouped_kernel(x_ptr, src_ptr, chunks_ptr, wg_ptr, wu_ptr, act_ptr, experts, P: tl.constexpr,
+                               E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    """act_s rows of chunk program_id(0): silu(Wg_e x) * (Wu_e x) for its pairs' rows x[src[i]] (the few-rows
+    matvec: each tile of the expert's gate / up rows read once for the chunk), N = I, K = H; an unused chunk
+    (0 pairs) does nothing."""
+    pdl_wait(PDL)
+    e, s, n = _chunk(chunks_ptr, P, E)
+    if n > 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = e * N + tl.minimum(cols, N - 1)
+        g0, g1, g2, g3 = _matvec_few_rows(x_ptr, wg_ptr, rows, s, P, E * N, K, GROUP, BLOCK_N, BLOCK_K, R, src_ptr)
+        u0, u1, u2, u3 = _matvec_few_rows(x_ptr, wu_ptr, rows, s, P, E * N, K, GROUP, BLOCK_N, BLOCK_K, R, src_ptr)
+        _store_pairs(act_ptr, g0 / (1.0 + tl.exp(-g0)) * u0, g1 / (1.0 + tl.exp(-g1)) * u1,
+                     g2 / (1.0 + tl.exp(-g2)) * u2, g3 / (1.0 + tl.exp(-g3)) * u3, cols, s, n, N)
+
+
+@triton.jit
+def moe_down_grouped_kernel(act_ptr, chunks_ptr, wd_ptr, y_ptr, experts, P: tl.constexpr, E: tl.constexpr,
+                            N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
+    """y_s rows of chunk program_id(0): Wd_e act_s[i] for its pairs (rows s .. of act_s, contiguous), N = H,
+    K = I."""
+    pdl_wait(PDL)
+    e, s, n = _chunk(chunks_ptr, P, E)
+    if n > 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = e * N + tl.minimum(cols, N - 1)
+        y0, y1, y2, y3 = _matvec_few_rows(act_ptr, wd_ptr, rows, s, P, E * N, K, GROUP, BLOCK_N, BLOCK_K, R)
+        _store_pairs(y_ptr, y0, y1, y2, y3, cols, s, n, N)
+
+
+@triton.jit
+def moe_combine_kernel(ys_ptr, pos_ptr, wts_ptr, x_ptr, sgate_ptr, sh_ptr, y_ptr, H: tl.constexpr,
+                       TOPK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """y[row, cols] = sum_j wts[row, j] y_s[pos[row TOPK + j], cols] in rank order + sigmoid(Ws . x[row])
+    sh[row, cols] (the shared gate's logit made by each program: one H-long dot)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < H
+    hs = tl.arange(0, BLOCK_H)
+    xv = tl.load(x_ptr + row * H + hs, mask=hs < H, other=0.0)
+    gl = tl.sum(xv * tl.load(sgate_ptr + hs, mask=hs < H, other=0.0).to(tl.float32), axis=0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        p = tl.load(pos_ptr + row * TOPK + j)
+        w = tl.load(wts_ptr + row * TOPK + j)
+        acc = acc + w * tl.load(ys_ptr + p.to(tl.int64) * H + cols, mask=live, other=0.0)
+    sh = tl.load(sh_ptr + row * H + cols, mask=live, other=0.0)
+    tl.store(y_ptr + row * H + cols, acc + sh / (1.0 + tl.exp(-gl)), mask=live)

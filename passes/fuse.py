@@ -37,7 +37,9 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
   8. ops whose results nobody reads, and that write no state, are dropped.
   (after 1) Qwen3-Next's ``moe_experts`` -> ``moe_gate_up`` then ``moe_down`` (the routed and shared
      experts' gate/up products in one grouped launch, then their down products summed in a fixed order;
-     kernels/moe.py), the expert ids read from the router's routing buffer by both; ``moe_router`` ->
+     kernels/moe.py), the expert ids read from the router's routing buffer by both; from GROUPED_MIN_ROWS rows
+     grouped by expert instead (moe_group, moe_gate_up_grouped, moe_down_grouped, the shared expert's two
+     matmuls, moe_combine: each expert's weights read once for a chunk of its rows); ``moe_router`` ->
      the router's ``matmul`` (its logits) then ``moe_topk`` (softmax, top-k, the routing buffer)
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
@@ -49,6 +51,8 @@ import copy
 
 from kestrel.compiler.ir import SCRATCH_PREFIX, IRError, Op, Program, TensorType, Value, Weight
 from kestrel.compiler.ops import OPS
+from kestrel.kernels.matvec import FEW_ROWS
+from kestrel.kernels.moe import grouped_chunks
 
 ATTN_PARTIALS, ATTN_TICKETS = SCRATCH_PREFIX + "attn_partials", SCRATCH_PREFIX + "attn_tickets"
 
@@ -380,12 +384,42 @@ def _split_moe(p: Program) -> int:
         x, ids, wts, wg, wu, wd, sg, su, sd, sgate = op.ins
         h = x.type.shape[-1]
         experts, k = wd.type.shape[0] // h, ids.type.shape[-1]
-        act = Value(TensorType("f32", tuple(x.type.shape[:-1]) + (k * wd.type.shape[1] + sg.type.shape[0] + 1,)))
         i = p.ops.index(op)
-        p.ops[i:i + 1] = [Op("moe_gate_up", [act], [x, ids, wg, wu, sg, su, sgate], {"experts": experts}),
-                          Op("moe_down", [op.outs[0]], [act, ids, wts, wd, sd])]
+        if len(x.type.shape) == 2 and x.type.shape[0] >= GROUPED_MIN_ROWS:
+            p.ops[i:i + 1] = _grouped_moe(op, experts)
+        else:
+            act = Value(TensorType("f32", tuple(x.type.shape[:-1]) + (k * wd.type.shape[1] + sg.type.shape[0] + 1,)))
+            p.ops[i:i + 1] = [Op("moe_gate_up", [act], [x, ids, wg, wu, sg, su, sgate], {"experts": experts}),
+                              Op("moe_down", [op.outs[0]], [act, ids, wts, wd, sd])]
         n += 1
     return n
+
+
+# from this many rows (the M-row step prefilling a prompt; not a speculative verify's k + 1) the MoE block runs
+# grouped by expert (kernels/moe.py: each expert's weights read once for a chunk of its rows)
+GROUPED_MIN_ROWS = 16
+
+
+def _grouped_moe(op: Op, experts: int) -> list[Op]:
+    """moe_experts at M rows -> moe_group (the pairs sorted by expert, the chunk table), the routed experts'
+    gate / up and down over the chunks (moe_gate_up_grouped, moe_down_grouped), the shared expert as two
+    ordinary M-row matmuls, and moe_combine (each row's k results in rank order + the gated shared one)."""
+    x, ids, wts, wg, wu, wd, sg, su, sd, sgate = op.ins
+    m, h = x.type.shape
+    pairs = m * ids.type.shape[1]
+    chunk = FEW_ROWS
+    src, pos = Value(TensorType("i32", (pairs,))), Value(TensorType("i32", (pairs,)))
+    chunks = Value(TensorType("i32", (grouped_chunks(pairs, experts, chunk), 4)))
+    act = Value(TensorType("f32", (pairs, wg.type.shape[0] // experts)))
+    ys = Value(TensorType("f32", (pairs, h)))
+    sh_act = Value(TensorType("f32", (m, sg.type.shape[0])))
+    sh = Value(TensorType("f32", (m, h)))
+    return [Op("moe_group", [src, pos, chunks], [ids], {"experts": experts, "chunk": chunk}),
+            Op("moe_gate_up_grouped", [act], [x, src, chunks, wg, wu], {"experts": experts}),
+            Op("moe_down_grouped", [ys], [act, chunks, wd], {"experts": experts}),
+            Op("matmul_swiglu", [sh_act], [x, sg, su]),
+            Op("matmul", [sh], [sh_act, sd]),
+            Op("moe_combine", [op.outs[0]], [ys, pos, wts, x, sgate, sh])]
 
 
 def _split_router(p: Program) -> int:

@@ -70,14 +70,15 @@ def check_dyn_invariance(program: Program) -> int:
 
 
 ROUTING_READERS = {"moe_experts": (1, 2), "moe_gate_up": (1,), "moe_down": (1, 2), "rmsnorm_moe_gate_up": (3,),
-                   "moe_down_add": (1, 2)}  # op -> routing operands
+                   "moe_down_add": (1, 2), "moe_group": (0,), "moe_gate_up_grouped": (1, 2), "moe_down_grouped": (1,),
+                   "moe_combine": (1, 2)}  # op -> routing operands
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def check_routing(program: Program) -> int:
     """Raise IRError unless every routing buffer reaches the expert kernels only as device data (the
-    module docstring); returns the number of routing buffers."""
-    routing = {id(o): op for op in program.ops if op.kind in ("moe_router", "moe_topk") for o in op.outs}
+    module docstring); returns the number of routers."""
+    routing = {id(o): op for op in program.ops if op.kind in ("moe_router", "moe_topk", "moe_group") for o in op.outs}
     single = [w.name for w in program.weights.values() if _ONE_EXPERT.search(w.name)]
     if single:
         raise IRError(f"routing: weight {single[0]!r} is one expert's: the experts of a layer must be one stacked "
@@ -106,7 +107,7 @@ def check_routing(program: Program) -> int:
                 extra = {k: v for k, v in op.launch.items() if want.get(k) != v}
                 raise IRError(f"{where}: its launch carries {extra}, which its launch rule does not give from the "
                               f"op's shapes: a per-token value (an expert id?) baked into a kernel argument")
-    return len(routing) // 2
+    return sum(op.kind != "moe_group" for op in {id(op): op for op in routing.values()}.values())
 
 
 def _same_launches(program: Program) -> int:

@@ -32,10 +32,12 @@ QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
 MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2), "matmul_add": (1,), "rmsnorm_matmul": (3,),
                    "rmsnorm_matmul_swiglu": (3, 4), "moe_experts": (3, 4, 5, 6, 7, 8), "moe_gate_up": (2, 3, 4, 5),
-                   "moe_down": (3, 4), "rmsnorm_moe_gate_up": (4, 5, 6, 7), "moe_down_add": (3, 4)}
+                   "moe_down": (3, 4), "rmsnorm_moe_gate_up": (4, 5, 6, 7), "moe_down_add": (3, 4),
+                   "moe_gate_up_grouped": (3, 4), "moe_down_grouped": (2,)}
 # matrices kept at bf16 under q4 (f32 under none): the MoE router, whose top-k choice 4-bit noise could flip
 # (llama.cpp keeps ffn_gate_inp unquantised too), and the shared expert's one-row gate
-BF16_MATRIX_OPERANDS = {"moe_router": (1,), "moe_experts": (9,), "moe_gate_up": (6,), "rmsnorm_moe_gate_up": (8,)}
+BF16_MATRIX_OPERANDS = {"moe_router": (1,), "moe_experts": (9,), "moe_gate_up": (6,), "rmsnorm_moe_gate_up": (8,),
+                        "moe_combine": (4,)}
 TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
 DRAFT_PREFIX = "mtp."  # the draft model's weights (compiler/qwen3_5.py's MTP head and its draft lm_head)
 DRAFT_QUANT_MODES = ("q4",)

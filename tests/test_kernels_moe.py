@@ -16,6 +16,7 @@ from kestrel.kernels.matvec import matvec_launch, matvec_ref, q4_pack, q4_unpack
 from kestrel.kernels.moe import (moe_down_add_kernel, moe_down_add_ref, moe_down_kernel, moe_down_launch, moe_down_ref,
                                  moe_gate_up_kernel, moe_gate_up_launch, moe_gate_up_ref, moe_router_ref, moe_topk_kernel,
                                  moe_topk_launch, rmsnorm_moe_gate_up_kernel, rmsnorm_moe_gate_up_ref, route_ref)
+from kestrel.kernels import moe
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 SM90 = TARGETS["sm_90"]
@@ -164,6 +165,53 @@ def test_fused_norm_and_residual(dtype):
     assert not torch.allclose(out, plain, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype,rows", [("bf16", 16), ("q4", 20)])
+def test_grouped_experts_at_m_rows(dtype, rows):
+    """The M-row MoE grouped by expert (fuse's form from 16 rows): moe_group's sort and chunk table exactly
+    the reference's (some experts with more than 4 rows: several chunks; unused chunks zero), the grouped
+    gate/up and down over the chunks and moe_combine against their references, and the whole equal to the
+    per-row block (moe_experts_ref) within rounding."""
+    g = torch.Generator().manual_seed(rows)
+    e, h, inter, shared, k = 6, 128, 64, 96, 3
+    w = _experts(dtype, e, h, inter, shared, g)
+    x = torch.randn(rows, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)]).to(torch.int32)
+    wts = torch.softmax(torch.randn(rows, k, generator=g), -1)
+    pairs = rows * k
+    gl = moe.moe_group_launch(pairs, e, k, moe.FEW_ROWS, SM90)
+    c_max = gl["constexprs"]["C"]
+    src, pos = torch.full((pairs,), -5, dtype=torch.int32), torch.full((pairs,), -5, dtype=torch.int32)
+    chunks = torch.full((c_max, 4), -5, dtype=torch.int32)
+    interpret(moe.moe_group_kernel)[(1,)](ids, src, pos, chunks, e, moe.FEW_ROWS, **gl["constexprs"])
+    ref_src, ref_pos, ref_chunks = moe.moe_group_ref(ids, e, moe.FEW_ROWS)
+    assert torch.equal(src, ref_src) and torch.equal(pos, ref_pos) and torch.equal(chunks, ref_chunks)
+    used = int((chunks[:, 2] > 0).sum())
+    assert used > e and used < c_max and (chunks[:, 2] <= moe.FEW_ROWS).all()  # runs cut, zero rows left over
+    group = w["wg"][2]
+    gu = moe.moe_grouped_launch(pairs, e, inter, h, group, moe.FEW_ROWS, SM90, pair=True)
+    act = torch.full((pairs, inter), float("nan"))
+    interpret(moe.moe_gate_up_grouped_kernel)[tuple(gu["grid"][:2])](x, src, chunks, w["wg"][0], w["wu"][0], act, e,
+                                                                    **gu["constexprs"])
+    ref_act = moe.moe_gate_up_grouped_ref(x, ref_src, ref_chunks, w["wg"][1], w["wu"][1], e)
+    assert_close(act, ref_act, 2e-5, 1e-6, f"moe_gate_up_grouped {dtype}")
+    dn = moe.moe_grouped_launch(pairs, e, h, inter, w["wd"][2], moe.FEW_ROWS, SM90)
+    ys = torch.full((pairs, h), float("nan"))
+    interpret(moe.moe_down_grouped_kernel)[tuple(dn["grid"][:2])](ref_act, chunks, w["wd"][0], ys, e, **dn["constexprs"])
+    ref_ys = moe.moe_down_grouped_ref(ref_act, ref_chunks, w["wd"][1], e)
+    assert_close(ys, ref_ys, 2e-5, 1e-6, f"moe_down_grouped {dtype}")
+    sh = matvec_ref(torch.nn.functional.silu(matvec_ref(x, w["sg"][1])) * matvec_ref(x, w["su"][1]), w["sd"][1])
+    cb = moe.moe_combine_launch(rows, h, k, SM90)
+    y = torch.full((rows, h), float("nan"))
+    interpret(moe.moe_combine_kernel)[tuple(cb["grid"][:2])](ref_ys, pos, wts, x, w["sgate"][0], sh, y,
+                                                             **cb["constexprs"])
+    ref_y = moe.moe_combine_ref(ref_ys, ref_pos, wts, x, w["sgate"][1], sh)
+    assert_close(y, ref_y, 2e-5, 1e-6, f"moe_combine {dtype}")
+    # the grouped composition is the per-row block's arithmetic, product for product
+    whole = moe.moe_experts_ref(x, ids, wts, w["wg"][1], w["wu"][1], w["wd"][1], w["sg"][1], w["su"][1], w["sd"][1],
+                                w["sgate"][1])
+    assert_close(ref_y, whole, 1e-6, 1e-7, "grouped against per-row")
+
+
 def aot_jobs():
     """(key, kernel, signature, constexprs, warps, cc) at the 80B-A3B shapes, bf16 and q4, every target."""
     jobs = []
@@ -175,6 +223,13 @@ def aot_jobs():
         r = moe_topk_launch(1, e, k, t)
         jobs.append([f"moe_topk/{name}", "kestrel.kernels.moe:moe_topk_kernel",
                      ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"], r["num_warps"], t.cc])
+        gr = moe.moe_group_launch(256 * k, e, k, moe.FEW_ROWS, t)
+        jobs.append([f"moe_group/{name}", "kestrel.kernels.moe:moe_group_kernel",
+                     ["*i32", "*i32", "*i32", "*i32", "i32", "i32"], gr["constexprs"], gr["num_warps"], t.cc])
+        cb = moe.moe_combine_launch(256, h, k, t)
+        jobs.append([f"moe_combine/{name}", "kestrel.kernels.moe:moe_combine_kernel",
+                     ["*fp32", "*i32", "*fp32", "*fp32", "*bf16", "*fp32", "*fp32"], cb["constexprs"], cb["num_warps"],
+                     t.cc])
         for q, wt, groups in (("bf16", "*bf16", (0, 0, 0)), ("q4", "*u8", (128, 128, 0))):
             gu = moe_gate_up_launch(1, e, h, inter, shared, k, groups, t)
             jobs.append([f"moe_gate_up_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_kernel",
@@ -189,6 +244,13 @@ def aot_jobs():
             jobs.append([f"rmsnorm_moe_gate_up_{q}/{name}", "kestrel.kernels.moe:rmsnorm_moe_gate_up_kernel",
                          ["*fp32", "*fp32", "*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32", "fp32"],
                          gn["constexprs"], gn["num_warps"], t.cc])
+            pairs = 256 * k  # the M-row step's 256 rows, grouped by expert
+            gg = moe.moe_grouped_launch(pairs, e, inter, h, groups[0], moe.FEW_ROWS, t, pair=True)
+            jobs.append([f"moe_gate_up_grouped_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_grouped_kernel",
+                         ["*fp32", "*i32", "*i32", wt, wt, "*fp32", "i32"], gg["constexprs"], gg["num_warps"], t.cc])
+            dg = moe.moe_grouped_launch(pairs, e, h, inter, groups[0], moe.FEW_ROWS, t)
+            jobs.append([f"moe_down_grouped_{q}/{name}", "kestrel.kernels.moe:moe_down_grouped_kernel",
+                         ["*fp32", "*i32", wt, "*fp32", "i32"], dg["constexprs"], dg["num_warps"], t.cc])
             da = moe_down_launch(1, e, h, inter, shared, k, groups[:2], t)
             jobs.append([f"moe_down_add_{q}/{name}", "kestrel.kernels.moe:moe_down_add_kernel",
                          ["*fp32", "*i32", "*fp32", wt, wt, "*fp32", "*fp32", "*fp32", "i32"], da["constexprs"],
@@ -217,11 +279,12 @@ def test_aot_compiles_every_moe_kernel_for_every_target():
                        env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(jobs) == 9 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 15 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, magic = res
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
-    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add"):
+    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add", "moe_group",
+                 "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"):
         assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind

@@ -287,10 +287,11 @@ def mini_next_checkpoint(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 0)])
+@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4", 0)])
 def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_next_checkpoint, tmp_path):
-    """A Qwen3-Next sm_90 plan's launch lists in the interpreter against the CPU path. bf16: the M-row step
-    (4 rows, one chunk of a 4-token prompt whose rows route to different experts),
+    """A Qwen3-Next sm_90 plan's launch lists in the interpreter against the CPU path. With rows: the M-row
+    step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
+    4-token prompt whose rows route to different experts),
     then a one-token step (within the M-row GEMM's bf16 rounding, as the dense test); q4: one-token steps
     from the first prompt token (within 1e-4). Each step's last routing buffer holds the experts the CPU
     reference chose, the same tokens come out."""
@@ -310,6 +311,8 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     assert kinds.count("rmsnorm_moe_gate_up") == 2 and kinds.count("moe_down_add") == 1
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
+    if rows >= 16:
+        assert "moe_group" in [op.kind for op in cpu.prefill_program.ops], "the M-row step is not grouped by expert"
     for chunk in range(1 if rows else 0):
         gpu.run_prefill()
         cpu.run_prefill(1)
