@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.matvec import (FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows, _matvec_rows, _matvec_tile,
-                                    _partials_rstd, matvec_launch, matvec_ref, matvec_rows_launch)
+                                    _partials_rstd, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
@@ -297,13 +297,12 @@ def moe_group_launch(pairs: int, e: int, top_k: int, chunk: int, target) -> dict
 
 def moe_grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunk: int, target, pair: bool = False) -> dict:
     """moe_gate_up_grouped's (``pair``: n = I, k = H) and moe_down_grouped's (n = H, k = I) launch: grid
-    [C chunks, ceil(n / BLOCK_N)], the tiles of the few-rows matvec (matvec_rows_launch) for one expert's
-    [n, k] matrix at ``chunk`` rows."""
-    rows = matvec_rows_launch(chunk, n, k, group, target, pair=pair)
-    c = rows["constexprs"]
-    return {"grid": [grouped_chunks(pairs, e, chunk), -(-n // c["BLOCK_N"]), 1], "num_warps": rows["num_warps"],
-            "constexprs": {"P": pairs, "E": e, "N": n, "K": k, "GROUP": group, "BLOCK_N": c["BLOCK_N"],
-                           "BLOCK_K": c["BLOCK_K"], "R": chunk}}
+    [C chunks, ceil(n / BLOCK_N)], the moe rule's grouped tiles (BLOCK_N rows of one expert's [n, k] matrix,
+    BLOCK_K inputs a tile, a multiple of the q4 group) for ``chunk`` rows."""
+    bn, bk, warps = target.rules["moe"].grouped_gate_up if pair else target.rules["moe"].grouped_down
+    bn, bk = min(bn, pow2_at_least(n)), max(group, min(bk, pow2_at_least(k)))
+    return {"grid": [grouped_chunks(pairs, e, chunk), -(-n // bn), 1], "num_warps": warps,
+            "constexprs": {"P": pairs, "E": e, "N": n, "K": k, "GROUP": group, "BLOCK_N": bn, "BLOCK_K": bk, "R": chunk}}
 
 
 def moe_combine_launch(m: int, h: int, top_k: int, target) -> dict:

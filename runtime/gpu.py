@@ -73,15 +73,15 @@ def graph_spec_enabled() -> bool:
 
 
 def spec_sampling_enabled() -> bool:
-    """The KESTREL_SPEC_SAMPLING gate (speculative plans, requests at temperature > 0): off unless
-    KESTREL_SPEC_SAMPLING=1. Off, a sampled request decodes plainly (one-token steps, the many-CTA sampler);
-    on, it speculates with the iteration's speculative-sampling kernels. Off by default because their first,
-    one-program-a-row form took 46.5 ms/token on the H200 at 27B q4 against plain sampling's 6.3
-    (bench/results/stop22, call 7); they are now many-program (kernels/speculative.py: spec_filter, then
-    draft_sample / spec_sample_rows), not yet measured: the default waits for that measurement
-    (bench/device_spec.py, bench/device_decode_kernels.py). Greedy requests and ``--draft-source replay:``
-    do not read it."""
-    return os.environ.get("KESTREL_SPEC_SAMPLING", "0") == "1"
+    """The KESTREL_SPEC_SAMPLING gate (speculative plans, requests at temperature > 0): on unless
+    KESTREL_SPEC_SAMPLING=0. On, a sampled request speculates with the iteration's speculative-sampling
+    kernels (kernels/speculative.py: spec_filter, then draft_sample / spec_sample_rows, many programs a
+    row); off, it decodes plainly (one-token steps, the many-CTA sampler). Their first, one-program-a-row
+    form took 46.5 ms/token at 27B q4 on the H200 against plain sampling's 6.3 (bench/results/stop22, call 7),
+    so the gate was off by default; the many-program form costs a 27B q4 iteration 0.081 ms over the greedy
+    one at temperature 0.7 / top-p 0.8 / top-k 20 (bench/results/stop23, call 4), so it is on. Greedy
+    requests and ``--draft-source replay:`` do not read it."""
+    return os.environ.get("KESTREL_SPEC_SAMPLING", "1") != "0"
 
 
 class _DynSlots:
@@ -190,7 +190,7 @@ class GpuStep:
         # its iteration (KESTREL_GRAPH_SPEC), each its own graph with plain edges, built here at load
         self.spec_k = b.draft_tokens if b.spec_launches else 0
         # speculative sampling at temperature > 0 (plans from before it speculate greedily only), under the
-        # KESTREL_SPEC_SAMPLING gate (off: sampled requests decode plainly, much faster today)
+        # KESTREL_SPEC_SAMPLING gate (0: sampled requests decode plainly)
         self.spec_sampling = bool(self.spec_k) and spec_sampling_enabled() and any(
             launch["op"] == "spec_sample_rows" for launch in lp["speculative"]["iteration"]["launches"])
         self.spec_prefill_launches = [self._pack(launch) for launch in b.spec_prefill_launches or []]

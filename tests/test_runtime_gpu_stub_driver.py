@@ -292,12 +292,12 @@ def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(spec_plan
     assert r.returncode != 0 and "speculative iterations moved the position" in r.stderr, r.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KESTREL_SPEC_SAMPLING")}
     sampled = RUN.format(stubs=STUBS, plan=path, extra=["--no-graph", "--temperature", "0.5"])
-    # temperature > 0 speculates under KESTREL_SPEC_SAMPLING=1 (speculative sampling on the device): the same guard
-    r = subprocess.run([sys.executable, "-c", sampled], capture_output=True, text=True,
-                       env=env | {"KESTREL_SPEC_SAMPLING": "1"})
-    assert r.returncode != 0 and "speculative iterations moved the position" in r.stderr, r.stderr[-2000:]
-    # by default (the gate off) it decodes plainly: no speculative iteration, so no such error
+    # temperature > 0 speculates by default (speculative sampling on the device): the same guard
     r = subprocess.run([sys.executable, "-c", sampled], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "speculative iterations moved the position" in r.stderr, r.stderr[-2000:]
+    # with the gate off (KESTREL_SPEC_SAMPLING=0) it decodes plainly: no speculative iteration, so no such error
+    r = subprocess.run([sys.executable, "-c", sampled], capture_output=True, text=True,
+                       env=env | {"KESTREL_SPEC_SAMPLING": "0"})
     assert "speculative iterations moved the position" not in r.stderr, r.stderr[-2000:]
 
 
