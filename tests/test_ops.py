@@ -53,10 +53,11 @@ def _tiny_speculative_programs():
 
 
 def _tiny_next_programs():
-    """tiny-next (Qwen3-Next, MoE) for sm_90, q4: the one-token and the 8-row step."""
+    """tiny-next (Qwen3-Next, MoE) for sm_90, q4: the one-token step, the 8-row step (each row's experts) and the
+    16-row one (grouped by expert)."""
     cfg = parse_config(PRESETS["tiny-next"], "preset tiny-next")
     one = run_passes(lower(cfg, 64), PassOptions("sm_90", "q4"))
-    return one, run_passes(lower(cfg, 64, rows=8), PassOptions("sm_90", "q4", shares_arena_with=one))
+    return one, *(run_passes(lower(cfg, 64, rows=r), PassOptions("sm_90", "q4", shares_arena_with=one)) for r in (8, 16))
 
 
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
