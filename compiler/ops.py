@@ -670,7 +670,7 @@ def _infer_moe_gate_up_grouped(ins, a):
     """x [M, H], src [P], chunks [C, 4], stacked gate / up [E * I, H] -> act_s [P, I]."""
     x, src, chunks, wg, wu = ins
     e = a["experts"]
-    (m, h), (p,) = _t(x).shape, _t(src).shape
+    h, (p,) = _t(x).shape[1], _t(src).shape
     _need(_t(wg).shape == _t(wu).shape and _t(wg).shape[1] == h and _t(wg).shape[0] % e == 0,
           f"moe_gate_up_grouped: stacked gate / up {_t(wg).shape} must be [{e} * I, {h}]")
     return [_f32((p, _t(wg).shape[0] // e))]
@@ -1037,7 +1037,7 @@ def _moe_grouped(op: Op, t: Target) -> dict:
     pairs = op.outs[0].type.shape[0]
     n, k = w.type.shape[0] // e, w.type.shape[1]
     return {"kernel": f"{op.kind}_{w.type.dtype}",
-            **moe.moe_grouped_launch(pairs, e, n, k, _group(w), moe.FEW_ROWS, t, pair=op.kind == "moe_gate_up_grouped")}
+            **moe.moe_grouped_launch(pairs, e, n, k, _group(w), moe.GROUPED_CHUNK, t, pair=op.kind == "moe_gate_up_grouped")}
 
 
 def _moe_combine(op: Op, t: Target) -> dict:

@@ -166,6 +166,9 @@ def moe_experts_ref(x, ids, weights, wg, wu, wd, sg, su, sd, sgate) -> torch.Ten
 # count of any routing (P = M k pairs), rows past the used ones hold 0 pairs (their programs return).
 
 
+GROUPED_CHUNK = FEW_ROWS  # pairs a chunk at most: the few-rows matvec's rows a program
+
+
 def grouped_chunks(pairs: int, experts: int, chunk: int) -> int:
     """The most chunks any routing of ``pairs`` pairs over ``experts`` experts makes: sum over the experts
     used of ceil(n_e / chunk) <= (P + min(E, P) (chunk - 1)) / chunk."""

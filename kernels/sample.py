@@ -664,6 +664,30 @@ def _merge_candidates(partials_ptr, logits_ptr, m, arg, D, inv_t, u, k_on, top_k
 
 
 @triton.jit
+def _tile_candidates(row, x, offs, valid, m_t, k_on, top_k, pid, V: tl.constexpr, TILE: tl.constexpr,
+                     CAND: tl.constexpr):
+    """Phase 1's truncation words of tile ``pid`` (logits x at offs): its first CAND candidates in the order
+    (logit desc, index asc) at words _HDR.. (logits) and _HDR + CAND.. (indices; the unused slots -inf / V),
+    its first left-out key at word 3 and the count at word 4 (sample_kernel; spec_filter_kernel likewise)."""
+    key = _order_key(x)
+    cnt = tl.minimum(V - pid * TILE, CAND)  # the most _take_top takes
+    # top-k <= CAND: any prefix of top_k..cnt holds the tile's share of the top-k set (without
+    # top-k all cnt: a prefix of cnt / 2..cnt sent flat logits' top-p 0.9 to the full fallback on
+    # the H200, 1.6 ms; bench/results/stop21)
+    goal = tl.where(k_on & (top_k < cnt), top_k, cnt)
+    take = _take_top(key, valid, _kth_key(key, valid, goal, m_t, cnt), cnt)
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    n_take = tl.sum(take.to(tl.int32), axis=0)
+    tl.store(row + _HDR + slot, x, mask=take)
+    tl.store(row + _HDR + CAND + slot, offs.to(tl.float32, bitcast=True), mask=take)
+    c = tl.arange(0, CAND)
+    tl.store(row + _HDR + c, tl.full([CAND], float("-inf"), tl.float32), mask=c >= n_take)
+    tl.store(row + _HDR + CAND + c, tl.full([CAND], V, tl.int32).to(tl.float32, bitcast=True), mask=c >= n_take)
+    tl.store(row + 3, tl.max(tl.where(valid & ~take, key, _KEY_NONE), axis=0).to(tl.float32, bitcast=True))
+    tl.store(row + 4, n_take.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, seed_ptr, pos_ptr,
                   partials_ptr, ticket_ptr, sampled_ptr, V: tl.constexpr, TILE: tl.constexpr,
                   CAND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -747,24 +771,7 @@ def sample_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_ptr, 
         inv_t = 1.0 / temperature
         tl.store(row + 1, tl.sum(tl.where(x > float("-inf"), tl.exp((x - m_t) * inv_t), 0.0), axis=0))
         if trunc:
-            key = _order_key(x)
-            cnt = tl.minimum(V - pid * TILE, CAND)  # the most _take_top takes
-            # top-k <= CAND: any prefix of top_k..cnt holds the tile's share of the top-k set (without
-            # top-k all cnt: a prefix of cnt / 2..cnt sent flat logits' top-p 0.9 to the full fallback on
-            # the H200, 1.6 ms; bench/results/stop21)
-            goal = tl.where(k_on & (top_k < cnt), top_k, cnt)
-            take = _take_top(key, valid, _kth_key(key, valid, goal, m_t, cnt), cnt)
-            slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-            n_take = tl.sum(take.to(tl.int32), axis=0)
-            tl.store(row + _HDR + slot, x, mask=take)
-            tl.store(row + _HDR + CAND + slot, offs.to(tl.float32, bitcast=True), mask=take)
-            c = tl.arange(0, CAND)
-            tl.store(row + _HDR + c, tl.full([CAND], float("-inf"), tl.float32), mask=c >= n_take)
-            tl.store(row + _HDR + CAND + c, tl.full([CAND], V, tl.int32).to(tl.float32, bitcast=True),
-                     mask=c >= n_take)
-            e_t = tl.max(tl.where(valid & ~take, key, _KEY_NONE), axis=0)
-            tl.store(row + 3, e_t.to(tl.float32, bitcast=True))
-            tl.store(row + 4, n_take.to(tl.float32, bitcast=True))
+            _tile_candidates(row, x, offs, valid, m_t, k_on, top_k, pid, V, TILE, CAND)
 
     tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")

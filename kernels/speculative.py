@@ -27,7 +27,8 @@ import triton.language as tl
 
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.sample import (SCRATCH_HEADER, _HDR, _KEY_MAX, _KEY_NONE, _candidates, _kth_key, _large_keep,
-                                    _order_key, _sample_shape, _small_keep, _take_top, counter_hash, counter_hash32)
+                                    _sample_shape, _small_keep, _take_top, _tile_candidates, counter_hash,
+                                    counter_hash32)
 from kestrel.kernels.targets import pow2_at_least
 
 
@@ -534,20 +535,7 @@ def spec_filter_kernel(logits_ptr, temperature_ptr, top_p_ptr, top_k_ptr, min_p_
         tl.store(row + 2, tl.min(tl.where(x == m_t, offs, V), axis=0).to(tl.float32, bitcast=True))
         tl.store(row + 1, tl.sum(tl.where(x > float("-inf"), tl.exp((x - m_t) * inv_t), 0.0), axis=0))
         if trunc:  # the tile's candidates, as sample_kernel takes them
-            key = _order_key(x)
-            cnt = tl.minimum(V - pid * TILE, CAND)
-            goal = tl.where(k_on & (top_k < cnt), top_k, cnt)
-            take = _take_top(key, valid, _kth_key(key, valid, goal, m_t, cnt), cnt)
-            slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-            n_take = tl.sum(take.to(tl.int32), axis=0)
-            tl.store(row + _HDR + slot, x, mask=take)
-            tl.store(row + _HDR + CAND + slot, offs.to(tl.float32, bitcast=True), mask=take)
-            c = tl.arange(0, CAND)
-            tl.store(row + _HDR + c, tl.full([CAND], float("-inf"), tl.float32), mask=c >= n_take)
-            tl.store(row + _HDR + CAND + c, tl.full([CAND], V, tl.int32).to(tl.float32, bitcast=True),
-                     mask=c >= n_take)
-            tl.store(row + 3, tl.max(tl.where(valid & ~take, key, _KEY_NONE), axis=0).to(tl.float32, bitcast=True))
-            tl.store(row + 4, n_take.to(tl.float32, bitcast=True))
+            _tile_candidates(row, x, offs, valid, m_t, k_on, top_k, pid, V, TILE, CAND)
         tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
         ticket = tl.atomic_add(tickets_ptr + r, 1, sem="acq_rel", scope="gpu")
         if ticket == G - 1:  # the last program of the row merges its G tile rows, in program order

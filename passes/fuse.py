@@ -51,8 +51,7 @@ import copy
 
 from kestrel.compiler.ir import SCRATCH_PREFIX, IRError, Op, Program, TensorType, Value, Weight
 from kestrel.compiler.ops import OPS
-from kestrel.kernels.matvec import FEW_ROWS
-from kestrel.kernels.moe import grouped_chunks
+from kestrel.kernels.moe import GROUPED_CHUNK, grouped_chunks
 
 ATTN_PARTIALS, ATTN_TICKETS = SCRATCH_PREFIX + "attn_partials", SCRATCH_PREFIX + "attn_tickets"
 
@@ -407,7 +406,7 @@ def _grouped_moe(op: Op, experts: int) -> list[Op]:
     x, ids, wts, wg, wu, wd, sg, su, sd, sgate = op.ins
     m, h = x.type.shape
     pairs = m * ids.type.shape[1]
-    chunk = FEW_ROWS
+    chunk = GROUPED_CHUNK
     src, pos = Value(TensorType("i32", (pairs,))), Value(TensorType("i32", (pairs,)))
     chunks = Value(TensorType("i32", (grouped_chunks(pairs, experts, chunk), 4)))
     act = Value(TensorType("f32", (pairs, wg.type.shape[0] // experts)))

@@ -178,23 +178,23 @@ def test_grouped_experts_at_m_rows(dtype, rows):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)]).to(torch.int32)
     wts = torch.softmax(torch.randn(rows, k, generator=g), -1)
     pairs = rows * k
-    gl = moe.moe_group_launch(pairs, e, k, moe.FEW_ROWS, SM90)
+    gl = moe.moe_group_launch(pairs, e, k, moe.GROUPED_CHUNK, SM90)
     c_max = gl["constexprs"]["C"]
     src, pos = torch.full((pairs,), -5, dtype=torch.int32), torch.full((pairs,), -5, dtype=torch.int32)
     chunks = torch.full((c_max, 4), -5, dtype=torch.int32)
-    interpret(moe.moe_group_kernel)[(1,)](ids, src, pos, chunks, e, moe.FEW_ROWS, **gl["constexprs"])
-    ref_src, ref_pos, ref_chunks = moe.moe_group_ref(ids, e, moe.FEW_ROWS)
+    interpret(moe.moe_group_kernel)[(1,)](ids, src, pos, chunks, e, moe.GROUPED_CHUNK, **gl["constexprs"])
+    ref_src, ref_pos, ref_chunks = moe.moe_group_ref(ids, e, moe.GROUPED_CHUNK)
     assert torch.equal(src, ref_src) and torch.equal(pos, ref_pos) and torch.equal(chunks, ref_chunks)
     used = int((chunks[:, 2] > 0).sum())
-    assert used > e and used < c_max and (chunks[:, 2] <= moe.FEW_ROWS).all()  # runs cut, zero rows left over
+    assert used > e and used < c_max and (chunks[:, 2] <= moe.GROUPED_CHUNK).all()  # runs cut, zero rows left over
     group = w["wg"][2]
-    gu = moe.moe_grouped_launch(pairs, e, inter, h, group, moe.FEW_ROWS, SM90, pair=True)
+    gu = moe.moe_grouped_launch(pairs, e, inter, h, group, moe.GROUPED_CHUNK, SM90, pair=True)
     act = torch.full((pairs, inter), float("nan"))
     interpret(moe.moe_gate_up_grouped_kernel)[tuple(gu["grid"][:2])](x, src, chunks, w["wg"][0], w["wu"][0], act, e,
                                                                     **gu["constexprs"])
     ref_act = moe.moe_gate_up_grouped_ref(x, ref_src, ref_chunks, w["wg"][1], w["wu"][1], e)
     assert_close(act, ref_act, 2e-5, 1e-6, f"moe_gate_up_grouped {dtype}")
-    dn = moe.moe_grouped_launch(pairs, e, h, inter, w["wd"][2], moe.FEW_ROWS, SM90)
+    dn = moe.moe_grouped_launch(pairs, e, h, inter, w["wd"][2], moe.GROUPED_CHUNK, SM90)
     ys = torch.full((pairs, h), float("nan"))
     interpret(moe.moe_down_grouped_kernel)[tuple(dn["grid"][:2])](ref_act, chunks, w["wd"][0], ys, e, **dn["constexprs"])
     ref_ys = moe.moe_down_grouped_ref(ref_act, ref_chunks, w["wd"][1], e)
@@ -223,7 +223,7 @@ def aot_jobs():
         r = moe_topk_launch(1, e, k, t)
         jobs.append([f"moe_topk/{name}", "kestrel.kernels.moe:moe_topk_kernel",
                      ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"], r["num_warps"], t.cc])
-        gr = moe.moe_group_launch(256 * k, e, k, moe.FEW_ROWS, t)
+        gr = moe.moe_group_launch(256 * k, e, k, moe.GROUPED_CHUNK, t)
         jobs.append([f"moe_group/{name}", "kestrel.kernels.moe:moe_group_kernel",
                      ["*i32", "*i32", "*i32", "*i32", "i32", "i32"], gr["constexprs"], gr["num_warps"], t.cc])
         cb = moe.moe_combine_launch(256, h, k, t)
@@ -245,10 +245,10 @@ def aot_jobs():
                          ["*fp32", "*fp32", "*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32", "fp32"],
                          gn["constexprs"], gn["num_warps"], t.cc])
             pairs = 256 * k  # the M-row step's 256 rows, grouped by expert
-            gg = moe.moe_grouped_launch(pairs, e, inter, h, groups[0], moe.FEW_ROWS, t, pair=True)
+            gg = moe.moe_grouped_launch(pairs, e, inter, h, groups[0], moe.GROUPED_CHUNK, t, pair=True)
             jobs.append([f"moe_gate_up_grouped_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_grouped_kernel",
                          ["*fp32", "*i32", "*i32", wt, wt, "*fp32", "i32"], gg["constexprs"], gg["num_warps"], t.cc])
-            dg = moe.moe_grouped_launch(pairs, e, h, inter, groups[0], moe.FEW_ROWS, t)
+            dg = moe.moe_grouped_launch(pairs, e, h, inter, groups[0], moe.GROUPED_CHUNK, t)
             jobs.append([f"moe_down_grouped_{q}/{name}", "kestrel.kernels.moe:moe_down_grouped_kernel",
                          ["*fp32", "*i32", wt, "*fp32", "i32"], dg["constexprs"], dg["num_warps"], t.cc])
             da = moe_down_launch(1, e, h, inter, shared, k, groups[:2], t)
