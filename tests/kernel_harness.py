@@ -46,3 +46,79 @@ def run_aot_main(module: str, timeout: int = 900):
                        capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# A compile job: [key, "module:function", param types, constexprs, num_warps, cc, aligned (list or None)];
+# the result per key: the cubin's facts the tests check, or the error's text.
+COMPILE_SCRIPT = r"""
+import json, sys
+from kestrel.compiler.codegen import compile_kernel
+res = {}
+for key, fn, types, consts, num_warps, cc, aligned in json.loads(sys.stdin.read()):
+    try:
+        k = compile_kernel(key.split("/")[0], fn, types, consts, num_warps, cc, aligned)
+        res[key] = {"size": len(k.cubin), "magic": k.cubin[:4].hex(), "name": k.name, "num_warps": k.num_warps,
+                    "arch": k.arch, "shared": k.shared}
+    except Exception as e:  # reported per job by the test
+        res[key] = repr(e)[-2000:]
+print(json.dumps(res))
+"""
+
+
+class SplitCompile:
+    """``script`` (a JSON job list on stdin; one JSON object of results by key on its last line) run over
+    ``jobs`` split between a few clean processes (no TRITON_INTERPRET), started at once: AOT compiles are
+    single-threaded, so on a 2-core machine two processes halve the wait. ``result()`` waits and merges:
+    (return codes, results by key, stderr of the processes that failed)."""
+
+    def __init__(self, script: str, jobs: list, procs: int | None = None):
+        import tempfile
+
+        n = procs or max(1, min(4, len(os.sched_getaffinity(0))))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.procs = []
+        for i in range(n):
+            chunk = jobs[i::n]  # interleaved: each process gets every kind of kernel and every target
+            if not chunk:
+                continue
+            job, out, err = (tempfile.TemporaryFile("w+") for _ in range(3))
+            job.write(json.dumps(chunk))
+            job.seek(0)
+            self.procs.append((subprocess.Popen([sys.executable, "-c", script], stdin=job, stdout=out, stderr=err,
+                                                env=env), out, err))
+
+    def result(self, timeout: int = 900):
+        rcs, res, errs = [], {}, []
+        for p, out, err in self.procs:
+            rcs.append(p.wait(timeout=timeout))
+            out.seek(0)
+            err.seek(0)
+            text = out.read()
+            if rcs[-1] == 0:
+                res.update(json.loads(text.strip().splitlines()[-1]))
+            else:
+                errs.append(err.read()[-3000:])
+        return rcs, res, errs
+
+    def kill(self):
+        for p, _, _ in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def split_compile_fixture(script: str, jobs_fn, test_prefix: str):
+    """A module-scoped autouse fixture that starts ``SplitCompile(script, jobs_fn())`` when the module
+    starts — if a test whose name starts with ``test_prefix`` is selected — so the compiles run beside
+    the module's interpreter tests; it yields the SplitCompile (or None)."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def split_compile(request):
+        selected = any(item.module is request.module and item.name.startswith(test_prefix)
+                       for item in request.session.items)
+        sc = SplitCompile(script, jobs_fn()) if selected else None
+        yield sc
+        if sc is not None:
+            sc.kill()
+    return split_compile

@@ -4,7 +4,7 @@ against its own reference, and AOT compilation of both for every GPU target."""
 import pytest
 import torch
 
-from kernel_harness import assert_close, interpret
+from kernel_harness import assert_close, interpret, split_compile_fixture
 from kestrel.kernels.elementwise import l2norm_ref
 from kestrel.kernels.gated_delta import (conv1d_step_ref, gated_delta_step_ref, gdn_delta_kernel, gdn_delta_launch,
                                          gdn_delta_ref, gdn_gates_ref, gdn_norm_kernel, gdn_norm_launch, gdn_norm_ref,
@@ -126,15 +126,7 @@ print(json.dumps(res))
 """
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """All (kernel, shape, target) AOT compiles in ONE clean subprocess (no interpreter): a process
-    per compile would spend most of the time importing torch and triton."""
-    import json
-    import os
-    import subprocess
-    import sys
-
+def aot_jobs():
     jobs = []
     for kernel in KERNELS:
         for shape, dims in SHAPES.items():
@@ -142,11 +134,20 @@ def compiled():
                 launch = launch_of(kernel, dims, t)
                 jobs.append([f"{kernel}/{shape}/{name}", kernel, PARAMS[kernel], launch["constexprs"],
                              launch["num_warps"], t.cc])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(jobs), capture_output=True, text=True,
-                       env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return jobs
+
+
+# every job split between clean processes started with the module, beside its interpreter tests
+_aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_gdn_kernels_aot_compile")
+
+
+@pytest.fixture(scope="module")
+def compiled(_aot):
+    """All (kernel, shape, target) AOT compiles, in a few clean subprocesses (no interpreter): a process
+    per compile would spend most of the time importing torch and triton."""
+    rcs, res, errs = _aot.result()
+    assert all(rc == 0 for rc in rcs), errs
+    return res
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

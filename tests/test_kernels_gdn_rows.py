@@ -7,7 +7,7 @@ rules at the 27B shape, and AOT compilation of the kernels for every GPU target 
 import pytest
 import torch
 
-from kernel_harness import assert_close, interpret
+from kernel_harness import assert_close, interpret, split_compile_fixture
 from kestrel.kernels.gated_delta import (gdn_rows_delta_kernel, gdn_rows_delta_launch, gdn_rows_delta_ref,
                                          gdn_rows_norm_kernel, gdn_rows_norm_launch, gdn_rows_norm_ref, gdn_rows_ref)
 from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
@@ -246,14 +246,7 @@ print(json.dumps(res))
 """
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """Every (kernel, target) AOT compile in ONE clean subprocess (no interpreter)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
+def aot_jobs():
     jobs = []
     for variant, (kernel, types) in VARIANTS.items():
         for name in ALL_TARGETS:
@@ -262,11 +255,19 @@ def compiled():
             t = TARGETS[name]
             launch = launch_of(variant, QWEN_08B, t)
             jobs.append([f"{variant}/{name}", kernel, types, launch["constexprs"], launch["num_warps"], t.cc])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(jobs), capture_output=True, text=True,
-                       env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return jobs
+
+
+# every job split between clean processes started with the module, beside its interpreter tests
+_aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_rows_kernels_aot_compile")
+
+
+@pytest.fixture(scope="module")
+def compiled(_aot):
+    """Every (kernel, target) AOT compile, in a few clean subprocesses (no interpreter)."""
+    rcs, res, errs = _aot.result()
+    assert all(rc == 0 for rc in rcs), errs
+    return res
 
 
 @pytest.mark.parametrize("target", [n for n in ALL_TARGETS if n != "cpu"])

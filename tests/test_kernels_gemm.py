@@ -5,8 +5,8 @@ tensor-core dot. The H200 check, bench/device_gemm.py, compares those with the s
 import pytest
 import torch
 
-from kernel_harness import interpret
-from kestrel.compiler.codegen import compile_kernel
+from kernel_harness import COMPILE_SCRIPT, interpret, split_compile_fixture
+from kestrel.compiler.codegen import jit_name
 from kestrel.kernels.gemm import gemm_kernel, gemm_launch, gemm_ref, gemm_swiglu_kernel, gemm_swiglu_ref
 from kestrel.kernels.matvec import q4_pack, q4_unpack
 from kestrel.kernels.targets import TARGETS
@@ -50,17 +50,43 @@ def test_gemm_swiglu_matches_reference(m, n, k, group):
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
+# The 27B projections at M rows: bf16, q4 (a tile inside one scale group), q4 at group 32 (tiles across
+# groups), and the q4 MLP's gate/up pair
+AOT_CASES = [(gemm_kernel, "gemm", (256, 5120, 5120, 0), False), (gemm_kernel, "gemm", (256, 17408, 5120, 128), False),
+             (gemm_kernel, "gemm", (128, 1024, 1024, 32), False),
+             (gemm_swiglu_kernel, "gemm_swiglu", (128, 17408, 5120, 128), True)]
+
+
+def aot_jobs():
+    jobs = []
+    for target in sorted(TARGETS):
+        for jit, name, (m, n, k, group), swiglu in AOT_CASES:
+            c = gemm_launch(m, n, k, group, TARGETS[target], swiglu=swiglu)
+            w = "*u8" if group else "*bf16"
+            types = ["*fp32", w] + ([w] if swiglu else []) + ["*fp32"]
+            kid = f"{name}_" + ("q4g%d" % group if group else "bf16")
+            jobs.append([f"{kid}/{target}/{m}x{n}x{k}", jit_name(jit), types, c["constexprs"], c["num_warps"],
+                         TARGETS[target].cc, [True] * len(types)])
+    return jobs
+
+
+# every (case, target) compile in clean processes started with the module, beside its interpreter tests
+_aot = split_compile_fixture(COMPILE_SCRIPT, aot_jobs, "test_gemm_compiles_for_every_target")
+
+
+@pytest.fixture(scope="module")
+def aot_results(_aot):
+    return _aot.result()
+
+
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_gemm_compiles_for_every_target(target):
-    """The 27B projections at M rows: bf16, q4 (a tile inside one scale group), q4 at group 32 (tiles
-    across groups), and the q4 MLP's gate/up pair."""
-    jobs = [(gemm_kernel, "gemm", (256, 5120, 5120, 0), False), (gemm_kernel, "gemm", (256, 17408, 5120, 128), False),
-            (gemm_kernel, "gemm", (128, 1024, 1024, 32), False),
-            (gemm_swiglu_kernel, "gemm_swiglu", (128, 17408, 5120, 128), True)]
-    for jit, name, (m, n, k, group), swiglu in jobs:
-        c = gemm_launch(m, n, k, group, TARGETS[target], swiglu=swiglu)
-        w = "*u8" if group else "*bf16"
-        types = ["*fp32", w] + ([w] if swiglu else []) + ["*fp32"]
-        ck = compile_kernel(f"{name}_" + ("q4g%d" % group if group else "bf16"), jit, types, c["constexprs"],
-                            c["num_warps"], TARGETS[target].cc, [True] * len(types))
-        assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]
+def test_gemm_compiles_for_every_target(aot_results, target):
+    """The AOT_CASES compile for every target."""
+    rcs, res, errs = aot_results
+    assert all(rc == 0 for rc in rcs), errs
+    jobs = [j for j in aot_jobs() if j[0].split("/")[1] == target]
+    assert len(jobs) == len(AOT_CASES)
+    for key, _, _, _, num_warps, _, _ in jobs:
+        k = res[key]
+        assert isinstance(k, dict), f"{key}: {k}"
+        assert k["magic"] == b"\x7fELF".hex() and k["num_warps"] == num_warps, key

@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_harness import assert_close, interpret
-from kestrel.compiler.codegen import compile_kernel
+from kernel_harness import COMPILE_SCRIPT, assert_close, interpret, split_compile_fixture
+from kestrel.compiler.codegen import compile_kernel, jit_name
 from kestrel.kernels.embedding import (embedding_kernel, embedding_launch, embedding_ref, embedding_rows_kernel,
                                        embedding_rows_launch, embedding_rows_ref)
 from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
@@ -309,10 +309,10 @@ def test_step_end(pos, n_prompt):
     assert ref_pos == pos + 1 and ref_token == (100 + pos + 1 if pos + 1 < n_prompt else 1234)
 
 
-@pytest.mark.parametrize("cc", CCS)
-def test_aot_compiles_for_every_target(cc):
+def aot_jobs():
+    """Every kernel of this file at its sm_90 launch, for every target's cc (COMPILE_SCRIPT jobs)."""
     t = TARGETS["sm_90"]
-    jobs = [
+    kernels = [
         ("embedding_bf16", embedding_kernel, ["*bf16", "*i32", "*fp32"], embedding_launch(5120, t)),
         ("rmsnorm", rmsnorm_kernel, ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
         ("add_rmsnorm", add_rmsnorm_kernel, ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
@@ -328,10 +328,30 @@ def test_aot_compiles_for_every_target(cc):
         ("prefill_end", prefill_end_kernel, ["*i32"] * 6 + ["i32"],
          {**rows_tail_launch(1, t), "constexprs": {"BLOCK": 1024, "ROWS": 128, "S": 4096}}),
     ]
-    for kid, jit, types, launch in jobs:
-        k = compile_kernel(kid, jit, types, launch["constexprs"], launch["num_warps"], cc)
-        assert k.cubin[:4] == b"\x7fELF" and k.name and k.num_warps == launch["num_warps"]
-        assert k.arch == f"sm_{cc}{'a' if cc >= 90 else ''}"
+    return [[f"{kid}/{cc}", jit_name(jit), types, launch["constexprs"], launch["num_warps"], cc, None]
+            for cc in CCS for kid, jit, types, launch in kernels]
+
+
+# every (kernel, cc) compile in clean processes started with the module, beside its interpreter tests
+_aot = split_compile_fixture(COMPILE_SCRIPT, aot_jobs, "test_aot_compiles_for_every_target")
+
+
+@pytest.fixture(scope="module")
+def aot_results(_aot):
+    return _aot.result()
+
+
+@pytest.mark.parametrize("cc", CCS)
+def test_aot_compiles_for_every_target(aot_results, cc):
+    rcs, res, errs = aot_results
+    assert all(rc == 0 for rc in rcs), errs
+    jobs = [j for j in aot_jobs() if j[5] == cc]
+    assert len(jobs) == 9
+    for key, _, _, _, num_warps, _, _ in jobs:
+        k = res[key]
+        assert isinstance(k, dict), f"{key}: {k}"
+        assert k["magic"] == b"\x7fELF".hex() and k["name"] and k["num_warps"] == num_warps, key
+        assert k["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}", key
 
 
 def test_fill_random_matches_numpy_twin():

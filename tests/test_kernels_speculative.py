@@ -2,16 +2,11 @@
 references: the MTP head's join (concat), its input tokens (embedding_next_rows), the device-side
 decisions (spec_begin, argmax_rows, accept, draft_end, spec_end), the verify's Gated DeltaNet with
 per-row snapshots (gdn_rows_delta_snap, gdn_rows_norm_snap) and the rollback (gdn_rollback); and every
-one AOT-compiled for every GPU target (one clean subprocess)."""
-import json
-import os
-import subprocess
-import sys
-
+one AOT-compiled for every GPU target (clean subprocesses: kernel_harness.SplitCompile)."""
 import pytest
 import torch
 
-from kernel_harness import assert_close, interpret
+from kernel_harness import assert_close, interpret, split_compile_fixture
 from kestrel.compiler.ops import OPS
 from kestrel.kernels.embedding import embedding_next_rows_kernel, embedding_next_rows_ref, embedding_rows_launch
 from kestrel.kernels.gated_delta import (gdn_rollback_kernel, gdn_rollback_launch, gdn_rollback_ref,
@@ -267,13 +262,15 @@ print(json.dumps(res))
 """
 
 
+# the jobs split between clean processes started with the module, beside its interpreter tests
+_aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_speculative_kernel")
+
+
 @pytest.fixture(scope="module")
-def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(aot_jobs()), capture_output=True,
-                       text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def compiled(_aot):
+    rcs, res, errs = _aot.result()
+    assert all(rc == 0 for rc in rcs), errs
+    return res
 
 
 def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
