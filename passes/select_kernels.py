@@ -7,6 +7,11 @@ in compiler/ops.py (the rule's constants per target: kernels/targets.py); the ke
 family and the operand dtypes (``matvec_q4g128``, ``attn_step_bf16``). GPU targets take the fused
 program: an op with no GPU kernel (an unfused elementwise op) is an error that names it.
 
+A matmul whose result is MoE routing logits (moe_topk reads it) keeps fp32 activations at every M: at M
+rows it runs the matvec's few-rows form (each row computed as the one-token matvec computes it), never the
+tensor-core GEMM, whose bf16 activations flip the choice between near-tied experts (stop 23: the M-row
+prefill of 4 layers of Qwen3-Next-80B on the H200 routed differently from the one-token step).
+
 Target-dependent shapes are decided here too: the attention scratch states (made by fuse with one
 split) get the target's number of sequence splits, the sampling partials (made by the lowering with
 one row) a row per program of the target's sampling kernel, the speculative sampler's partials (spec_filter's)
@@ -18,6 +23,7 @@ import copy
 
 from kestrel.compiler.ir import IRError, Program
 from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view
+from kestrel.kernels import matvec
 from kestrel.kernels.attention import attn_splits
 from kestrel.kernels.sample import sample_scratch_shape
 from kestrel.kernels.speculative import spec_scratch_shape
@@ -64,6 +70,18 @@ def _size_norm_partials(p: Program, target) -> None:
             op.outs[1].type = type(op.outs[1].type)("f32", ((n + rows - 1) // rows,))
 
 
+def _routing_logits(p: Program) -> set[int]:
+    """The values moe_topk turns into routing (the router's logits)."""
+    return {id(op.ins[0]) for op in p.ops if op.kind == "moe_topk"}
+
+
+def _routing_launch(op, target) -> dict:
+    """The router's matmul at M rows: the few-rows matvec (fp32 activations), whatever M. (quantize keeps the
+    router bf16 / f32: never q4.)"""
+    (m, k), (n, _) = op.ins[0].type.shape, op.ins[1].type.shape
+    return {"kernel": "matvec_rows_" + op.ins[1].type.dtype, **matvec.matvec_rows_launch(m, n, k, 0, target)}
+
+
 def select_kernels(program: Program, target: str) -> Program:
     if target not in ALL_TARGETS:
         raise IRError(f"unknown target {target!r}; known: {', '.join(ALL_TARGETS)}")
@@ -74,6 +92,7 @@ def select_kernels(program: Program, target: str) -> Program:
         _size_sample_scratch(p, TARGETS[target])
         _size_spec_scratch(p, TARGETS[target])
         _size_norm_partials(p, TARGETS[target])
+    routing = _routing_logits(p)
     for op in p.ops:
         if is_view(op):
             op.launch = None
@@ -83,7 +102,10 @@ def select_kernels(program: Program, target: str) -> Program:
             kernel = OPS[op.kind].kernel
             if isinstance(kernel, NotApplicable):
                 raise IRError(f"op {op.kind!r} has no GPU kernel for {target}: {kernel.why}")
-            launch = kernel.launch(op, TARGETS[target])
+            if op.kind == "matmul" and len(op.ins[0].type.shape) == 2 and id(op.outs[0]) in routing:
+                launch = _routing_launch(op, TARGETS[target])
+            else:
+                launch = kernel.launch(op, TARGETS[target])
             op.launch = {k: v for k, v in launch.items() if k != "constexprs"} | launch.get("constexprs", {})
     return p
 
@@ -93,6 +115,7 @@ def check(program: Program) -> None:
     views have none."""
     if program.target not in ALL_TARGETS:
         raise IRError(f"select_kernels: the program's target is {program.target!r}")
+    routing = _routing_logits(program)
     for i, op in enumerate(program.ops):
         where = f"select_kernels: op #{i} ({op.kind})"
         if is_view(op):
@@ -108,3 +131,7 @@ def check(program: Program) -> None:
                 raise IRError(f"{where}: launch grid {grid!r} is not three positive integers")
             if not (isinstance(warps, int) and warps > 0):
                 raise IRError(f"{where}: num_warps {warps!r} is not a positive integer")
+            if (op.kind == "matmul" and id(op.outs[0]) in routing and len(op.ins[0].type.shape) == 2
+                    and not launch["kernel"].startswith("matvec_rows_")):
+                raise IRError(f"{where}: the router's logits at M rows must come from the few-rows matvec (fp32 "
+                              f"activations), not {launch['kernel']}")

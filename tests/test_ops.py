@@ -92,3 +92,22 @@ def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():
     kind = next(op.kind for op in unfused.ops if isinstance(OPS[op.kind].kernel, NotApplicable) and not is_view(op))
     with pytest.raises(IRError, match=re.escape(f"op '{kind}' has no GPU kernel for sm_90: {OPS[kind].kernel.why}")):
         select_kernels(unfused, "sm_90")
+
+
+def test_the_routers_logits_keep_fp32_activations_at_m_rows():
+    """The router's matmul (its logits read by moe_topk) runs the few-rows matvec at every M, the 16-row
+    step's included, where any other matmul takes the bf16 tensor-core GEMM; select_kernels' check refuses
+    a GEMM there."""
+    from kestrel.compiler.ir import IRError
+    from kestrel.passes import select_kernels
+
+    for prog in _tiny_next_programs()[1:]:
+        routing = {id(op.ins[0]) for op in prog.ops if op.kind == "moe_topk"}
+        routers = [op for op in prog.ops if op.kind == "matmul" and id(op.outs[0]) in routing]
+        assert len(routers) == 4 and all(op.launch["kernel"] == "matvec_rows_bf16" for op in routers)
+    grouped = _tiny_next_programs()[2]
+    assert any(op.launch["kernel"].startswith("gemm_") for op in grouped.ops if op.kind == "matmul")
+    router = next(op for op in grouped.ops if op.kind == "matmul" and op.launch["kernel"].startswith("matvec_rows"))
+    router.launch["kernel"] = "gemm_bf16"
+    with pytest.raises(IRError, match="router's logits at M rows must come from the few-rows matvec"):
+        select_kernels.check(grouped)
