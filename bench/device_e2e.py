@@ -63,7 +63,10 @@ def counted_generate(step, *args, **kw):
 def token_loop_checks(graph: GpuStep, stepwise_tokens: list[int]) -> dict:
     n_new = len(stepwise_tokens)
     g, calls = counted_generate(graph, PROMPT, n_new, SamplingParams())
-    res = {"plain_loop_tokens_equal_stepwise": g.tokens == stepwise_tokens, "driver_calls_per_request": calls,
+    res = {"plain_loop_tokens_equal_stepwise": g.tokens == stepwise_tokens,
+           "plain_loop_first_divergence": next((i for i, (x, y) in enumerate(zip(g.tokens, stepwise_tokens)) if x != y),
+                                               None),
+           "driver_calls_per_request": calls,
            "host_to_device_copies_per_request": calls.get("cuMemcpyHtoDAsync", 0),
            "graph_launches": calls.get("cuGraphLaunch", 0),
            "expected_graph_launches": len(PROMPT) + n_new - 1}

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Stop 23 on the GPU, one call: Qwen3-Next's one-row MoE kernels and its q4 matrices swept; compute-sanitizer;
-# the GPU path against the CPU reference; Qwen3-Next decode / prefill / profile; the speculative plans with
-# sampled speculation (the many-program sampler).
+# One device call of a stop (stop 23 on; it was bench/device_stop23.sh), the parts chosen by the environment:
+# Qwen3-Next's one-row MoE kernels and its q4 matrices swept; compute-sanitizer; the GPU path against the CPU
+# reference; Qwen3-Next decode / prefill / profile; the speculative plans with sampled speculation.
 #   MOE_SWEEP=1 MV_SWEEP=1 SANITIZE_PLANS="..." E2E_PLANS="..." NEXT_PLANS="..." SPEC_PLANS="..." SPEC_KERNELS=1 \
-#     bash bench/device_stop23.sh OUTDIR     (kestrel importable; bench/plans, bench/moe-sweep, bench/sweep-next carried)
+#     bash bench/device_stop.sh OUTDIR     (kestrel importable; bench/plans, bench/moe-sweep, bench/sweep-next carried)
+# Everything lands in OUTDIR/stop.tar.
 set -u
 out=$1; w=$(mktemp -d); t0=$(date +%s)
 ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
-save() { tar -C "$w" -cf "$out/stop23.tar" .; echo "[$(( $(date +%s) - t0 )) s] $1"; }
+save() { tar -C "$w" -cf "$out/stop.tar" .; echo "[$(( $(date +%s) - t0 )) s] $1"; }
 nvidia-smi --query-gpu=name,clocks.max.mem,clocks.max.sm,power.limit --format=csv,noheader
 if [ "${MOE_SWEEP:-0}" = 1 ]; then
   (cd bench && python3 moe_sweep.py time moe-sweep "$w/moe-sweep.json") > "$w/moe-sweep.txt" 2>&1
@@ -31,7 +32,7 @@ for p in ${SANITIZE_PLANS:-}; do  # memcheck over graph and streaming, greedy (s
 done
 for p in ${E2E_PLANS:-}; do  # the GPU path against the CPU reference (tokens, logits), graph vs streaming bytes
   python3 bench/device_e2e.py "$w/e2e-$p.json" "bench/plans/$p.plan" > "$w/e2e-$p.txt" 2>&1
-  python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(r['plan'], 'graph==stream', r['graph_equals_stream_tokens'], 'dump bytes identical', r['graph_vs_stream_dump_bytes_identical'], 'gpu vs cpu first divergence', r['gpu_vs_cpu_first_divergence'], 'max rel logits err', r['gpu_vs_cpu_max_rel_logits_err'], 'ms/token', r['ms_per_token_median'])" "$w/e2e-$p.json" || tail -5 "$w/e2e-$p.txt"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(r['plan'], 'graph==stream', r['graph_equals_stream_tokens'], 'dump bytes identical', r['graph_vs_stream_dump_bytes_identical'], 'gpu vs cpu first divergence', r['gpu_vs_cpu_first_divergence'], 'max rel logits err', r['gpu_vs_cpu_max_rel_logits_err'], 'plain loop == stepwise', r['plain_loop_tokens_equal_stepwise'], r['plain_loop_first_divergence'], 'ms/token', r['ms_per_token_median'])" "$w/e2e-$p.json" || tail -5 "$w/e2e-$p.txt"
   save "e2e $p"
 done
 for n in ${NEXT_PLANS:-}; do  # Qwen3-Next: decode against the honest roofline, prefill, the kernel profile
