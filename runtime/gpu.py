@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from kestrel.artifacts.errors import ArtifactError, DeviceError, DraftSourceError, UnsupportedError
+from kestrel.artifacts.errors import ArtifactError, DeviceError, DoesNotFitError, DraftSourceError, UnsupportedError
 from kestrel.artifacts.plan import Plan
 from kestrel.runtime import cuda as kc
 from kestrel.runtime.launch_binding import bind
@@ -109,6 +109,21 @@ class _DynSlots:
         self.step.copy_to_device(slot.address, buf)
 
 
+LOAD_RESERVE = 256 << 20  # what loading takes beside the arena once the context exists: cubins, graphs, events
+
+
+def check_free_memory(arena_bytes: int) -> None:
+    """DoesNotFitError (exit 12) unless the arena and LOAD_RESERVE fit the device's free memory now (other
+    processes hold part of it, or the plan was built for a larger GPU of its class): said with the numbers
+    before the allocation, not as CUDA_ERROR_OUT_OF_MEMORY from inside it."""
+    free, total = kc.check(kc.driver().cuMemGetInfo(), "cuMemGetInfo")
+    if arena_bytes + LOAD_RESERVE > free:
+        raise DoesNotFitError(f"this plan needs a {arena_bytes / 1e9:.1f} GB arena (+ {LOAD_RESERVE / 1e9:.2f} GB "
+                              f"for its kernels and graphs) and the GPU has {free / 1e9:.1f} GB free of "
+                              f"{total / 1e9:.1f} GB: free the GPU (nvidia-smi shows what holds it) or build a "
+                              f"smaller plan (--quant q4, a lower --max-seq)")
+
+
 class GpuStep:
     synchronous = False  # run() enqueues the steps on the stream
 
@@ -128,6 +143,7 @@ class GpuStep:
             raise ArtifactError("this plan has no device token sequence (made by an older Kestrel): rebuild it")
         self.max_seq = plan.manifest["max_seq"]
         self.stream = kc.check(cu.cuStreamCreate(0), "cuStreamCreate")
+        check_free_memory(lp["arena_bytes"])
         # one arena: the launch plan's regions back to back, bound to its address
         self.arena = kc.check(cu.cuMemAlloc(lp["arena_bytes"]), "cuMemAlloc (arena)")
         self.binding = b = bind(lp, int(self.arena))

@@ -387,3 +387,23 @@ def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     assert ops[:2] == ["spec_begin", "replay_drafts"] and phases[:2] == ["verify", "verify"]
     assert ops.count("draft_sample") == 2 and all(p == "draft" for o, p in zip(ops, phases) if o == "draft_sample")
     assert ops.count("spec_filter") == 3  # the verified rows' (one launch) and each draft's
+
+
+def test_a_plan_larger_than_the_free_memory_is_refused_at_load(plan):
+    """At load the runtime compares the arena (+ LOAD_RESERVE) with the device's free memory (cuMemGetInfo)
+    and stops with exit 12 and the numbers, before any allocation; with enough free memory it runs."""
+    from kestrel.runtime.gpu import LOAD_RESERVE
+
+    _, path = plan
+    arena = load_plan(path).launch_plan["arena_bytes"]
+    script = (f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {STUBS!r}); "
+              f"from kestrel.runtime.cli import main; "
+              f"sys.argv = ['kestrel-run', {path!r}, '--prompt-ids', '1,2', '--max-new-tokens', '2']; main()")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for free, code in ((arena + LOAD_RESERVE - 1, 12), (arena + LOAD_RESERVE, 0)):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=env | {"KESTREL_STUB_FREE_BYTES": str(free)})
+        assert r.returncode == code, r.stderr[-2000:]
+        if code:
+            line = r.stderr.strip().splitlines()[-1]
+            assert "needs a" in line and "GB free of 85.9 GB" in line and "--quant q4" in line, line

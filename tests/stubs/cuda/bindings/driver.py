@@ -158,6 +158,13 @@ def cuMemAlloc(n):
 
 
 @_count
+def cuMemGetInfo():
+    """(free, total): KESTREL_STUB_FREE_BYTES free of 80 GB (unset: all of it)."""
+    total = 80 << 30
+    return (OK, int(os.environ.get("KESTREL_STUB_FREE_BYTES", total)), total)
+
+
+@_count
 def cuMemAllocHost(n):
     return (OK, _alloc(n))
 
