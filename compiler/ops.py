@@ -666,10 +666,19 @@ def _infer_moe_group(ins, a):
     return [TensorType("i32", (p,)), TensorType("i32", (p,)), TensorType("i32", (moe.grouped_chunks(p, e, r), 4))]
 
 
+def _need_chunk_table(chunks, what: str) -> None:
+    _need(len(_t(chunks).shape) == 2 and _t(chunks).shape[1] == 4 and _t(chunks).dtype == "i32",
+          f"{what}: the chunk table must be i32 [C, 4], not {_t(chunks).dtype} {list(_t(chunks).shape)}")
+
+
 def _infer_moe_gate_up_grouped(ins, a):
-    """x [M, H], src [P], chunks [C, 4], stacked gate / up [E * I, H] -> act_s [P, I]."""
+    """x [M, H], src [P] (P = M k), chunks [C, 4], stacked gate / up [E * I, H] -> act_s [P, I]."""
     x, src, chunks, wg, wu = ins
     e = a["experts"]
+    _need(len(_t(x).shape) == 2 and len(_t(src).shape) == 1 and _t(src).dtype == "i32"
+          and _t(src).shape[0] % _t(x).shape[0] == 0,
+          f"moe_gate_up_grouped: x [M, H] and src i32 [M k], not {list(_t(x).shape)} / {list(_t(src).shape)}")
+    _need_chunk_table(chunks, "moe_gate_up_grouped")
     h, (p,) = _t(x).shape[1], _t(src).shape
     _need(_t(wg).shape == _t(wu).shape and _t(wg).shape[1] == h and _t(wg).shape[0] % e == 0,
           f"moe_gate_up_grouped: stacked gate / up {_t(wg).shape} must be [{e} * I, {h}]")
@@ -680,6 +689,7 @@ def _infer_moe_down_grouped(ins, a):
     """act_s [P, I], chunks [C, 4], stacked down [E * H, I] -> y_s [P, H]."""
     act, chunks, wd = ins
     e = a["experts"]
+    _need_chunk_table(chunks, "moe_down_grouped")
     _need(_t(wd).shape[1] == _t(act).shape[1] and _t(wd).shape[0] % e == 0,
           f"moe_down_grouped: stacked down {_t(wd).shape} must be [{e} * H, {_t(act).shape[1]}]")
     return [_f32((_t(act).shape[0], _t(wd).shape[0] // e))]

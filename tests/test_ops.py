@@ -111,3 +111,21 @@ def test_the_routers_logits_keep_fp32_activations_at_m_rows():
     router.launch["kernel"] = "gemm_bf16"
     with pytest.raises(IRError, match="router's logits at M rows must come from the few-rows matvec"):
         select_kernels.check(grouped)
+
+
+def test_grouped_moe_ops_check_their_routing_operands():
+    """moe_gate_up_grouped / moe_down_grouped refuse a chunk table that is not i32 [C, 4] and a src that is
+    not i32 [M k] (each named in the message)."""
+    from kestrel.compiler.ir import IRError
+
+    grouped = _tiny_next_programs()[2]
+    gu = next(op for op in grouped.ops if op.kind == "moe_gate_up_grouped")
+    dn = next(op for op in grouped.ops if op.kind == "moe_down_grouped")
+    x, src, chunks, wg, wu = gu.ins
+    OPS["moe_gate_up_grouped"].infer(gu.ins, gu.attrs)  # as built: accepted
+    with pytest.raises(IRError, match="moe_gate_up_grouped: the chunk table must be i32 \\[C, 4\\]"):
+        OPS["moe_gate_up_grouped"].infer([x, src, src, wg, wu], gu.attrs)
+    with pytest.raises(IRError, match="moe_gate_up_grouped: x \\[M, H\\] and src i32"):
+        OPS["moe_gate_up_grouped"].infer([x, chunks, chunks, wg, wu], gu.attrs)
+    with pytest.raises(IRError, match="moe_down_grouped: the chunk table"):
+        OPS["moe_down_grouped"].infer([dn.ins[0], src, dn.ins[2]], dn.attrs)
