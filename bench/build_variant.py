@@ -4,7 +4,8 @@ shipped default (the rows in kernels/targets.py are what builds use).
     python bench/build_variant.py matvec q4_warps=2 -- qwen3.5-0.8b --weights random --quant q4 \
         --target sm_90 -o bench/plans/variant.plan
 
-Everything after ``--`` goes to ``kestrelc build``.
+Everything after ``--`` goes to ``kestrelc build``. Several rows at once: ``family.field=value`` for each
+(``gdn_rows.num_warps=1 gdn_delta.num_warps=1 -- ...``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,15 @@ def patch(family: str, fields: dict) -> None:
 
 if __name__ == "__main__":
     cut = sys.argv.index("--")
-    family, *assignments = sys.argv[1:cut]
-    patch(family, {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in assignments)})
+    args = sys.argv[1:cut]
+    if "=" not in args[0]:  # FAMILY field=value ...
+        args = [f"{args[0]}.{a}" for a in args[1:]]
+    rows: dict = {}
+    for a in args:
+        name, value = a.split("=", 1)
+        family, field = name.split(".", 1)
+        rows.setdefault(family, {})[field] = ast.literal_eval(value)
+    for family, fields in rows.items():
+        patch(family, fields)
     sys.argv = ["kestrelc", "build"] + sys.argv[cut + 1:]
     kestrelc()

@@ -291,11 +291,13 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
 
 
 def moe_group_launch(pairs: int, e: int, top_k: int, chunk: int, target) -> dict:
-    """One program: the sort of the P pairs' keys (expert P + pair, all in registers) and the chunk table."""
+    """One program per expert (its pairs' sorted places and chunks; all P ids read by each), the moe rule's
+    group_warps. BLOCK_E: the histogram's bins (at least a warp's 32), BLOCK_J: an expert's chunks at most."""
     c = grouped_chunks(pairs, e, chunk)
-    return {"grid": [1, 1, 1], "num_warps": target.rules["moe"].group_warps,
+    return {"grid": [e, 1, 1], "num_warps": target.rules["moe"].group_warps,
             "constexprs": {"P": pairs, "TOPK": top_k, "E": e, "C": c, "R": chunk, "BLOCK_P": pow2_at_least(pairs),
-                           "BLOCK_C": pow2_at_least(c)}}
+                           "BLOCK_C": pow2_at_least(c), "BLOCK_E": max(32, pow2_at_least(e)),
+                           "BLOCK_J": pow2_at_least(-(-pairs // chunk))}}
 
 
 def moe_grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunk: int, target, pair: bool = False) -> dict:
@@ -502,49 +504,41 @@ def moe_down_add_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, r_ptr, s_ptr,
 
 
 @triton.jit
-def _max_i32(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def moe_group_kernel(ids_ptr, src_ptr, pos_ptr, chunks_ptr, experts, chunk, P: tl.constexpr, TOPK: tl.constexpr,
                      E: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    """``moe_group_ref`` in one program: the keys expert * P + pair (distinct: a stable order by expert)
-    sorted in registers; the sorted experts go through ``src`` once (each position reads its neighbours:
-    a run's first position, and how many of the next R - 1 share its expert), then ``src`` gets the rows;
-    chunk c at the c-th position whose rank in its run is a multiple of R; the rest of the table zeros."""
+                     BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr = False):
+    """``moe_group_ref``, one program per expert e (grid [E]), each reading all P routing ids: e's pairs go to
+    sorted positions base + rank (base: the pairs of smaller experts; rank: the pair's place among e's, by pair
+    index: the stable sort), so src / pos get e's entries; its chunks go to rows cbase + j (cbase: the chunks
+    of smaller experts, sum of ceil(n / R) over the expert histogram), j-th chunk (e, base + j R,
+    min(R, n - j R), 0); program e zeroes the unused table rows c = used .. C - 1 with c % E = e. No program
+    reads what another writes; deterministic."""
     pdl_wait(PDL)
+    e = tl.program_id(0)
     i = tl.arange(0, BLOCK_P)
     live = i < P
-    e = tl.load(ids_ptr + i, mask=live, other=0)
-    e = tl.minimum(tl.maximum(e, 0), E - 1)  # no expert outside the stacked weights whatever the buffer holds
-    key = tl.sort(tl.where(live, e * P + i, E * P))
-    p = key % P
-    es = key // P
-    tl.store(src_ptr + i, es, mask=live)
-    tl.debug_barrier()
-    prev = tl.load(src_ptr + i - 1, mask=live & (i > 0), other=-1)
-    run_start = tl.associative_scan(tl.where(live & (es != prev), i, 0), 0, _max_i32)
-    is_chunk = live & ((i - run_start) % R == 0)
-    n = tl.full([BLOCK_P], 1, tl.int32)
-    for d in tl.static_range(1, R):
-        nxt = tl.load(src_ptr + i + d, mask=i + d < P, other=-1)
-        n += (nxt == es).to(tl.int32)
-    c = tl.cumsum(is_chunk.to(tl.int32), axis=0) - 1
-    used = tl.sum(is_chunk.to(tl.int32), axis=0)
-    tl.debug_barrier()  # every neighbour read before src is rewritten
-    tl.store(src_ptr + i, p // TOPK, mask=live)
-    tl.store(pos_ptr + p, i, mask=live)
-    row = chunks_ptr + c * 4
-    tl.store(row, es, mask=is_chunk)
-    tl.store(row + 1, i, mask=is_chunk)
-    tl.store(row + 2, n, mask=is_chunk)
-    tl.store(row + 3, i * 0, mask=is_chunk)
-    j = tl.arange(0, BLOCK_C)
-    rest = (j >= used) & (j < C)
+    ids = tl.load(ids_ptr + i, mask=live, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1)  # no expert outside the stacked weights whatever the buffer holds
+    eq = live & (ids == e)
+    base = tl.sum((live & (ids < e)).to(tl.int32), axis=0)
+    n = tl.sum(eq.to(tl.int32), axis=0)
+    dst = base + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    tl.store(src_ptr + dst, i // TOPK, mask=eq)
+    tl.store(pos_ptr + i, dst, mask=eq)
+    per = (tl.histogram(ids, BLOCK_E, mask=live) + (R - 1)) // R  # chunks of each expert (bins >= E: none)
+    cbase = tl.sum(tl.where(tl.arange(0, BLOCK_E) < e, per, 0), axis=0)
+    used = tl.sum(per, axis=0)
+    j = tl.arange(0, BLOCK_J)
+    mine = j * R < n
+    row = chunks_ptr + (cbase + j) * 4
+    tl.store(row, j * 0 + e, mask=mine)
+    tl.store(row + 1, base + j * R, mask=mine)
+    tl.store(row + 2, tl.minimum(n - j * R, R), mask=mine)
+    tl.store(row + 3, j * 0, mask=mine)
+    c = tl.arange(0, BLOCK_C)
+    rest = (c >= used) & (c < C) & (c % E == e)
     for f in tl.static_range(4):
-        tl.store(chunks_ptr + j * 4 + f, j * 0, mask=rest)
+        tl.store(chunks_ptr + c * 4 + f, c * 0, mask=rest)
 
 
 @triton.jit

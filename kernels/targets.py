@@ -151,7 +151,7 @@ class MoeRule(Rule):
     gate_up_block_n: int        # moe_gate_up: rows per program
     gate_up_max_k: int          # moe_gate_up: the whole input in one tile up to this many inputs
     gate_up_warps: int
-    group_warps: int            # moe_group (the M-row pairs' sort, one program)
+    group_warps: int            # moe_group (one program per expert over all the M-row pairs)
     combine_block: int          # moe_combine: output columns per program
     grouped_gate_up: tuple      # moe_gate_up_grouped: (BLOCK_N, BLOCK_K, num_warps)
     grouped_down: tuple         # moe_down_grouped: (BLOCK_N, BLOCK_K, num_warps)
@@ -248,7 +248,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # with 4), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
     # moe_down: the matvec rule's tiles, its experts unrolled
     "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
-                   gate_up_warps=4, group_warps=8, combine_block=1024,
+                   gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), provenance=(_TUNING + "moe-sweep-h200.json",)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),

@@ -182,7 +182,7 @@ def test_grouped_experts_at_m_rows(dtype, rows):
     c_max = gl["constexprs"]["C"]
     src, pos = torch.full((pairs,), -5, dtype=torch.int32), torch.full((pairs,), -5, dtype=torch.int32)
     chunks = torch.full((c_max, 4), -5, dtype=torch.int32)
-    interpret(moe.moe_group_kernel)[(1,)](ids, src, pos, chunks, e, moe.GROUPED_CHUNK, **gl["constexprs"])
+    interpret(moe.moe_group_kernel)[tuple(gl["grid"][:1])](ids, src, pos, chunks, e, moe.GROUPED_CHUNK, **gl["constexprs"])
     ref_src, ref_pos, ref_chunks = moe.moe_group_ref(ids, e, moe.GROUPED_CHUNK)
     assert torch.equal(src, ref_src) and torch.equal(pos, ref_pos) and torch.equal(chunks, ref_chunks)
     used = int((chunks[:, 2] > 0).sum())
