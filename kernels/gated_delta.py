@@ -220,9 +220,11 @@ def gdn_norm_ref(o_raw, z, qkv, norm_w, conv_state, eps: float) -> torch.Tensor:
 def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
     """Grid [Hv, Dv / BLOCK_V]: one program per (value head, block of BLOCK_V state columns); the
     delta rule is independent per column of S. Constants from ``target.rules["gdn_delta"]``
-    (kernels/targets.py); on sm_90: 32 columns (128 bytes of a state row) at Dv >= 128: 192 programs
-    at Hv = 48, Dv = 128; smaller blocks (Dv / 4, at least 8) for small heads. The [BLOCK_DK, BLOCK_V]
-    tile is 32 fp32 per thread with 4 warps at Dk = 128."""
+    (kernels/targets.py); on sm_90: 8 columns and one warp a program (768 programs at Hv = 48, 256 at the
+    0.8B's Hv = 16): the kernel is latency-bound, so more, smaller programs, whose reductions over Dk stay
+    inside a warp, beat 32 columns with 4 warps (the H200 sweep of stop 24, bench/gdn_sweep.sh: Qwen3-Next
+    22.6 against 25.9 us a step for 3 layers, 0.8B 121 against 143 us). The [BLOCK_DK, BLOCK_V] tile is
+    32 fp32 per thread at Dk = 128."""
 
     r = target.rules["gdn_delta"]
     bdk = pow2_at_least(dk)
@@ -253,8 +255,10 @@ def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: 
     bench/results/stop17/prefill-big.json: 0.8B, 128 programs, 3.1 ms a chunk in chunks of 16 vs
     5.5 ms row by row; 27B, 384 programs, 25.1 vs 17.8 ms). Constants from
     ``target.rules["gdn_rows"]`` (kernels/targets.py). Row by row the loop is latency-bound, so its
-    blocks are narrower than the one-token kernel's, for more programs at once (sm_90: Dv / 8
-    within [8, 16], 4 warps: 384 programs at 27B, 128 at 0.8B). The chunked form's tensor-core
+    blocks are narrow, for many programs at once, and one warp each, so that the per-row reductions
+    over Dk need no barrier (sm_90: 8 columns, 1 warp: 768 programs at 27B, 512 at Qwen3-Next, 256 at
+    0.8B; stop 24's sweep, bench/gdn_sweep.sh: Qwen3-Next 0.49 against 1.05 ms a 256-row run for 3
+    layers with 16 columns and 4 warps; 0.8B 2.96 ms row by row against 3.12 in chunks). The chunked form's tensor-core
     products need BLOCK_V >= 16 (sm_90: 16 columns, 8 warps; at Dk = 128 its 16-row chunks compile
     with almost no register spills, 32- and 64-row chunks spill kilobytes)."""
     r = target.rules["gdn_rows"]

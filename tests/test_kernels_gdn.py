@@ -93,7 +93,7 @@ def test_gdn_delta_and_norm_match_their_references(hk, hv, dk, dv, kc):
 
 def test_launch_grids_at_27b():
     t = TARGETS["sm_90"]
-    assert gdn_delta_launch(16, 48, 128, 128, 4, t)["grid"] == [48, 4, 1]  # 192 programs
+    assert gdn_delta_launch(16, 48, 128, 128, 4, t)["grid"] == [48, 16, 1]  # 768 programs of one warp
     assert gdn_norm_launch(48, 128, 2 * 16 * 128 + 48 * 128, 4, t)["grid"] == [48, 1, 1]
 
 

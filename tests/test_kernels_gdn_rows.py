@@ -194,7 +194,7 @@ def test_launch_rules_at_27b():
             assert gx == hv and gy * k["BLOCK_V"] >= dv > (gy - 1) * k["BLOCK_V"] and gz == 1
             assert 128 <= gx * gy <= 1024, dl["grid"]  # enough programs for 132 SMs, each a serial loop
             assert k["BLOCK_DK"] == 128 and k["M"] == rows and k["W"] == 16480 and dl["num_warps"] in (1, 2, 4, 8)
-            # by default row by row at 27B: its grid has 384 programs, above the rule's row_min_programs
+            # by default row by row at 27B: its grid has 768 programs, above the rule's row_min_programs
             assert k["CHUNK"] == (0 if chunk is None else chunk)
             assert k["CHUNK"] == 0 or k["BLOCK_V"] >= 16
         nl = gdn_rows_norm_launch(rows, 16480, hv, dv, c, kc, SM90)
@@ -203,11 +203,13 @@ def test_launch_rules_at_27b():
         assert gx == hv and gy * k["BLOCK_M"] >= rows > (gy - 1) * k["BLOCK_M"] and gz == 1
         assert gx * gy * k["CH_PER_PROG"] >= c  # every conv-state channel has an owner
         assert k["BLOCK_CH"] >= k["CH_PER_PROG"] and k["BLOCK_DV"] == 128
-    assert gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=0)["grid"] == [48, 8, 1]  # 384
+    assert gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=0)["grid"] == [48, 16, 1]  # 768
     assert gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=16)["grid"] == [48, 8, 1]
     assert gdn_rows_norm_launch(512, 16480, hv, dv, c, kc, SM90)["grid"] == [48, 32, 1]
-    # 0.8B (16 value heads): 128 row-by-row programs, fewer than row_min_programs: chunks of 16 rows
-    assert gdn_rows_delta_launch(256, 8224, 16, 16, 128, 128, 4, SM90)["constexprs"]["CHUNK"] == 16
+    # 0.8B (16 value heads): 256 row-by-row programs, row_min_programs: row by row (stop 24: 2.96 ms a
+    # 256-row run against 3.12 in chunks of 16); 8 value heads would have 128: chunks of 16 rows
+    assert gdn_rows_delta_launch(256, 8224, 16, 16, 128, 128, 4, SM90)["constexprs"]["CHUNK"] == 0
+    assert gdn_rows_delta_launch(256, 8224, 16, 8, 128, 128, 4, SM90)["constexprs"]["CHUNK"] == 16
     with pytest.raises(ValueError):
         gdn_rows_delta_launch(512, 16480, hk, hv, dk, dv, kc, SM90, chunk=48)
     with pytest.raises(ValueError):
