@@ -71,6 +71,22 @@ def _close_zygote():
     _Zygote.close()
 
 
+def pytest_collection_finish(session):
+    """Start training test_numerics' byte models in the background (hf_checkpoints.TrainedInBackground) when
+    one of its tests will run."""
+    if os.environ.get("KESTREL_TEST_NO_PREFETCH") != "1" and any(
+            "trained" in getattr(item, "fixturenames", ()) and item.module.__name__ == "test_numerics"
+            for item in session.items):
+        from hf_checkpoints import TrainedInBackground
+
+        TrainedInBackground.start()
+
+
+def pytest_sessionfinish(session):
+    if "hf_checkpoints" in sys.modules:
+        sys.modules["hf_checkpoints"].TrainedInBackground.stop()
+
+
 def run_cli(*args, env=None, stdin=None):
     """Run a console entry point in a subprocess; returns CompletedProcess (text). ``kestrelc`` with the
     default environment runs in a child forked from a process that has already imported it (_Zygote):

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from kestrel.compiler.presets import random_weights
+from kestrel.compiler.presets import PRESETS, random_weights
 
 BASE = dict(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -164,3 +164,58 @@ def train_byte_model(folder: str, config: dict, steps: int = 250, seed: int = 0)
         opt.zero_grad()
     model.eval().save_pretrained(folder)
     return model
+
+
+# The byte models test_numerics trains (train_byte_model), by name: the tiny preset's architecture and a
+# transformers config of other shapes.
+TRAINED = {"tiny": {k: v for k, v in PRESETS["tiny"].items() if k not in ("architectures", "model_type", "dtype")},
+           "transformers_base": dict(BASE, vocab_size=256)}
+
+
+class TrainedInBackground:
+    """The TRAINED models trained in child processes started when the session's tests are collected
+    (conftest.py, if a test that needs them was), one torch thread each, so that their minutes of CPU
+    training overlap the tests that run before theirs; ``folder(name)`` waits for one (training it here
+    if no child was started). KESTREL_TEST_NO_PREFETCH=1 trains in the fixture instead."""
+
+    root: str | None = None
+    jobs: dict = {}
+
+    @classmethod
+    def start(cls) -> None:
+        import json
+        import subprocess
+        import sys
+        import tempfile
+
+        cls.root = tempfile.mkdtemp(prefix="kestrel-trained-")
+        here = os.path.dirname(os.path.abspath(__file__))
+        for name, config in TRAINED.items():
+            folder = os.path.join(cls.root, name)
+            code = ("import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
+                    "from hf_checkpoints import train_byte_model; train_byte_model(sys.argv[2], json.loads(sys.argv[3]))")
+            cls.jobs[name] = (folder, subprocess.Popen([sys.executable, "-c", code, here, folder, json.dumps(config)],
+                                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+
+    @classmethod
+    def folder(cls, name: str, tmp_path_factory) -> str:
+        if name not in cls.jobs:
+            folder = str(tmp_path_factory.mktemp(name))
+            train_byte_model(folder, TRAINED[name])
+            return folder
+        folder, proc = cls.jobs[name]
+        _, err = proc.communicate()
+        assert proc.returncode == 0, f"training {name} in the background failed:\n{err[-3000:]}"
+        return folder
+
+    @classmethod
+    def stop(cls) -> None:
+        import shutil
+
+        for _, proc in cls.jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        cls.jobs = {}
+        if cls.root:
+            shutil.rmtree(cls.root, ignore_errors=True)

@@ -10,10 +10,10 @@
 import pytest
 import torch
 
-from hf_checkpoints import BASE, HELD_OUT, train_byte_model
+from hf_checkpoints import HELD_OUT, TRAINED, TrainedInBackground
 from kestrel.compiler.frontend import open_checkpoint
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
-from kestrel.compiler.presets import PRESETS, synthesize
+from kestrel.compiler.presets import synthesize
 from kestrel.compiler.qwen3_5 import lower
 from numerics import forced_logits, step_for
 
@@ -66,15 +66,13 @@ def agreement(ckpt, group, tokens):
 
 
 MAX_SEQ_EVAL = 600
-TINY_ARCH = {k: v for k, v in PRESETS["tiny"].items() if k not in ("architectures", "model_type", "dtype")}
-TRAINED = {"tiny": TINY_ARCH, "transformers_base": dict(BASE, vocab_size=256)}
 
 
 @pytest.fixture(scope="module", params=sorted(TRAINED))
 def trained(request, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp(request.param))
-    train_byte_model(folder, TRAINED[request.param])
-    return request.param, open_checkpoint(folder)
+    """hf_checkpoints.TRAINED[name], trained by train_byte_model (in the background from the session's start:
+    conftest.py)."""
+    return request.param, open_checkpoint(TrainedInBackground.folder(request.param, tmp_path_factory))
 
 
 @pytest.mark.parametrize("group", [128, 64])
