@@ -2,15 +2,11 @@
 the router's top-k (moe_topk over the matvec's logits: softmax, top-k with ties, renormalisation) and the grouped expert matvecs reading
 the expert ids from the routing buffer (f32, bf16, q4; one row and several rows routed differently);
 and each AOT-compiled for every GPU target at the 80B-A3B shapes."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from kernel_harness import assert_close, interpret
+from kernel_harness import assert_close, interpret, split_compile_fixture
 from kestrel.compiler.ops import OPS
 from kestrel.kernels.matvec import matvec_launch, matvec_ref, q4_pack, q4_unpack
 from kestrel.kernels.moe import (moe_down_add_kernel, moe_down_add_ref, moe_down_kernel, moe_down_launch, moe_down_ref,
@@ -272,13 +268,14 @@ print(json.dumps(res))
 """
 
 
-def test_aot_compiles_every_moe_kernel_for_every_target():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+# the jobs split between clean processes started with the module, beside its interpreter tests
+_aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_moe_kernel")
+
+
+def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
-    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], input=json.dumps(jobs), capture_output=True, text=True,
-                       env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    compiled = json.loads(r.stdout.strip().splitlines()[-1])
+    rcs, compiled, errs = _aot.result()
+    assert all(rc == 0 for rc in rcs), errs
     assert len(jobs) == 15 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
