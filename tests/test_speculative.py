@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from conftest import run_cli
-from hf_checkpoints import BASE, add_mtp_head, hf_greedy, make_text_checkpoint
+from hf_checkpoints import add_mtp_head, hf_greedy, make_next_checkpoint, make_text_checkpoint
 from kestrel.artifacts.errors import InputError, NoDraftHeadError
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler.build import build
-from kestrel.kernels.mtp import mtp_forward_ref
+from kestrel.compiler.frontend import read_config
+from kestrel.kernels.mtp import mtp_dims, mtp_forward_ref
 from kestrel.runtime.cpu import CpuStep
 from kestrel.runtime.generate import SamplingParams, generate
 
@@ -75,11 +76,23 @@ def test_oracle_checkpoint_speculative_equals_transformers_greedy(oracle, k):
     print(f"K={k}: {g.spec_iterations} iterations, {g.accepted_per_step:.2f} drafts accepted per iteration")
 
 
-def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
+@pytest.fixture(scope="module")
+def next_oracle(tmp_path_factory):
+    """A Qwen3-Next checkpoint saved by transformers (8 experts, top 2) given an MTP head (its layer a MoE block)."""
+    d = tmp_path_factory.mktemp("next_oracle")
+    ckpt = str(d / "ckpt")
+    model = make_next_checkpoint(ckpt, "e8k2")
+    head = add_mtp_head(ckpt, seed=3)
+    return model, ckpt, head, d
+
+
+@pytest.mark.parametrize("which", ["oracle", "next_oracle"])
+def test_compiled_drafts_equal_the_torch_mtp_forward(which, request):
     """After the speculative prefill, tokens[n + 1 .. n + K] are the head's drafts: compare them with
     ``mtp_forward_ref`` run over the prompt's rows (transformers' final-normed hidden states h_t and
-    the tokens x_{t+1}, at positions t), then chained on its own hidden state and drafts."""
-    model, ckpt, head, d = oracle
+    the tokens x_{t+1}, at positions t), then chained on its own hidden state and drafts. next_oracle: a
+    Qwen3-Next model and head (MoE), the speculative output also equal to transformers' greedy tokens."""
+    model, ckpt, head, d = request.getfixturevalue(which)
     k, n = 3, len(PROMPT)
     spec, _ = _steps(_build(ckpt, d / "drafts.plan", k, max_seq=64))
     spec.begin(PROMPT, 0.0, 1.0, 0)
@@ -91,8 +104,7 @@ def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
         assert seq[n] == int(model.lm_head(out)[-1].argmax())
         embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
         w = {name[len("mtp."):]: t for name, t in head.items()}
-        dims = dict(heads=BASE["num_attention_heads"], kv_heads=BASE["num_key_value_heads"],
-                    head_dim=BASE["head_dim"], rotary_dim=int(BASE["head_dim"] * 0.25), theta=10000.0, eps=1e-6)
+        dims = mtp_dims(read_config(ckpt)[1])
         nxt = torch.tensor(PROMPT[1:] + [seq[n]])
         m, past = mtp_forward_ref(w, embed[nxt], out, torch.arange(n), **dims)
         drafts, h, pos = [], m[-1:], n - 1
@@ -101,6 +113,62 @@ def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
             pos += 1
             h, past = mtp_forward_ref(w, embed[torch.tensor(drafts[-1:])], h, torch.tensor([pos]), past=past, **dims)
     assert seq[n + 1:] == drafts
+    if which == "next_oracle":
+        hf_tokens, _ = hf_greedy(model, PROMPT, 16)
+        spec.reset()
+        assert generate(spec, PROMPT, 16, SamplingParams()).tokens == hf_tokens
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_qwen3_next_mtp_reference_equals_transformers_decoder_layer(norm_topk):
+    """``mtp_forward_ref`` on a Qwen3-Next head (the layer's MLP a sparse MoE block) against an independent
+    computation: transformers' Qwen3NextDecoderLayer (full attention, MoE; eager attention with a causal mask)
+    loaded with the head's layer (experts fused as transformers holds them), between transformers'
+    Qwen3NextRMSNorm pre-fc norms, the fc product and the final norm, within 1e-4 relative over 6 rows;
+    the ref's ``past`` path too (4 rows, then 2 on their keys and values)."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextRMSNorm,
+                                                                    Qwen3NextRotaryEmbedding)
+
+    from hf_checkpoints import NEXT_BASE
+    from kestrel.compiler.frontend import mtp_expected_tensors, parse_config
+    from kestrel.compiler.presets import random_weights
+
+    raw = dict(NEXT_BASE, model_type="qwen3_next", norm_topk_prob=norm_topk)
+    cfg = parse_config(raw)
+    w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in random_weights(dict(mtp_expected_tensors(cfg)), 3).items()}
+    hf = Qwen3NextConfig(**dict(raw, num_hidden_layers=1, layer_types=["full_attention"]))
+    hf._attn_implementation = "eager"
+    layer = Qwen3NextDecoderLayer(hf, 0).eval()
+    assert type(layer.mlp).__name__ == "Qwen3NextSparseMoeBlock"
+    p, e = "layers.0.", range(cfg.num_experts)
+    sd = {k[len(p):]: v for k, v in w.items() if k.startswith(p) and ".experts." not in k}
+    sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[f"{p}mlp.experts.{i}.gate_proj.weight"],
+                                                             w[f"{p}mlp.experts.{i}.up_proj.weight"]]) for i in e])
+    sd["mlp.experts.down_proj"] = torch.stack([w[f"{p}mlp.experts.{i}.down_proj.weight"] for i in e])
+    layer.load_state_dict(sd, strict=True)
+
+    def norm(x, name):
+        n = Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        n.weight.data = w[name]
+        return n(x)
+
+    t, gen = 6, torch.Generator().manual_seed(0)
+    emb, hidden = torch.randn(t, cfg.hidden_size, generator=gen), torch.randn(t, cfg.hidden_size, generator=gen)
+    pos = torch.arange(5, 5 + t)
+    with torch.no_grad():
+        u = torch.cat([norm(emb, "pre_fc_norm_embedding.weight"), norm(hidden, "pre_fc_norm_hidden.weight")], -1) @ \
+            w["fc.weight"].T
+        causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = layer(u[None], position_embeddings=Qwen3NextRotaryEmbedding(hf)(u[None], pos[None]),
+                    attention_mask=causal, position_ids=pos[None])
+        want = norm(out[0], "norm.weight")
+        got, _ = mtp_forward_ref(w, emb, hidden, pos, **mtp_dims(cfg))
+        first, past = mtp_forward_ref(w, emb[:4], hidden[:4], pos[:4], **mtp_dims(cfg))
+        rest, _ = mtp_forward_ref(w, emb[4:], hidden[4:], pos[4:], past=past, **mtp_dims(cfg))
+    for what, g in (("one pass", got), ("4 rows, then 2 on their past", torch.cat([first, rest]))):
+        rel = ((g - want).abs().max() / want.abs().max()).item()
+        assert rel < 1e-4, f"{what}: {rel:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +181,17 @@ def _states(step, names):
     return {n: step.states[n].clone() for n in names}
 
 
-@pytest.mark.parametrize("weights", ["checkpoint", "random"])
-def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, weights):
+@pytest.mark.parametrize("preset,weights", [("tiny-mtp", "checkpoint"), ("tiny-mtp", "random"),
+                                            ("tiny-next-mtp", "random")])
+def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, preset, weights):
     """Random drafts are rejected: every iteration rolls its Gated DeltaNet layers back. After the
-    speculative run, every state equals a plain run's at the same position, bit for bit."""
+    speculative run, every state equals a plain run's at the same position, bit for bit. tiny-next-mtp:
+    Qwen3-Next (fused GDN projections, MoE blocks; the head's layer a MoE block) with K = 3, the prompt
+    in M-row chunks of 16 (its MoE grouped by expert; the head's over the chunk too) and 8."""
     path, d = tiny_mtp
-    if weights == "random":
+    if preset == "tiny-next-mtp":
+        path = _build(preset, d / "next.plan", 3, max_seq=96, prefill_rows=16, weights="random", seed=3)
+    elif weights == "random":
         path = _build("tiny-mtp", d / "random.plan", 2, max_seq=96, prefill_rows=8, weights="random", seed=7)
     spec, plain = _steps(path)
     prompt = list(b"Speculate, then roll back.")
