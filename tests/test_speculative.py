@@ -343,11 +343,12 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
     3 times across iterations, so the rollback returns to every verified row; the output equals plain
     decoding's throughout. qwen3_next: the same with Qwen3-Next's fused GDN projections and MoE blocks, the
     head's layer a MoE block too (measured: 3.00 of 3 drafts accepted per iteration, as Qwen3.5's; with q4 drafts
-    3.00; its head with noise of 0.9 sd 1.62 of 3, iterations accepting 0 / 1 / 2 / 3: 3 / 8 / 10 / 5)."""
+    3.00; its head with noise of 1 sd 1.95 of 3, iterations accepting 0 / 1 / 2 / 3 drafts: 3 / 6 / 6 / 9)."""
     from safetensors.torch import load_file
 
     ckpt = str(tmp_path / "ckpt")
-    mtp_loss = _train_model_with_mtp(ckpt, model_type=model_type)
+    steps = {"steps": 50, "mtp_steps": 60} if model_type == "qwen3_next" else {}  # (as many drafts accepted)
+    mtp_loss = _train_model_with_mtp(ckpt, model_type=model_type, **steps)
     prompt = PERIOD[3:] + PERIOD[:5]  # 25 tokens: the sequence from its 4th token on
     spec, plain = _steps(_build(ckpt, tmp_path / "k3.plan", 3, max_seq=128, prefill_rows=16))
     g = generate(spec, prompt, 60, SamplingParams())
@@ -375,7 +376,7 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
     head = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.startswith("mtp.")}
     # (Qwen3-Next's head, whose router noise also changes the experts, needs less: 1.5 sd left 0 of 3 iterations
     # accepting all 3 drafts)
-    for sigma in (1.5, 1.25, 1.75, 2.0) if model_type == "qwen3_5_text" else (0.9, 1.0, 0.8):
+    for sigma in (1.5, 1.25, 1.75, 2.0) if model_type == "qwen3_5_text" else (1.0, 1.1, 0.9):
         gen = torch.Generator().manual_seed(1)
         add_mtp_head(ckpt, tensors={k: v + sigma * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2
                                     else v for k, v in head.items()})
