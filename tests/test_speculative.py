@@ -56,13 +56,17 @@ def _build(model, path, k, **kw):
     return str(path)
 
 
+def _with_head(d, make):
+    """(transformers model, checkpoint folder, its MTP head's tensors, d): ``make(folder)`` saves the model in
+    d/ckpt, then an MTP head is added."""
+    ckpt = str(d / "ckpt")
+    model = make(ckpt)
+    return model, ckpt, add_mtp_head(ckpt, seed=3), d
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    d = tmp_path_factory.mktemp("oracle")
-    ckpt = str(d / "ckpt")
-    model = make_text_checkpoint(ckpt, "base")
-    head = add_mtp_head(ckpt, seed=3)
-    return model, ckpt, head, d
+    return _with_head(tmp_path_factory.mktemp("oracle"), lambda f: make_text_checkpoint(f, "base"))
 
 
 @pytest.mark.parametrize("k", [3, 1])
@@ -79,11 +83,7 @@ def test_oracle_checkpoint_speculative_equals_transformers_greedy(oracle, k):
 @pytest.fixture(scope="module")
 def next_oracle(tmp_path_factory):
     """A Qwen3-Next checkpoint saved by transformers (8 experts, top 2) given an MTP head (its layer a MoE block)."""
-    d = tmp_path_factory.mktemp("next_oracle")
-    ckpt = str(d / "ckpt")
-    model = make_next_checkpoint(ckpt, "e8k2")
-    head = add_mtp_head(ckpt, seed=3)
-    return model, ckpt, head, d
+    return _with_head(tmp_path_factory.mktemp("next_oracle"), lambda f: make_next_checkpoint(f, "e8k2"))
 
 
 @pytest.mark.parametrize("which", ["oracle", "next_oracle"])
