@@ -105,6 +105,8 @@ def _mlp_ref(W, w: dict, p: str, x: torch.Tensor, top_k: int, norm_topk: bool) -
     m = p + "mlp."
     if m + "gate.weight" not in w:
         return swiglu(m)
+    if top_k < 1:
+        raise ValueError("a head with a MoE block needs top_k (mtp_dims gives it from the config)")
     probs = torch.softmax(x @ W(m + "gate.weight").T, dim=-1)
     ids, vals = route_ref(probs, top_k)
     if norm_topk:
