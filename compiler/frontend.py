@@ -286,10 +286,7 @@ def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     for i, kind in enumerate(cfg.layer_types):
         p = f"layers.{i}."
         out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
-        out += moe_expected_tensors(cfg, i) if cfg.mlp_type(i) == "moe" else \
-            [(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-             (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
-             (p + "mlp.down_proj.weight", (h, cfg.intermediate_size))]
+        out += mlp_expected_tensors(cfg, p, i)
         if kind == "linear_attention":
             a = p + "linear_attn."
             hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -311,13 +308,22 @@ def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def moe_expected_tensors(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[int, ...]]]:
-    """A Qwen3-Next sparse MoE block's tensors as checkpoints store them (one tensor per expert and
-    projection: transformers' save_pretrained writes them so, and the released checkpoints are so):
-    the router ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the shared expert's
-    gate/up [Is, H] and down [H, Is], and ``mlp.shared_expert_gate`` [1, H]."""
+def mlp_expected_tensors(cfg: ModelConfig, p: str, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The MLP tensors of the decoder layer at ``p`` (``layers.3.``, ``mtp.layers.0.``) whose MLP kind is
+    layer index ``layer``'s (``ModelConfig.mlp_type``): a dense MLP of intermediate_size, or a sparse MoE
+    block (``moe_expected_tensors``)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    if cfg.mlp_type(layer) == "moe":
+        return moe_expected_tensors(cfg, p + "mlp.")
+    return [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i))]
+
+
+def moe_expected_tensors(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A Qwen3-Next sparse MoE block's tensors (under ``p``, ``layers.N.mlp.``) as checkpoints store them (one
+    tensor per expert and projection: transformers' save_pretrained writes them so, and the released
+    checkpoints are so): the router ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the
+    shared expert's gate/up [Is, H] and down [H, Is], and ``mlp.shared_expert_gate`` [1, H]."""
     h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    p = f"layers.{layer}.mlp."
     out = [(p + "gate.weight", (cfg.num_experts, h))]
     for e in range(cfg.num_experts):
         out += [(f"{p}experts.{e}.gate_proj.weight", (i, h)), (f"{p}experts.{e}.up_proj.weight", (i, h)),
@@ -337,23 +343,28 @@ def mtp_layers_in(raw: dict) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+# The MTP layer's index for its MLP kind: vLLM builds it as a Qwen3NextDecoderLayer whose layer_idx is read from
+# its prefix ``mtp.layers.0`` (extract_layer_index), so it is a sparse MoE block exactly when layer 0 of the
+# model would be one (mlp_only_layers, decoder_sparse_step): in every released Qwen3-Next it is.
+MTP_MLP_LAYER = 0
+
+
 def mtp_expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(checkpoint name, shape) of every tensor of the MTP head, as Qwen3.5 and Qwen3-Next releases
     name them (vLLM's qwen3_5_mtp.py / qwen3_next_mtp.py load the same names): the two pre-fc norms,
     ``fc`` joining [embedding | hidden] (``[H, 2H]``, embedding first), one full-attention decoder
-    layer with the model's MLP, and the final norm. Embedding table and lm_head are the model's."""
+    layer with the model's MLP (Qwen3-Next: the sparse MoE block, experts one tensor each as in the
+    model's layers; ``MTP_MLP_LAYER``), and the final norm. Embedding table and lm_head are the model's."""
     h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     p = MTP_PREFIX + "layers.0."
-    a, m = p + "self_attn.", p + "mlp."
+    a = p + "self_attn."
     return [(MTP_PREFIX + "pre_fc_norm_embedding.weight", (h,)), (MTP_PREFIX + "pre_fc_norm_hidden.weight", (h,)),
             (MTP_PREFIX + "fc.weight", (h, 2 * h)),
             (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
             (a + "q_proj.weight", (nh * hd * 2, h)), (a + "k_proj.weight", (nkv * hd, h)),
             (a + "v_proj.weight", (nkv * hd, h)), (a + "o_proj.weight", (h, nh * hd)),
-            (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,)),
-            (m + "gate_proj.weight", (cfg.intermediate_size, h)), (m + "up_proj.weight", (cfg.intermediate_size, h)),
-            (m + "down_proj.weight", (h, cfg.intermediate_size)),
-            (MTP_PREFIX + "norm.weight", (h,))]
+            (a + "q_norm.weight", (hd,)), (a + "k_norm.weight", (hd,))] + \
+        mlp_expected_tensors(cfg, p, MTP_MLP_LAYER) + [(MTP_PREFIX + "norm.weight", (h,))]
 
 
 class Checkpoint:
@@ -370,9 +381,6 @@ class Checkpoint:
         skipped: dict[str, int] = {}
         expected = dict(expected_tensors(cfg))
         self.mtp = mtp
-        if mtp and cfg.mlp_types:
-            raise UnsupportedError(f"{folder}: --speculative mtp is not supported for {cfg.model_type} yet (its "
-                                   f"MTP layer has a mixture-of-experts MLP): build without --speculative")
         if mtp:
             has_head = any(name.startswith(MTP_PREFIX) for name in index)
             if not has_head or mtp_layers == 0:
@@ -382,7 +390,7 @@ class Checkpoint:
                                        f"without --speculative")
             if mtp_layers not in (None, 1):
                 raise UnsupportedError(f"{folder}: mtp_num_hidden_layers {mtp_layers}: Kestrel drafts with one MTP "
-                                       f"layer (every released Qwen3.5 has one)")
+                                       f"layer (every released Qwen3.5 and Qwen3-Next has one)")
             expected.update(mtp_expected_tensors(cfg))
         self.tensors: dict[str, tuple[str, str, str, tuple]] = {}
         for hf_name, (fname, dtype, shape) in index.items():

@@ -1,5 +1,6 @@
-"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot, and
-``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``).
+"""Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot,
+``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``), and their
+Qwen3-Next counterparts ``tiny-next`` and ``tiny-next-mtp``.
 
 ``tiny`` is written in the same Hugging Face format a downloaded checkpoint has (config.json,
 model.safetensors, tokenizer.json) and then compiled through the ordinary frontend, so the preset
@@ -60,6 +61,8 @@ PRESETS["tiny-next"] = dict(PRESETS["tiny"], architectures=["Qwen3NextForCausalL
                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                             shared_expert_intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1,
                             mlp_only_layers=[])
+# ``tiny-next`` with a multi-token-prediction head (random): its layer is full attention with the sparse MoE MLP
+PRESETS["tiny-next-mtp"] = dict(PRESETS["tiny-next"], mtp_num_hidden_layers=1)
 
 
 def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:
@@ -90,7 +93,8 @@ QWEN35_SHAPES: dict[str, dict] = {
 # Qwen3-Next-80B-A3B (model_type qwen3_next), its published config.json: 48 layers (36 GDN + 12 attention),
 # hidden 2048, attention 16 / 2 heads of 256 with RoPE theta 1e7 on a quarter of the dims, GDN 16 key / 32
 # value heads of 128, every layer's MLP a sparse MoE block of 512 experts of 512, top 10 renormalised, a
-# shared expert of 512; vocab 151936, untied, 262144 positions, eos 151645. ~80B parameters, ~3B active.
+# shared expert of 512; vocab 151936, untied, 262144 positions, eos 151645, one MTP layer (read only by
+# ``--speculative mtp``: full attention and the same MoE block). ~80B parameters, ~3B active.
 QWEN3_NEXT_SHAPES: dict[str, dict] = {
     "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
                                num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -101,7 +105,7 @@ QWEN3_NEXT_SHAPES: dict[str, dict] = {
                                rms_norm_eps=1e-6, max_position_embeddings=262144, eos_token_id=151645,
                                num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
                                shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
-                               mlp_only_layers=[], full_attention_interval=4),
+                               mlp_only_layers=[], full_attention_interval=4, mtp_num_hidden_layers=1),
 }
 SHAPES: dict[str, dict] = QWEN35_SHAPES | QWEN3_NEXT_SHAPES  # every shapes-only preset (--weights random)
 

@@ -19,7 +19,7 @@ K + 1 rows, acceptance and rollback on the device).
 """
 from __future__ import annotations
 
-from kestrel.compiler.frontend import ModelConfig
+from kestrel.compiler.frontend import MTP_MLP_LAYER, MTP_PREFIX, ModelConfig
 from kestrel.compiler.ir import SCRATCH_PREFIX, TOKENS_STATE, Program
 from kestrel.compiler.launch_plan import REPLAY_STATE
 from kestrel.compiler.ops import emit
@@ -59,8 +59,8 @@ def checkpoint_source(cfg: ModelConfig, rel: str, shape) -> list:
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         sizes = [dk, dk, r * dv, r * dv] if fused == "in_proj_qkvz" else [r, r]
         return ["groups", hk, sizes, list(which), ["ckpt", ".".join(parts[:3] + [fused, "weight"])]]
-    if len(parts) == 6 and parts[2:4] == ["mlp", "experts"]:
-        return ["experts", ".".join(parts[:4] + ["*"] + parts[4:]), cfg.num_experts]
+    if len(parts) >= 6 and parts[-4:-2] == ["mlp", "experts"]:  # layers.N.mlp.experts.P.weight, mtp.layers.0.mlp...
+        return ["experts", ".".join(parts[:-2] + ["*"] + parts[-2:]), cfg.num_experts]
     return src
 
 
@@ -142,11 +142,17 @@ def _mlp(p: Program, cfg: ModelConfig, pre: str, h, weight):
     """The MLP of a decoder layer (after its own norm), on the residual stream h; returns its output."""
     h_dim, inter = cfg.hidden_size, cfg.intermediate_size
     x = emit(p, "rmsnorm", h, weight(pre + "post_attention_layernorm.weight", (h_dim,)), eps=cfg.rms_norm_eps)
-    if pre.startswith("layers.") and cfg.mlp_type(int(pre.split(".")[1])) == "moe":
+    if cfg.mlp_type(_mlp_layer(pre)) == "moe":
         return _moe(p, cfg, pre + "mlp.", x, weight)
     gate = emit(p, "matmul", x, weight(pre + "mlp.gate_proj.weight", (inter, h_dim)))
     up = emit(p, "matmul", x, weight(pre + "mlp.up_proj.weight", (inter, h_dim)))
     return emit(p, "matmul", emit(p, "swiglu", gate, up), weight(pre + "mlp.down_proj.weight", (h_dim, inter)))
+
+
+def _mlp_layer(pre: str) -> int:
+    """The layer index whose MLP kind the decoder layer at ``pre`` has: N for ``layers.N.``; for the MTP head's
+    ``mtp.layers.0.`` frontend.MTP_MLP_LAYER (vLLM reads the index from the prefix, as here)."""
+    return MTP_MLP_LAYER if pre.startswith(MTP_PREFIX) else int(pre.split(".")[1])
 
 
 def _moe(p: Program, cfg: ModelConfig, pre: str, x, weight):

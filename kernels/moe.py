@@ -65,9 +65,10 @@ def weight_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def route_ref(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top_k largest of probs [E], largest first, the lower index first among equal values."""
+    """The top_k largest of probs [E] (of each row of [.., E]), largest first, the lower index first among
+    equal values."""
     vals, idx = torch.sort(probs, descending=True, stable=True)
-    return idx[:top_k], vals[:top_k]
+    return idx[..., :top_k], vals[..., :top_k]
 
 
 def moe_router_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk: int):

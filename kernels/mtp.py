@@ -12,6 +12,12 @@ model's forward returns) and x_{t+1} the token that follows t,
     u = u + mlp(rmsnorm(u, post_attention_layernorm))       (one gated-attention decoder layer)
     m = rmsnorm(u, norm);  logits = lm_head(m)              (the model's lm_head; argmax: x_{t+2})
 
+The layer's MLP is the model's kind: Qwen3.5's dense SwiGLU MLP, or Qwen3-Next's sparse MoE block (router
+``mlp.gate``, top-k experts ``mlp.experts.N.*``, the shared expert gated by ``mlp.shared_expert_gate``;
+kernels/moe.py has its semantics). vLLM's Qwen3NextMultiTokenPredictor builds the layer as a
+Qwen3NextDecoderLayer with layer_type full_attention and the layer index of its prefix (0), so it has a MoE
+block exactly when the model's layer 0 has one (every released Qwen3-Next).
+
 All norms are the model's zero-centred ones. The rope / KV position of the row is t, the position of
 the hidden state (vLLM feeds the target's positions with the input ids shifted left by one). A chain
 of drafts continues from m: the next row is at position t + 1 with the draft x_{t+2} as token and m
@@ -31,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.moe import route_ref
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.targets import pow2_at_least
 
@@ -79,15 +86,48 @@ def _rope(x, positions, theta: float, rotary_dim: int):
     return torch.cat([rot * emb.cos() + rotated * emb.sin(), rest], dim=-1)
 
 
+def mtp_dims(cfg) -> dict:
+    """``mtp_forward_ref``'s shape keywords from a model config (compiler/frontend.py's ModelConfig)."""
+    return dict(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, eps=cfg.rms_norm_eps,
+                top_k=cfg.num_experts_per_tok, norm_topk=cfg.norm_topk_prob)
+
+
+def _mlp_ref(W, w: dict, p: str, x: torch.Tensor, top_k: int, norm_topk: bool) -> torch.Tensor:
+    """The MLP of the decoder layer at ``p`` on x [T, H]: dense SwiGLU, or with ``p + "mlp.gate.weight"`` in w
+    the sparse MoE block (route_ref's top_k of the router's softmax, renormalised when norm_topk; the shared
+    expert times sigmoid(shared_expert_gate . x)), experts by checkpoint name. Differentiable (tests train a
+    head with it): every expert runs on every row, weighted by its routing weight there (0 where not routed)."""
+    def swiglu(q):
+        g, u = x @ W(q + "gate_proj.weight").T, x @ W(q + "up_proj.weight").T
+        return (torch.nn.functional.silu(g) * u) @ W(q + "down_proj.weight").T
+
+    m = p + "mlp."
+    if m + "gate.weight" not in w:
+        return swiglu(m)
+    if top_k < 1:
+        raise ValueError("a head with a MoE block needs top_k (mtp_dims gives it from the config)")
+    probs = torch.softmax(x @ W(m + "gate.weight").T, dim=-1)
+    ids, vals = route_ref(probs, top_k)
+    if norm_topk:
+        vals = vals / vals.sum(-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for e in range(probs.shape[-1]):
+        y = y + (vals * (ids == e)).sum(-1, keepdim=True) * swiglu(f"{m}experts.{e}.")
+    return y + torch.sigmoid(x @ W(m + "shared_expert_gate.weight").T) * swiglu(m + "shared_expert.")
+
+
 def mtp_forward_ref(w: dict, emb_next: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, *, heads: int,
-                    kv_heads: int, head_dim: int, rotary_dim: int, theta: float, eps: float,
-                    past: tuple[torch.Tensor, torch.Tensor] | None = None):
+                    kv_heads: int, head_dim: int, rotary_dim: int, theta: float, eps: float, top_k: int = 0,
+                    norm_topk: bool = True, past: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The MTP head over T rows, causally (row i attends to ``past`` and rows 0..i).
 
     ``w``: the head's tensors by checkpoint name without the ``mtp.`` prefix (``fc.weight``,
-    ``layers.0.self_attn.q_proj.weight``, ...); ``emb_next`` [T, H]: embeddings of x_{t+1};
+    ``layers.0.self_attn.q_proj.weight``, ...; a Qwen3-Next head's experts one tensor each,
+    ``layers.0.mlp.experts.N.gate_proj.weight``); ``emb_next`` [T, H]: embeddings of x_{t+1};
     ``hidden`` [T, H]: the target's final-normed hidden states h_t (or the head's own m for a draft
-    chain); ``positions`` [T]: t. ``past``: keys and values [P, kv_heads, D] of earlier rows (after
+    chain); ``positions`` [T]: t. ``top_k`` / ``norm_topk``: the MoE block's routing (``mtp_dims`` gives
+    every keyword from a config). ``past``: keys and values [P, kv_heads, D] of earlier rows (after
     norm and rope), or None. Returns (m [T, H] after the head's final norm, (keys, values) of past +
     these rows)."""
     def W(name):
@@ -114,7 +154,5 @@ def mtp_forward_ref(w: dict, emb_next: torch.Tensor, hidden: torch.Tensor, posit
     scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
     o = torch.einsum("thn,nhd->thd", torch.softmax(scores, dim=-1), vv).reshape(t, heads * d)
     u = u + (o * torch.sigmoid(gate)) @ W(p + "self_attn.o_proj.weight").T
-    x = _norm(u, W(p + "post_attention_layernorm.weight"), eps)
-    mlp = torch.nn.functional.silu(x @ W(p + "mlp.gate_proj.weight").T) * (x @ W(p + "mlp.up_proj.weight").T)
-    u = u + mlp @ W(p + "mlp.down_proj.weight").T
+    u = u + _mlp_ref(W, w, p, _norm(u, W(p + "post_attention_layernorm.weight"), eps), top_k, norm_topk)
     return _norm(u, W("norm.weight"), eps), (keys, values)

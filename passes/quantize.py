@@ -18,7 +18,8 @@ Modes:
     matrix stays bf16. With tied embeddings, lm_head gets its own q4 copy and the table stays bf16.
 
 ``draft``: the precision of the draft model's matrices (the MTP head's, ``DRAFT_PREFIX``, and the copy
-of lm_head its drafts read: ``--draft-quant``), when it differs from ``mode``: only ``q4`` (drafts are
+of lm_head its drafts read: ``--draft-quant``), when it differs from ``mode``: only ``q4``, the head's MoE router
+and shared expert gate bf16 as under ``q4`` (drafts are
 proposals that the verify accepts or rejects by the model's own logits, so their precision changes how
 many are accepted, never the output).
 """
@@ -82,17 +83,19 @@ def quantize(program: Program, mode: str = "none", group: int = DEFAULT_Q4_GROUP
         raise ValueError(f"q4 group must be one of {Q4_GROUPS}")
     p = copy.deepcopy(program)
     matrices, tables = _roles(p)
-    for w in matrices:  # the draft model's matrices (never a table: the MTP head has its own lm_head copy)
-        if _draft(w, draft) and id(w) not in tables:
-            g = _q4_group_for(w.type.shape[1], group)
-            if g is not None:
-                w.type, w.source = type(w.type)(f"q4g{g}", w.type.shape), ["q4", g, w.source]
+    bf16_only = _bf16_matrices(p)
+    for w in p.weights.values():  # the draft model's matrices as q4 gives them (its MoE router and shared gate:
+        if not _draft(w, draft) or id(w) in tables:  # bf16; never a table: the MTP head has its own lm_head)
+            continue
+        if id(w) in bf16_only:
+            w.type, w.source = type(w.type)("bf16", w.type.shape), ["cast", "bf16", w.source]
+        elif w in matrices and (g := _q4_group_for(w.type.shape[1], group)) is not None:
+            w.type, w.source = type(w.type)(f"q4g{g}", w.type.shape), ["q4", g, w.source]
     if mode == "none":
         return p
     matrices = [w for w in matrices if not is_q4(w.type.dtype)]
-    bf16_only = _bf16_matrices(p)
     for w in p.weights.values():
-        if len(w.type.shape) == 2 and (id(w) in tables or w in matrices or id(w) in bf16_only):
+        if len(w.type.shape) == 2 and w.type.dtype == "f32" and (id(w) in tables or w in matrices or id(w) in bf16_only):
             w.type, w.source = type(w.type)("bf16", w.type.shape), ["cast", "bf16", w.source]
     for s in p.states.values():
         if s.name.endswith(("k_cache", "v_cache")):
@@ -124,6 +127,8 @@ def check(program: Program, mode: str, group: int = DEFAULT_Q4_GROUP, draft: str
     bf16_only = _bf16_matrices(program)
 
     def want(w: Weight) -> str:
+        if _draft(w, draft) and id(w) in bf16_only:
+            return "bf16"
         if _draft(w, draft) and id(w) in matrix_ids and id(w) not in tables:
             g = _q4_group_for(w.type.shape[1], group)
             if g:

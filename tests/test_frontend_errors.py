@@ -77,25 +77,55 @@ NEXT_CASES = {
 }
 
 
+# a Qwen3-Next MTP head (tiny-next-mtp, built with --speculative mtp): its layer's MoE block checked like the model's
+NEXT_MTP_CASES = {
+    "missing_head_expert": (lambda t: _pop(t, "mtp.layers.0.mlp.experts.3.down_proj.weight"),
+                            re.escape("missing tensor 'mtp.layers.0.mlp.experts.3.down_proj.weight' (expected shape "
+                                      "[128, 64])")),
+    "misshapen_head_router": (lambda t: _set(t, "mtp.layers.0.mlp.gate.weight", np.zeros((8, 64), np.float32)),
+                              r"'mtp.layers.0.mlp.gate.weight' has shape \[8, 64\], expected \[8, 128\]"),
+    "dense_head_mlp": (lambda t: _set(t, "mtp.layers.0.mlp.gate_proj.weight", np.zeros((384, 128), np.float32)),
+                       "unexpected tensor 'mtp.layers.0.mlp.gate_proj.weight'"),
+}
+
+
 @pytest.fixture(scope="module")
 def next_checkpoint(tmp_path_factory):
     return synthesize("tiny-next", str(tmp_path_factory.mktemp("next")))
 
 
-@pytest.mark.parametrize("case", sorted(NEXT_CASES))
-def test_broken_qwen3_next_checkpoint(case, next_checkpoint, tmp_path):
-    """Missing or misshapen expert tensors are named in one line (exit 4), before anything is written."""
+@pytest.fixture(scope="module")
+def next_mtp_checkpoint(tmp_path_factory):
+    return synthesize("tiny-next-mtp", str(tmp_path_factory.mktemp("next-mtp")))
+
+
+def _refused_in_one_line(src, edit, pattern, tmp_path, *args):
+    """A copy of checkpoint ``src`` with its tensors edited by ``edit`` is refused naming the tensor in one
+    line (exit 4), before anything is written."""
     import shutil
 
     ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(next_checkpoint, ckpt)
-    edit_tensors(ckpt, NEXT_CASES[case][0])
+    shutil.copytree(src, ckpt)
+    edit_tensors(ckpt, edit)
     out = tmp_path / "m.plan"
-    r = run_cli("kestrelc", "build", ckpt, "-o", str(out))
+    r = run_cli("kestrelc", "build", ckpt, "-o", str(out), *args)
     assert r.returncode == CheckpointError.exit_code, r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and re.search(NEXT_CASES[case][1], errors[0]), r.stderr
+    assert len(errors) == 1 and re.search(pattern, errors[0]), r.stderr
+
+
+@pytest.mark.parametrize("case", sorted(NEXT_CASES))
+def test_broken_qwen3_next_checkpoint(case, next_checkpoint, tmp_path):
+    """Missing or misshapen expert tensors are named in one line (exit 4), before anything is written."""
+    _refused_in_one_line(next_checkpoint, *NEXT_CASES[case], tmp_path)
+
+
+@pytest.mark.parametrize("case", sorted(NEXT_MTP_CASES))
+def test_broken_qwen3_next_mtp_head(case, next_mtp_checkpoint, tmp_path):
+    """--speculative mtp on a Qwen3-Next checkpoint: a missing or misshapen tensor of the head's MoE block, or a
+    dense MLP where the head's layer has a MoE block, named in one line (exit 4)."""
+    _refused_in_one_line(next_mtp_checkpoint, *NEXT_MTP_CASES[case], tmp_path, "--speculative", "mtp")
 
 
 def test_qwen3_next_config_errors(tmp_path):

@@ -70,8 +70,8 @@ MINI = dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, intermedia
             rms_norm_eps=1e-6, max_position_embeddings=128)
 
 
-@pytest.fixture(scope="module")
-def mini_checkpoint(tmp_path_factory):
+def _write_checkpoint(folder: str, raw: dict, seed: int) -> str:
+    """A checkpoint of config ``raw`` with random weights (presets.random_weights) in ``folder``."""
     import json
     import os
 
@@ -80,13 +80,17 @@ def mini_checkpoint(tmp_path_factory):
     from kestrel.compiler.frontend import expected_tensors, parse_config
     from kestrel.compiler.presets import random_weights
 
-    folder = str(tmp_path_factory.mktemp("mini"))
-    cfg = parse_config(MINI)
+    cfg = parse_config(raw)
     shapes = {"model." + n: s for n, s in expected_tensors(cfg)}
     shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    save_file(random_weights(shapes, 7), os.path.join(folder, "model.safetensors"))
-    json.dump(MINI, open(os.path.join(folder, "config.json"), "w"))
+    save_file(random_weights(shapes, seed), os.path.join(folder, "model.safetensors"))
+    json.dump(raw, open(os.path.join(folder, "config.json"), "w"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def mini_checkpoint(tmp_path_factory):
+    return _write_checkpoint(str(tmp_path_factory.mktemp("mini")), MINI, 7)
 
 
 def _begin(gpu, cpu, prompt: list[int]):
@@ -167,6 +171,42 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
         _close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
 
 
+def _state(gpu, cpu):
+    """state(name): a state of the plan as the interpreted arena and the CPU path hold it (f32)."""
+    def state(name):
+        w = cpu.states[name]
+        st = next(p.states[name] for p in (cpu.spec_program, cpu.program) if name in p.states)
+        g = gpu.view(gpu.b.regions["state"] + st.loc[1], {"f32": "*fp32", "bf16": "*bf16"}[st.type.dtype])
+        return g[:st.type.numel].float().reshape(st.type.shape), w.float()
+    return state
+
+
+def _speculate(gpu, cpu, tokens, iterations: int, state) -> list[int]:
+    """The speculative prefill (one chunk) and ``iterations`` iterations, greedy, on both paths: the same dyn
+    slots (drafts, acceptances, positions) and token sequence after each; the head's k cache, the verify's
+    logits and the first GDN layer's states (its snapshots included) within the GEMM's bf16 rounding.
+    Returns the drafts accepted per iteration."""
+    gpu.run(gpu.b.spec_prefill_launches)
+    cpu.run_spec_prefill(1)
+    for slot in ("pos", "token", "sampled", "dpos", "draft"):
+        assert gpu.dyn(slot) == cpu.dyn[slot], f"prefill: dyn.{slot}"
+    assert torch.equal(tokens, cpu.states["tokens"]), "prefill: token sequence"
+    _close("prefill: the head's k cache", *state("mtp.layers.0.k_cache"), 3e-2)
+    accepted = []
+    for it in range(iterations):
+        gpu.run(gpu.b.spec_launches)
+        cpu.run_spec(1)
+        for slot in ("pos", "token", "sampled", "npos", "dpos", "draft", "accepted", "vend"):
+            assert gpu.dyn(slot) == cpu.dyn[slot], f"iteration {it}: dyn.{slot}"
+        assert torch.equal(tokens, cpu.states["tokens"]), f"iteration {it}: token sequence"
+        _close(f"iteration {it}: verify logits", gpu.view(gpu.b.spec_outputs["logits"].address, "*fp32")[
+            :gpu.b.spec_outputs["logits"].numel], cpu.outputs["logits"].reshape(-1), 3e-2)
+        for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.0.recurrent_snap"):
+            _close(f"iteration {it}: {name}", *state(name), 3e-2)
+        accepted.append(gpu.dyn("accepted"))
+    return accepted
+
+
 def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_checkpoint, tmp_path):
     """--speculative mtp (K = 2, bf16): the speculative prefill's and iteration's launch lists (the MTP
     head over rows and one row, the verify with snapshots, acceptance, rollback, drafts) in the
@@ -192,31 +232,8 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_check
     prompt = [5, 9, 3]
     tokens = _begin(gpu, cpu, prompt)
 
-    def state(name):
-        w = cpu.states[name]
-        st = next(p.states[name] for p in (cpu.spec_program, cpu.program) if name in p.states)
-        g = gpu.view(gpu.b.regions["state"] + st.loc[1], {"f32": "*fp32", "bf16": "*bf16"}[st.type.dtype])
-        return g[:st.type.numel].float().reshape(st.type.shape), w.float()
-
-    for chunk in range(1):
-        gpu.run(gpu.b.spec_prefill_launches)
-        cpu.run_spec_prefill(1)
-        for slot in ("pos", "token", "sampled", "dpos", "draft"):
-            assert gpu.dyn(slot) == cpu.dyn[slot], f"prefill chunk {chunk}: dyn.{slot}"
-        assert torch.equal(tokens, cpu.states["tokens"]), f"prefill chunk {chunk}: token sequence"
-    _close("prefill: the head's k cache", *state("mtp.layers.0.k_cache"), 3e-2)
-    accepted = []
-    for it in range(2):
-        gpu.run(gpu.b.spec_launches)
-        cpu.run_spec(1)
-        for slot in ("pos", "token", "sampled", "npos", "dpos", "draft", "accepted", "vend"):
-            assert gpu.dyn(slot) == cpu.dyn[slot], f"iteration {it}: dyn.{slot}"
-        assert torch.equal(tokens, cpu.states["tokens"]), f"iteration {it}: token sequence"
-        _close(f"iteration {it}: verify logits", gpu.view(gpu.b.spec_outputs["logits"].address, "*fp32")[
-            :gpu.b.spec_outputs["logits"].numel], cpu.outputs["logits"].reshape(-1), 3e-2)
-        for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.0.recurrent_snap"):
-            _close(f"iteration {it}: {name}", *state(name), 3e-2)
-        accepted.append(gpu.dyn("accepted"))
+    state = _state(gpu, cpu)
+    accepted = _speculate(gpu, cpu, tokens, 2, state)
     print(f"accepted per iteration: {accepted}")
     for step in range(1):  # the one-token step continues from the iterations' states
         gpu.run()
@@ -270,21 +287,7 @@ MINI_NEXT = dict(MINI, model_type="qwen3_next", num_experts=6, num_experts_per_t
 
 @pytest.fixture(scope="module")
 def mini_next_checkpoint(tmp_path_factory):
-    import json
-    import os
-
-    from safetensors.numpy import save_file
-
-    from kestrel.compiler.frontend import expected_tensors, parse_config
-    from kestrel.compiler.presets import random_weights
-
-    folder = str(tmp_path_factory.mktemp("mini-next"))
-    cfg = parse_config(MINI_NEXT)
-    shapes = {"model." + n: s for n, s in expected_tensors(cfg)}
-    shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    save_file(random_weights(shapes, 11), os.path.join(folder, "model.safetensors"))
-    json.dump(MINI_NEXT, open(os.path.join(folder, "config.json"), "w"))
-    return folder
+    return _write_checkpoint(str(tmp_path_factory.mktemp("mini-next")), MINI_NEXT, 11)
 
 
 @pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4", 0)])
@@ -336,3 +339,37 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
         for slot in ("pos", "token", "sampled"):
             assert gpu.dyn(slot) == cpu.dyn[slot], f"step {step}: dyn.{slot}"
         _close(f"step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], bound)
+
+
+# Qwen3-Next with an MTP head at interpreter size: the GDN layer's MLP and the head's layer sparse MoE blocks (4
+# experts, top 2; the attention layer dense: mlp_only_layers), so the head's routing buffers and stacked experts
+# run in both speculative programs. (tiny-next-mtp itself is too slow here: its moe_down alone, one program per
+# output row, took 50 s an iteration in the interpreter.)
+MINI_NEXT_MTP = dict(MINI_NEXT, mlp_only_layers=[1], num_experts=4, num_experts_per_tok=2,
+                     shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("quant,k,iterations", [("bf16", 1, 1), ("q4", 2, 0)])
+def test_sm90_qwen3_next_speculative_programs_in_interpreter(quant, k, iterations, tmp_path):
+    """--speculative mtp on Qwen3-Next (sm_90): the speculative prefill's launch list (the M-row step with its
+    MoE block, the head's MoE block over the chunk's rows and, in q4 at K = 2, at one row for the second draft)
+    and, in bf16, an iteration's (the verify at K + 1 rows with snapshots, acceptance, rollback, the head's MoE
+    block over the verified rows) in the interpreter: the CPU path's drafts, acceptances and tokens (a 2-token
+    prompt, 2-row chunks: the interpreter takes ~30 ms a MoE program, 8 s an iteration)."""
+    from conftest import run_cli
+    from hf_checkpoints import add_mtp_head
+
+    ckpt = _write_checkpoint(str(tmp_path), MINI_NEXT_MTP, 11)
+    add_mtp_head(ckpt, seed=14)
+    path = str(tmp_path / f"mini-next-mtp-{quant}.plan")
+    r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", quant, "--max-seq", "16",
+                "--prefill-rows", "2", "--speculative", "mtp", "--draft-tokens", str(k))
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(path)
+    gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
+    head_moe = [op.kind for op in cpu.spec_program.ops if op.kind.startswith(("moe_", "rmsnorm_moe"))
+                and any(getattr(x, "name", "").startswith("mtp.") for x in op.ins)]
+    assert head_moe.count("moe_gate_up") + head_moe.count("rmsnorm_moe_gate_up") == k, head_moe
+    tokens = _begin(gpu, cpu, [5, 9])
+    accepted = _speculate(gpu, cpu, tokens, iterations, _state(gpu, cpu))
+    print(f"{quant}: tokens {tokens[:int(cpu.dyn['pos']) + k + 1].tolist()}, accepted per iteration {accepted}")

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from conftest import run_cli
-from hf_checkpoints import BASE, add_mtp_head, hf_greedy, make_text_checkpoint
+from hf_checkpoints import add_mtp_head, hf_greedy, make_next_checkpoint, make_text_checkpoint
 from kestrel.artifacts.errors import InputError, NoDraftHeadError
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler.build import build
-from kestrel.kernels.mtp import mtp_forward_ref
+from kestrel.compiler.frontend import read_config
+from kestrel.kernels.mtp import mtp_dims, mtp_forward_ref
 from kestrel.runtime.cpu import CpuStep
 from kestrel.runtime.generate import SamplingParams, generate
 
@@ -55,13 +56,17 @@ def _build(model, path, k, **kw):
     return str(path)
 
 
+def _with_head(d, make):
+    """(transformers model, checkpoint folder, its MTP head's tensors, d): ``make(folder)`` saves the model in
+    d/ckpt, then an MTP head is added."""
+    ckpt = str(d / "ckpt")
+    model = make(ckpt)
+    return model, ckpt, add_mtp_head(ckpt, seed=3), d
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    d = tmp_path_factory.mktemp("oracle")
-    ckpt = str(d / "ckpt")
-    model = make_text_checkpoint(ckpt, "base")
-    head = add_mtp_head(ckpt, seed=3)
-    return model, ckpt, head, d
+    return _with_head(tmp_path_factory.mktemp("oracle"), lambda f: make_text_checkpoint(f, "base"))
 
 
 @pytest.mark.parametrize("k", [3, 1])
@@ -75,11 +80,19 @@ def test_oracle_checkpoint_speculative_equals_transformers_greedy(oracle, k):
     print(f"K={k}: {g.spec_iterations} iterations, {g.accepted_per_step:.2f} drafts accepted per iteration")
 
 
-def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
+@pytest.fixture(scope="module")
+def next_oracle(tmp_path_factory):
+    """A Qwen3-Next checkpoint saved by transformers (8 experts, top 2) given an MTP head (its layer a MoE block)."""
+    return _with_head(tmp_path_factory.mktemp("next_oracle"), lambda f: make_next_checkpoint(f, "e8k2"))
+
+
+@pytest.mark.parametrize("which", ["oracle", "next_oracle"])
+def test_compiled_drafts_equal_the_torch_mtp_forward(which, request):
     """After the speculative prefill, tokens[n + 1 .. n + K] are the head's drafts: compare them with
     ``mtp_forward_ref`` run over the prompt's rows (transformers' final-normed hidden states h_t and
-    the tokens x_{t+1}, at positions t), then chained on its own hidden state and drafts."""
-    model, ckpt, head, d = oracle
+    the tokens x_{t+1}, at positions t), then chained on its own hidden state and drafts. next_oracle: a
+    Qwen3-Next model and head (MoE), the speculative output also equal to transformers' greedy tokens."""
+    model, ckpt, head, d = request.getfixturevalue(which)
     k, n = 3, len(PROMPT)
     spec, _ = _steps(_build(ckpt, d / "drafts.plan", k, max_seq=64))
     spec.begin(PROMPT, 0.0, 1.0, 0)
@@ -91,8 +104,7 @@ def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
         assert seq[n] == int(model.lm_head(out)[-1].argmax())
         embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
         w = {name[len("mtp."):]: t for name, t in head.items()}
-        dims = dict(heads=BASE["num_attention_heads"], kv_heads=BASE["num_key_value_heads"],
-                    head_dim=BASE["head_dim"], rotary_dim=int(BASE["head_dim"] * 0.25), theta=10000.0, eps=1e-6)
+        dims = mtp_dims(read_config(ckpt)[1])
         nxt = torch.tensor(PROMPT[1:] + [seq[n]])
         m, past = mtp_forward_ref(w, embed[nxt], out, torch.arange(n), **dims)
         drafts, h, pos = [], m[-1:], n - 1
@@ -101,6 +113,62 @@ def test_compiled_drafts_equal_the_torch_mtp_forward(oracle):
             pos += 1
             h, past = mtp_forward_ref(w, embed[torch.tensor(drafts[-1:])], h, torch.tensor([pos]), past=past, **dims)
     assert seq[n + 1:] == drafts
+    if which == "next_oracle":
+        hf_tokens, _ = hf_greedy(model, PROMPT, 16)
+        spec.reset()
+        assert generate(spec, PROMPT, 16, SamplingParams()).tokens == hf_tokens
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_qwen3_next_mtp_reference_equals_transformers_decoder_layer(norm_topk):
+    """``mtp_forward_ref`` on a Qwen3-Next head (the layer's MLP a sparse MoE block) against an independent
+    computation: transformers' Qwen3NextDecoderLayer (full attention, MoE; eager attention with a causal mask)
+    loaded with the head's layer (experts fused as transformers holds them), between transformers'
+    Qwen3NextRMSNorm pre-fc norms, the fc product and the final norm, within 1e-4 relative over 6 rows;
+    the ref's ``past`` path too (4 rows, then 2 on their keys and values)."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextRMSNorm,
+                                                                    Qwen3NextRotaryEmbedding)
+
+    from hf_checkpoints import NEXT_BASE
+    from kestrel.compiler.frontend import mtp_expected_tensors, parse_config
+    from kestrel.compiler.presets import random_weights
+
+    raw = dict(NEXT_BASE, model_type="qwen3_next", norm_topk_prob=norm_topk)
+    cfg = parse_config(raw)
+    w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in random_weights(dict(mtp_expected_tensors(cfg)), 3).items()}
+    hf = Qwen3NextConfig(**dict(raw, num_hidden_layers=1, layer_types=["full_attention"]))
+    hf._attn_implementation = "eager"
+    layer = Qwen3NextDecoderLayer(hf, 0).eval()
+    assert type(layer.mlp).__name__ == "Qwen3NextSparseMoeBlock"
+    p, e = "layers.0.", range(cfg.num_experts)
+    sd = {k[len(p):]: v for k, v in w.items() if k.startswith(p) and ".experts." not in k}
+    sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[f"{p}mlp.experts.{i}.gate_proj.weight"],
+                                                             w[f"{p}mlp.experts.{i}.up_proj.weight"]]) for i in e])
+    sd["mlp.experts.down_proj"] = torch.stack([w[f"{p}mlp.experts.{i}.down_proj.weight"] for i in e])
+    layer.load_state_dict(sd, strict=True)
+
+    def norm(x, name):
+        n = Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        n.weight.data = w[name]
+        return n(x)
+
+    t, gen = 6, torch.Generator().manual_seed(0)
+    emb, hidden = torch.randn(t, cfg.hidden_size, generator=gen), torch.randn(t, cfg.hidden_size, generator=gen)
+    pos = torch.arange(5, 5 + t)
+    with torch.no_grad():
+        u = torch.cat([norm(emb, "pre_fc_norm_embedding.weight"), norm(hidden, "pre_fc_norm_hidden.weight")], -1) @ \
+            w["fc.weight"].T
+        causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = layer(u[None], position_embeddings=Qwen3NextRotaryEmbedding(hf)(u[None], pos[None]),
+                    attention_mask=causal, position_ids=pos[None])
+        want = norm(out[0], "norm.weight")
+        got, _ = mtp_forward_ref(w, emb, hidden, pos, **mtp_dims(cfg))
+        first, past = mtp_forward_ref(w, emb[:4], hidden[:4], pos[:4], **mtp_dims(cfg))
+        rest, _ = mtp_forward_ref(w, emb[4:], hidden[4:], pos[4:], past=past, **mtp_dims(cfg))
+    for what, g in (("one pass", got), ("4 rows, then 2 on their past", torch.cat([first, rest]))):
+        rel = ((g - want).abs().max() / want.abs().max()).item()
+        assert rel < 1e-4, f"{what}: {rel:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +181,17 @@ def _states(step, names):
     return {n: step.states[n].clone() for n in names}
 
 
-@pytest.mark.parametrize("weights", ["checkpoint", "random"])
-def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, weights):
+@pytest.mark.parametrize("preset,weights", [("tiny-mtp", "checkpoint"), ("tiny-mtp", "random"),
+                                            ("tiny-next-mtp", "random")])
+def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, preset, weights):
     """Random drafts are rejected: every iteration rolls its Gated DeltaNet layers back. After the
-    speculative run, every state equals a plain run's at the same position, bit for bit."""
+    speculative run, every state equals a plain run's at the same position, bit for bit. tiny-next-mtp:
+    Qwen3-Next (fused GDN projections, MoE blocks; the head's layer a MoE block) with K = 3, the prompt
+    in M-row chunks of 16 (its MoE grouped by expert; the head's over the chunk too) and 8."""
     path, d = tiny_mtp
-    if weights == "random":
+    if preset == "tiny-next-mtp":
+        path = _build(preset, d / "next.plan", 3, max_seq=96, prefill_rows=16, weights="random", seed=3)
+    elif weights == "random":
         path = _build("tiny-mtp", d / "random.plan", 2, max_seq=96, prefill_rows=8, weights="random", seed=7)
     spec, plain = _steps(path)
     prompt = list(b"Speculate, then roll back.")
@@ -208,17 +281,23 @@ TRAIN = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_la
              head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
              linear_num_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None,
              pad_token_id=None, bos_token_id=None)
+# the same as Qwen3-Next: fused GDN projections, a sparse MoE block in both layers and in the MTP head's layer
+TRAIN_NEXT = dict(TRAIN, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1)
 PERIOD = [int(t) for t in torch.randperm(48, generator=torch.Generator().manual_seed(5))[:23]]
 
 
-def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, seed: int = 0):
-    """A Qwen3.5 model (transformers) trained on a repeating 23-token sequence, then its MTP head
-    trained (the model frozen) with ``mtp_forward_ref`` to predict x_{t+2} from x_{t+1} and the model's
-    final-normed h_t; saved as a checkpoint with the head. Returns the head's final training loss."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, seed: int = 0,
+                          model_type: str = "qwen3_5_text"):
+    """A Qwen3.5 model (transformers; ``model_type`` qwen3_next: a Qwen3-Next model of TRAIN_NEXT) trained on a
+    repeating 23-token sequence, then its MTP head trained (the model frozen) with ``mtp_forward_ref`` to
+    predict x_{t+2} from x_{t+1} and the model's final-normed h_t; saved as a checkpoint with the head.
+    Returns the head's final training loss."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
     from kestrel.compiler.frontend import mtp_expected_tensors, parse_config
     from kestrel.compiler.presets import random_weights
+    from kestrel.kernels.mtp import mtp_dims
 
     torch.manual_seed(seed)
     data = torch.tensor(PERIOD * 12)
@@ -227,7 +306,9 @@ def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, se
     def batch():
         return torch.stack([data[i:i + 49] for i in torch.randint(0, len(data) - 49, (8,), generator=gen)])
 
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TRAIN))
+    raw = TRAIN_NEXT if model_type == "qwen3_next" else TRAIN
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**raw)) if model_type == "qwen3_next" else \
+        Qwen3_5ForCausalLM(Qwen3_5TextConfig(**raw))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
         b = batch()
@@ -235,18 +316,17 @@ def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, se
         opt.step()
         opt.zero_grad()
     model.eval()
-    cfg = parse_config(dict(TRAIN, model_type="qwen3_5_text"), "train")
+    cfg = parse_config(dict(raw, model_type=model_type), "train")
     head = {k: torch.nn.Parameter(torch.from_numpy(v))
             for k, v in random_weights(dict(mtp_expected_tensors(cfg)), seed + 1).items()}
     w = {k[len("mtp."):]: v for k, v in head.items()}
-    dims = dict(heads=4, kv_heads=2, head_dim=16, rotary_dim=4, theta=10000.0, eps=1e-6)
     opt = torch.optim.AdamW(head.values(), lr=3e-3)
     embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
     seq = data[:120]
     with torch.no_grad():  # the model is frozen: its final-normed h_t over the sequence, once
         h = model.model(seq[None]).last_hidden_state[0]
     for _ in range(mtp_steps):  # the head over the whole sequence, as vLLM's proposer runs it after a prefill
-        m, _ = mtp_forward_ref(w, embed[seq[1:-1]], h[:-2], torch.arange(len(seq) - 2), **dims)
+        m, _ = mtp_forward_ref(w, embed[seq[1:-1]], h[:-2], torch.arange(len(seq) - 2), **mtp_dims(cfg))
         loss = torch.nn.functional.cross_entropy(m @ lm_head.T, seq[2:])
         loss.backward()
         opt.step()
@@ -256,15 +336,19 @@ def _train_model_with_mtp(folder: str, steps: int = 80, mtp_steps: int = 120, se
     return float(loss.detach())
 
 
-def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_path, model_type):
     """The trained head's drafts are (nearly) all accepted; the same head with noise added to its
     matrices (the first of 1.5, 1.25, 1.75, 2 standard deviations that does it) is accepted 0, 1, 2 and
     3 times across iterations, so the rollback returns to every verified row; the output equals plain
-    decoding's throughout."""
+    decoding's throughout. qwen3_next: the same with Qwen3-Next's fused GDN projections and MoE blocks, the
+    head's layer a MoE block too (measured: 3.00 of 3 drafts accepted per iteration, as Qwen3.5's; with q4 drafts
+    3.00; its head with noise of 1 sd 1.95 of 3, iterations accepting 0 / 1 / 2 / 3 drafts: 3 / 6 / 6 / 9)."""
     from safetensors.torch import load_file
 
     ckpt = str(tmp_path / "ckpt")
-    mtp_loss = _train_model_with_mtp(ckpt)
+    steps = {"steps": 50, "mtp_steps": 60} if model_type == "qwen3_next" else {}  # (as many drafts accepted)
+    mtp_loss = _train_model_with_mtp(ckpt, model_type=model_type, **steps)
     prompt = PERIOD[3:] + PERIOD[:5]  # 25 tokens: the sequence from its 4th token on
     spec, plain = _steps(_build(ckpt, tmp_path / "k3.plan", 3, max_seq=128, prefill_rows=16))
     g = generate(spec, prompt, 60, SamplingParams())
@@ -273,7 +357,8 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
     rate = g.accepted_per_step / g.draft_tokens
     print(f"trained MTP head (training loss {mtp_loss:.3f}): {g.accepted_per_step:.2f} of {g.draft_tokens} drafts "
           f"accepted per iteration ({rate:.0%}) over {g.spec_iterations} iterations for {len(g.tokens)} tokens")
-    assert g.accepted_per_step >= 2.0 and g.spec_iterations <= 60 // 3
+    assert g.accepted_per_step >= 2.0 and g.spec_iterations <= 60 // 3, \
+        f"{g.accepted_per_step:.2f} of 3 drafts accepted over {g.spec_iterations} iterations"
     # the draft model in q4 (--draft-quant q4: the MTP head's matrices and its own lm_head copy): the same
     # output; how many drafts it gets accepted is reported, and stays high
     path = _build(ckpt, tmp_path / "k3-q4drafts.plan", 3, max_seq=128, prefill_rows=16, quant="bf16",
@@ -287,9 +372,11 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
     assert g4.tokens == generate(plain4, prompt, 60, SamplingParams()).tokens
     print(f"trained MTP head, drafts in q4 (model bf16): {g4.accepted_per_step:.2f} of 3 drafts accepted per "
           f"iteration over {g4.spec_iterations} iterations")
-    assert g4.accepted_per_step >= 2.0
+    assert g4.accepted_per_step >= 2.0, f"q4 drafts: {g4.accepted_per_step:.2f} of 3 accepted"
     head = {k: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items() if k.startswith("mtp.")}
-    for sigma in (1.5, 1.25, 1.75, 2.0):
+    # (Qwen3-Next's head, whose router noise also changes the experts, needs less: 1.5 sd left 0 of 3 iterations
+    # accepting all 3 drafts)
+    for sigma in (1.5, 1.25, 1.75, 2.0) if model_type == "qwen3_5_text" else (1.0, 1.1, 0.9):
         gen = torch.Generator().manual_seed(1)
         add_mtp_head(ckpt, tensors={k: v + sigma * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2
                                     else v for k, v in head.items()})
@@ -301,7 +388,7 @@ def test_trained_mtp_head_drafts_are_mostly_accepted_and_output_is_exact(tmp_pat
               f"iterations by drafts accepted: {counts}")
         if all(counts.values()):
             break
-    assert all(counts.values())
+    assert all(counts.values()), f"iterations by drafts accepted: {counts}"
 
 
 # --- the token loop's speculative read-back, on a scripted step (what the GPU runtime will drive) ----------
