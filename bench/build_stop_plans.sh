@@ -2,13 +2,13 @@
 # The plans a stop's device call reads (bench/plans/, carried), built here; random weights store a seed, so each
 # plan is small. Names as bench/device_stop.sh expects them. Pass names to build a subset:
 #   bash bench/build_stop_plans.sh next4-bf16 tiny-next-q4-m16 tiny-next-bf16-m16 tiny-mtp-q4-spec3 0.8b-bf16 0.8b-q4
-#     next80-q4 next80-q4-m512 27b-q4-spec3 27b-bf16-spec3   (any subset)
+#     next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3   (any subset)
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p bench/plans
 R="--weights random --target sm_90"
-next4() {  # 4 layers of the 80B-A3B shape (3 Gated DeltaNet + 1 attention): the GPU path against the CPU reference
-  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3-next-80b-a3b']); c['num_hidden_layers'] = 4; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+next4() {  # 4 layers of the 80B-A3B shape (3 Gated DeltaNet + 1 attention, and its MTP layer): GPU against CPU
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3-next-80b-a3b']); c['num_hidden_layers'] = 4; c['mtp_num_hidden_layers'] = 1; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
 for p in "$@"; do
@@ -19,6 +19,8 @@ for p in "$@"; do
     tiny-mtp-q4-spec3) kestrelc build tiny-mtp --target sm_90 --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/tiny-mtp-sm90-q4-spec3.plan ;;
     0.8b-bf16) kestrelc build qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16.plan ;;
     0.8b-q4) kestrelc build qwen3.5-0.8b $R --quant q4 -o bench/plans/qwen3.5-0.8b-sm90-q4.plan ;;
+    next4-bf16-spec3) kestrelc build "$(next4)" $R --quant bf16 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-bf16-spec3.plan ;;
+    next80-q4-spec3) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-spec3.plan ;;
     next80-q4-m512) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 512 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-m512.plan ;;
     next80-q4) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4.plan ;;
     27b-q4-spec3) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3.plan ;;
