@@ -100,6 +100,12 @@ class SplitCompile:
                 errs.append(err.read()[-3000:])
         return rcs, res, errs
 
+    def compiled(self, timeout: int = 900) -> dict:
+        """result()'s results by key, once every process has exited 0 (else the failures' stderr)."""
+        rcs, res, errs = self.result(timeout)
+        assert all(rc == 0 for rc in rcs), errs
+        return res
+
     def kill(self):
         for p, _, _ in self.procs:
             if p.poll() is None:

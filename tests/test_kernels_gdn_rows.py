@@ -267,9 +267,7 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_rows_kernels_aot_comp
 @pytest.fixture(scope="module")
 def compiled(_aot):
     """Every (kernel, target) AOT compile, in a few clean subprocesses (no interpreter)."""
-    rcs, res, errs = _aot.result()
-    assert all(rc == 0 for rc in rcs), errs
-    return res
+    return _aot.compiled()
 
 
 @pytest.mark.parametrize("target", [n for n in ALL_TARGETS if n != "cpu"])

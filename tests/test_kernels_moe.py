@@ -274,8 +274,7 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
-    rcs, compiled, errs = _aot.result()
-    assert all(rc == 0 for rc in rcs), errs
+    compiled = _aot.compiled()
     assert len(jobs) == 15 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]

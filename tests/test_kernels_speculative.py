@@ -268,9 +268,7 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_sp
 
 @pytest.fixture(scope="module")
 def compiled(_aot):
-    rcs, res, errs = _aot.result()
-    assert all(rc == 0 for rc in rcs), errs
-    return res
+    return _aot.compiled()
 
 
 def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
