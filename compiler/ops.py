@@ -1307,6 +1307,11 @@ def is_view(op: Op) -> bool:
     return view is not None and view(op)
 
 
+def routing_logits(program: Program) -> set[int]:
+    """The ids of the values moe_topk turns into routing: the router's logits (after fuse split moe_router)."""
+    return {id(op.ins[0]) for op in program.ops if op.kind == "moe_topk"}
+
+
 def emit(program: Program, kind: str, *ins, out=None, **attrs):
     """Append an op to ``program`` with its inferred result types. Returns the single Value, a tuple,
     or None (no results, or results that are dyn slots: ``out``)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 
 from kestrel.compiler.ir import Q4_GROUPS, IRError, Program, Weight, is_q4
+from kestrel.compiler.ops import routing_logits
 
 QUANT_MODES = ("none", "bf16", "q4")
 DEFAULT_Q4_GROUP = 128
@@ -68,7 +69,7 @@ def _draft(w: Weight, draft: str | None) -> bool:
 def _bf16_matrices(p: Program) -> set[int]:
     """BF16_MATRIX_OPERANDS', and the router after fuse split it: the matmul (rmsnorm_matmul, the norm
     folded in) whose logits moe_topk reads."""
-    logits = {id(op.ins[0]) for op in p.ops if op.kind == "moe_topk"}
+    logits = routing_logits(p)
     weight = {"matmul": 1, "rmsnorm_matmul": 3}
     return {id(op.ins[i]) for op in p.ops for i in BF16_MATRIX_OPERANDS.get(op.kind, ())} | {
         id(op.ins[weight[op.kind]]) for op in p.ops if op.kind in weight and id(op.outs[0]) in logits}

@@ -9,8 +9,8 @@ program: an op with no GPU kernel (an unfused elementwise op) is an error that n
 
 A matmul whose result is MoE routing logits (moe_topk reads it) keeps fp32 activations at every M: at M
 rows it runs the matvec's few-rows form (each row computed as the one-token matvec computes it), never the
-tensor-core GEMM, whose bf16 activations flip the choice between near-tied experts (stop 23: the M-row
-prefill of 4 layers of Qwen3-Next-80B on the H200 routed differently from the one-token step).
+tensor-core GEMM, whose bf16 activations can flip the choice between near-tied experts (a discrete choice:
+the M-row prefill then routes otherwise than the one-token step would).
 
 Target-dependent shapes are decided here too: the attention scratch states (made by fuse with one
 split) get the target's number of sequence splits, the sampling partials (made by the lowering with
@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 
 from kestrel.compiler.ir import IRError, Program
-from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view
+from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view, routing_logits
 from kestrel.kernels import matvec
 from kestrel.kernels.attention import attn_splits
 from kestrel.kernels.sample import sample_scratch_shape
@@ -70,9 +70,9 @@ def _size_norm_partials(p: Program, target) -> None:
             op.outs[1].type = type(op.outs[1].type)("f32", ((n + rows - 1) // rows,))
 
 
-def _routing_logits(p: Program) -> set[int]:
-    """The values moe_topk turns into routing (the router's logits)."""
-    return {id(op.ins[0]) for op in p.ops if op.kind == "moe_topk"}
+def _router_at_rows(op, routing: set[int]) -> bool:
+    """The router's matmul (its result in ``routing_logits``) at M rows."""
+    return op.kind == "matmul" and len(op.ins[0].type.shape) == 2 and id(op.outs[0]) in routing
 
 
 def _routing_launch(op, target) -> dict:
@@ -92,7 +92,7 @@ def select_kernels(program: Program, target: str) -> Program:
         _size_sample_scratch(p, TARGETS[target])
         _size_spec_scratch(p, TARGETS[target])
         _size_norm_partials(p, TARGETS[target])
-    routing = _routing_logits(p)
+    routing = routing_logits(p)
     for op in p.ops:
         if is_view(op):
             op.launch = None
@@ -102,7 +102,7 @@ def select_kernels(program: Program, target: str) -> Program:
             kernel = OPS[op.kind].kernel
             if isinstance(kernel, NotApplicable):
                 raise IRError(f"op {op.kind!r} has no GPU kernel for {target}: {kernel.why}")
-            if op.kind == "matmul" and len(op.ins[0].type.shape) == 2 and id(op.outs[0]) in routing:
+            if _router_at_rows(op, routing):
                 launch = _routing_launch(op, TARGETS[target])
             else:
                 launch = kernel.launch(op, TARGETS[target])
@@ -115,7 +115,7 @@ def check(program: Program) -> None:
     views have none."""
     if program.target not in ALL_TARGETS:
         raise IRError(f"select_kernels: the program's target is {program.target!r}")
-    routing = _routing_logits(program)
+    routing = routing_logits(program)
     for i, op in enumerate(program.ops):
         where = f"select_kernels: op #{i} ({op.kind})"
         if is_view(op):
@@ -131,7 +131,6 @@ def check(program: Program) -> None:
                 raise IRError(f"{where}: launch grid {grid!r} is not three positive integers")
             if not (isinstance(warps, int) and warps > 0):
                 raise IRError(f"{where}: num_warps {warps!r} is not a positive integer")
-            if (op.kind == "matmul" and id(op.outs[0]) in routing and len(op.ins[0].type.shape) == 2
-                    and not launch["kernel"].startswith("matvec_rows_")):
+            if _router_at_rows(op, routing) and not launch["kernel"].startswith("matvec_rows_"):
                 raise IRError(f"{where}: the router's logits at M rows must come from the few-rows matvec (fp32 "
                               f"activations), not {launch['kernel']}")
