@@ -2,7 +2,7 @@
 # The plans a stop's device call reads (bench/plans/, carried), built here; random weights store a seed, so each
 # plan is small. Names as bench/device_stop.sh expects them. Pass names to build a subset:
 #   bash bench/build_stop_plans.sh next4-bf16 tiny-next-q4-m16 tiny-next-bf16-m16 tiny-mtp-q4-spec3 0.8b-bf16 0.8b-q4
-#     next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3   (any subset)
+#     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3   (any subset)
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p bench/plans
@@ -19,6 +19,7 @@ for p in "$@"; do
     tiny-mtp-q4-spec3) kestrelc build tiny-mtp --target sm_90 --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/tiny-mtp-sm90-q4-spec3.plan ;;
     0.8b-bf16) kestrelc build qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16.plan ;;
     0.8b-q4) kestrelc build qwen3.5-0.8b $R --quant q4 -o bench/plans/qwen3.5-0.8b-sm90-q4.plan ;;
+    0.8b-q4-m8) kestrelc build qwen3.5-0.8b $R --quant q4 --prefill-rows 8 -o bench/plans/qwen3.5-0.8b-sm90-q4-m8.plan ;;
     next4-bf16-spec3) kestrelc build "$(next4)" $R --quant bf16 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-bf16-spec3.plan ;;
     next80-q4-spec3) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-spec3.plan ;;
     next80-q4-m512) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 512 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-m512.plan ;;

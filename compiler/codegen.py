@@ -36,6 +36,7 @@ from kestrel.compiler.ir import Dyn, Op, Program, is_q4
 from kestrel.compiler.ops import OPS, is_view
 from kestrel.kernels import bandwidth, fill
 from kestrel.kernels.pdl import PDL_MIN_CC
+from kestrel.kernels.q4_mma import CudaKernel
 from kestrel.kernels.targets import TARGETS
 
 PTR_TYPES = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32"}
@@ -43,7 +44,10 @@ NO_LINE_INFO = "TRITON_DISABLE_LINE_INFO"
 
 
 def jit_name(fn) -> str:
-    """``module:function`` of a Triton kernel (jit or interpreted): how the kernel table names it."""
+    """``module:function`` of a Triton kernel (jit or interpreted) or a CUDA C kernel (``CudaKernel``):
+    how the kernel table names it."""
+    if isinstance(fn, CudaKernel):
+        return fn.jit_name
     py = fn.fn
     return f"{py.__module__}:{py.__name__}"
 
@@ -72,7 +76,8 @@ def constexprs(launch: dict) -> dict:
 def with_pdl(fn, consts: dict, cc: int) -> dict:
     """``consts`` plus ``PDL`` where the kernel ``fn`` takes it and it is not given: true on targets with
     programmatic dependent launch (kernels/pdl.py)."""
-    if "PDL" in consts or "PDL" not in inspect.signature(fn.fn).parameters:
+    takes = fn.constexprs if isinstance(fn, CudaKernel) else inspect.signature(fn.fn).parameters
+    if "PDL" in consts or "PDL" not in takes:
         return dict(consts)
     return dict(consts) | {"PDL": cc >= PDL_MIN_CC}
 
@@ -105,6 +110,8 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
     vectorise its loads); the arena base is 256-byte aligned, so this follows from placements."""
     fn = jit_function(jit) if isinstance(jit, str) else jit
     consts = with_pdl(fn, consts, cc)
+    if isinstance(fn, CudaKernel):
+        return compile_cuda(kernel_id, fn, types, consts, num_warps, cc)
     if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 (the test suite): compile in a clean process
         return _compile_in_subprocess(kernel_id, jit_name(fn), types, consts, num_warps, cc, aligned)
     names = [n for n in fn.arg_names if n not in consts]
@@ -124,6 +131,56 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
     return CompiledKernel(kernel_id, jit_name(fn), md.name, c.asm["cubin"], list(zip(names, types)), md.num_warps,
                           md.shared, md.global_scratch_size, md.global_scratch_align, md.profile_scratch_size,
                           f"sm_{cc}{'a' if cc >= 90 else ''}", f"triton {triton.__version__}")
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"nvrtc {major}.{minor}"
+
+
+def compile_cuda(kernel_id: str, fn: CudaKernel, types: list[str], consts: dict, num_warps: int,
+                 cc: int) -> CompiledKernel:
+    """Compile the CUDA C kernel ``fn`` with NVRTC (pip's nvidia-cuda-nvrtc, through cuda.bindings), one
+    ``#define`` per constexpr, for exactly ``sm_<cc>``. Same ABI as the Triton kernels (the two trailing
+    scratch pointers included); no line info, so the bytes do not depend on the machine."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:
+        raise RuntimeError(f"{kernel_id}: compiling CUDA C kernels needs cuda-bindings and nvidia-cuda-nvrtc "
+                           f"(pip install -e '.[compile]'): {e}") from None
+    if len(fn.params) != len(types):
+        raise ValueError(f"{kernel_id}: kernel takes {len(fn.params)} runtime parameters {list(fn.params)}, the op "
+                         f"passes {len(types)}")
+    missing = [n for n in fn.constexprs if n not in consts]
+    if missing:
+        raise ValueError(f"{kernel_id}: constexprs {missing} are not given by the launch rule")
+    defines = "".join(f"#define {k} {int(v)}\n" for k, v in consts.items()) + f"#define ENTRY {fn.name}\n"
+    arch = f"sm_{cc}"
+
+    def ok(result, what):
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{kernel_id}: {what} failed ({result[0]})")
+        return result[1] if len(result) > 1 else None
+
+    prog = ok(nvrtc.nvrtcCreateProgram((defines + fn.source).encode(), f"{fn.name}.cu".encode(), 0, [], []),
+              "nvrtcCreateProgram")
+    try:
+        (r,) = nvrtc.nvrtcCompileProgram(prog, 3, [f"--gpu-architecture={arch}".encode(), b"-default-device",
+                                                    b"--std=c++17"])
+        if r != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"{kernel_id}: NVRTC compile for {arch} failed:\n{log.decode(errors='replace')[-3000:]}")
+        size = ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return CompiledKernel(kernel_id, fn.jit_name, fn.name, bytes(cubin), list(zip(fn.params, types)), num_warps,
+                          fn.shared(consts), 0, 1, 0, arch, nvrtc_version())
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
-from kestrel.kernels import (attention, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp, rmsnorm,
-                             sample, speculative)
+from kestrel.kernels import (attention, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp, q4_mma,
+                             rmsnorm, sample, speculative)
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -715,12 +715,15 @@ def _matrix(w: Weight) -> tuple[int, int, int]:
 def _matvec(op: Op, t: Target) -> dict:
     """One row: the matvec (kernels/matvec.py); M rows: the tensor-core GEMM (kernels/gemm.py), or at a
     few rows (M <= the gemm rule's few_rows_matvec: a speculative verify's k + 1) the matvec's few-rows
-    form, which reads each weight tile once for up to four rows."""
+    form, which reads each weight tile once for up to four rows; q4 at 2..the q4_mma rule's max_rows
+    rows the tensor-core q4 product (kernels/q4_mma.py) where it fits."""
     w = op.ins[1]
     n, k, group = _matrix(w)
     swiglu = op.kind == "matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
         m = op.ins[0].type.shape[0]
+        if group and (mma := q4_mma.rule_launch(m, n, k, group, t, pair=swiglu)) is not None:
+            return {"kernel": ("q4mma_rows_swiglu_" if swiglu else "q4mma_rows_") + w.type.dtype, **mma}
         if m <= t.rules["gemm"].few_rows_matvec:
             return {"kernel": ("matvec_rows_swiglu_" if swiglu else "matvec_rows_") + w.type.dtype,
                     **matvec.matvec_rows_launch(m, n, k, group, t, pair=swiglu)}
@@ -1074,7 +1077,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
     OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref,
           Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel,
-                 variants=(("matvec_rows_", matvec.matvec_rows_kernel),)),
+                 variants=(("matvec_rows_", matvec.matvec_rows_kernel), ("q4mma_rows_", q4_mma.q4mma_rows))),
           lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
     OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
           lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
@@ -1128,7 +1131,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           Kernel(rmsnorm.add_rmsnorm_kernel, _rmsnorm), _onnx_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
           Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel,
-                 variants=(("matvec_rows_swiglu_", matvec.matvec_rows_swiglu_kernel),)), _onnx_matmul_swiglu,
+                 variants=(("matvec_rows_swiglu_", matvec.matvec_rows_swiglu_kernel),
+                           ("q4mma_rows_swiglu_", q4_mma.q4mma_rows_swiglu))), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
           Kernel(matvec.matvec_add_kernel, _matvec_add), _onnx_matmul_add,

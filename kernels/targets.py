@@ -188,6 +188,19 @@ class GemmRule(Rule):
     q4_skinny_swiglu: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Q4MmaRule(Rule):
+    """The tensor-core q4 product at a few rows (kernels/q4_mma.py): q4 matmuls at 2..max_rows rows run it
+    (0: never). Its split: RB row blocks of 16 x KS warps per CTA, DEPTH groups in flight; clusters of the
+    smallest CS in ``clusters`` that gives the grid ctas_per_sm CTAs per SM (the largest otherwise)."""
+    max_rows: int
+    rb: int
+    ks: int
+    depth: int
+    clusters: tuple[int, ...]
+    ctas_per_sm: int
+
+
 _TUNING = "bench/results/tuning/"
 _RESULTS = "bench/results/"
 _ATTN_REPORTS = tuple(f"bench/results/kernels/attn-qwen3.5-{m}-pos{p}-h200.json"
@@ -250,6 +263,9 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), provenance=(_TUNING + "moe-sweep-h200.json",)),
+    # provisional: not yet timed in a whole step
+    "q4_mma": Q4MmaRule(max_rows=8, rb=2, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
+                        provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

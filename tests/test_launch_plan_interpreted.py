@@ -148,6 +148,10 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
     assert plan.launch_plan["prefill"]["rows"] == 4
+    if quant == "q4":  # its q4 matmuls at 4 rows run the tensor-core product (emulated here: kernels/q4_mma.py)
+        ids = {k["id"] for k in plan.launch_plan["kernels"]}
+        assert any(i.startswith("q4mma_rows_q4g") for i in ids) and any(i.startswith("q4mma_rows_swiglu_q4g")
+                                                                        for i in ids), sorted(ids)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     prompt = [5, 9, 3, 60, 17, 2]
     tokens = _begin(gpu, cpu, prompt)

@@ -36,12 +36,12 @@ def test_every_op_has_every_part(name):
         inspect.signature(d.onnx).bind(None, None, *[None] * len(d.operands))
 
 
-def _tiny_gpu_program(rows: int = 0):
+def _tiny_gpu_program(rows: int = 0, quant: str = "q4"):
     cfg = parse_config(PRESETS["tiny"], "preset tiny")
-    one = run_passes(lower(cfg, 64), PassOptions("sm_90", "q4"))
+    one = run_passes(lower(cfg, 64), PassOptions("sm_90", quant))
     if not rows:
         return one
-    return run_passes(lower(cfg, 64, rows=rows), PassOptions("sm_90", "q4", shares_arena_with=one))
+    return run_passes(lower(cfg, 64, rows=rows), PassOptions("sm_90", quant, shares_arena_with=one))
 
 
 def _tiny_speculative_programs():
@@ -64,7 +64,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
     for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), _tiny_gpu_program(rows=32),
-                 *_tiny_speculative_programs(), *_tiny_next_programs()):
+                 _tiny_gpu_program(rows=4, quant="bf16"), *_tiny_speculative_programs(), *_tiny_next_programs()):
         for op in prog.ops:
             if is_view(op):
                 continue
@@ -80,7 +80,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     rows_jits = {d.kernel.rows for d in OPS.values() if isinstance(d.kernel, Kernel) and d.kernel.rows is not None}
     assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included ...
     variant_jits = {j for d in OPS.values() if isinstance(d.kernel, Kernel) for _, j in d.kernel.variants}
-    assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec)
+    assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec, q4_mma)
 
 
 def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():

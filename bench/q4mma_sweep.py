@@ -1,0 +1,181 @@
+"""kernels/q4_mma.py (the tensor-core q4 product for 1-16 rows, CUDA C through NVRTC) over its work
+splits (RB row blocks x KS warps per CTA, CS CTAs per cluster, DEPTH groups in flight), at the 27B,
+0.8B and Qwen3-Next shapes, against the Triton kernels the launch rules pick today in the same call:
+the one-row matvec (M = 1), the few-rows matvec (M <= 8), the GEMM (M = 16). Every variant's result
+is checked against ``q4_mma_ref`` (float64 on the device); the Triton kernels against theirs.
+
+Here:            python bench/q4mma_sweep.py compile bench/q4mma-sweep        (nvidia-cuda-nvrtc, Triton)
+On the device:   cd bench && python3 q4mma_sweep.py time q4mma-sweep $OUT/q4mma-sweep.json
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import sys
+
+GROUP = 128
+CASES = [("27b in_proj", 16480, 5120, False), ("27b attn qkv", 14336, 5120, False),
+         ("27b out_proj", 5120, 6144, False), ("27b mlp down", 5120, 17408, False),
+         ("27b mlp gate+up", 17408, 5120, True), ("0.8b in_proj", 6144, 1024, False),
+         ("0.8b mlp gate+up", 3584, 1024, True), ("0.8b mlp down", 1024, 3584, False),
+         ("next in_proj_qkvz", 12288, 2048, False), ("next attn out", 2048, 4096, False)]
+ROWS = (1, 4, 8, 16)
+SPLITS = [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)]  # (RB, KS)
+CLUSTERS = (1, 2, 4)
+DEPTHS = (2, 4)
+
+
+def _jobs():
+    from kestrel.kernels import q4_mma
+    from kestrel.kernels.gemm import gemm_launch
+    from kestrel.kernels.matvec import matvec_launch, matvec_rows_launch
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    for (name, n, k, pair), m in itertools.product(CASES, ROWS):
+        if m == 16 and not name.startswith("27b"):
+            continue
+        if m == 1:
+            yield name, n, k, pair, m, "matvec", matvec_launch(n, k, GROUP, t, pair=pair)
+        elif m <= t.rules["gemm"].few_rows_matvec:
+            yield name, n, k, pair, m, "rows", matvec_rows_launch(m, n, k, GROUP, t, pair=pair)
+        else:
+            yield name, n, k, pair, m, "gemm", gemm_launch(m, n, k, GROUP, t, swiglu=pair)
+        for (rb, ks), cs, depth in itertools.product(SPLITS, CLUSTERS, DEPTHS):
+            if q4_mma.fits(m, n, k, GROUP, rb, ks, cs, t, pair) is None and k // GROUP // cs >= ks:
+                yield name, n, k, pair, m, "mma", q4_mma.launch(m, n, k, GROUP, rb, ks, cs, depth, pair)
+
+
+def _compile(job):
+    from kestrel.compiler.codegen import compile_kernel
+    from kestrel.kernels import gemm, matvec, q4_mma
+
+    name, n, k, pair, m, kind, launch = job
+    jit = {("gemm", False): gemm.gemm_kernel, ("gemm", True): gemm.gemm_swiglu_kernel,
+           ("matvec", False): matvec.matvec_kernel, ("matvec", True): matvec.matvec_swiglu_kernel,
+           ("rows", False): matvec.matvec_rows_kernel, ("rows", True): matvec.matvec_rows_swiglu_kernel,
+           ("mma", False): q4_mma.q4mma_rows, ("mma", True): q4_mma.q4mma_rows_swiglu}[kind, pair]
+    types = ["*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32"]
+    try:
+        ck = compile_kernel(kind, jit, types, launch["constexprs"], launch["num_warps"], 90, [True] * len(types))
+    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
+        return None, f"skip {name} {kind} {launch['constexprs']}: {type(e).__name__} {str(e)[:300]}"
+    return (ck, launch), None
+
+
+def compile_all(folder: str) -> None:
+    import multiprocessing
+
+    os.makedirs(folder, exist_ok=True)
+    jobs = list(_jobs())
+    index = []
+    with multiprocessing.get_context("fork").Pool(len(os.sched_getaffinity(0))) as pool:
+        for job, (res, msg) in zip(jobs, pool.imap(_compile, jobs, chunksize=4)):
+            if res is None:
+                print(msg, flush=True)
+                continue
+            ck, launch = res
+            name, n, k, pair, m, kind, _ = job
+            f = f"q{len(index):04d}.cubin"
+            open(os.path.join(folder, f), "wb").write(ck.cubin)
+            c = launch["constexprs"]
+            index.append({"shape": name, "M": m, "N": n, "K": k, "pair": pair, "kind": kind, "grid": launch["grid"],
+                          "num_warps": ck.num_warps, "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "BLOCK_N",
+                                                                                   "BLOCK_K", "BLOCK_M") if x in c},
+                          "shared": ck.shared, "entry": ck.name, "cubin": f, "params": [t for _, t in ck.params]})
+    json.dump(index, open(os.path.join(folder, "index.json"), "w"), indent=1)
+    print(len(index), "kernels")
+
+
+def time_all(folder: str, out: str) -> None:
+    import torch
+
+    from graph_timing import launch_times_us, rotating_copies
+    from kestrel.artifacts.errors import DeviceError
+    from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_pack, q4_unpack
+    from kestrel.runtime import cuda as kc
+
+    rows, operands = [], {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    for e in json.load(open(os.path.join(folder, "index.json"))):
+        n, k, pair = e["N"], e["K"], e["pair"]
+        key = e["shape"]
+        if key not in operands:
+            operands.clear()
+            torch.cuda.empty_cache()
+            x = torch.randn(max(ROWS), k, device="cuda", generator=g)
+            ws, refs, mma_refs = [], [], []
+            xh = (x / 64).half().double()
+            for _ in range(2 if pair else 1):
+                wf = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+                w = q4_pack(wf, GROUP)
+                ws.append(w)
+                q, sc = q4_codes(w, n, k, GROUP)
+                deq = (q.double().reshape(n, k // GROUP, GROUP) * sc.double()[:, :, None]).reshape(n, k)
+                mma_refs.append((xh @ deq.T * 64))
+                refs.append(q4_unpack(w, n, k, GROUP))
+                del deq
+            if pair:
+                gt, up = mma_refs
+                mma_ref = (gt / (1 + torch.exp(-gt)) * up).float()
+                ref = torch.nn.functional.silu(matvec_ref(x[:4], refs[0])) * matvec_ref(x[:4], refs[1])
+            else:
+                mma_ref = mma_refs[0].float()
+                ref = matvec_ref(x[:4], refs[0])
+            nbytes = sum(v.numel() for v in ws)
+            copies = [[v.clone() for v in ws] for _ in range(rotating_copies(nbytes) - 1)]
+            operands[key] = (x, [ws] + copies, mma_ref, ref, nbytes)
+        x, wsets, mma_ref, ref, nbytes = operands[key]
+        m = e["M"]
+        y = torch.full((m, n), float("nan"), device="cuda")
+        try:
+            kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"],
+                               e["shared"])
+        except DeviceError:
+            continue
+        sets = [kc.PackedArgs(e["params"], [x.data_ptr()] + [v.data_ptr() for v in ws] + [y.data_ptr()])
+                for ws in wsets]
+        try:
+            kc.launch(kernel, e["grid"], sets[0], stream)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a launch the device refuses (cluster too large) is reported
+            rows.append({**e, "error": str(exc)[:200]})
+            print(f"{e['shape']:<20} M={m:<2} {e['kind']:<6} {e['config']} launch failed: {str(exc)[:120]}", flush=True)
+            continue
+        err = ((y - mma_ref[:m]).abs().max() / mma_ref[:m].abs().max()).item()
+        r4 = min(m, 4)
+        err_cpu = ((y[:r4] - ref[:r4]).abs().max() / ref[:r4].abs().max()).item()
+        us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=7, launches=32))
+        rows.append({**e, "us": us, "rel_err_vs_mma_ref": err, "rel_err_vs_matvec_ref": err_cpu,
+                     "weight_GBps": nbytes / us / 1e3})
+    best = {}
+    for r in rows:
+        if "us" not in r:
+            continue
+        key = (r["shape"], r["M"], r["kind"])
+        good = r["rel_err_vs_mma_ref"] < 1e-5 if r["kind"] == "mma" else r["rel_err_vs_matvec_ref"] < 2e-2
+        if good and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    print("\nshape                 M   Triton (kind)           mma best (RB KS CS DEPTH)        speed-up  GB/s")
+    for (shape, m, kind), r in sorted(best.items()):
+        if kind == "mma":
+            continue
+        b = best.get((shape, m, "mma"))
+        if b is None:
+            print(f"{shape:<20} {m:>2}  {r['us']:7.1f} us ({kind})   no valid mma variant")
+            continue
+        c = b["config"]
+        print(f"{shape:<20} {m:>2}  {r['us']:7.1f} us ({kind:<6})   {b['us']:7.1f} us ({c['RB']} {c['KS']} {c['CS']} "
+              f"{c['DEPTH']})   {r['us'] / b['us']:5.2f}x  {b['weight_GBps']:5.0f}  err {b['rel_err_vs_mma_ref']:.1e} "
+              f"/ cpu {b['rel_err_vs_matvec_ref']:.1e}")
+    json.dump({"rows": rows}, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "compile":
+        compile_all(sys.argv[2])
+    else:
+        time_all(sys.argv[2], sys.argv[3])

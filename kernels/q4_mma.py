@@ -1,0 +1,404 @@
+"""The q4 matrix product for a few rows of x on the tensor cores: y [M, N] = x [M, K] @ W^T, W in the q4
+layout of kernels/matvec.py (unchanged: the one-token matvec reads the same bytes), 1 <= M <= 16.
+
+CUDA C compiled by NVRTC (DESIGN: "CUDA C via NVRTC where Triton falls short"): Triton's few-rows q4
+kernel spends 9 + 7 R instructions per 8 weights for R rows (f16x2 products per row); Triton's own
+tensor-core GEMM loses more to its layout changes (bench/results/stop21). Here each weight is converted
+once and multiplied by every row of x in one MMA instruction (mma.sync m16n8k16, f16 operands, fp32
+accumulation): ~21 instructions per 16 weights whatever M <= 8.
+
+How the q4 words map to MMA fragments (no repacking). A warp owns 16 weight rows r0 .. r0 + 15. Lane
+(g, t) = (lane / 4, lane % 4) loads V = GROUP / 32 consecutive 32-bit words of rows r0 + g and r0 + g + 8,
+words t V .. t V + V - 1 of one group (a group is 4 V words: the warp reads the group whole). A word
+holds inputs 8j .. 8j + 7 with the even inputs in the low 16 bits (Q4_NIBBLE): masked with 0x000F000F,
+0x00F000F0 (and the same after a shift by 8) and OR-ed with 0x6400 it gives the f16x2 pairs of inputs
+(0, 1), (2, 3), (4, 5), (6, 7) of the word as 1024 + q (or 1024 + 16 q), and one HSUB2 / HFMA2 makes
+them q - 8, exactly. A 16 x 16 A fragment (rows g and g + 8; "inputs" 2t, 2t + 1, 2t + 8, 2t + 9) takes
+pairs (0, 1) and (2, 3) of the lane's word (the tile's 16 inputs are 4 inputs of each of the 4 lanes'
+words: the MMA sums over them, so any assignment works as long as B's lane t holds x at the same
+inputs); pairs (4, 5) and (6, 7) make a second tile. B (x, 8 columns = x rows; g >= M reads row M - 1,
+its column is not stored) comes from shared memory, where the CTA stages its K-range of x once as
+f16x2 of x / 64 (one 16-byte load gives a lane both tiles' B fragments). A group's MMAs accumulate in
+fp32 from zero; the sum is multiplied by the rows' scales (fp32) and added to the row's total; 64
+times the total is y.
+
+Work split: a CTA is RB row blocks x KS warps each (warp (rb, ks) takes the ks-th run of the CTA's
+groups); a cluster of CS CTAs (sm_90: thread-block clusters) splits K into CS ranges, one per CTA. The
+warps' totals meet in shared memory in ks order, then the cluster's CTAs' in rank order (read by rank 0
+through distributed shared memory): the result does not depend on timing. ``PDL``: the kernel waits for
+the previous kernel of the step before it reads x (kernels/pdl.py). ``SWIGLU``: two weights (gate and
+up) over the same x, y = silu(gate) * up.
+
+The reference (``q4_mma_ref``): x / 64 rounded to fp16, each group's products (q - 8) * xh summed
+exactly, times the group's scale, the groups summed, times 64. The GPU sums a group's products in the
+MMA's fp32 accumulator and the groups in fp32, so it agrees to ~1e-6 of max |y| (not bit for bit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.kernels.matvec import Q4_X_SCALE, q4_codes
+
+MAX_ROWS = 16  # two MMA column tiles of 8
+PAD_BYTES = 64  # each staged x row is padded so rows g and g + 1 fall in different bank halves
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    """A kernel written in CUDA C: ``source`` is compiled by NVRTC (compiler/codegen.py) with one
+    ``#define`` per constexpr; ``emulate`` runs a launch on the CPU (the launch-plan tests, where Triton
+    kernels run in its interpreter); ``shared(consts)`` is its dynamic shared memory in bytes."""
+
+    name: str
+    module: str
+    source: str
+    params: tuple[str, ...]  # runtime parameters, in order (the op's operands and results)
+    constexprs: tuple[str, ...]
+    shared: object
+    emulate: object
+    cluster: object = None  # consts -> CTAs per cluster (1: none)
+
+    def __getitem__(self, grid):
+        return lambda *args, **consts: self.emulate(grid, *args, **consts)
+
+    @property
+    def arg_names(self) -> list[str]:
+        """All parameters, as a Triton function lists them: the runtime ones, then the constexprs."""
+        return list(self.params) + list(self.constexprs)
+
+    @property
+    def jit_name(self) -> str:
+        return f"{self.module}:{self.name}"
+
+
+def q4_mma_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (fp32), q (q - 8, int8 [N, K]), scales (fp32 [N, K / G]) -> y [M, N] as the kernel defines
+    it (module doc): float64 sums of fp16(x / 64) * (q - 8) per group, scaled, summed, times 64, to fp32."""
+    m, k = x.shape
+    n = q.shape[0]
+    xh = (x.float() / Q4_X_SCALE).half().double().reshape(m, k // group, group)
+    qg = q.double().reshape(n, k // group, group)
+    sums = torch.einsum("mgi,ngi->mng", xh, qg)  # exact: |terms| < 2**-1 * 2**16, few enough
+    return ((sums * scales.double()[None]).sum(-1) * Q4_X_SCALE).float()
+
+
+def q4_mma_swiglu_ref(x, qg, sg, qu, su, group: int) -> torch.Tensor:
+    g, u = q4_mma_ref(x, qg, sg, group), q4_mma_ref(x, qu, su, group)
+    return g / (1.0 + torch.exp(-g)) * u
+
+
+def shared_bytes(consts: dict) -> int:
+    m, k, cs = consts["M"], consts["K"], consts["CS"]
+    warps = consts["RB"] * consts["KS"]
+    nt, nw = -(-m // 8), 2 if consts["SWIGLU"] else 1
+    staged = m * (2 * (k // cs) + PAD_BYTES)
+    red = warps * 32 * nt * 4 * nw * 4
+    return max(staged, red) + consts["RB"] * 32 * nt * 4 * nw * 4
+
+
+def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth: int, swiglu: bool) -> dict:
+    """The launch of one configuration: grid [CS x ceil(N / 16 RB)], RB x KS warps."""
+    consts = {"M": m, "N": n, "K": k, "GROUP": group, "RB": rb, "KS": ks, "CS": cs, "DEPTH": depth,
+              "SWIGLU": int(swiglu)}
+    return {"grid": [cs * -(-n // (16 * rb)), 1, 1], "num_warps": rb * ks, "constexprs": consts}
+
+
+def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) -> dict | None:
+    """The launch ``target.rules["q4_mma"]`` gives a q4 matmul at m rows, or None where the kernel is not
+    used (m past the rule's max_rows, or no configuration fits the shape and target)."""
+    r = target.rules["q4_mma"]
+    if not 2 <= m <= r.max_rows or group not in (32, 64, 128) or k % group:
+        return None
+    blocks = -(-n // (16 * r.rb))
+    options = []  # (CTAs per cluster, warps per row block): KS at most the CTA's groups
+    for cs in r.clusters:
+        ks = min(r.ks, k // group // cs)
+        if ks >= 1 and fits(m, n, k, group, r.rb, ks, cs, target, pair) is None:
+            options.append((cs, ks))
+    if not options:
+        return None
+    cs, ks = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
+    return launch(m, n, k, group, r.rb, ks, cs, r.depth, pair)
+
+
+def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False) -> str | None:
+    """None when the configuration can run on ``target``, else why not."""
+    if not 1 <= m <= MAX_ROWS:
+        return f"{m} rows (1..{MAX_ROWS})"
+    if group not in (32, 64, 128):
+        return f"group {group}"
+    if n % 16 or k % (group * cs):
+        return f"N {n} not a multiple of 16, or K {k} not of {group} x {cs} CTAs"
+    if cs > 1 and target.cc < 90:
+        return "clusters need sm_90"
+    if not 1 <= rb * ks <= 32:
+        return f"{rb * ks} warps"
+    if (s := shared_bytes({"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair)})) > target.smem_optin:
+        return f"{s} bytes of shared memory"
+    return None
+
+
+def _emulate(swiglu: bool):
+    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, PDL=False):
+        assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1], f"grid {grid}"
+        ws, y = rest[:-1], rest[-1]
+        nbytes = N * K // 2 + N * (K // GROUP) * 2
+        codes = [q4_codes(w[:nbytes], N, K, GROUP) for w in ws]
+        xm = x[:M * K].reshape(M, K)
+        out = (q4_mma_swiglu_ref(xm, *codes[0], *codes[1], GROUP) if swiglu
+               else q4_mma_ref(xm, *codes[0], GROUP))
+        y[:M * N] = out.reshape(-1)
+    return run
+
+
+SOURCE = r"""
+#define V (GROUP / 32)
+#define NG (K / GROUP)
+#define NGC (NG / CS)
+#define KC (K / CS)
+#define NT ((M + 7) / 8)
+#define WARPS (RB * KS)
+#define NW (SWIGLU ? 2 : 1)
+#define XROW (KC / 8 + 4)   /* uint4 slots per staged x row: KC / 8 words' pairs, 64 bytes of padding */
+
+#if V == 4
+typedef uint4 wvec;
+#elif V == 2
+typedef uint2 wvec;
+#else
+typedef unsigned wvec;
+#endif
+
+__device__ __forceinline__ unsigned word_of(const wvec& w, int v) {
+#if V == 4
+  return v == 0 ? w.x : v == 1 ? w.y : v == 2 ? w.z : w.w;
+#elif V == 2
+  return v == 0 ? w.x : w.y;
+#else
+  return w;
+#endif
+}
+
+__device__ __forceinline__ wvec ldg_stream(const wvec* p) {
+  wvec r;
+#if V == 4
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+#elif V == 2
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+#else
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+  return r;
+}
+
+/* the four f16x2 (q - 8) pairs of a word: inputs (0, 1), (2, 3), (4, 5), (6, 7) */
+__device__ __forceinline__ void dequant(unsigned q, unsigned* p) {
+  const unsigned t = q >> 8;
+  asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(p[0]) : "r"(q));
+  asm("lop3.b32 %0, %1, 0x00f000f0, 0x64006400, 0xea;" : "=r"(p[1]) : "r"(q));
+  asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(p[2]) : "r"(t));
+  asm("lop3.b32 %0, %1, 0x00f000f0, 0x64006400, 0xea;" : "=r"(p[3]) : "r"(t));
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(p[0]) : "r"(0x64086408u));
+  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(p[1]) : "r"(0x2c002c00u), "r"(0xd480d480u));
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(p[2]) : "r"(0x64086408u));
+  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(p[3]) : "r"(0x2c002c00u), "r"(0xd480d480u));
+}
+
+__device__ __forceinline__ void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                    unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+/* D groups (CTA-local gl0 ..) of the NW weights: every word in flight first, then the MMAs */
+template <int D>
+__device__ __forceinline__ void groups(const unsigned char* const* w, const uint4* xs, int row0, int gl0,
+                                       int cta_g0, int g, int t, const int* xrow, float (*tot)[NT][4]) {
+  const size_t rowbytes = (size_t)K / 2;
+  wvec qa[NW][D], qb[NW][D];
+#pragma unroll
+  for (int i = 0; i < NW; i++) {
+    const wvec* wa = reinterpret_cast<const wvec*>(w[i] + (size_t)(row0 + g) * rowbytes) + t;
+    const wvec* wb = reinterpret_cast<const wvec*>(w[i] + (size_t)(row0 + g + 8) * rowbytes) + t;
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+      qa[i][d] = ldg_stream(wa + (size_t)(cta_g0 + gl0 + d) * 4);
+      qb[i][d] = ldg_stream(wb + (size_t)(cta_g0 + gl0 + d) * 4);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NW; i++) {
+    const unsigned short* sc = reinterpret_cast<const unsigned short*>(w[i] + (size_t)N * rowbytes);
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+      const int gi = cta_g0 + gl0 + d;
+      const float sa = half_to_float(__ldg(sc + (size_t)(row0 + g) * NG + gi));
+      const float sb = half_to_float(__ldg(sc + (size_t)(row0 + g + 8) * NG + gi));
+      float c[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+      for (int v = 0; v < V; v++) {
+        unsigned pa[4], pb[4];
+        dequant(word_of(qa[i][d], v), pa);
+        dequant(word_of(qb[i][d], v), pb);
+        const int slot = (gl0 + d) * 4 * V + v * 4 + t;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const uint4 b = xs[xrow[nt] * XROW + slot];
+          mma(c[nt], pa[0], pb[0], pa[1], pb[1], b.x, b.y);
+          mma(c[nt], pa[2], pb[2], pa[3], pb[3], b.z, b.w);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        tot[i][nt][0] += c[nt][0] * sa; tot[i][nt][1] += c[nt][1] * sa;
+        tot[i][nt][2] += c[nt][2] * sb; tot[i][nt][3] += c[nt][3] * sb;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if CS > 1
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+#if CS > 1
+#define CLUSTER_DIMS __cluster_dims__(CS, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS) CLUSTER_DIMS
+ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w0,
+#if SWIGLU
+      const unsigned char* __restrict__ w1,
+#endif
+      float* __restrict__ y, void* scratch0, void* scratch1) {
+  extern __shared__ uint4 smem[];
+  uint4* xs = smem;                                          /* [M][XROW] staged x */
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rank = blockIdx.x % CS, block_group = blockIdx.x / CS;
+  const int cta_g0 = rank * NGC;                             /* this CTA's first group */
+#if PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  /* stage x [M][KC] (this CTA's K range) as f16x2 of x / 64: slot of word j of group gl, lane t, v */
+  for (int i = threadIdx.x; i < M * (KC / 8); i += 32 * WARPS) {
+    const int n = i / (KC / 8), j = i - n * (KC / 8);
+    const float4* src = reinterpret_cast<const float4*>(x + (size_t)n * K + (size_t)rank * KC + 8 * j);
+    const float4 f0 = src[0], f1 = src[1];
+    const int gl = j / (4 * V), r = j - gl * 4 * V, tt = r / V, v = r - tt * V;
+    xs[n * XROW + gl * 4 * V + v * 4 + tt] =
+        make_uint4(pack_half2(f0.x * 0.015625f, f0.y * 0.015625f), pack_half2(f0.z * 0.015625f, f0.w * 0.015625f),
+                   pack_half2(f1.x * 0.015625f, f1.y * 0.015625f), pack_half2(f1.z * 0.015625f, f1.w * 0.015625f));
+  }
+  __syncthreads();
+  const int rb = warp / KS, ks = warp - rb * KS;
+  const int row0 = (block_group * RB + rb) * 16;
+  const bool live = row0 < N;
+  int xrow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, M - 1);
+  float tot[NW][NT][4];
+#pragma unroll
+  for (int i = 0; i < NW; i++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) tot[i][nt][0] = tot[i][nt][1] = tot[i][nt][2] = tot[i][nt][3] = 0.f;
+#if SWIGLU
+  const unsigned char* const ws[2] = {w0, w1};
+#else
+  const unsigned char* const ws[1] = {w0};
+#endif
+  if (live) {
+    const int gl1 = (ks + 1) * NGC / KS;
+    int gl = ks * NGC / KS;
+    for (; gl + DEPTH <= gl1; gl += DEPTH) groups<DEPTH>(ws, xs, row0, gl, cta_g0, g, t, xrow, tot);
+    for (; gl < gl1; gl++) groups<1>(ws, xs, row0, gl, cta_g0, g, t, xrow, tot);
+  }
+  /* the warps' totals, in ks order, per row block; then the cluster's CTAs' in rank order */
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);
+  const int per = NW * NT * 4;
+#pragma unroll
+  for (int i = 0; i < NW; i++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) red[(warp * 32 + lane) * per + (i * NT + nt) * 4 + e] = tot[i][nt][e];
+  __syncthreads();
+  const int red_floats = (M * (2 * KC + 64) / 4 > WARPS * 32 * per) ? M * (2 * KC + 64) / 4 : WARPS * 32 * per;
+  float* part = red + red_floats;                            /* [RB][32][per]: this CTA's sums */
+  if (ks == 0) {
+    for (int j = 0; j < per; j++) {
+      float s = 0.f;
+      for (int k2 = 0; k2 < KS; k2++) s += red[((rb * KS + k2) * 32 + lane) * per + j];
+      part[(rb * 32 + lane) * per + j] = s;
+    }
+  }
+  cluster_sync();
+  if (rank == 0 && ks == 0 && live) {
+    float s[NW * NT * 4];
+#pragma unroll
+    for (int j = 0; j < per; j++) s[j] = part[(rb * 32 + lane) * per + j];
+#if CS > 1
+    for (int r = 1; r < CS; r++) {
+      const unsigned local = (unsigned)__cvta_generic_to_shared(part + (rb * 32 + lane) * per);
+      unsigned remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+#pragma unroll
+      for (int j = 0; j < per; j++) {
+        float v;
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote + 4 * j));
+        s[j] += v;
+      }
+    }
+#endif
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      const int n0 = nt * 8 + 2 * t;
+      const int ra = row0 + g, rbw = row0 + g + 8;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int n = n0 + (e & 1), r = e < 2 ? ra : rbw;
+        float v = 64.f * s[nt * 4 + e];
+#if SWIGLU
+        const float u = 64.f * s[(NT + nt) * 4 + e];
+        v = v / (1.f + expf(-v)) * u;
+#endif
+        if (n < M) y[(size_t)n * N + r] = v;
+      }
+    }
+  }
+  cluster_sync();  /* rank 0 has read every CTA's sums: they may leave */
+}
+"""
+
+Q4MMA_ROWS = CudaKernel("q4mma_rows", __name__, SOURCE, ("x_ptr", "w_ptr", "y_ptr"),
+                        ("M", "N", "K", "GROUP", "RB", "KS", "CS", "DEPTH", "SWIGLU", "PDL"),
+                        shared_bytes, _emulate(False), cluster=lambda c: c["CS"])
+Q4MMA_ROWS_SWIGLU = CudaKernel("q4mma_rows_swiglu", __name__, SOURCE, ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr"),
+                               Q4MMA_ROWS.constexprs, shared_bytes, _emulate(True), cluster=lambda c: c["CS"])
+# the kernel table names these through jit_name ("kestrel.kernels.q4_mma:q4mma_rows")
+q4mma_rows = Q4MMA_ROWS
+q4mma_rows_swiglu = Q4MMA_ROWS_SWIGLU

@@ -1,0 +1,100 @@
+"""kernels/q4_mma.py, the tensor-core q4 product for a few rows (CUDA C through NVRTC). Without a GPU:
+its reference against the exact product and the one-token q4 reference, its CPU emulation (what the
+launch-plan tests run) against the reference, the launch rule (which matmuls take it, which fall back),
+and its AOT compile for every target it may run on. Its CUDA C runs on the device only
+(bench/q4mma_sweep.py checks every configuration against ``q4_mma_ref``)."""
+import pytest
+import torch
+
+from kestrel.compiler.codegen import compile_kernel
+from kestrel.kernels import q4_mma
+from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_pack, q4_unpack
+from kestrel.kernels.targets import GPU_TARGETS, TARGETS
+
+
+def _weight(n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = q4_pack(torch.randn(n, k, generator=g) / k ** 0.5, group)
+    return w, q4_codes(w, n, k, group)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_reference_is_the_fp16_x_product_summed_exactly(group):
+    m, n, k = 3, 48, 512
+    w, (q, sc) = _weight(n, k, group, 1)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 3
+    y = q4_mma.q4_mma_ref(x, q, sc, group)
+    xh = (x / 64).half().double()
+    deq = (q.double().reshape(n, k // group, group) * sc.double()[:, :, None]).reshape(n, k)
+    exact = xh @ deq.T * 64
+    assert torch.allclose(y.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+    # against the one-token kernel's product (fp16 lanes): within that product's own rounding
+    one = matvec_ref(x, q4_unpack(w, n, k, group))
+    assert ((y - one).abs().max() / one.abs().max()).item() < 3e-3
+
+
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("m,group,rb,ks,cs", [(4, 128, 2, 2, 1), (1, 32, 1, 4, 2), (13, 64, 4, 1, 4)])
+def test_emulated_launch_writes_the_reference(pair, m, group, rb, ks, cs):
+    n, k = 64, 1024
+    ws = [_weight(n, k, group, s) for s in (3, 4)[:2 if pair else 1]]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    launch = q4_mma.launch(m, n, k, group, rb, ks, cs, 2, pair)
+    kernel = q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows
+    y = torch.full((m * n + 7,), float("nan"))
+    kernel[launch["grid"]](x.reshape(-1), *[w for w, _ in ws], y, **launch["constexprs"], PDL=True)
+    if pair:
+        ref = q4_mma.q4_mma_swiglu_ref(x, *ws[0][1], *ws[1][1], group)
+    else:
+        ref = q4_mma.q4_mma_ref(x, *ws[0][1], group)
+    assert torch.equal(y[:m * n].reshape(m, n), ref) and y[m * n:].isnan().all()
+    with pytest.raises(AssertionError, match="grid"):
+        kernel[[launch["grid"][0] + 1, 1, 1]](x.reshape(-1), *[w for w, _ in ws], y, **launch["constexprs"])
+
+
+def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
+    t = TARGETS["sm_90"]
+    r = t.rules["q4_mma"]
+    at = q4_mma.rule_launch(4, 5120, 17408, 128, t)
+    assert at is not None and at["num_warps"] == at["constexprs"]["RB"] * at["constexprs"]["KS"]
+    assert at["grid"][0] % at["constexprs"]["CS"] == 0
+    assert q4_mma.rule_launch(1, 5120, 17408, 128, t) is None  # the one-token step keeps the matvec
+    assert q4_mma.rule_launch(r.max_rows + 1, 5120, 17408, 128, t) is None
+    assert q4_mma.rule_launch(4, 5128, 4096, 128, t) is None  # N not a multiple of 16
+    small = q4_mma.rule_launch(4, 64, 64, 32, t)  # two groups: KS cut to what the K range holds
+    assert small is not None and small["constexprs"]["KS"] * small["constexprs"]["CS"] <= 2
+    # more staged x than a CTA may hold: no configuration fits sm_120's 99 KB at K = 17408, 8 rows
+    assert q4_mma.fits(8, 5120, 17408, 128, 2, 4, 1, TARGETS["sm_120"]) is not None
+    assert q4_mma.fits(4, 5120, 17408, 128, 2, 4, 2, TARGETS["sm_80"]) == "clusters need sm_90"
+
+
+def test_matmuls_at_a_few_q4_rows_select_it():
+    from kestrel.compiler.ir import Op, Program, TensorType, Value
+    from kestrel.compiler.ops import OPS
+
+    t = TARGETS["sm_90"]
+    p = Program("t")
+    x = Value(TensorType("f32", (4, 5120)))
+    for dtype, expect, jit in (("q4g128", "q4mma_rows_q4g128", q4_mma.q4mma_rows),
+                               ("bf16", "matvec_rows_bf16", OPS["matmul"].kernel.variants[0][1])):
+        w = p.add_weight(f"w_{dtype}", dtype, (17408, 5120))
+        op = Op("matmul", [Value(TensorType("f32", (4, 17408)))], [x, w], {})
+        op.launch = OPS["matmul"].kernel.launch(op, t)
+        assert op.launch["kernel"] == expect and OPS["matmul"].kernel.jit_for(op) is jit
+
+
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_compiles_for_every_target(target):
+    t = TARGETS[target]
+    cases = [(4, 5120, 6144, 128, False), (4, 17408, 5120, 128, True), (16, 512, 2048, 64, False),
+             (2, 1024, 1024, 32, True)]
+    for m, n, k, group, pair in cases:
+        launch = q4_mma.rule_launch(m, n, k, group, t, pair) or q4_mma.launch(m, n, k, group, 1, 2, 1, 2, pair)
+        c = launch["constexprs"]
+        assert q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair) is None
+        types = ["*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32"]
+        ck = compile_kernel("q4mma", q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows, types, c,
+                            launch["num_warps"], t.cc)
+        assert ck.cubin[:4] == b"\x7fELF" and ck.arch == f"sm_{t.cc}" and ck.compiler.startswith("nvrtc")
+        assert ck.name == ("q4mma_rows_swiglu" if pair else "q4mma_rows") and ck.shared == q4_mma.shared_bytes(c)
+        assert [p for p, _ in ck.params] == list((q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows).params)
