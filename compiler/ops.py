@@ -660,10 +660,21 @@ def _infer_moe_group(ins, a):
     (ids,) = ins
     _need(_t(ids).dtype == "i32" and len(_t(ids).shape) == 2, f"moe_group: ids {_t(ids)} must be i32 [M, k]")
     e, r = a["experts"], a["chunk"]
-    _need(isinstance(e, int) and e > 0 and r in (1, 2, 3, 4), "moe_group: experts > 0, chunk 1..4 (FEW_ROWS)")
+    _need(isinstance(e, int) and e > 0 and isinstance(r, int) and 1 <= r <= q4_mma.MAX_ROWS,
+          f"moe_group: experts > 0, chunk 1..{q4_mma.MAX_ROWS} (the few-rows matvec's 4, the q4 tensor-core kernel's 16)")
     p = math.prod(_t(ids).shape)
     _need(e * p < 2 ** 31, f"moe_group: {e} experts x {p} pairs overflow its 32-bit sort keys")
     return [TensorType("i32", (p,)), TensorType("i32", (p,)), TensorType("i32", (moe.grouped_chunks(p, e, r), 4))]
+
+
+def _need_chunk_rows(chunks, pairs: int, a: dict, what: str) -> None:
+    """The chunk table holds the rows moe_group makes for chunks of ``chunk`` pairs (the attribute, which tells
+    the grouped kernels how many rows a chunk may hold)."""
+    e, r = a["experts"], a["chunk"]
+    _need(isinstance(r, int) and 1 <= r <= q4_mma.MAX_ROWS, f"{what}: chunk {r} must be 1..{q4_mma.MAX_ROWS}")
+    _need(_t(chunks).shape[0] == moe.grouped_chunks(pairs, e, r),
+          f"{what}: a chunk table of {_t(chunks).shape[0]} rows, not the {moe.grouped_chunks(pairs, e, r)} of "
+          f"{pairs} pairs in chunks of {r}")
 
 
 def _need_chunk_table(chunks, what: str) -> None:
@@ -680,6 +691,7 @@ def _infer_moe_gate_up_grouped(ins, a):
           f"moe_gate_up_grouped: x [M, H] and src i32 [M k], not {list(_t(x).shape)} / {list(_t(src).shape)}")
     _need_chunk_table(chunks, "moe_gate_up_grouped")
     h, (p,) = _t(x).shape[1], _t(src).shape
+    _need_chunk_rows(chunks, p, a, "moe_gate_up_grouped")
     _need(_t(wg).shape == _t(wu).shape and _t(wg).shape[1] == h and _t(wg).shape[0] % e == 0,
           f"moe_gate_up_grouped: stacked gate / up {_t(wg).shape} must be [{e} * I, {h}]")
     return [_f32((p, _t(wg).shape[0] // e))]
@@ -690,6 +702,7 @@ def _infer_moe_down_grouped(ins, a):
     act, chunks, wd = ins
     e = a["experts"]
     _need_chunk_table(chunks, "moe_down_grouped")
+    _need_chunk_rows(chunks, _t(act).shape[0], a, "moe_down_grouped")
     _need(_t(wd).shape[1] == _t(act).shape[1] and _t(wd).shape[0] % e == 0,
           f"moe_down_grouped: stacked down {_t(wd).shape} must be [{e} * H, {_t(act).shape[1]}]")
     return [_f32((_t(act).shape[0], _t(wd).shape[0] // e))]
@@ -1043,14 +1056,34 @@ def _moe_group(op: Op, t: Target) -> dict:
                                                           ids.type.shape[1], op.attrs["chunk"], t)}
 
 
+def moe_grouped_rows(e: int, wg: Weight, wd: Weight, t: Target) -> int:
+    """Sorted pairs a chunk of the grouped experts (stacked gate / up ``wg`` [E I, H], down ``wd`` [E H, I])
+    holds on ``t``: the tensor-core q4 kernel's chunk where both products run it (kernels/q4_mma.py), else the
+    few-rows matvec's (moe.GROUPED_CHUNK)."""
+    if not (is_q4(wg.type.dtype) and is_q4(wd.type.dtype)):
+        return moe.GROUPED_CHUNK
+    inter, hidden = wg.type.shape[0] // e, wg.type.shape[1]
+    return q4_mma.grouped_rows(e, inter, hidden, (_group(wg), _group(wd)), t) or moe.GROUPED_CHUNK
+
+
 def _moe_grouped(op: Op, t: Target) -> dict:
-    """moe_gate_up_grouped's and moe_down_grouped's launch (the few-rows tiles of one expert's matrix)."""
+    """moe_gate_up_grouped's and moe_down_grouped's launch: the tensor-core q4 kernel where chunks hold more
+    pairs than the few-rows matvec takes (select_kernels chose so: moe_grouped_rows), else the few-rows tiles
+    of one expert's matrix."""
     e = op.attrs["experts"]
-    w = op.ins[3] if op.kind == "moe_gate_up_grouped" else op.ins[2]
+    gate_up = op.kind == "moe_gate_up_grouped"
+    w = op.ins[3] if gate_up else op.ins[2]
+    chunks = op.ins[2] if gate_up else op.ins[1]
     pairs = op.outs[0].type.shape[0]
     n, k = w.type.shape[0] // e, w.type.shape[1]
+    inter, hidden = (n, k) if gate_up else (k, n)
+    rows = op.attrs["chunk"]
+    if rows > moe.GROUPED_CHUNK:
+        kind = "q4mma_gate_up_grouped_" if gate_up else "q4mma_down_grouped_"
+        return {"kernel": kind + w.type.dtype,
+                **q4_mma.grouped_launch(pairs, e, n, k, _group(w), chunks.type.shape[0], t, gate_up)}
     return {"kernel": f"{op.kind}_{w.type.dtype}",
-            **moe.moe_grouped_launch(pairs, e, n, k, _group(w), moe.GROUPED_CHUNK, t, pair=op.kind == "moe_gate_up_grouped")}
+            **moe.moe_grouped_launch(pairs, e, n, k, _group(w), moe.GROUPED_CHUNK, t, pair=gate_up)}
 
 
 def _moe_combine(op: Op, t: Target) -> dict:
@@ -1278,11 +1311,13 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("moe_group", "v", ("experts", "chunk"), _infer_moe_group, moe.moe_group_ref, Kernel(moe.moe_group_kernel, _moe_group),
           _MOE_ONNX, doc="M rows: the (row, slot) pairs sorted by expert (src rows, pos of each pair) and the chunk "
                          "table (expert, first pair, pairs) cutting each expert's run every `chunk` pairs"),
-    OpDef("moe_gate_up_grouped", "vvvww", ("experts",), _infer_moe_gate_up_grouped, moe.moe_gate_up_grouped_ref,
-          Kernel(moe.moe_gate_up_grouped_kernel, _moe_grouped), _MOE_ONNX,
+    OpDef("moe_gate_up_grouped", "vvvww", ("experts", "chunk"), _infer_moe_gate_up_grouped, moe.moe_gate_up_grouped_ref,
+          Kernel(moe.moe_gate_up_grouped_kernel, _moe_grouped,
+                 variants=(("q4mma_gate_up_grouped_", q4_mma.q4mma_gate_up_grouped),)), _MOE_ONNX,
           doc="M rows grouped: act_s[i] = silu(Wg_e x[src[i]]) * (Wu_e x[src[i]]) per chunk of expert e"),
-    OpDef("moe_down_grouped", "vvw", ("experts",), _infer_moe_down_grouped, moe.moe_down_grouped_ref,
-          Kernel(moe.moe_down_grouped_kernel, _moe_grouped), _MOE_ONNX,
+    OpDef("moe_down_grouped", "vvw", ("experts", "chunk"), _infer_moe_down_grouped, moe.moe_down_grouped_ref,
+          Kernel(moe.moe_down_grouped_kernel, _moe_grouped,
+                 variants=(("q4mma_down_grouped_", q4_mma.q4mma_down_grouped),)), _MOE_ONNX,
           doc="M rows grouped: y_s[i] = Wd_e act_s[i] per chunk of expert e"),
     OpDef("moe_combine", "vvvvwv", (), _infer_moe_combine, moe.moe_combine_ref, Kernel(moe.moe_combine_kernel, _moe_combine),
           _MOE_ONNX, doc="y[r] = sum_j w[r, j] y_s[pos[r k + j]] in rank order + sigmoid(Ws . x[r]) shared[r]"),

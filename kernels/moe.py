@@ -206,8 +206,9 @@ def _chunk_pairs(chunks: torch.Tensor):
             yield e, i
 
 
-def moe_gate_up_grouped_ref(x, src, chunks, wg, wu, experts: int) -> torch.Tensor:
-    """act_s [P, I]: sorted pair i's silu(Wg_e x[src[i]]) * (Wu_e x[src[i]]) (e its chunk's expert)."""
+def moe_gate_up_grouped_ref(x, src, chunks, wg, wu, experts: int, chunk: int = 0) -> torch.Tensor:
+    """act_s [P, I]: sorted pair i's silu(Wg_e x[src[i]]) * (Wu_e x[src[i]]) (e its chunk's expert; ``chunk``,
+    the pairs a chunk may hold, does not change the result)."""
     inter = wg.shape[0] // experts
     act = torch.zeros(src.shape[0], inter)
     for e, i in _chunk_pairs(chunks):
@@ -218,7 +219,7 @@ def moe_gate_up_grouped_ref(x, src, chunks, wg, wu, experts: int) -> torch.Tenso
     return act
 
 
-def moe_down_grouped_ref(act, chunks, wd, experts: int) -> torch.Tensor:
+def moe_down_grouped_ref(act, chunks, wd, experts: int, chunk: int = 0) -> torch.Tensor:
     """y_s [P, H]: sorted pair i's Wd_e act_s[i] (e its chunk's expert; H = rows of the stacked Wd / E)."""
     h = wd.shape[0] // experts
     y = torch.zeros(act.shape[0], h)
@@ -561,7 +562,7 @@ def _store_pairs(y_ptr, y0, y1, y2, y3, cols, s, n, N: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up_grouped_kernel(x_ptr, src_ptr, chunks_ptr, wg_ptr, wu_ptr, act_ptr, experts, P: tl.constexpr,
+def moe_gate_up_grouped_kernel(x_ptr, src_ptr, chunks_ptr, wg_ptr, wu_ptr, act_ptr, experts, chunk, P: tl.constexpr,
                                E: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
                                PDL: tl.constexpr = False):
@@ -580,7 +581,7 @@ def moe_gate_up_grouped_kernel(x_ptr, src_ptr, chunks_ptr, wg_ptr, wu_ptr, act_p
 
 
 @triton.jit
-def moe_down_grouped_kernel(act_ptr, chunks_ptr, wd_ptr, y_ptr, experts, P: tl.constexpr, E: tl.constexpr,
+def moe_down_grouped_kernel(act_ptr, chunks_ptr, wd_ptr, y_ptr, experts, chunk, P: tl.constexpr, E: tl.constexpr,
                             N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
     """y_s rows of chunk program_id(0): Wd_e act_s[i] for its pairs (rows s .. of act_s, contiguous), N = H,

@@ -123,6 +123,33 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) 
     return launch(m, n, k, group, r.rb, ks, cs, r.depth, pair)
 
 
+def grouped_rows(e: int, inter: int, hidden: int, groups: tuple[int, int], target) -> int | None:
+    """Rows a chunk of Qwen3-Next's grouped experts holds when both its q4 products (gate / up [E I, H] and
+    down [E H, I]) run this kernel on ``target`` (``target.rules["q4_mma"].grouped_rows``), else None (the
+    Triton few-rows kernels, kernels/moe.py's GROUPED_CHUNK). ``groups``: the q4 groups of gate / up and of
+    down. select_kernels sizes the chunk table by it."""
+    r = target.rules["q4_mma"]
+    m = r.grouped_rows
+    if not m:
+        return None
+    for (n, k, pair), group in zip(((inter, hidden, True), (hidden, inter, False)), groups):
+        if group not in (32, 64, 128) or k % group or fits(m, n, k, group, r.grouped_rb,
+                                                           min(r.grouped_ks, k // group), 1, target, pair):
+            return None
+    return m
+
+
+def grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunks: int, target, gate_up: bool) -> dict:
+    """moe_gate_up_grouped's (``gate_up``: n = I, k = H) or moe_down_grouped's (n = H, k = I) launch: grid
+    [row blocks / RB, the chunk table's rows], a chunk's rows staged once per CTA."""
+    r = target.rules["q4_mma"]
+    ks = min(r.grouped_ks, k // group)
+    c = launch(r.grouped_rows, n, k, group, r.grouped_rb, ks, 1, r.grouped_depth, gate_up)
+    c["grid"][1] = chunks
+    c["constexprs"] |= {"GROUPED": 1 if gate_up else 2, "E": e, "P": pairs}
+    return c
+
+
 def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False) -> str | None:
     """None when the configuration can run on ``target``, else why not."""
     if not 1 <= m <= MAX_ROWS:
@@ -140,12 +167,15 @@ def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, 
     return None
 
 
+def _codes(w, rows: int, k: int, group: int):
+    return q4_codes(w[:rows * k // 2 + rows * (k // group) * 2], rows, k, group)
+
+
 def _emulate(swiglu: bool):
     def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, PDL=False):
         assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1], f"grid {grid}"
         ws, y = rest[:-1], rest[-1]
-        nbytes = N * K // 2 + N * (K // GROUP) * 2
-        codes = [q4_codes(w[:nbytes], N, K, GROUP) for w in ws]
+        codes = [_codes(w, N, K, GROUP) for w in ws]
         xm = x[:M * K].reshape(M, K)
         out = (q4_mma_swiglu_ref(xm, *codes[0], *codes[1], GROUP) if swiglu
                else q4_mma_ref(xm, *codes[0], GROUP))
@@ -153,7 +183,40 @@ def _emulate(swiglu: bool):
     return run
 
 
+def _emulate_grouped(gate_up: bool):
+    """moe_gate_up_grouped (x, src, chunks, wg, wu -> act) or moe_down_grouped (act, chunks, wd -> y):
+    each used chunk's rows through ``q4_mma_ref`` with its expert's rows of the stacked weights."""
+    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, GROUPED, E, P, PDL=False):
+        if gate_up:
+            src, chunks, wg, wu, y, _experts, _chunk = rest
+            ws = [wg, wu]
+        else:
+            chunks, wd, y, _experts, _chunk = rest
+            src, ws = None, [wd]
+        c = grid[1]
+        assert list(grid) == [CS * -(-N // (16 * RB)), c, 1], f"grid {grid}"
+        codes = [_codes(w, E * N, K, GROUP) for w in ws]
+        xm = x[:x.numel() // K * K].reshape(-1, K)
+        for e, first, n, _ in chunks[:4 * c].reshape(c, 4).tolist():
+            n = min(n, M)
+            if n <= 0:
+                continue
+            e, first = min(max(e, 0), E - 1), min(max(first, 0), P - 1)
+            rows = src[first:first + n].long() if gate_up else torch.arange(first, first + n)
+            part = [(q[e * N:(e + 1) * N], sc[e * N:(e + 1) * N]) for q, sc in codes]
+            xs = xm[rows]
+            out = (q4_mma_swiglu_ref(xs, *part[0], *part[1], GROUP) if gate_up
+                   else q4_mma_ref(xs, *part[0], GROUP))
+            y[first * N:(first + n) * N] = out.reshape(-1)
+    return run
+
+
 SOURCE = r"""
+#ifndef GROUPED
+#define GROUPED 0           /* 1: MoE gate / up over a chunk of sorted pairs (x rows through src); 2: MoE down */
+#define E 1                 /* experts stacked in each weight */
+#define P 1                 /* sorted pairs (rows of y) */
+#endif
 #define V (GROUP / 32)
 #define NG (K / GROUP)
 #define NGC (NG / CS)
@@ -229,8 +292,9 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
 
 /* D groups (CTA-local gl0 ..) of the NW weights: every word in flight first, then the MMAs */
 template <int D>
-__device__ __forceinline__ void groups(const unsigned char* const* w, const uint4* xs, int row0, int gl0,
-                                       int cta_g0, int g, int t, const int* xrow, float (*tot)[NT][4]) {
+__device__ __forceinline__ void groups(const unsigned char* const* w, const unsigned short* const* scales,
+                                       const uint4* xs, int row0, int gl0, int cta_g0, int g, int t, const int* xrow,
+                                       float (*tot)[NT][4]) {
   const size_t rowbytes = (size_t)K / 2;
   wvec qa[NW][D], qb[NW][D];
 #pragma unroll
@@ -245,7 +309,7 @@ __device__ __forceinline__ void groups(const unsigned char* const* w, const uint
   }
 #pragma unroll
   for (int i = 0; i < NW; i++) {
-    const unsigned short* sc = reinterpret_cast<const unsigned short*>(w[i] + (size_t)N * rowbytes);
+    const unsigned short* sc = scales[i];
 #pragma unroll
     for (int d = 0; d < D; d++) {
       const int gi = cta_g0 + gl0 + d;
@@ -289,11 +353,21 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS) CLUSTER_DIMS
-ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w0,
+ENTRY(const float* __restrict__ x,
+#if GROUPED == 1
+      const int* __restrict__ src, const int* __restrict__ chunks,
+#elif GROUPED == 2
+      const int* __restrict__ chunks,
+#endif
+      const unsigned char* __restrict__ w0,
 #if SWIGLU
       const unsigned char* __restrict__ w1,
 #endif
-      float* __restrict__ y, void* scratch0, void* scratch1) {
+      float* __restrict__ y,
+#if GROUPED
+      int experts, int chunk,
+#endif
+      void* scratch0, void* scratch1) {
   extern __shared__ uint4 smem[];
   uint4* xs = smem;                                          /* [M][XROW] staged x */
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -303,11 +377,26 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w0,
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
-  /* stage x [M][KC] (this CTA's K range) as f16x2 of x / 64: slot of word j of group gl, lane t, v */
-  for (int i = threadIdx.x; i < M * (KC / 8); i += 32 * WARPS) {
+#if GROUPED
+  /* chunk blockIdx.y: (expert, first sorted pair, pairs); its x rows are x[src[first + i]] (1) or
+     x[first + i] (2), its results rows first + i of y. A cluster shares its chunk: all its CTAs leave. */
+  const int e = min(max(chunks[4 * blockIdx.y], 0), E - 1);
+  const int first = min(max(chunks[4 * blockIdx.y + 1], 0), P - 1);
+  const int rows = min(chunks[4 * blockIdx.y + 2], M);
+  if (rows <= 0) return;
+#else
+  const int e = 0, first = 0, rows = M;
+#endif
+  /* stage x [rows][KC] (this CTA's K range) as f16x2 of x / 64: slot of word j of group gl, lane t, v */
+  for (int i = threadIdx.x; i < rows * (KC / 8); i += 32 * WARPS) {
     const int n = i / (KC / 8), j = i - n * (KC / 8);
-    const float4* src = reinterpret_cast<const float4*>(x + (size_t)n * K + (size_t)rank * KC + 8 * j);
-    const float4 f0 = src[0], f1 = src[1];
+#if GROUPED == 1
+    const size_t xr = (size_t)src[first + n];
+#else
+    const size_t xr = (size_t)(first + n);
+#endif
+    const float4* xp = reinterpret_cast<const float4*>(x + xr * K + (size_t)rank * KC + 8 * j);
+    const float4 f0 = xp[0], f1 = xp[1];
     const int gl = j / (4 * V), r = j - gl * 4 * V, tt = r / V, v = r - tt * V;
     xs[n * XROW + gl * 4 * V + v * 4 + tt] =
         make_uint4(pack_half2(f0.x * 0.015625f, f0.y * 0.015625f), pack_half2(f0.z * 0.015625f, f0.w * 0.015625f),
@@ -319,22 +408,28 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w0,
   const bool live = row0 < N;
   int xrow[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, M - 1);
+  for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, rows - 1);
   float tot[NW][NT][4];
 #pragma unroll
   for (int i = 0; i < NW; i++)
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) tot[i][nt][0] = tot[i][nt][1] = tot[i][nt][2] = tot[i][nt][3] = 0.f;
+  /* expert e's rows (stacked weights: E N rows of nibbles, then E N rows of scales) */
+  const size_t ebytes = (size_t)e * N * (K / 2);
+  const size_t scale_at = (size_t)E * N * (K / 2);
 #if SWIGLU
-  const unsigned char* const ws[2] = {w0, w1};
+  const unsigned char* const ws[2] = {w0 + ebytes, w1 + ebytes};
+  const unsigned short* const ss[2] = {reinterpret_cast<const unsigned short*>(w0 + scale_at) + (size_t)e * N * NG,
+                                       reinterpret_cast<const unsigned short*>(w1 + scale_at) + (size_t)e * N * NG};
 #else
-  const unsigned char* const ws[1] = {w0};
+  const unsigned char* const ws[1] = {w0 + ebytes};
+  const unsigned short* const ss[1] = {reinterpret_cast<const unsigned short*>(w0 + scale_at) + (size_t)e * N * NG};
 #endif
   if (live) {
     const int gl1 = (ks + 1) * NGC / KS;
     int gl = ks * NGC / KS;
-    for (; gl + DEPTH <= gl1; gl += DEPTH) groups<DEPTH>(ws, xs, row0, gl, cta_g0, g, t, xrow, tot);
-    for (; gl < gl1; gl++) groups<1>(ws, xs, row0, gl, cta_g0, g, t, xrow, tot);
+    for (; gl + DEPTH <= gl1; gl += DEPTH) groups<DEPTH>(ws, ss, xs, row0, gl, cta_g0, g, t, xrow, tot);
+    for (; gl < gl1; gl++) groups<1>(ws, ss, xs, row0, gl, cta_g0, g, t, xrow, tot);
   }
   /* the warps' totals, in ks order, per row block; then the cluster's CTAs' in rank order */
   __syncthreads();
@@ -386,7 +481,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w0,
         const float u = 64.f * s[(NT + nt) * 4 + e];
         v = v / (1.f + expf(-v)) * u;
 #endif
-        if (n < M) y[(size_t)n * N + r] = v;
+        if (n < rows) y[(size_t)(first + n) * N + r] = v;
       }
     }
   }
@@ -399,6 +494,15 @@ Q4MMA_ROWS = CudaKernel("q4mma_rows", __name__, SOURCE, ("x_ptr", "w_ptr", "y_pt
                         shared_bytes, _emulate(False), cluster=lambda c: c["CS"])
 Q4MMA_ROWS_SWIGLU = CudaKernel("q4mma_rows_swiglu", __name__, SOURCE, ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr"),
                                Q4MMA_ROWS.constexprs, shared_bytes, _emulate(True), cluster=lambda c: c["CS"])
+_GROUPED_CONSTS = Q4MMA_ROWS.constexprs + ("GROUPED", "E", "P")
+Q4MMA_GATE_UP_GROUPED = CudaKernel("q4mma_gate_up_grouped", __name__, SOURCE,
+                                   ("x_ptr", "src_ptr", "chunks_ptr", "wg_ptr", "wu_ptr", "act_ptr", "experts", "chunk"),
+                                   _GROUPED_CONSTS, shared_bytes, _emulate_grouped(True), cluster=lambda c: c["CS"])
+Q4MMA_DOWN_GROUPED = CudaKernel("q4mma_down_grouped", __name__, SOURCE,
+                                ("act_ptr", "chunks_ptr", "wd_ptr", "y_ptr", "experts", "chunk"),
+                                _GROUPED_CONSTS, shared_bytes, _emulate_grouped(False), cluster=lambda c: c["CS"])
 # the kernel table names these through jit_name ("kestrel.kernels.q4_mma:q4mma_rows")
 q4mma_rows = Q4MMA_ROWS
 q4mma_rows_swiglu = Q4MMA_ROWS_SWIGLU
+q4mma_gate_up_grouped = Q4MMA_GATE_UP_GROUPED
+q4mma_down_grouped = Q4MMA_DOWN_GROUPED

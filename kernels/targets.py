@@ -199,6 +199,10 @@ class Q4MmaRule(Rule):
     depth: int
     clusters: tuple[int, ...]
     ctas_per_sm: int
+    grouped_rows: int = 0       # Qwen3-Next's grouped experts (q4): chunks of this many sorted pairs (0: not used)
+    grouped_rb: int = 2         # ... RB x KS warps, DEPTH groups in flight, no clusters
+    grouped_ks: int = 2
+    grouped_depth: int = 2
 
 
 _TUNING = "bench/results/tuning/"
@@ -264,8 +268,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), provenance=(_TUNING + "moe-sweep-h200.json",)),
     # provisional: not yet timed in a whole step
-    "q4_mma": Q4MmaRule(max_rows=8, rb=2, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
-                        provenance=(RULE_OF_THUMB,)),
+    "q4_mma": Q4MmaRule(max_rows=8, rb=2, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1, grouped_rows=16,
+                        grouped_rb=2, grouped_ks=2, grouped_depth=2, provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

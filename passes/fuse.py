@@ -414,8 +414,8 @@ def _grouped_moe(op: Op, experts: int) -> list[Op]:
     sh_act = Value(TensorType("f32", (m, sg.type.shape[0])))
     sh = Value(TensorType("f32", (m, h)))
     return [Op("moe_group", [src, pos, chunks], [ids], {"experts": experts, "chunk": chunk}),
-            Op("moe_gate_up_grouped", [act], [x, src, chunks, wg, wu], {"experts": experts}),
-            Op("moe_down_grouped", [ys], [act, chunks, wd], {"experts": experts}),
+            Op("moe_gate_up_grouped", [act], [x, src, chunks, wg, wu], {"experts": experts, "chunk": chunk}),
+            Op("moe_down_grouped", [ys], [act, chunks, wd], {"experts": experts, "chunk": chunk}),
             Op("matmul_swiglu", [sh_act], [x, sg, su]),
             Op("matmul", [sh], [sh_act, sd]),
             Op("moe_combine", [op.outs[0]], [ys, pos, wts, x, sgate, sh])]

@@ -15,16 +15,19 @@ the M-row prefill then routes otherwise than the one-token step would).
 Target-dependent shapes are decided here too: the attention scratch states (made by fuse with one
 split) get the target's number of sequence splits, the sampling partials (made by the lowering with
 one row) a row per program of the target's sampling kernel, the speculative sampler's partials (spec_filter's)
-(K + 1) blocks of G + 1 such rows. plan_memory runs after this pass.
+(K + 1) blocks of G + 1 such rows, and Qwen3-Next's grouped experts' chunk table the chunk size their
+kernels take (16 pairs for the tensor-core q4 kernel, kernels/q4_mma.py; else 4). plan_memory runs after
+this pass.
 """
 from __future__ import annotations
 
 import copy
 
 from kestrel.compiler.ir import IRError, Program
-from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view, routing_logits
+from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view, moe_grouped_rows, routing_logits
 from kestrel.kernels import matvec
 from kestrel.kernels.attention import attn_splits
+from kestrel.kernels.moe import grouped_chunks
 from kestrel.kernels.sample import sample_scratch_shape
 from kestrel.kernels.speculative import spec_scratch_shape
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS
@@ -57,6 +60,22 @@ def _size_spec_scratch(p: Program, target) -> None:
             part, tickets = op.ins[5], op.ins[6]
             part.type = type(part.type)("f32", spec_scratch_shape(tickets.type.shape[0], op.ins[0].type.shape[-1],
                                                                   target))
+
+
+def _size_moe_chunks(p: Program, target) -> None:
+    """Each moe_group's chunk (its attribute, and the chunk table's rows) as the grouped experts' kernels on
+    the target take them (ops.moe_grouped_rows: 16 pairs for the tensor-core q4 kernel, else 4)."""
+    for op in p.ops:
+        if op.kind != "moe_group":
+            continue
+        table = op.outs[2]
+        gate_up = next(c for c in p.ops if c.kind == "moe_gate_up_grouped" and c.ins[2] is table)
+        down = next(c for c in p.ops if c.kind == "moe_down_grouped" and c.ins[1] is table)
+        e = op.attrs["experts"]
+        rows = moe_grouped_rows(e, gate_up.ins[3], down.ins[2], target)
+        for o in (op, gate_up, down):
+            o.attrs["chunk"] = rows
+        table.type = type(table.type)("i32", (grouped_chunks(op.outs[0].type.shape[0], e, rows), 4))
 
 
 def _size_norm_partials(p: Program, target) -> None:
@@ -92,6 +111,7 @@ def select_kernels(program: Program, target: str) -> Program:
         _size_sample_scratch(p, TARGETS[target])
         _size_spec_scratch(p, TARGETS[target])
         _size_norm_partials(p, TARGETS[target])
+        _size_moe_chunks(p, TARGETS[target])
     routing = routing_logits(p)
     for op in p.ops:
         if is_view(op):

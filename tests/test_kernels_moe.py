@@ -186,13 +186,14 @@ def test_grouped_experts_at_m_rows(dtype, rows):
     group = w["wg"][2]
     gu = moe.moe_grouped_launch(pairs, e, inter, h, group, moe.GROUPED_CHUNK, SM90, pair=True)
     act = torch.full((pairs, inter), float("nan"))
-    interpret(moe.moe_gate_up_grouped_kernel)[tuple(gu["grid"][:2])](x, src, chunks, w["wg"][0], w["wu"][0], act, e,
+    interpret(moe.moe_gate_up_grouped_kernel)[tuple(gu["grid"][:2])](x, src, chunks, w["wg"][0], w["wu"][0], act, e, moe.GROUPED_CHUNK,
                                                                     **gu["constexprs"])
     ref_act = moe.moe_gate_up_grouped_ref(x, ref_src, ref_chunks, w["wg"][1], w["wu"][1], e)
     assert_close(act, ref_act, 2e-5, 1e-6, f"moe_gate_up_grouped {dtype}")
     dn = moe.moe_grouped_launch(pairs, e, h, inter, w["wd"][2], moe.GROUPED_CHUNK, SM90)
     ys = torch.full((pairs, h), float("nan"))
-    interpret(moe.moe_down_grouped_kernel)[tuple(dn["grid"][:2])](ref_act, chunks, w["wd"][0], ys, e, **dn["constexprs"])
+    interpret(moe.moe_down_grouped_kernel)[tuple(dn["grid"][:2])](ref_act, chunks, w["wd"][0], ys, e, moe.GROUPED_CHUNK,
+                                                                   **dn["constexprs"])
     ref_ys = moe.moe_down_grouped_ref(ref_act, ref_chunks, w["wd"][1], e)
     assert_close(ys, ref_ys, 2e-5, 1e-6, f"moe_down_grouped {dtype}")
     sh = matvec_ref(torch.nn.functional.silu(matvec_ref(x, w["sg"][1])) * matvec_ref(x, w["su"][1]), w["sd"][1])
@@ -243,10 +244,11 @@ def aot_jobs():
             pairs = 256 * k  # the M-row step's 256 rows, grouped by expert
             gg = moe.moe_grouped_launch(pairs, e, inter, h, groups[0], moe.GROUPED_CHUNK, t, pair=True)
             jobs.append([f"moe_gate_up_grouped_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_grouped_kernel",
-                         ["*fp32", "*i32", "*i32", wt, wt, "*fp32", "i32"], gg["constexprs"], gg["num_warps"], t.cc])
+                         ["*fp32", "*i32", "*i32", wt, wt, "*fp32", "i32", "i32"], gg["constexprs"], gg["num_warps"],
+                         t.cc])
             dg = moe.moe_grouped_launch(pairs, e, h, inter, groups[0], moe.GROUPED_CHUNK, t)
             jobs.append([f"moe_down_grouped_{q}/{name}", "kestrel.kernels.moe:moe_down_grouped_kernel",
-                         ["*fp32", "*i32", wt, "*fp32", "i32"], dg["constexprs"], dg["num_warps"], t.cc])
+                         ["*fp32", "*i32", wt, "*fp32", "i32", "i32"], dg["constexprs"], dg["num_warps"], t.cc])
             da = moe_down_launch(1, e, h, inter, shared, k, groups[:2], t)
             jobs.append([f"moe_down_add_{q}/{name}", "kestrel.kernels.moe:moe_down_add_kernel",
                          ["*fp32", "*i32", "*fp32", wt, wt, "*fp32", "*fp32", "*fp32", "i32"], da["constexprs"],

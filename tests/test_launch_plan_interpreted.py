@@ -316,6 +316,9 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     assert kinds.count("moe_topk") == kinds.count("moe_gate_up") + kinds.count("rmsnorm_moe_gate_up") == \
         kinds.count("moe_down") + kinds.count("moe_down_add") == 2
     assert kinds.count("rmsnorm_moe_gate_up") == 2 and kinds.count("moe_down_add") == 1
+    if quant == "q4" and rows == 16:  # the grouped q4 experts run the tensor-core kernel (chunks of 16 pairs)
+        ids = {k["id"] for k in plan.launch_plan["kernels"]}
+        assert {"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids, sorted(ids)
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
     if rows >= 16:
