@@ -22,6 +22,10 @@ CASES = [("27b in_proj", 16480, 5120, False), ("27b attn qkv", 14336, 5120, Fals
          ("0.8b mlp gate+up", 3584, 1024, True), ("0.8b mlp down", 1024, 3584, False),
          ("next in_proj_qkvz", 12288, 2048, False), ("next attn out", 2048, 4096, False)]
 ROWS = (1, 4, 8, 16)
+# Qwen3-Next 80B-A3B's grouped experts: E experts of I x H (gate / up) and H x I (down), M rows x TOPK pairs
+NEXT_E, NEXT_I, NEXT_H, NEXT_TOPK = 512, 512, 2048, 10
+GROUPED_M = (256, 512)
+GROUPED_SPLITS = [(1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
 SPLITS = [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)]  # (RB, KS)
 CLUSTERS = (1, 2, 4)
 DEPTHS = (2, 4)
@@ -48,11 +52,45 @@ def _jobs():
                 yield name, n, k, pair, m, "mma", q4_mma.launch(m, n, k, GROUP, rb, ks, cs, depth, pair)
 
 
+def _grouped_jobs():
+    from kestrel.kernels import moe, q4_mma
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    for m, gate_up in itertools.product(GROUPED_M, (True, False)):
+        pairs = m * NEXT_TOPK
+        n, k = (NEXT_I, NEXT_H) if gate_up else (NEXT_H, NEXT_I)
+        name = f"next {'gate+up' if gate_up else 'down'} grouped"
+        yield name, n, k, gate_up, m, "grouped_triton", moe.moe_grouped_launch(pairs, NEXT_E, n, k, GROUP,
+                                                                               moe.GROUPED_CHUNK, t, pair=gate_up)
+        chunks = moe.grouped_chunks(pairs, NEXT_E, 16)
+        for (rb, ks), depth in itertools.product(GROUPED_SPLITS, DEPTHS):
+            if q4_mma.fits(16, n, k, GROUP, rb, ks, 1, t, gate_up) is None and k // GROUP >= ks:
+                c = q4_mma.launch(16, n, k, GROUP, rb, ks, 1, depth, gate_up)
+                c["grid"][1] = chunks
+                c["constexprs"] |= {"GROUPED": 1 if gate_up else 2, "E": NEXT_E, "P": pairs}
+                yield name, n, k, gate_up, m, "grouped_mma", c
+
+
 def _compile(job):
     from kestrel.compiler.codegen import compile_kernel
     from kestrel.kernels import gemm, matvec, q4_mma
 
     name, n, k, pair, m, kind, launch = job
+    if kind.startswith("grouped"):
+        from kestrel.kernels import moe
+
+        jit = {("grouped_triton", True): moe.moe_gate_up_grouped_kernel,
+               ("grouped_triton", False): moe.moe_down_grouped_kernel,
+               ("grouped_mma", True): q4_mma.q4mma_gate_up_grouped,
+               ("grouped_mma", False): q4_mma.q4mma_down_grouped}[kind, pair]
+        types = (["*fp32", "*i32", "*i32", "*u8", "*u8", "*fp32", "i32", "i32"] if pair
+                 else ["*fp32", "*i32", "*u8", "*fp32", "i32", "i32"])
+        try:
+            ck = compile_kernel(kind, jit, types, launch["constexprs"], launch["num_warps"], 90, [True] * 6 + [False] * 2)
+        except Exception as e:  # noqa: BLE001
+            return None, f"skip {name} {kind} {launch['constexprs']}: {type(e).__name__} {str(e)[:300]}"
+        return (ck, launch), None
     jit = {("gemm", False): gemm.gemm_kernel, ("gemm", True): gemm.gemm_swiglu_kernel,
            ("matvec", False): matvec.matvec_kernel, ("matvec", True): matvec.matvec_swiglu_kernel,
            ("rows", False): matvec.matvec_rows_kernel, ("rows", True): matvec.matvec_rows_swiglu_kernel,
@@ -69,7 +107,7 @@ def compile_all(folder: str) -> None:
     import multiprocessing
 
     os.makedirs(folder, exist_ok=True)
-    jobs = list(_jobs())
+    jobs = list(_jobs()) if "grouped" not in folder else list(_grouped_jobs())
     index = []
     with multiprocessing.get_context("fork").Pool(len(os.sched_getaffinity(0))) as pool:
         for job, (res, msg) in zip(jobs, pool.imap(_compile, jobs, chunksize=4)):
@@ -174,8 +212,77 @@ def time_all(folder: str, out: str) -> None:
     json.dump({"rows": rows}, open(out, "w"), indent=1)
 
 
+def time_grouped(folder: str, out: str) -> None:
+    """The grouped experts (folder compiled from a name containing "grouped"): a random routing of M rows
+    (NEXT_TOPK distinct experts each), sorted and chunked by moe_group_ref (16 pairs a chunk for the
+    tensor-core kernel, 4 for the Triton one); every result row against q4_mma_ref of its expert."""
+    import torch
+
+    from graph_timing import launch_times_us, rotating_copies
+    from kestrel.kernels import moe, q4_mma
+    from kestrel.kernels.matvec import q4_codes, q4_pack
+    from kestrel.runtime import cuda as kc
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cg = torch.Generator().manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    rows, data = [], {}
+    for e in json.load(open(os.path.join(folder, "index.json"))):
+        m, pair, n, k = e["M"], e["pair"], e["N"], e["K"]
+        pairs = m * NEXT_TOPK
+        if (m, pair) not in data:
+            data.clear()
+            torch.cuda.empty_cache()
+            ids = torch.stack([torch.randperm(NEXT_E, generator=cg)[:NEXT_TOPK] for _ in range(m)]).int()
+            tables = {c: [t.cuda() for t in moe.moe_group_ref(ids, NEXT_E, c)] for c in (moe.GROUPED_CHUNK, 16)}
+            x = torch.randn(m if pair else pairs, k, device="cuda", generator=g)
+            ws = [q4_pack(torch.randn(NEXT_E * n, k, device="cuda", generator=g) / k ** 0.5, GROUP)
+                  for _ in range(2 if pair else 1)]
+            codes = [q4_codes(w, NEXT_E * n, k, GROUP) for w in ws]
+            src, _, chunks = tables[16]
+            ref = torch.zeros(pairs, n, device="cuda")
+            for ex, first, cnt, _ in chunks.tolist():
+                if cnt <= 0:
+                    continue
+                xr = x[src[first:first + cnt].long()] if pair else x[first:first + cnt]
+                part = [(q[ex * n:(ex + 1) * n], sc[ex * n:(ex + 1) * n]) for q, sc in codes]
+                ref[first:first + cnt] = (q4_mma.q4_mma_swiglu_ref(xr, *part[0], *part[1], GROUP) if pair
+                                          else q4_mma.q4_mma_ref(xr, *part[0], GROUP))
+            del codes
+            nbytes = sum(w.numel() for w in ws)
+            copies = [[w.clone() for w in ws] for _ in range(rotating_copies(nbytes) - 1)]
+            data[(m, pair)] = (tables, x, [ws] + copies, ref)
+        tables, x, wsets, ref = data[(m, pair)]
+        chunk = 16 if e["kind"] == "grouped_mma" else moe.GROUPED_CHUNK
+        src, _, chunks = tables[chunk]
+        y = torch.full((pairs, n), float("nan"), device="cuda")
+        kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"], e["shared"])
+        if pair:
+            sets = [kc.PackedArgs(e["params"], [x.data_ptr(), src.data_ptr(), chunks.data_ptr(), w[0].data_ptr(),
+                                                w[1].data_ptr(), y.data_ptr(), NEXT_E, chunk]) for w in wsets]
+        else:
+            sets = [kc.PackedArgs(e["params"], [x.data_ptr(), chunks.data_ptr(), w[0].data_ptr(), y.data_ptr(),
+                                                NEXT_E, chunk]) for w in wsets]
+        kc.launch(kernel, e["grid"], sets[0], stream)
+        torch.cuda.synchronize()
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=5, launches=16))
+        rows.append({**e, "us": us, "rel_err_vs_mma_ref": err})
+        print(f"{e['shape']:<24} M={m:<4} {e['kind']:<15} {e['config']} {us:9.1f} us  err {err:.1e}", flush=True)
+    print("\nbest grouped:")
+    for key in dict.fromkeys((r["shape"], r["M"], r["kind"]) for r in rows):
+        ok = [r for r in rows if (r["shape"], r["M"], r["kind"]) == key
+              and r["rel_err_vs_mma_ref"] < (1e-5 if r["kind"] == "grouped_mma" else 2e-2)]
+        if ok:
+            b = min(ok, key=lambda r: r["us"])
+            print(f"{key[0]:<24} M={key[1]:<4} {key[2]:<15} {b['config']} {b['us']:9.1f} us")
+    json.dump({"rows": rows}, open(out, "w"), indent=1)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "compile":
         compile_all(sys.argv[2])
+    elif "grouped" in sys.argv[2]:
+        time_grouped(sys.argv[2], sys.argv[3])
     else:
         time_all(sys.argv[2], sys.argv[3])

@@ -90,17 +90,18 @@ def test_launch_rule():
 
 def test_matmul_rows_pick_the_few_rows_matvec_up_to_the_rule():
     """compiler/ops.py: a matmul at M rows runs the few-rows matvec up to the gemm rule's few_rows_matvec
-    rows, the GEMM past it; one row the matvec."""
+    rows (bf16; q4 takes the tensor-core q4 kernel there, tests/test_kernels_q4_mma.py), the GEMM past it;
+    one row the matvec."""
     from kestrel.compiler.ir import Op, TensorType, Value, Weight
     from kestrel.compiler.ops import OPS
     from kestrel.kernels.gemm import gemm_kernel
 
     t = TARGETS["sm_90"]
     few = t.rules["gemm"].few_rows_matvec
-    assert few >= 4  # a verify step's k + 1 = 4 rows
-    w = Weight("w", TensorType("q4g128", (5120, 6144)), ["ckpt", "w"])
-    for shape, kernel, jit in [((few, 6144), "matvec_rows_q4g128", matvec_rows_kernel),
-                               ((few + 1, 6144), "gemm_q4g128", gemm_kernel)]:
+    assert few >= 4 and t.rules["q4_mma"].max_rows <= few  # a verify step's k + 1 = 4 rows
+    w = Weight("w", TensorType("bf16", (5120, 6144)), ["ckpt", "w"])
+    for shape, kernel, jit in [((few, 6144), "matvec_rows_bf16", matvec_rows_kernel),
+                               ((few + 1, 6144), "gemm_bf16", gemm_kernel)]:
         op = OPS["matmul"]
         o = Op("matmul", [Value(TensorType("f32", (shape[0], 5120)))], [Value(TensorType("f32", shape)), w])
         o.launch = op.kernel.launch(o, t)
