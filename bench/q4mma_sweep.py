@@ -189,6 +189,8 @@ def time_all(folder: str, out: str) -> None:
         us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=7, launches=32))
         rows.append({**e, "us": us, "rel_err_vs_mma_ref": err, "rel_err_vs_matvec_ref": err_cpu,
                      "weight_GBps": nbytes / us / 1e3})
+        print(f"row {e['shape']:<20} M={m:<2} {e['kind']:<6} {json.dumps(e['config'])} {us:8.2f} us "
+              f"err {err:.1e} cpu {err_cpu:.1e}", flush=True)
     best = {}
     for r in rows:
         if "us" not in r:
