@@ -5,36 +5,21 @@ shipped default (the rows in kernels/targets.py are what builds use).
         --target sm_90 -o bench/plans/variant.plan
 
 Everything after ``--`` goes to ``kestrelc build``. Several rows at once: ``family.field=value`` for each
-(``gdn_rows.num_warps=1 gdn_delta.num_warps=1 -- ...``).
+(``gdn_rows.num_warps=1 gdn_delta.num_warps=1 -- ...``). (The same as ``KESTREL_RULES="..." kestrelc build``,
+kernels/targets.py's override_rules.)
 """
 from __future__ import annotations
 
-import ast
-import dataclasses
 import sys
-from types import MappingProxyType
 
 from kestrel.compiler.cli import main as kestrelc
-from kestrel.kernels.targets import TARGETS
-
-
-def patch(family: str, fields: dict) -> None:
-    t = TARGETS["sm_90"]
-    row = dataclasses.replace(t.rules[family], **fields)
-    TARGETS["sm_90"] = dataclasses.replace(t, rules=MappingProxyType({**t.rules, family: row}))
-
+from kestrel.kernels.targets import override_rules
 
 if __name__ == "__main__":
     cut = sys.argv.index("--")
     args = sys.argv[1:cut]
     if "=" not in args[0]:  # FAMILY field=value ...
         args = [f"{args[0]}.{a}" for a in args[1:]]
-    rows: dict = {}
-    for a in args:
-        name, value = a.split("=", 1)
-        family, field = name.split(".", 1)
-        rows.setdefault(family, {})[field] = ast.literal_eval(value)
-    for family, fields in rows.items():
-        patch(family, fields)
+    print("variant:", " ".join(override_rules("sm_90", " ".join(args))))
     sys.argv = ["kestrelc", "build"] + sys.argv[cut + 1:]
     kestrelc()

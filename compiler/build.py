@@ -34,7 +34,7 @@ from kestrel.compiler.ops import verify
 from kestrel.compiler.presets import PRESETS, SHAPES, byte_level_tokenizer_json, synthesize
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.compiler.weights import storage, weight_bytes
-from kestrel.kernels.targets import ALL_TARGETS, TARGETS, untuned_note
+from kestrel.kernels.targets import ALL_TARGETS, RULES_ENV, TARGETS, override_rules, untuned_note
 from kestrel.passes.hoist_dynamic import check_dyn_invariance, check_routing
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.passes.plan_memory import memory_report
@@ -234,6 +234,12 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         f"[target {target}, quant {quant}, max_seq {m.max_seq}]")
     for notice in m.ck.notices:
         log(f"note: {notice}")
+    if target != "cpu" and os.environ.get(RULES_ENV):
+        try:
+            done = override_rules(target, os.environ[RULES_ENV])
+        except ValueError as e:
+            raise InputError(f"{e}: fix or unset {RULES_ENV}") from None
+        log(f"note: launch rules for {target} changed by {RULES_ENV}: {' '.join(done)}")
     note = untuned_note(TARGETS[target]) if target != "cpu" else None
     if note:
         log(f"note: {note}")

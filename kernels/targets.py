@@ -10,6 +10,7 @@ The sm_90 rows were tuned on the H200; every other target reuses them with ``tun
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -267,8 +268,10 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), provenance=(_TUNING + "moe-sweep-h200.json",)),
-    # provisional: not yet timed in a whole step
-    "q4_mma": Q4MmaRule(max_rows=8, rb=2, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1, grouped_rows=16,
+    # OFF (max_rows 0, grouped_rows 0) until its CUDA code has run on the device: written in stop 25, when no
+    # device machine could be started. The split is a rule of thumb. Turn it on for a build with
+    # KESTREL_RULES="q4_mma.max_rows=8 q4_mma.grouped_rows=16" (bench/q4mma_sweep.py checks and times it).
+    "q4_mma": Q4MmaRule(max_rows=0, rb=2, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1, grouped_rows=0,
                         grouped_rb=2, grouped_ks=2, grouped_depth=2, provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
@@ -320,6 +323,34 @@ TARGETS = {t.name: t for t in (
 )}
 GPU_TARGETS = tuple(TARGETS)
 ALL_TARGETS = ("cpu",) + GPU_TARGETS
+
+
+RULES_ENV = "KESTREL_RULES"
+
+
+def override_rules(target: str, spec: str) -> list[str]:
+    """Replace fields of ``target``'s launch-rule rows in this process (an experiment, or a kernel not yet
+    on by default): ``spec`` is ``family.field=value`` assignments separated by spaces or commas, values
+    Python literals (``q4_mma.max_rows=8 q4_mma.grouped_rows=16``). The rows changed say so in their
+    provenance. Returns the assignments; raises ValueError naming a bad one."""
+    t = TARGETS[target]
+    rows: dict[str, dict] = {}
+    done = []
+    for a in spec.replace(",", " ").split():
+        name, eq, value = a.partition("=")
+        family, dot, field = name.partition(".")
+        if not (eq and dot) or family not in t.rules or field not in {f.name for f in dataclasses.fields(t.rules[family])}:
+            raise ValueError(f"{RULES_ENV}: {a!r} is not family.field=value with a family and field of the {target} "
+                             f"rules ({', '.join(t.rules)})")
+        try:
+            rows.setdefault(family, {})[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{RULES_ENV}: {a!r}: the value is not a Python literal") from None
+        done.append(a)
+    new = {f: dataclasses.replace(t.rules[f], **fields, provenance=t.rules[f].provenance + (f"{RULES_ENV} {spec}",))
+           for f, fields in rows.items()}
+    TARGETS[target] = dataclasses.replace(t, rules=MappingProxyType({**t.rules, **new}))
+    return done
 
 
 def pow2_at_least(n: int) -> int:

@@ -3,6 +3,8 @@ its reference against the exact product and the one-token q4 reference, its CPU 
 launch-plan tests run) against the reference, the launch rule (which matmuls take it, which fall back),
 and its AOT compile for every target it may run on. Its CUDA C runs on the device only
 (bench/q4mma_sweep.py checks every configuration against ``q4_mma_ref``)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,15 @@ from kestrel.compiler.codegen import compile_kernel
 from kestrel.kernels import q4_mma
 from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_pack, q4_unpack
 from kestrel.kernels.targets import GPU_TARGETS, TARGETS
+
+ON = "q4_mma.max_rows=8 q4_mma.grouped_rows=16"  # the kernel is off by default until measured on the device
+
+
+def _on(name: str = "sm_90"):
+    """``name``'s target with the kernel turned on (as KESTREL_RULES=ON does for a build)."""
+    t = TARGETS[name]
+    return dataclasses.replace(t, rules={**t.rules, "q4_mma": dataclasses.replace(t.rules["q4_mma"], max_rows=8,
+                                                                                 grouped_rows=16)})
 
 
 def _weight(n, k, group, seed):
@@ -53,7 +64,8 @@ def test_emulated_launch_writes_the_reference(pair, m, group, rb, ks, cs):
 
 
 def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
-    t = TARGETS["sm_90"]
+    assert q4_mma.rule_launch(4, 5120, 17408, 128, TARGETS["sm_90"]) is None  # off by default
+    t = _on()
     r = t.rules["q4_mma"]
     at = q4_mma.rule_launch(4, 5120, 17408, 128, t)
     assert at is not None and at["num_warps"] == at["constexprs"]["RB"] * at["constexprs"]["KS"]
@@ -72,7 +84,7 @@ def test_matmuls_at_a_few_q4_rows_select_it():
     from kestrel.compiler.ir import Op, Program, TensorType, Value
     from kestrel.compiler.ops import OPS
 
-    t = TARGETS["sm_90"]
+    t = _on()
     p = Program("t")
     x = Value(TensorType("f32", (4, 5120)))
     for dtype, expect, jit in (("q4g128", "q4mma_rows_q4g128", q4_mma.q4mma_rows),
@@ -85,7 +97,7 @@ def test_matmuls_at_a_few_q4_rows_select_it():
 
 @pytest.mark.parametrize("target", GPU_TARGETS)
 def test_compiles_for_every_target(target):
-    t = TARGETS[target]
+    t = _on(target)
     cases = [(4, 5120, 6144, 128, False), (4, 17408, 5120, 128, True), (16, 512, 2048, 64, False),
              (2, 1024, 1024, 32, True)]
     for m, n, k, group, pair in cases:
@@ -98,3 +110,21 @@ def test_compiles_for_every_target(target):
         assert ck.cubin[:4] == b"\x7fELF" and ck.arch == f"sm_{t.cc}" and ck.compiler.startswith("nvrtc")
         assert ck.name == ("q4mma_rows_swiglu" if pair else "q4mma_rows") and ck.shared == q4_mma.shared_bytes(c)
         assert [p for p, _ in ck.params] == list((q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows).params)
+
+
+def test_kestrel_rules_turns_it_on_for_a_build(tmp_path, monkeypatch):
+    """KESTREL_RULES (kernels/targets.py's override_rules) changes a build's rule rows, says so in the log, and
+    refuses what is not family.field=value in one line (exit 6)."""
+    from conftest import run_cli
+    from kestrel.artifacts.plan import load_plan
+
+    monkeypatch.setenv("KESTREL_RULES", ON)
+    path = str(tmp_path / "t.plan")
+    r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--quant", "q4", "--prefill-rows", "4")
+    assert r.returncode == 0, r.stderr
+    assert f"changed by KESTREL_RULES: {ON}" in r.stdout + r.stderr
+    assert any(k["id"].startswith("q4mma_rows_") for k in load_plan(path).launch_plan["kernels"])
+    monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rowz=8")
+    r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--quant", "q4")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 6 and "q4_mma.max_rowz=8" in last and last.endswith("fix or unset KESTREL_RULES")

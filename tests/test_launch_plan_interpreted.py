@@ -3,6 +3,8 @@ order, arena offsets and scalars exactly as the GPU runtime uses them — execut
 interpreter over one byte arena, against the CPU reference path, step by step. This is the test
 that catches ABI mistakes (argument order, offsets, dtypes) that per-kernel tests cannot see.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -135,12 +137,17 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
             assert gpu.dyn(slot) == cpu.dyn[slot], f"step {step}: dyn.{slot}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q4"])
-def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path):
+@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-mma"])
+def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
     """The M-row step's launch list (4 rows) over a 6-token prompt: a full chunk, then a partial one;
     then the one-token step takes over from the states it left. The GPU GEMM feeds the tensor cores
-    bf16 activations where the CPU reference multiplies in fp32: the bound is that rounding's."""
+    bf16 activations where the CPU reference multiplies in fp32: the bound is that rounding's. q4-mma:
+    with the tensor-core q4 kernel turned on (KESTREL_RULES; emulated here, kernels/q4_mma.py)."""
     from conftest import run_cli
+
+    if quant == "q4-mma":
+        monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=8")
+        quant = "q4"
 
     path = str(tmp_path / f"mini-rows-{quant}.plan")
     r = run_cli("kestrelc", "build", mini_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
@@ -148,7 +155,7 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
     assert plan.launch_plan["prefill"]["rows"] == 4
-    if quant == "q4":  # its q4 matmuls at 4 rows run the tensor-core product (emulated here: kernels/q4_mma.py)
+    if os.environ.get("KESTREL_RULES"):  # its q4 matmuls at 4 rows run the tensor-core product
         ids = {k["id"] for k in plan.launch_plan["kernels"]}
         assert any(i.startswith("q4mma_rows_q4g") for i in ids) and any(i.startswith("q4mma_rows_swiglu_q4g")
                                                                         for i in ids), sorted(ids)
@@ -294,8 +301,8 @@ def mini_next_checkpoint(tmp_path_factory):
     return _write_checkpoint(str(tmp_path_factory.mktemp("mini-next")), MINI_NEXT, 11)
 
 
-@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4", 0)])
-def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_next_checkpoint, tmp_path):
+@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4-mma", 16), ("q4", 0)])
+def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_next_checkpoint, tmp_path, monkeypatch):
     """A Qwen3-Next sm_90 plan's launch lists in the interpreter against the CPU path. With rows: the M-row
     step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
     4-token prompt whose rows route to different experts),
@@ -305,6 +312,10 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     from conftest import run_cli
     from kestrel.compiler.ops import is_view
 
+    mma = quant == "q4-mma"  # the grouped q4 experts on the tensor-core kernel (KESTREL_RULES; emulated here)
+    if mma:
+        monkeypatch.setenv("KESTREL_RULES", "q4_mma.grouped_rows=16")
+        quant = "q4"
     path = str(tmp_path / f"mini-next-{quant}.plan")
     r = run_cli("kestrelc", "build", mini_next_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
                 "--max-seq", "16", "--prefill-rows", str(rows))
@@ -316,9 +327,8 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     assert kinds.count("moe_topk") == kinds.count("moe_gate_up") + kinds.count("rmsnorm_moe_gate_up") == \
         kinds.count("moe_down") + kinds.count("moe_down_add") == 2
     assert kinds.count("rmsnorm_moe_gate_up") == 2 and kinds.count("moe_down_add") == 1
-    if quant == "q4" and rows == 16:  # the grouped q4 experts run the tensor-core kernel (chunks of 16 pairs)
-        ids = {k["id"] for k in plan.launch_plan["kernels"]}
-        assert {"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids, sorted(ids)
+    ids = {k["id"] for k in plan.launch_plan["kernels"]}
+    assert mma == ({"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids), sorted(ids)
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
     if rows >= 16:
