@@ -268,11 +268,14 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), provenance=(_TUNING + "moe-sweep-h200.json",)),
-    # OFF (max_rows 0, grouped_rows 0) until its CUDA code has run on the device: written in stop 25, when no
-    # device machine could be started. The split is a rule of thumb. Turn it on for a build with
-    # KESTREL_RULES="q4_mma.max_rows=8 q4_mma.grouped_rows=16" (bench/q4mma_sweep.py checks and times it).
-    "q4_mma": Q4MmaRule(max_rows=0, rb=2, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1, grouped_rows=0,
-                        grouped_rb=2, grouped_ks=2, grouped_depth=2, provenance=(RULE_OF_THUMB,)),
+    # one rule of the 1,019-variant sweep (stop 25 call 1, every variant exact to <= 2.4e-7 of q4_mma_ref): RB 4 x
+    # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
+    # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,
+    # 2.0-2.7x the GEMM at 16; the 0.8B matrices at 4 rows 0.92-1.12x (kept: one rule). M = 1 stays the matvec
+    # (0.64-1.06x there). Grouped experts: RB 4 x KS 1 (Qwen3-Next, 2.7-4.0x the few-rows grouped kernels)
+    "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1, grouped_rows=16,
+                        grouped_rb=4, grouped_ks=1, grouped_depth=2,
+                        provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
@@ -331,7 +334,7 @@ RULES_ENV = "KESTREL_RULES"
 def override_rules(target: str, spec: str) -> list[str]:
     """Replace fields of ``target``'s launch-rule rows in this process (an experiment, or a kernel not yet
     on by default): ``spec`` is ``family.field=value`` assignments separated by spaces or commas, values
-    Python literals (``q4_mma.max_rows=8 q4_mma.grouped_rows=16``). The rows changed say so in their
+    Python literals (``q4_mma.max_rows=0 q4_mma.grouped_rows=0``). The rows changed say so in their
     provenance. Returns the assignments; raises ValueError naming a bad one."""
     t = TARGETS[target]
     rows: dict[str, dict] = {}

@@ -13,14 +13,13 @@ from kestrel.kernels import q4_mma
 from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_pack, q4_unpack
 from kestrel.kernels.targets import GPU_TARGETS, TARGETS
 
-ON = "q4_mma.max_rows=8 q4_mma.grouped_rows=16"  # the kernel is off by default until measured on the device
+OFF = "q4_mma.max_rows=0 q4_mma.grouped_rows=0"
 
 
 def _on(name: str = "sm_90"):
-    """``name``'s target with the kernel turned on (as KESTREL_RULES=ON does for a build)."""
+    """``name``'s target with the kernel on at 2..8 rows (other targets borrow the sm_90 row, where it is on)."""
     t = TARGETS[name]
-    return dataclasses.replace(t, rules={**t.rules, "q4_mma": dataclasses.replace(t.rules["q4_mma"], max_rows=8,
-                                                                                 grouped_rows=16)})
+    return dataclasses.replace(t, rules={**t.rules, "q4_mma": dataclasses.replace(t.rules["q4_mma"], max_rows=8)})
 
 
 def _weight(n, k, group, seed):
@@ -64,7 +63,7 @@ def test_emulated_launch_writes_the_reference(pair, m, group, rb, ks, cs):
 
 
 def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
-    assert q4_mma.rule_launch(4, 5120, 17408, 128, TARGETS["sm_90"]) is None  # off by default
+    assert q4_mma.rule_launch(16, 5120, 17408, 128, TARGETS["sm_90"]) is not None  # on from 2 to 16 rows
     t = _on()
     r = t.rules["q4_mma"]
     at = q4_mma.rule_launch(4, 5120, 17408, 128, t)
@@ -112,18 +111,21 @@ def test_compiles_for_every_target(target):
         assert [p for p, _ in ck.params] == list((q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows).params)
 
 
-def test_kestrel_rules_turns_it_on_for_a_build(tmp_path, monkeypatch):
+def test_kestrel_rules_turns_it_off_for_a_build(tmp_path, monkeypatch):
     """KESTREL_RULES (kernels/targets.py's override_rules) changes a build's rule rows, says so in the log, and
     refuses what is not family.field=value in one line (exit 6)."""
     from conftest import run_cli
     from kestrel.artifacts.plan import load_plan
 
-    monkeypatch.setenv("KESTREL_RULES", ON)
     path = str(tmp_path / "t.plan")
-    r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--quant", "q4", "--prefill-rows", "4")
-    assert r.returncode == 0, r.stderr
-    assert f"changed by KESTREL_RULES: {ON}" in r.stdout + r.stderr
+    args = ("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--quant", "q4", "--prefill-rows", "4")
+    assert run_cli(*args).returncode == 0
     assert any(k["id"].startswith("q4mma_rows_") for k in load_plan(path).launch_plan["kernels"])
+    monkeypatch.setenv("KESTREL_RULES", OFF)
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert f"changed by KESTREL_RULES: {OFF}" in r.stdout + r.stderr
+    assert not any(k["id"].startswith("q4mma_") for k in load_plan(path).launch_plan["kernels"])
     monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rowz=8")
     r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--quant", "q4")
     last = r.stderr.strip().splitlines()[-1]

@@ -137,16 +137,18 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
             assert gpu.dyn(slot) == cpu.dyn[slot], f"step {step}: dyn.{slot}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-mma"])
+@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-triton"])
 def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
     """The M-row step's launch list (4 rows) over a 6-token prompt: a full chunk, then a partial one;
     then the one-token step takes over from the states it left. The GPU GEMM feeds the tensor cores
-    bf16 activations where the CPU reference multiplies in fp32: the bound is that rounding's. q4-mma:
-    with the tensor-core q4 kernel turned on (KESTREL_RULES; emulated here, kernels/q4_mma.py)."""
+    bf16 activations where the CPU reference multiplies in fp32: the bound is that rounding's. q4: the
+    tensor-core q4 kernel (emulated here, kernels/q4_mma.py); q4-triton: with it turned off (KESTREL_RULES),
+    the few-rows matvec."""
     from conftest import run_cli
 
-    if quant == "q4-mma":
-        monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=8")
+    mma = quant == "q4"
+    if quant == "q4-triton":
+        monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=0")
         quant = "q4"
 
     path = str(tmp_path / f"mini-rows-{quant}.plan")
@@ -155,10 +157,9 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
     assert plan.launch_plan["prefill"]["rows"] == 4
-    if os.environ.get("KESTREL_RULES"):  # its q4 matmuls at 4 rows run the tensor-core product
-        ids = {k["id"] for k in plan.launch_plan["kernels"]}
-        assert any(i.startswith("q4mma_rows_q4g") for i in ids) and any(i.startswith("q4mma_rows_swiglu_q4g")
-                                                                        for i in ids), sorted(ids)
+    ids = {k["id"] for k in plan.launch_plan["kernels"]}
+    assert mma == (any(i.startswith("q4mma_rows_q4g") for i in ids) and any(i.startswith("q4mma_rows_swiglu_q4g")
+                                                                           for i in ids)), sorted(ids)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     prompt = [5, 9, 3, 60, 17, 2]
     tokens = _begin(gpu, cpu, prompt)
@@ -301,7 +302,7 @@ def mini_next_checkpoint(tmp_path_factory):
     return _write_checkpoint(str(tmp_path_factory.mktemp("mini-next")), MINI_NEXT, 11)
 
 
-@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4-mma", 16), ("q4", 0)])
+@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4-triton", 16), ("q4", 0)])
 def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_next_checkpoint, tmp_path, monkeypatch):
     """A Qwen3-Next sm_90 plan's launch lists in the interpreter against the CPU path. With rows: the M-row
     step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
@@ -312,9 +313,9 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     from conftest import run_cli
     from kestrel.compiler.ops import is_view
 
-    mma = quant == "q4-mma"  # the grouped q4 experts on the tensor-core kernel (KESTREL_RULES; emulated here)
-    if mma:
-        monkeypatch.setenv("KESTREL_RULES", "q4_mma.grouped_rows=16")
+    mma = quant == "q4" and rows == 16  # the grouped q4 experts on the tensor-core kernel (emulated here) ...
+    if quant == "q4-triton":  # ... or, turned off (KESTREL_RULES), on the few-rows grouped kernels
+        monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=0 q4_mma.grouped_rows=0")
         quant = "q4"
     path = str(tmp_path / f"mini-next-{quant}.plan")
     r = run_cli("kestrelc", "build", mini_next_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
