@@ -103,28 +103,18 @@ def _compile(job):
     return (ck, launch), None
 
 
-def compile_all(folder: str) -> None:
-    import multiprocessing
+def _describe(job, ck, launch) -> dict:
+    name, n, k, pair, m, kind, _ = job
+    c = launch["constexprs"]
+    return {"shape": name, "M": m, "N": n, "K": k, "pair": pair, "kind": kind,
+            "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "BLOCK_N", "BLOCK_K", "BLOCK_M") if x in c}}
 
-    os.makedirs(folder, exist_ok=True)
+
+def compile_all(folder: str) -> None:
+    from cubin_folder import compile_to_folder
+
     jobs = list(_jobs()) if "grouped" not in folder else list(_grouped_jobs())
-    index = []
-    with multiprocessing.get_context("fork").Pool(len(os.sched_getaffinity(0))) as pool:
-        for job, (res, msg) in zip(jobs, pool.imap(_compile, jobs, chunksize=4)):
-            if res is None:
-                print(msg, flush=True)
-                continue
-            ck, launch = res
-            name, n, k, pair, m, kind, _ = job
-            f = f"q{len(index):04d}.cubin"
-            open(os.path.join(folder, f), "wb").write(ck.cubin)
-            c = launch["constexprs"]
-            index.append({"shape": name, "M": m, "N": n, "K": k, "pair": pair, "kind": kind, "grid": launch["grid"],
-                          "num_warps": ck.num_warps, "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "BLOCK_N",
-                                                                                   "BLOCK_K", "BLOCK_M") if x in c},
-                          "shared": ck.shared, "entry": ck.name, "cubin": f, "params": [t for _, t in ck.params]})
-    json.dump(index, open(os.path.join(folder, "index.json"), "w"), indent=1)
-    print(len(index), "kernels")
+    compile_to_folder(folder, jobs, _compile, _describe, prefix="q")
 
 
 def time_all(folder: str, out: str) -> None:

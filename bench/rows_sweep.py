@@ -67,28 +67,18 @@ def _compile(job):
     return (ck, launch), None
 
 
-def compile_all(folder: str) -> None:
-    import multiprocessing
+def _describe(job, ck, launch) -> dict:
+    name, n, k, pair, m, group, kind, _ = job
+    c = launch["constexprs"]
+    return {"shape": name, "M": m, "N": n, "K": k, "pair": pair, "group": group, "kind": kind,
+            "rule": launch.get("rule", True), "BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"],
+            "BLOCK_M": c.get("BLOCK_M")}
 
-    os.makedirs(folder, exist_ok=True)
-    jobs = list(_jobs())
-    index = []
-    with multiprocessing.get_context("fork").Pool(len(os.sched_getaffinity(0))) as pool:
-        for job, (res, msg) in zip(jobs, pool.imap(_compile, jobs, chunksize=4)):
-            if res is None:
-                print(msg, flush=True)
-                continue
-            ck, launch = res
-            name, n, k, pair, m, group, kind, _ = job
-            f = f"r{len(index):04d}.cubin"
-            open(os.path.join(folder, f), "wb").write(ck.cubin)
-            c = launch["constexprs"]
-            index.append({"shape": name, "M": m, "N": n, "K": k, "pair": pair, "group": group, "kind": kind,
-                          "rule": launch.get("rule", True), "grid": launch["grid"], "num_warps": ck.num_warps,
-                          "BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"], "BLOCK_M": c.get("BLOCK_M"),
-                          "shared": ck.shared, "entry": ck.name, "cubin": f, "params": [t for _, t in ck.params]})
-    json.dump(index, open(os.path.join(folder, "index.json"), "w"), indent=1)
-    print(len(index), "kernels")
+
+def compile_all(folder: str) -> None:
+    from cubin_folder import compile_to_folder
+
+    compile_to_folder(folder, list(_jobs()), _compile, _describe, prefix="r")
 
 
 def time_all(folder: str, out: str) -> None:
