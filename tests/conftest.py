@@ -66,6 +66,16 @@ class _Zygote:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _interpreter_without_redundant_patches():
+    """kernel_harness.skip_redundant_lang_patches for the session's interpreted kernels."""
+    from kernel_harness import skip_redundant_lang_patches
+
+    restore = skip_redundant_lang_patches()
+    yield
+    restore()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _close_zygote():
     yield
     _Zygote.close()
