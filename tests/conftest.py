@@ -66,25 +66,128 @@ class _Zygote:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _interpreter_without_redundant_patches():
+    """kernel_harness.skip_redundant_lang_patches for the session's interpreted kernels."""
+    from kernel_harness import skip_redundant_lang_patches
+
+    restore = skip_redundant_lang_patches()
+    yield
+    restore()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _close_zygote():
     yield
     _Zygote.close()
 
 
+def _wants_trained(items) -> bool:
+    return os.environ.get("KESTREL_TEST_NO_PREFETCH") != "1" and any(
+        "trained" in getattr(item, "fixturenames", ()) and item.module.__name__ == "test_numerics" for item in items)
+
+
+@pytest.hookimpl(tryfirst=True)  # (an xdist worker: before it reports its collection to the controller)
 def pytest_collection_finish(session):
     """Start training test_numerics' byte models in the background (hf_checkpoints.TrainedInBackground) when
-    one of its tests will run."""
-    if os.environ.get("KESTREL_TEST_NO_PREFETCH") != "1" and any(
-            "trained" in getattr(item, "fixturenames", ()) and item.module.__name__ == "test_numerics"
-            for item in session.items):
+    one of its tests will run. An xdist worker instead marks the folder the controller gave it as wanted:
+    the controller trains them there, once (pytest_xdist_node_collection_finished)."""
+    if not _wants_trained(session.items):
+        return
+    from hf_checkpoints import TrainedInBackground
+
+    shared = getattr(session.config, "workerinput", {}).get("kestrel_trained_root")
+    if shared:
+        open(os.path.join(shared, "wanted"), "w").close()
+        TrainedInBackground.use(shared)
+    else:
+        TrainedInBackground.start()
+
+
+# --- pytest-xdist (pyproject.toml's addopts: -n auto --dist loadfile --no-loadscope-reorder) ---------------
+
+# Seconds each file took in the single-process suite on the 2-core machine (stop 24, empty Triton cache):
+# under xdist the files are handed out longest first, so that the last ones to start are short and the
+# workers end together. A file not listed counts as DEFAULT_FILE_SECONDS; stale figures cost only balance.
+FILE_SECONDS = {
+    "test_kernels_small.py": 117, "test_launch_plan_interpreted.py": 115, "test_kernels_moe.py": 89,
+    "test_cli_trust.py": 64, "test_kernels_attention.py": 59, "test_kernels_gdn_rows.py": 39,
+    "test_kernels_speculative.py": 39, "test_kernels_attn_rows.py": 37, "test_kernels_matvec.py": 30,
+    "test_runtime_gpu_stub_driver.py": 28, "test_runtime_cpu.py": 26, "test_kernels_gemm.py": 23,
+    "test_kernels_matvec_rows.py": 22, "test_spec_sampling_many.py": 18, "test_kernels_norm_matvec.py": 18,
+    "test_numerics.py": 17, "test_prefill_rows.py": 16, "test_install.py": 15, "test_bounded_memory.py": 15,
+    "test_chat.py": 15, "test_speculative.py": 13, "test_kernels_gdn.py": 13, "test_artifact.py": 12,
+    "test_bench_bytes.py": 11, "test_spec_sampling.py": 7, "test_runtime_gpu_without_gpu.py": 6,
+    "test_routing_invariance.py": 6, "test_oracle.py": 5, "test_onnx.py": 4, "test_spec_sampling_e2e.py": 4,
+    "test_frontend_errors.py": 3, "test_oracle_next.py": 2, "test_presets.py": 1,
+}
+DEFAULT_FILE_SECONDS = 10
+
+
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under xdist, the files longest first (FILE_SECONDS; each file's tests keep their order, and
+    --dist loadfile keeps a file on one worker, so module fixtures are made once)."""
+    if _xdist_worker(config):
+        items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.path)), DEFAULT_FILE_SECONDS))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per core the process may use; none (the tests run in this process, as without
+    xdist) with a single core, or when the arguments name at most one test file (a file is one worker's
+    work under --dist loadfile: starting workers would only add their start-up).
+    PYTEST_XDIST_AUTO_NUM_WORKERS overrides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # (xdist's own hook reads it)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    files = set()
+    for arg in config.args:
+        path = os.path.abspath(arg.split("::")[0])
+        if not os.path.isfile(path):
+            files = None  # a folder (testpaths included): many files
+            break
+        files.add(path)
+    if cores < 2 or files is not None and len(files) <= 1:
+        return 0
+    return cores
+
+
+_trained_root = None  # the xdist controller's folder for the background training (TrainedInBackground)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The xdist controller: every worker is told the one folder where test_numerics' byte models will
+    be trained (if a worker's collection wants them)."""
+    global _trained_root
+    if _trained_root is None:
+        import tempfile
+
+        _trained_root = tempfile.mkdtemp(prefix="kestrel-trained-")
+    node.workerinput["kestrel_trained_root"] = _trained_root
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The xdist controller: once a worker has marked the folder wanted (pytest_collection_finish), train
+    the models there in the background, once, before any test is handed out."""
+    if _trained_root and os.path.exists(os.path.join(_trained_root, "wanted")):
         from hf_checkpoints import TrainedInBackground
 
-        TrainedInBackground.start()
+        if not TrainedInBackground.jobs:
+            TrainedInBackground.start(_trained_root)
 
 
 def pytest_sessionfinish(session):
     if "hf_checkpoints" in sys.modules:
         sys.modules["hf_checkpoints"].TrainedInBackground.stop()
+    if _trained_root and not _xdist_worker(session.config):
+        import shutil
+
+        shutil.rmtree(_trained_root, ignore_errors=True)
 
 
 def run_cli(*args, env=None, stdin=None):

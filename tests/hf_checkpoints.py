@@ -176,49 +176,79 @@ class TrainedInBackground:
     """The TRAINED models trained in child processes started when the session's tests are collected
     (conftest.py, if a test that needs them was), one torch thread each, so that their minutes of CPU
     training overlap the tests that run before theirs; ``folder(name)`` waits for one (training it here
-    if no child was started). KESTREL_TEST_NO_PREFETCH=1 trains in the fixture instead."""
+    if no child was started). KESTREL_TEST_NO_PREFETCH=1 trains in the fixture instead.
+
+    Under pytest-xdist the controller starts them (once for all workers, conftest.py) in a folder every
+    worker is told of (``use``); a thread of the process that started a job writes its exit status to
+    ``<folder>.rc`` when it ends, which is what ``folder`` waits for, in whichever process."""
 
     root: str | None = None
+    owner = False  # this process made root (and removes it at stop)
     jobs: dict = {}
 
     @classmethod
-    def start(cls) -> None:
+    def start(cls, root: str | None = None) -> None:
         import json
         import subprocess
         import sys
         import tempfile
+        import threading
 
-        cls.root = tempfile.mkdtemp(prefix="kestrel-trained-")
+        if root is None:
+            root = tempfile.mkdtemp(prefix="kestrel-trained-")
+            cls.owner = True
+        cls.root = root
         here = os.path.dirname(os.path.abspath(__file__))
         for name, config in TRAINED.items():
             folder = os.path.join(cls.root, name)
             code = ("import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
                     "from hf_checkpoints import train_byte_model; train_byte_model(sys.argv[2], json.loads(sys.argv[3]))")
             err = open(folder + ".stderr", "w")  # (a file: a pipe nobody reads till the fixture could stall it)
-            cls.jobs[name] = (folder, subprocess.Popen([sys.executable, "-c", code, here, folder, json.dumps(config)],
-                                                       stdout=subprocess.DEVNULL, stderr=err))
+            proc = subprocess.Popen([sys.executable, "-c", code, here, folder, json.dumps(config)],
+                                    stdout=subprocess.DEVNULL, stderr=err)
             err.close()
+            cls.jobs[name] = proc
+            threading.Thread(target=cls._record_exit, args=(folder, proc), daemon=True).start()
+
+    @staticmethod
+    def _record_exit(folder: str, proc) -> None:
+        rc = proc.wait()
+        with open(folder + ".rc.tmp", "w") as f:
+            f.write(str(rc))
+        os.replace(folder + ".rc.tmp", folder + ".rc")
+
+    @classmethod
+    def use(cls, root: str) -> None:
+        """Wait for the models another process (the xdist controller) trains in ``root``."""
+        cls.root = root
 
     @classmethod
     def folder(cls, name: str, tmp_path_factory) -> str:
-        if name not in cls.jobs:
+        import time
+
+        folder = os.path.join(cls.root, name) if cls.root else None
+        if folder is None or not os.path.exists(folder + ".stderr"):  # never started: train here
             folder = str(tmp_path_factory.mktemp(name))
             train_byte_model(folder, TRAINED[name])
             return folder
-        folder, proc = cls.jobs[name]
-        if proc.wait() != 0:
+        while not os.path.exists(folder + ".rc"):
+            time.sleep(0.2)
+        with open(folder + ".rc") as f:
+            rc = int(f.read())
+        if rc != 0:
             with open(folder + ".stderr") as f:
-                raise AssertionError(f"training {name} in the background failed:\n{f.read()[-3000:]}")
+                raise AssertionError(f"training {name} in the background failed (exit {rc}):\n{f.read()[-3000:]}")
         return folder
 
     @classmethod
     def stop(cls) -> None:
         import shutil
 
-        for _, proc in cls.jobs.values():
+        for proc in cls.jobs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         cls.jobs = {}
-        if cls.root:
+        if cls.root and cls.owner:
             shutil.rmtree(cls.root, ignore_errors=True)
+        cls.root, cls.owner = None, False

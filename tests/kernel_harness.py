@@ -27,6 +27,52 @@ def interpret(kernel):
     return kernel
 
 
+def skip_redundant_lang_patches():
+    """Triton 3.7.1's interpreter re-patches triton.language on every call of a jit helper inside a kernel
+    (``InterpretedFunction.__call__`` calls ``_patch_lang`` and drops its scope): an ``inspect.getmembers``
+    walk of tl, tl.tensor and tl.math per call, ~40% of an interpreted plan's time. Within a launch, once the
+    modules a helper sees (its globals' tl / tl.core) are patched, that walk finds every builtin already
+    replaced and re-sets the rest to equivalent functions that the launch's own restore then undoes: it
+    changes nothing, so it is skipped. A helper that sees a module the launch has not patched yet (or none:
+    the interpreter's assertion) still goes through the original. Returns a function that puts the original
+    back; does nothing for another Triton version (the calling pattern is that version's)."""
+    import inspect
+
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    if triton.__version__ != "3.7.1" or not hasattr(interp, "_patch_lang"):
+        return lambda: None
+    original = interp._patch_lang
+    active = []  # per launch in progress (GridExecutor keeps the first scope and restores it): modules patched
+
+    class LaunchScope:
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            active.pop()
+            self.scope.restore()
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if active and langs and langs <= active[-1]:
+            return None  # (a helper's call inside a launch: the interpreter ignores what it returns)
+        scope = original(fn)
+        if active:
+            active[-1] |= langs
+            return scope
+        active.append(set(langs))
+        return LaunchScope(scope)
+
+    interp._patch_lang = patch_lang
+
+    def restore():
+        interp._patch_lang = original
+    return restore
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, what: str = ""):
     got, ref = got.float(), ref.float()
     assert torch.isfinite(got).all(), f"{what}: non-finite values"
