@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from kestrel.artifacts.errors import BackendMissingError
 from kestrel.compiler.ir import Dyn, Op, Program, is_q4
 from kestrel.compiler.ops import OPS, is_view
 from kestrel.kernels import bandwidth, fill
@@ -147,9 +148,11 @@ def compile_cuda(kernel_id: str, fn: CudaKernel, types: list[str], consts: dict,
     scratch pointers included); no line info, so the bytes do not depend on the machine."""
     try:
         from cuda.bindings import nvrtc
-    except ImportError as e:
-        raise RuntimeError(f"{kernel_id}: compiling CUDA C kernels needs cuda-bindings and nvidia-cuda-nvrtc "
-                           f"(pip install -e '.[compile]'): {e}") from None
+
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001 - no cuda-bindings, or no libnvrtc for it to load
+        raise BackendMissingError(f"{kernel_id} is CUDA C and compiling it needs cuda-bindings and "
+                                  f"nvidia-cuda-nvrtc ({type(e).__name__}): pip install -e '.[compile]'") from None
     if len(fn.params) != len(types):
         raise ValueError(f"{kernel_id}: kernel takes {len(fn.params)} runtime parameters {list(fn.params)}, the op "
                          f"passes {len(types)}")

@@ -1076,7 +1076,6 @@ def _moe_grouped(op: Op, t: Target) -> dict:
     chunks = op.ins[2] if gate_up else op.ins[1]
     pairs = op.outs[0].type.shape[0]
     n, k = w.type.shape[0] // e, w.type.shape[1]
-    inter, hidden = (n, k) if gate_up else (k, n)
     rows = op.attrs["chunk"]
     if rows > moe.GROUPED_CHUNK:
         kind = "q4mma_gate_up_grouped_" if gate_up else "q4mma_down_grouped_"

@@ -130,3 +130,18 @@ def test_kestrel_rules_turns_it_off_for_a_build(tmp_path, monkeypatch):
     r = run_cli("kestrelc", "build", "tiny", "-o", path, "--target", "sm_90", "--quant", "q4")
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 6 and "q4_mma.max_rowz=8" in last and last.endswith("fix or unset KESTREL_RULES")
+
+
+def test_without_nvrtc_the_build_says_what_to_install(monkeypatch):
+    from cuda.bindings import nvrtc
+
+    from kestrel.artifacts.errors import BackendMissingError
+
+    def missing():
+        raise RuntimeError("libnvrtc.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(nvrtc, "nvrtcVersion", missing)
+    launch = q4_mma.launch(4, 64, 256, 128, 1, 2, 1, 2, False)
+    with pytest.raises(BackendMissingError, match=r"nvidia-cuda-nvrtc .*pip install -e '\.\[compile\]'"):
+        compile_kernel("q4mma", q4_mma.q4mma_rows, ["*fp32", "*u8", "*fp32"], launch["constexprs"], 2, 90)
+    assert BackendMissingError.exit_code == 9
