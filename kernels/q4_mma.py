@@ -109,7 +109,7 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) 
     """The launch ``target.rules["q4_mma"]`` gives a q4 matmul at m rows, or None where the kernel is not
     used (m past the rule's max_rows, or no configuration fits the shape and target)."""
     r = target.rules["q4_mma"]
-    if not 2 <= m <= r.max_rows or group not in (32, 64, 128) or k % group:
+    if not 2 <= m <= r.max_rows:
         return None
     blocks = -(-n // (16 * r.rb))
     options = []  # (CTAs per cluster, warps per row block): KS at most the CTA's groups
@@ -133,8 +133,7 @@ def grouped_rows(e: int, inter: int, hidden: int, groups: tuple[int, int], targe
     if not m:
         return None
     for (n, k, pair), group in zip(((inter, hidden, True), (hidden, inter, False)), groups):
-        if group not in (32, 64, 128) or k % group or fits(m, n, k, group, r.grouped_rb,
-                                                           min(r.grouped_ks, k // group), 1, target, pair):
+        if fits(m, n, k, group, r.grouped_rb, max(1, min(r.grouped_ks, k // group)), 1, target, pair):
             return None
     return m
 
