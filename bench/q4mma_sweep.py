@@ -29,6 +29,28 @@ GROUPED_SPLITS = [(1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
 SPLITS = [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)]  # (RB, KS)
 CLUSTERS = (1, 2, 4)
 DEPTHS = (2, 4)
+# a folder named "...pipe...": the cp.async ring (STAGES) against the register form (STAGES 0), at the 27B,
+# 0.8B and Qwen3-Next projection shapes, M = 1 (against the one-row matvec) and 4 (the verify's rows)
+PIPE_CASES = [c for c in CASES if c[0].startswith("27b")] + [CASES[5], CASES[8]]
+PIPE_ROWS = (1, 4)
+PIPE_SPLITS = [(1, 8), (2, 2), (2, 4), (4, 2), (4, 4)]
+PIPE_STAGES = (0, 4, 6, 8)
+
+
+def _pipe_jobs():
+    from kestrel.kernels import q4_mma
+    from kestrel.kernels.matvec import matvec_launch, matvec_rows_launch
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    for (name, n, k, pair), m in itertools.product(PIPE_CASES, PIPE_ROWS):
+        if m == 1:
+            yield name, n, k, pair, m, "matvec", matvec_launch(n, k, GROUP, t, pair=pair)
+        else:
+            yield name, n, k, pair, m, "rows", matvec_rows_launch(m, n, k, GROUP, t, pair=pair)
+        for (rb, ks), cs, stages in itertools.product(PIPE_SPLITS, CLUSTERS, PIPE_STAGES):
+            if q4_mma.fits(m, n, k, GROUP, rb, ks, cs, t, pair, stages) is None and k // GROUP // cs >= ks:
+                yield name, n, k, pair, m, "mma", q4_mma.launch(m, n, k, GROUP, rb, ks, cs, 2, pair, stages)
 
 
 def _jobs():
@@ -107,13 +129,13 @@ def _describe(job, ck, launch) -> dict:
     name, n, k, pair, m, kind, _ = job
     c = launch["constexprs"]
     return {"shape": name, "M": m, "N": n, "K": k, "pair": pair, "kind": kind,
-            "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "BLOCK_N", "BLOCK_K", "BLOCK_M") if x in c}}
+            "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "STAGES", "BLOCK_N", "BLOCK_K", "BLOCK_M") if x in c}}
 
 
 def compile_all(folder: str) -> None:
     from cubin_folder import compile_to_folder
 
-    jobs = list(_jobs()) if "grouped" not in folder else list(_grouped_jobs())
+    jobs = list(_grouped_jobs() if "grouped" in folder else _pipe_jobs() if "pipe" in folder else _jobs())
     compile_to_folder(folder, jobs, _compile, _describe, prefix="q")
 
 
@@ -189,7 +211,7 @@ def time_all(folder: str, out: str) -> None:
         good = r["rel_err_vs_mma_ref"] < 1e-5 if r["kind"] == "mma" else r["rel_err_vs_matvec_ref"] < 2e-2
         if good and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
-    print("\nshape                 M   Triton (kind)           mma best (RB KS CS DEPTH)        speed-up  GB/s")
+    print("\nshape                 M   Triton (kind)           mma best (RB KS CS DEPTH STAGES)  speed-up  GB/s")
     for (shape, m, kind), r in sorted(best.items()):
         if kind == "mma":
             continue
@@ -199,8 +221,17 @@ def time_all(folder: str, out: str) -> None:
             continue
         c = b["config"]
         print(f"{shape:<20} {m:>2}  {r['us']:7.1f} us ({kind:<6})   {b['us']:7.1f} us ({c['RB']} {c['KS']} {c['CS']} "
-              f"{c['DEPTH']})   {r['us'] / b['us']:5.2f}x  {b['weight_GBps']:5.0f}  err {b['rel_err_vs_mma_ref']:.1e} "
+              f"{c['DEPTH']} {c.get('STAGES', 0)})   {r['us'] / b['us']:5.2f}x  {b['weight_GBps']:5.0f}  err {b['rel_err_vs_mma_ref']:.1e} "
               f"/ cpu {b['rel_err_vs_matvec_ref']:.1e}")
+    stages = sorted({r["config"].get("STAGES", 0) for r in rows if r["kind"] == "mma"})
+    if len(stages) > 1:  # the cp.async ring against the register form: the best split at each STAGES
+        print("\nshape                 M   best us at STAGES " + " ".join(f"{s:>7}" for s in stages))
+        for shape, m in dict.fromkeys((r["shape"], r["M"]) for r in rows):
+            ok = [r for r in rows if (r["shape"], r["M"], r["kind"]) == (shape, m, "mma") and "us" in r
+                  and r["rel_err_vs_mma_ref"] < 1e-5]
+            cells = [min((r["us"] for r in ok if r["config"].get("STAGES", 0) == s), default=float("nan"))
+                     for s in stages]
+            print(f"{shape:<20} {m:>2}  {'':17}" + " ".join(f"{c:7.1f}" for c in cells))
     json.dump({"rows": rows}, open(out, "w"), indent=1)
 
 

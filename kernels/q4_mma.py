@@ -89,19 +89,28 @@ def q4_mma_swiglu_ref(x, qg, sg, qu, su, group: int) -> torch.Tensor:
     return g / (1.0 + torch.exp(-g)) * u
 
 
+def ring_bytes(consts: dict) -> int:
+    """The cp.async ring (STAGES > 0): per warp, stage and weight, each lane's words of rows g and g + 8 and
+    the 32-bit words holding their scales."""
+    v = consts["GROUP"] // 32
+    nw = 2 if consts["SWIGLU"] else 1
+    return consts["RB"] * consts["KS"] * consts.get("STAGES", 0) * nw * (2 * 32 * 4 * v + 2 * 32 * 4)
+
+
 def shared_bytes(consts: dict) -> int:
     m, k, cs = consts["M"], consts["K"], consts["CS"]
     warps = consts["RB"] * consts["KS"]
     nt, nw = -(-m // 8), 2 if consts["SWIGLU"] else 1
     staged = m * (2 * (k // cs) + PAD_BYTES)
     red = warps * 32 * nt * 4 * nw * 4
-    return max(staged, red) + consts["RB"] * 32 * nt * 4 * nw * 4
+    return max(staged + ring_bytes(consts), max(staged, red) + consts["RB"] * 32 * nt * 4 * nw * 4)
 
 
-def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth: int, swiglu: bool) -> dict:
+def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth: int, swiglu: bool,
+           stages: int = 0) -> dict:
     """The launch of one configuration: grid [CS x ceil(N / 16 RB)], RB x KS warps."""
     consts = {"M": m, "N": n, "K": k, "GROUP": group, "RB": rb, "KS": ks, "CS": cs, "DEPTH": depth,
-              "SWIGLU": int(swiglu)}
+              "SWIGLU": int(swiglu), "STAGES": stages}
     return {"grid": [cs * -(-n // (16 * rb)), 1, 1], "num_warps": rb * ks, "constexprs": consts}
 
 
@@ -149,7 +158,8 @@ def grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunks: int, 
     return c
 
 
-def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False) -> str | None:
+def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False,
+         stages: int = 0) -> str | None:
     """None when the configuration can run on ``target``, else why not."""
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (1..{MAX_ROWS})"
@@ -161,7 +171,10 @@ def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, 
         return "clusters need sm_90"
     if not 1 <= rb * ks <= 32:
         return f"{rb * ks} warps"
-    if (s := shared_bytes({"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair)})) > target.smem_optin:
+    if stages and (stages < 2 or target.cc < 80):
+        return f"{stages} cp.async stages (2 or more, sm_80 and later)"
+    consts = {"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair), "GROUP": group, "STAGES": stages}
+    if (s := shared_bytes(consts)) > target.smem_optin:
         return f"{s} bytes of shared memory"
     return None
 
@@ -171,7 +184,7 @@ def _codes(w, rows: int, k: int, group: int):
 
 
 def _emulate(swiglu: bool):
-    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, PDL=False):
+    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, STAGES=0, PDL=False):
         assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1], f"grid {grid}"
         ws, y = rest[:-1], rest[-1]
         codes = [_codes(w, N, K, GROUP) for w in ws]
@@ -185,7 +198,7 @@ def _emulate(swiglu: bool):
 def _emulate_grouped(gate_up: bool):
     """moe_gate_up_grouped (x, src, chunks, wg, wu -> act) or moe_down_grouped (act, chunks, wd -> y):
     each used chunk's rows through ``q4_mma_ref`` with its expert's rows of the stacked weights."""
-    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, GROUPED, E, P, PDL=False):
+    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, GROUPED, E, P, STAGES=0, PDL=False):
         if gate_up:
             src, chunks, wg, wu, y, _experts, _chunk = rest
             ws = [wg, wu]
@@ -224,6 +237,7 @@ SOURCE = r"""
 #define WARPS (RB * KS)
 #define NW (SWIGLU ? 2 : 1)
 #define XROW (KC / 8 + 4)   /* uint4 slots per staged x row: KC / 8 words' pairs, 64 bytes of padding */
+#define STAGED_BYTES (M * (2 * KC + 64))   /* the staged x: M rows of XROW uint4 */
 
 #if V == 4
 typedef uint4 wvec;
@@ -339,6 +353,91 @@ __device__ __forceinline__ void groups(const unsigned char* const* w, const unsi
   }
 }
 
+#if STAGES
+/* The cp.async ring (STAGES > 0): each lane copies its own words of rows g and g + 8 and the 32-bit words
+   holding their scales into its warp's ring, STAGES - 1 groups ahead of the group it multiplies, so the weight
+   bytes in flight do not depend on registers. A lane reads back only what it copied: no barrier is needed. */
+#define RING_WORDS (2 * 32 * V + 2 * 32)   /* 32-bit words per stage and weight */
+
+__device__ __forceinline__ void cp_async(unsigned dst, const void* src, int bytes) {
+  if (bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else if (bytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void issue(const unsigned char* const* w, const unsigned short* const* scales,
+                                      unsigned ring, int stage, int row0, int gi, int g, int lane) {
+  const size_t rowbytes = (size_t)K / 2;
+#pragma unroll
+  for (int i = 0; i < NW; i++) {
+    const unsigned base = ring + 4u * (unsigned)((stage * NW + i) * RING_WORDS);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int row = row0 + g + 8 * h;
+      const unsigned char* src = w[i] + (size_t)row * rowbytes + ((size_t)gi * 4 + (lane & 3)) * 4 * V;
+      cp_async(base + 4u * (unsigned)(h * 32 * V + lane * V), src, 4 * V);
+      const size_t si = (size_t)row * NG + gi;   /* the scale's 32-bit word: (si & ~1), half si & 1 */
+      cp_async(base + 4u * (unsigned)(2 * 32 * V + h * 32 + lane), scales[i] + (si & ~(size_t)1), 4);
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+/* groups gl0 .. gl1 - 1 (CTA-local) through the ring */
+__device__ __forceinline__ void pipelined(const unsigned char* const* w, const unsigned short* const* scales,
+                                          const uint4* xs, unsigned ring, const unsigned* ringp, int row0,
+                                          int gl0, int gl1, int cta_g0, int g, int t, int lane, const int* xrow,
+                                          float (*tot)[NT][4]) {
+  const int n = gl1 - gl0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < n) issue(w, scales, ring, s, row0, cta_g0 + gl0 + s, g, lane);
+    else asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  for (int j = 0; j < n; j++) {
+    const int ahead = j + STAGES - 1;
+    if (ahead < n) issue(w, scales, ring, ahead % STAGES, row0, cta_g0 + gl0 + ahead, g, lane);
+    else asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+    const int stage = j % STAGES, gi = cta_g0 + gl0 + j;
+#pragma unroll
+    for (int i = 0; i < NW; i++) {
+      const unsigned* st = ringp + (stage * NW + i) * RING_WORDS;
+      const wvec qa = reinterpret_cast<const wvec*>(st)[lane], qb = reinterpret_cast<const wvec*>(st)[32 + lane];
+      const size_t sia = (size_t)(row0 + g) * NG + gi, sib = (size_t)(row0 + g + 8) * NG + gi;
+      const unsigned swa = st[2 * 32 * V + lane], swb = st[2 * 32 * V + 32 + lane];
+      const float sa = half_to_float((unsigned short)((sia & 1) ? swa >> 16 : swa & 0xffff));
+      const float sb = half_to_float((unsigned short)((sib & 1) ? swb >> 16 : swb & 0xffff));
+      float c[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+      for (int v = 0; v < V; v++) {
+        unsigned pa[4], pb[4];
+        dequant(word_of(qa, v), pa);
+        dequant(word_of(qb, v), pb);
+        const int slot = (gl0 + j) * 4 * V + v * 4 + t;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const uint4 b = xs[xrow[nt] * XROW + slot];
+          mma(c[nt], pa[0], pb[0], pa[1], pb[1], b.x, b.y);
+          mma(c[nt], pa[2], pb[2], pa[3], pb[3], b.z, b.w);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        tot[i][nt][0] += c[nt][0] * sa; tot[i][nt][1] += c[nt][1] * sa;
+        tot[i][nt][2] += c[nt][2] * sb; tot[i][nt][3] += c[nt][3] * sb;
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+#endif
+
 __device__ __forceinline__ void cluster_sync() {
 #if CS > 1
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -427,8 +526,15 @@ ENTRY(const float* __restrict__ x,
   if (live) {
     const int gl1 = (ks + 1) * NGC / KS;
     int gl = ks * NGC / KS;
+#if STAGES
+    /* this warp's ring, after the staged x (STAGED_BYTES, 16-byte aligned) */
+    const unsigned* ringp = reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(smem) + STAGED_BYTES)
+                            + warp * STAGES * NW * RING_WORDS;
+    pipelined(ws, ss, xs, (unsigned)__cvta_generic_to_shared(ringp), ringp, row0, gl, gl1, cta_g0, g, t, lane, xrow, tot);
+#else
     for (; gl + DEPTH <= gl1; gl += DEPTH) groups<DEPTH>(ws, ss, xs, row0, gl, cta_g0, g, t, xrow, tot);
     for (; gl < gl1; gl++) groups<1>(ws, ss, xs, row0, gl, cta_g0, g, t, xrow, tot);
+#endif
   }
   /* the warps' totals, in ks order, per row block; then the cluster's CTAs' in rank order */
   __syncthreads();
@@ -489,7 +595,7 @@ ENTRY(const float* __restrict__ x,
 """
 
 Q4MMA_ROWS = CudaKernel("q4mma_rows", __name__, SOURCE, ("x_ptr", "w_ptr", "y_ptr"),
-                        ("M", "N", "K", "GROUP", "RB", "KS", "CS", "DEPTH", "SWIGLU", "PDL"),
+                        ("M", "N", "K", "GROUP", "RB", "KS", "CS", "DEPTH", "SWIGLU", "STAGES", "PDL"),
                         shared_bytes, _emulate(False))
 Q4MMA_ROWS_SWIGLU = CudaKernel("q4mma_rows_swiglu", __name__, SOURCE, ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr"),
                                Q4MMA_ROWS.constexprs, shared_bytes, _emulate(True))
