@@ -33,6 +33,27 @@ def launch_times_us(kernel, grid, packed_sets: list, replays: int, launches: int
     return times
 
 
+def chain_times_us(kernel, grid, packed_sets: list, replays: int, launches: int = 64, pdl: bool = True) -> list[float]:
+    """As launch_times_us, the launches chained as the step's graph chains its nodes (runtime/gpu.py):
+    programmatic edges when ``pdl``, so each launch's programs start while the previous one finishes (what
+    a kernel does before its PDL wait overlaps the previous launch)."""
+    reps = max(1, launches // len(packed_sets))
+    _, graph_exec = kc.chain_graph([(kernel, grid, a) for _ in range(reps) for a in packed_sets], pdl)
+    stream = torch.cuda.Stream()
+    n = reps * len(packed_sets)
+    cu = kc.driver()
+    times = []
+    torch.cuda.synchronize()
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        kc.check(cu.cuGraphLaunch(graph_exec, stream.cuda_stream), "cuGraphLaunch")
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return times
+
+
 L2_BYTES = 50 << 20
 
 

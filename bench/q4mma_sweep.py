@@ -34,7 +34,10 @@ DEPTHS = (2, 4)
 PIPE_CASES = [c for c in CASES if c[0].startswith("27b")] + [CASES[5], CASES[8]]
 PIPE_ROWS = (1, 4)
 PIPE_SPLITS = [(1, 8), (2, 2), (2, 4), (4, 2), (4, 4)]
-PIPE_STAGES = (0, 4, 6, 8)
+PIPE_STAGES = (0, 2, 3, 4, 6)
+# KESTREL_CHAINED=1: "us" is each kernel timed in a chain of programmatic edges, as in the step's graph
+# (bench/graph_timing.py chain_times_us); "us_plain" the plain graph's
+CHAINED = os.environ.get("KESTREL_CHAINED") == "1"
 
 
 def _pipe_jobs():
@@ -142,7 +145,7 @@ def compile_all(folder: str) -> None:
 def time_all(folder: str, out: str) -> None:
     import torch
 
-    from graph_timing import launch_times_us, rotating_copies
+    from graph_timing import chain_times_us, launch_times_us, rotating_copies
     from kestrel.artifacts.errors import DeviceError
     from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_pack, q4_unpack
     from kestrel.runtime import cuda as kc
@@ -199,8 +202,12 @@ def time_all(folder: str, out: str) -> None:
         r4 = min(m, 4)
         err_cpu = ((y[:r4] - ref[:r4]).abs().max() / ref[:r4].abs().max()).item()
         us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=7, launches=32))
+        extra = {}
+        if CHAINED:  # as the step graph chains them: programmatic edges (the PDL wait in every kernel)
+            extra["us_plain"] = us
+            us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=7, launches=32))
         rows.append({**e, "us": us, "rel_err_vs_mma_ref": err, "rel_err_vs_matvec_ref": err_cpu,
-                     "weight_GBps": nbytes / us / 1e3})
+                     "weight_GBps": nbytes / us / 1e3, **extra})
         print(f"row {e['shape']:<20} M={m:<2} {e['kind']:<6} {json.dumps(e['config'])} {us:8.2f} us "
               f"err {err:.1e} cpu {err_cpu:.1e}", flush=True)
     best = {}

@@ -120,16 +120,21 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) 
     r = target.rules["q4_mma"]
     if not 2 <= m <= r.max_rows:
         return None
-    blocks = -(-n // (16 * r.rb))
-    options = []  # (CTAs per cluster, warps per row block): KS at most the CTA's groups
-    for cs in r.clusters:
-        ks = min(r.ks, k // group // cs)
-        if ks >= 1 and fits(m, n, k, group, r.rb, ks, cs, target, pair) is None:
-            options.append((cs, ks))
+    rb, ks0, stages = ((r.swiglu_rb, r.swiglu_ks, r.swiglu_stages) if pair and r.swiglu_rb
+                       else (r.rb, r.ks, r.stages))
+    blocks = -(-n // (16 * rb))
+    options = []  # (CTAs per cluster, warps per row block, stages): KS at most the CTA's groups; the ring
+    for st in dict.fromkeys((stages, 0)):  # where it fits (sm_80 and later, shared memory), else registers
+        for cs in r.clusters:
+            ks = min(ks0, k // group // cs)
+            if ks >= 1 and fits(m, n, k, group, rb, ks, cs, target, pair, st) is None:
+                options.append((cs, ks, st))
+        if options:
+            break
     if not options:
         return None
-    cs, ks = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
-    return launch(m, n, k, group, r.rb, ks, cs, r.depth, pair)
+    cs, ks, st = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
+    return launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
 
 
 def grouped_rows(e: int, inter: int, hidden: int, groups: tuple[int, int], target) -> int | None:
@@ -386,17 +391,23 @@ __device__ __forceinline__ void issue(const unsigned char* const* w, const unsig
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-/* groups gl0 .. gl1 - 1 (CTA-local) through the ring */
+/* the ring's first STAGES - 1 groups of gl0 .. gl1 - 1 (CTA-local): weights only, so the non-grouped kernel
+   issues them before its PDL wait, while the previous kernel of the step finishes */
+__device__ __forceinline__ void prologue(const unsigned char* const* w, const unsigned short* const* scales,
+                                         unsigned ring, int row0, int gl0, int gl1, int cta_g0, int g, int lane) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < gl1 - gl0) issue(w, scales, ring, s, row0, cta_g0 + gl0 + s, g, lane);
+    else asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+}
+
+/* groups gl0 .. gl1 - 1 through the ring, after the prologue */
 __device__ __forceinline__ void pipelined(const unsigned char* const* w, const unsigned short* const* scales,
                                           const uint4* xs, unsigned ring, const unsigned* ringp, int row0,
                                           int gl0, int gl1, int cta_g0, int g, int t, int lane, const int* xrow,
                                           float (*tot)[NT][4]) {
   const int n = gl1 - gl0;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; s++) {
-    if (s < n) issue(w, scales, ring, s, row0, cta_g0 + gl0 + s, g, lane);
-    else asm volatile("cp.async.commit_group;" ::: "memory");
-  }
   for (int j = 0; j < n; j++) {
     const int ahead = j + STAGES - 1;
     if (ahead < n) issue(w, scales, ring, ahead % STAGES, row0, cta_g0 + gl0 + ahead, g, lane);
@@ -450,6 +461,18 @@ __device__ __forceinline__ void cluster_sync() {
 #define CLUSTER_DIMS
 #endif
 
+/* expert e's rows (stacked weights: E N rows of nibbles, then E N rows of scales): ws, ss */
+#define SCALES_OF(w, e_) (reinterpret_cast<const unsigned short*>((w) + (size_t)E * N * (K / 2)) + (size_t)(e_) * N * NG)
+#if SWIGLU
+#define WEIGHTS(e_) \
+  const unsigned char* const ws[2] = {w0 + (size_t)(e_) * N * (K / 2), w1 + (size_t)(e_) * N * (K / 2)}; \
+  const unsigned short* const ss[2] = {SCALES_OF(w0, e_), SCALES_OF(w1, e_)};
+#else
+#define WEIGHTS(e_) \
+  const unsigned char* const ws[1] = {w0 + (size_t)(e_) * N * (K / 2)}; \
+  const unsigned short* const ss[1] = {SCALES_OF(w0, e_)};
+#endif
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS) CLUSTER_DIMS
 ENTRY(const float* __restrict__ x,
 #if GROUPED == 1
@@ -471,6 +494,23 @@ ENTRY(const float* __restrict__ x,
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rank = blockIdx.x % CS, block_group = blockIdx.x / CS;
   const int cta_g0 = rank * NGC;                             /* this CTA's first group */
+  const int rb = warp / KS, ks = warp - rb * KS;
+  const int row0 = (block_group * RB + rb) * 16;
+  const bool live = row0 < N;
+  const int gl0 = ks * NGC / KS, gl1 = (ks + 1) * NGC / KS;  /* this warp's groups (CTA-local) */
+#if STAGES
+  /* this warp's ring, after the staged x (STAGED_BYTES, 16-byte aligned) */
+  const unsigned* ringp = reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(smem) + STAGED_BYTES)
+                          + warp * STAGES * NW * RING_WORDS;
+  const unsigned ring = (unsigned)__cvta_generic_to_shared(ringp);
+#endif
+#if !GROUPED
+  const int first = 0, rows = M;
+  WEIGHTS(0)
+#if STAGES
+  if (live) prologue(ws, ss, ring, row0, gl0, gl1, cta_g0, g, lane);
+#endif
+#endif
 #if PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
@@ -482,8 +522,10 @@ ENTRY(const float* __restrict__ x,
   const int first = min(max(chunks[4 * blockIdx.y + 1], 0), P - 1);
   const int rows = min(chunks[4 * blockIdx.y + 2], M);
   if (rows <= 0) return;
-#else
-  const int e = 0, first = 0, rows = M;
+  WEIGHTS(e)
+#if STAGES
+  if (live) prologue(ws, ss, ring, row0, gl0, gl1, cta_g0, g, lane);
+#endif
 #endif
   /* stage x [rows][KC] (this CTA's K range) as f16x2 of x / 64: slot of word j of group gl, lane t, v */
   for (int i = threadIdx.x; i < rows * (KC / 8); i += 32 * WARPS) {
@@ -501,9 +543,6 @@ ENTRY(const float* __restrict__ x,
                    pack_half2(f1.x * 0.015625f, f1.y * 0.015625f), pack_half2(f1.z * 0.015625f, f1.w * 0.015625f));
   }
   __syncthreads();
-  const int rb = warp / KS, ks = warp - rb * KS;
-  const int row0 = (block_group * RB + rb) * 16;
-  const bool live = row0 < N;
   int xrow[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, rows - 1);
@@ -512,26 +551,11 @@ ENTRY(const float* __restrict__ x,
   for (int i = 0; i < NW; i++)
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) tot[i][nt][0] = tot[i][nt][1] = tot[i][nt][2] = tot[i][nt][3] = 0.f;
-  /* expert e's rows (stacked weights: E N rows of nibbles, then E N rows of scales) */
-  const size_t ebytes = (size_t)e * N * (K / 2);
-  const size_t scale_at = (size_t)E * N * (K / 2);
-#if SWIGLU
-  const unsigned char* const ws[2] = {w0 + ebytes, w1 + ebytes};
-  const unsigned short* const ss[2] = {reinterpret_cast<const unsigned short*>(w0 + scale_at) + (size_t)e * N * NG,
-                                       reinterpret_cast<const unsigned short*>(w1 + scale_at) + (size_t)e * N * NG};
-#else
-  const unsigned char* const ws[1] = {w0 + ebytes};
-  const unsigned short* const ss[1] = {reinterpret_cast<const unsigned short*>(w0 + scale_at) + (size_t)e * N * NG};
-#endif
   if (live) {
-    const int gl1 = (ks + 1) * NGC / KS;
-    int gl = ks * NGC / KS;
 #if STAGES
-    /* this warp's ring, after the staged x (STAGED_BYTES, 16-byte aligned) */
-    const unsigned* ringp = reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(smem) + STAGED_BYTES)
-                            + warp * STAGES * NW * RING_WORDS;
-    pipelined(ws, ss, xs, (unsigned)__cvta_generic_to_shared(ringp), ringp, row0, gl, gl1, cta_g0, g, t, lane, xrow, tot);
+    pipelined(ws, ss, xs, ring, ringp, row0, gl0, gl1, cta_g0, g, t, lane, xrow, tot);
 #else
+    int gl = gl0;
     for (; gl + DEPTH <= gl1; gl += DEPTH) groups<DEPTH>(ws, ss, xs, row0, gl, cta_g0, g, t, xrow, tot);
     for (; gl < gl1; gl++) groups<1>(ws, ss, xs, row0, gl, cta_g0, g, t, xrow, tot);
 #endif

@@ -200,6 +200,10 @@ class Q4MmaRule(Rule):
     depth: int
     clusters: tuple[int, ...]
     ctas_per_sm: int
+    stages: int = 0             # the cp.async ring's stages (kernels/q4_mma.py STAGES; 0: DEPTH groups in registers)
+    swiglu_rb: int = 0          # the gate / up pair's split (0: rb, ks, stages as above)
+    swiglu_ks: int = 0
+    swiglu_stages: int = 0
     grouped_rows: int = 0       # Qwen3-Next's grouped experts (q4): chunks of this many sorted pairs (0: not used)
     grouped_rb: int = 2         # ... RB x KS warps, DEPTH groups in flight, no clusters
     grouped_ks: int = 2
@@ -272,10 +276,15 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
     # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,
     # 2.0-2.7x the GEMM at 16; the 0.8B matrices at 4 rows 0.92-1.12x (kept: one rule). M = 1 stays the matvec
-    # (0.64-1.06x there). Grouped experts: RB 4 x KS 1 (Qwen3-Next, 2.7-4.0x the few-rows grouped kernels)
-    "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1, grouped_rows=16,
+    # (0.64-1.06x there). Grouped experts: RB 4 x KS 1 (Qwen3-Next, 2.7-4.0x the few-rows grouped kernels).
+    # The gate / up pair: RB 2 x KS 4 with a 3-stage cp.async ring, weights prefetched before the PDL wait
+    # (stop 26's chained sweep, 1,007 variants: 27B gate + up at 4 rows 37.8 us against 50.6 with the plain
+    # split; the plain products keep the register form: the ring was no better at 4 rows as one rule)
+    "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
+                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, grouped_rows=16,
                         grouped_rb=4, grouped_ks=1, grouped_depth=2,
-                        provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json")),
+                        provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json",
+                                    _TUNING + "q4mma-pipe-chained-h200.json")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

@@ -94,3 +94,29 @@ def launch(kernel: Kernel, grid, args: PackedArgs, stream=0) -> None:
     cu = driver()
     check(cu.cuLaunchKernel(kernel.function, *grid, kernel.block, 1, 1, kernel.shared, stream, args.address, 0),
           f"cuLaunchKernel({kernel.name})")
+
+
+def chain_graph(launches, pdl: bool):
+    """The launches [(kernel, grid, args)] as one CUDA graph of kernel nodes in a chain: programmatic edges
+    when ``pdl`` (each kernel then waits for its predecessor itself: kernels/pdl.py), else plain ones.
+    Returns (graph, its executable)."""
+    cu = driver()
+    graph = check(cu.cuGraphCreate(0), "cuGraphCreate")
+    if pdl:
+        edge = cu.CUgraphEdgeData()
+        edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    prev = None
+    for kernel, grid, args in launches:
+        p = cu.CUDA_KERNEL_NODE_PARAMS()
+        p.func = kernel.function
+        p.gridDimX, p.gridDimY, p.gridDimZ = grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = kernel.block, 1, 1
+        p.sharedMemBytes = kernel.shared
+        p.kernelParams = args.address
+        node = check(cu.cuGraphAddKernelNode(graph, [], 0, p), "cuGraphAddKernelNode")
+        if prev is not None:
+            check(cu.cuGraphAddDependencies(graph, [prev], [node], [edge] if pdl else None, 1),
+                  "cuGraphAddDependencies")
+        prev = node
+    return graph, check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")

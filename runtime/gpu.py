@@ -283,29 +283,10 @@ class GpuStep:
 
     # --- the step ----------------------------------------------------------------------------
     def _build_graph(self, launches, pdl: bool):
-        """The launches as a chain of kernel nodes: programmatic edges when ``pdl`` (every kernel then
-        waits for its predecessor itself: kernels/pdl.py), else plain ones."""
-        cu = kc.driver()
-        graph = kc.check(cu.cuGraphCreate(0), "cuGraphCreate")
-        if pdl:
-            edge = cu.CUgraphEdgeData()
-            edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-            edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
-        prev = None
-        for kernel, grid, args in launches:
-            p = cu.CUDA_KERNEL_NODE_PARAMS()
-            p.func = kernel.function
-            p.gridDimX, p.gridDimY, p.gridDimZ = grid
-            p.blockDimX, p.blockDimY, p.blockDimZ = kernel.block, 1, 1
-            p.sharedMemBytes = kernel.shared
-            p.kernelParams = args.address
-            node = kc.check(cu.cuGraphAddKernelNode(graph, [], 0, p), "cuGraphAddKernelNode")
-            if prev is not None:
-                kc.check(cu.cuGraphAddDependencies(graph, [prev], [node], [edge] if pdl else None, 1),
-                         "cuGraphAddDependencies")
-            prev = node
+        """The launches as a chain of kernel nodes (kc.chain_graph); the graph is kept alive with the step."""
+        graph, graph_exec = kc.chain_graph(launches, pdl)
         self._graphs = getattr(self, "_graphs", []) + [graph]
-        return kc.check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        return graph_exec
 
     def reset(self) -> None:
         cu = kc.driver()

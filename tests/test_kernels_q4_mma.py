@@ -77,6 +77,14 @@ def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
     # more staged x than a CTA may hold: no configuration fits sm_120's 99 KB at K = 17408, 8 rows
     assert q4_mma.fits(8, 5120, 17408, 128, 2, 4, 1, TARGETS["sm_120"]) is not None
     assert q4_mma.fits(4, 5120, 17408, 128, 2, 4, 2, TARGETS["sm_80"]) == "clusters need sm_90"
+    # the gate / up pair: its own split and the cp.async ring (sm_80 and later), whose shared memory counts
+    pair = q4_mma.rule_launch(4, 17408, 5120, 128, t, pair=True)["constexprs"]
+    assert (pair["RB"], pair["KS"], pair["STAGES"]) == (r.swiglu_rb, r.swiglu_ks, r.swiglu_stages) != (r.rb, r.ks, 0)
+    assert q4_mma.ring_bytes(pair) == 8 * pair["STAGES"] * 2 * (2 * 32 * 16 + 2 * 32 * 4)  # 8 warps, 2 weights
+    assert q4_mma.shared_bytes(pair) == 4 * (2 * 5120 + 64) + q4_mma.ring_bytes(pair)  # after the staged x
+    # where the ring does not fit (sm_86's 99 KB at 4 rows), the register form
+    assert q4_mma.rule_launch(4, 17408, 5120, 128, _on("sm_86"), pair=True)["constexprs"]["STAGES"] == 0
+    assert "cp.async" in q4_mma.fits(4, 5120, 6144, 128, 4, 4, 1, TARGETS["sm_90"], stages=1)
 
 
 def test_matmuls_at_a_few_q4_rows_select_it():
@@ -102,7 +110,9 @@ def test_compiles_for_every_target(target):
     for m, n, k, group, pair in cases:
         launch = q4_mma.rule_launch(m, n, k, group, t, pair) or q4_mma.launch(m, n, k, group, 1, 2, 1, 2, pair)
         c = launch["constexprs"]
-        assert q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair) is None
+        assert q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair, c["STAGES"]) is None
+        ring = q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair, t.rules["q4_mma"].swiglu_stages)
+        assert c["STAGES"] == (t.rules["q4_mma"].swiglu_stages if pair and ring is None else 0)
         types = ["*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32"]
         ck = compile_kernel("q4mma", q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows, types, c,
                             launch["num_warps"], t.cc)
