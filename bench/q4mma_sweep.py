@@ -26,6 +26,7 @@ ROWS = (1, 4, 8, 16)
 NEXT_E, NEXT_I, NEXT_H, NEXT_TOPK = 512, 512, 2048, 10
 GROUPED_M = (256, 512)
 GROUPED_SPLITS = [(1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
+GROUPED_PIPES = [(2, 0), (4, 0), (2, 2), (2, 3), (2, 4)]  # (DEPTH, STAGES): registers, or the cp.async ring
 SPLITS = [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4)]  # (RB, KS)
 CLUSTERS = (1, 2, 4)
 DEPTHS = (2, 4)
@@ -89,9 +90,9 @@ def _grouped_jobs():
         yield name, n, k, gate_up, m, "grouped_triton", moe.moe_grouped_launch(pairs, NEXT_E, n, k, GROUP,
                                                                                moe.GROUPED_CHUNK, t, pair=gate_up)
         chunks = moe.grouped_chunks(pairs, NEXT_E, 16)
-        for (rb, ks), depth in itertools.product(GROUPED_SPLITS, DEPTHS):
-            if q4_mma.fits(16, n, k, GROUP, rb, ks, 1, t, gate_up) is None and k // GROUP >= ks:
-                c = q4_mma.launch(16, n, k, GROUP, rb, ks, 1, depth, gate_up)
+        for (rb, ks), (depth, stages) in itertools.product(GROUPED_SPLITS, GROUPED_PIPES):
+            if q4_mma.fits(16, n, k, GROUP, rb, ks, 1, t, gate_up, stages) is None and k // GROUP >= ks:
+                c = q4_mma.launch(16, n, k, GROUP, rb, ks, 1, depth, gate_up, stages)
                 c["grid"][1] = chunks
                 c["constexprs"] |= {"GROUPED": 1 if gate_up else 2, "E": NEXT_E, "P": pairs}
                 yield name, n, k, gate_up, m, "grouped_mma", c
@@ -248,7 +249,7 @@ def time_grouped(folder: str, out: str) -> None:
     tensor-core kernel, 4 for the Triton one); every result row against q4_mma_ref of its expert."""
     import torch
 
-    from graph_timing import launch_times_us, rotating_copies
+    from graph_timing import chain_times_us, launch_times_us, rotating_copies
     from kestrel.kernels import moe, q4_mma
     from kestrel.kernels.matvec import q4_codes, q4_pack
     from kestrel.runtime import cuda as kc
@@ -296,8 +297,9 @@ def time_grouped(folder: str, out: str) -> None:
         kc.launch(kernel, e["grid"], sets[0], stream)
         torch.cuda.synchronize()
         err = ((y - ref).abs().max() / ref.abs().max()).item()
-        us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=5, launches=16))
-        rows.append({**e, "us": us, "rel_err_vs_mma_ref": err})
+        us = statistics.median((chain_times_us if CHAINED else launch_times_us)(kernel, e["grid"], sets, replays=5,
+                                                                                 launches=16))
+        rows.append({**e, "us": us, "rel_err_vs_mma_ref": err, "chained": CHAINED})
         print(f"{e['shape']:<24} M={m:<4} {e['kind']:<15} {e['config']} {us:9.1f} us  err {err:.1e}", flush=True)
     print("\nbest grouped:")
     for key in dict.fromkeys((r["shape"], r["M"], r["kind"]) for r in rows):
