@@ -33,6 +33,8 @@ DEPTHS = (2, 4)
 # a folder named "...pipe...": the cp.async ring (STAGES) against the register form (STAGES 0), at the 27B,
 # 0.8B and Qwen3-Next projection shapes, M = 1 (against the one-row matvec) and 4 (the verify's rows)
 PIPE_CASES = [c for c in CASES if c[0].startswith("27b")] + [CASES[5], CASES[8]]
+if "lmhead" in sys.argv[-1]:  # a folder named "...pipe-lmhead...": the 27B lm_head alone (the verify's 4 rows)
+    PIPE_CASES = [("27b lm_head", 248320, 5120, False)]
 PIPE_ROWS = (1, 4)
 PIPE_SPLITS = [(1, 8), (2, 2), (2, 4), (4, 2), (4, 4)]
 PIPE_STAGES = (0, 2, 3, 4, 6)
