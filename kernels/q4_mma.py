@@ -137,17 +137,27 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) 
     return launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
 
 
+def _grouped_split(m: int, n: int, k: int, group: int, target, gate_up: bool) -> tuple[int, int, int] | None:
+    """(RB, KS, STAGES) of a grouped product at chunks of m pairs: the rule's (gate / up: its own KS and ring,
+    the register form where the ring does not fit), or None where neither fits."""
+    r = target.rules["q4_mma"]
+    ks = max(1, min(r.grouped_swiglu_ks if gate_up and r.grouped_swiglu_ks else r.grouped_ks, k // group))
+    for st in dict.fromkeys((r.grouped_swiglu_stages if gate_up else 0, 0)):
+        if fits(m, n, k, group, r.grouped_rb, ks, 1, target, gate_up, st) is None:
+            return r.grouped_rb, ks, st
+    return None
+
+
 def grouped_rows(e: int, inter: int, hidden: int, groups: tuple[int, int], target) -> int | None:
     """Rows a chunk of Qwen3-Next's grouped experts holds when both its q4 products (gate / up [E I, H] and
     down [E H, I]) run this kernel on ``target`` (``target.rules["q4_mma"].grouped_rows``), else None (the
     Triton few-rows kernels, kernels/moe.py's GROUPED_CHUNK). ``groups``: the q4 groups of gate / up and of
     down. select_kernels sizes the chunk table by it."""
-    r = target.rules["q4_mma"]
-    m = r.grouped_rows
+    m = target.rules["q4_mma"].grouped_rows
     if not m:
         return None
     for (n, k, pair), group in zip(((inter, hidden, True), (hidden, inter, False)), groups):
-        if fits(m, n, k, group, r.grouped_rb, max(1, min(r.grouped_ks, k // group)), 1, target, pair):
+        if _grouped_split(m, n, k, group, target, pair) is None:
             return None
     return m
 
@@ -156,8 +166,8 @@ def grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunks: int, 
     """moe_gate_up_grouped's (``gate_up``: n = I, k = H) or moe_down_grouped's (n = H, k = I) launch: grid
     [row blocks / RB, the chunk table's rows], a chunk's rows staged once per CTA."""
     r = target.rules["q4_mma"]
-    ks = min(r.grouped_ks, k // group)
-    c = launch(r.grouped_rows, n, k, group, r.grouped_rb, ks, 1, r.grouped_depth, gate_up)
+    rb, ks, stages = _grouped_split(r.grouped_rows, n, k, group, target, gate_up)
+    c = launch(r.grouped_rows, n, k, group, rb, ks, 1, r.grouped_depth, gate_up, stages)
     c["grid"][1] = chunks
     c["constexprs"] |= {"GROUPED": 1 if gate_up else 2, "E": e, "P": pairs}
     return c

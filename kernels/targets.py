@@ -208,6 +208,8 @@ class Q4MmaRule(Rule):
     grouped_rb: int = 2         # ... RB x KS warps, DEPTH groups in flight, no clusters
     grouped_ks: int = 2
     grouped_depth: int = 2
+    grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
+    grouped_swiglu_stages: int = 0
 
 
 _TUNING = "bench/results/tuning/"
@@ -279,12 +281,13 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # (0.64-1.06x there). Grouped experts: RB 4 x KS 1 (Qwen3-Next, 2.7-4.0x the few-rows grouped kernels).
     # The gate / up pair: RB 2 x KS 4 with a 3-stage cp.async ring, weights prefetched before the PDL wait
     # (stop 26's chained sweep, 1,007 variants: 27B gate + up at 4 rows 37.8 us against 50.6 with the plain
-    # split; the plain products keep the register form: the ring was no better at 4 rows as one rule)
+    # split; the plain products keep the register form: the ring was no better at 4 rows as one rule). Grouped
+    # gate / up: KS 2 with a 2-stage ring (Qwen3-Next, chained: 217 / 247 us at 256 / 512 rows against 240 / 274)
     "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, grouped_rows=16,
-                        grouped_rb=4, grouped_ks=1, grouped_depth=2,
+                        grouped_rb=4, grouped_ks=1, grouped_depth=2, grouped_swiglu_ks=2, grouped_swiglu_stages=2,
                         provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json",
-                                    _TUNING + "q4mma-pipe-chained-h200.json")),
+                                    _TUNING + "q4mma-pipe-chained-h200.json", _TUNING + "q4mma-grouped-pipe-chained-h200.json")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

@@ -85,6 +85,12 @@ def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
     # where the ring does not fit (sm_86's 99 KB at 4 rows), the register form
     assert q4_mma.rule_launch(4, 17408, 5120, 128, _on("sm_86"), pair=True)["constexprs"]["STAGES"] == 0
     assert "cp.async" in q4_mma.fits(4, 5120, 6144, 128, 4, 4, 1, TARGETS["sm_90"], stages=1)
+    # Qwen3-Next's grouped experts: gate / up on its own KS and ring, down in registers
+    gu = q4_mma.grouped_launch(2560, 512, 512, 2048, 128, 300, TARGETS["sm_90"], True)["constexprs"]
+    dn = q4_mma.grouped_launch(2560, 512, 2048, 512, 128, 300, TARGETS["sm_90"], False)["constexprs"]
+    rule = TARGETS["sm_90"].rules["q4_mma"]
+    assert (gu["KS"], gu["STAGES"]) == (rule.grouped_swiglu_ks, rule.grouped_swiglu_stages) != (rule.grouped_ks, 0)
+    assert (dn["KS"], dn["STAGES"]) == (rule.grouped_ks, 0)
 
 
 def test_matmuls_at_a_few_q4_rows_select_it():
