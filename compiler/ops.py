@@ -228,22 +228,25 @@ def _infer_matmul_swiglu(ins, a):
 
 
 def _infer_matmul_add(ins, a):
-    """x [K], W [N, K], r [N] -> s [N], ss [ceil(N / partial_rows)]."""
+    """x [K], W [N, K], r [N] -> s [N], ss [ceil(N / partial_rows)]; at M rows (passes/fold_row_norms.py)
+    x [M, K], r [M, N] -> s [M, N], ss [M, ceil(N / partial_rows)]."""
     x, w, r = ins
-    _need(len(_t(x).shape) == 1, "matmul_add takes one row")
-    (n,) = _infer_matmul([x, w], a)[0].shape
-    _need(_t(r).shape == (n,), f"matmul_add residual {_t(r).shape} vs the product's ({n},)")
+    _need(len(_t(x).shape) in (1, 2), "matmul_add takes one row or [M, K]")
+    out = _infer_matmul([x, w], a)[0].shape
+    _need(_t(r).shape == out, f"matmul_add residual {_t(r).shape} vs the product's {out}")
     rows = a["partial_rows"]
     _need(isinstance(rows, int) and rows > 0, "matmul_add partial_rows must be a positive int")
-    return [_f32((n,)), _f32(((n + rows - 1) // rows,))]
+    return [_f32(out), _f32(out[:-1] + ((out[-1] + rows - 1) // rows,))]
 
 
 def _infer_rmsnorm_matmul(ins, a):
-    """s [K], ss [P], norm weight [K], then the matmul's (or matmul_swiglu's) weights."""
+    """s [K], ss [P], norm weight [K], then the matmul's (or matmul_swiglu's) weights; at M rows s [M, K],
+    ss [M, P]."""
     s, ss, nw, *ws = ins
-    _need(len(_t(s).shape) == 1, "rmsnorm_matmul takes one row")
-    _need(len(_t(ss).shape) == 1 and _t(ss).dtype == "f32", "rmsnorm_matmul partials must be f32[P]")
-    _need(_t(nw).shape == _t(s).shape, f"rmsnorm weight {_t(nw).shape} vs the input {_t(s).shape}")
+    _need(len(_t(s).shape) in (1, 2), "rmsnorm_matmul takes one row or [M, K]")
+    _need(len(_t(ss).shape) == len(_t(s).shape) and _t(ss).shape[:-1] == _t(s).shape[:-1]
+          and _t(ss).dtype == "f32", "rmsnorm_matmul partials must be f32[P] (f32[M, P] at M rows)")
+    _need(_t(nw).shape == _t(s).shape[-1:], f"rmsnorm weight {_t(nw).shape} vs the input {_t(s).shape}")
     return _infer_matmul_swiglu([s, *ws], a) if len(ws) == 2 else _infer_matmul([s, *ws], a)
 
 
@@ -746,16 +749,37 @@ def _matvec(op: Op, t: Target) -> dict:
     return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t, pair=swiglu)}
 
 
+def _folded_at_rows(launch: dict | None, op: Op) -> dict:
+    """The tensor-core q4 kernel's launch of an op fold_row_norms made at M rows (it folds only where there is
+    one)."""
+    if launch is None:
+        raise IRError(f"{op.kind} at M rows {op.ins[0].type.shape}: the q4 tensor-core kernel does not take it on "
+                      "this target (passes/fold_row_norms.py folds only where it does)")
+    return launch
+
+
 def _matvec_add(op: Op, t: Target) -> dict:
-    """matvec_kernel's launch rule; partial_rows (select_kernels sets it) is its BLOCK_N."""
+    """matvec_kernel's launch rule; partial_rows (select_kernels sets it) is its BLOCK_N. At M rows the
+    tensor-core q4 kernel with the add (kernels/q4_mma.py add_launch: 16 rows a partial)."""
     w = op.ins[1]
+    if len(op.ins[0].type.shape) == 2:
+        n, k, group = _matrix(w)
+        return {"kernel": "q4mma_add_" + w.type.dtype,
+                **_folded_at_rows(q4_mma.add_launch(op.ins[0].type.shape[0], n, k, group, t) if group else None, op)}
     return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(*_matrix(w), t)}
 
 
 def _rmsnorm_matvec(op: Op, t: Target) -> dict:
-    """matvec_kernel's (matvec_swiglu_kernel's) launch rule, with the producer's partials (operand 1)."""
+    """matvec_kernel's (matvec_swiglu_kernel's) launch rule, with the producer's partials (operand 1). At M
+    rows the tensor-core q4 kernel with the norm (its rstd from the partials)."""
     w = op.ins[3]
     swiglu = op.kind == "rmsnorm_matmul_swiglu"
+    if len(op.ins[0].type.shape) == 2:
+        n, k, group = _matrix(w)
+        mma = q4_mma.rule_launch(op.ins[0].type.shape[0], n, k, group, t, pair=swiglu, norm=True) if group else None
+        if mma is not None and mma["constexprs"]["NP"] != op.ins[1].type.shape[1]:
+            mma = None  # the partials are not one per 16 inputs (not made by the kernel with the add)
+        return {"kernel": ("q4mma_norm_swiglu_" if swiglu else "q4mma_norm_") + w.type.dtype, **_folded_at_rows(mma, op)}
     return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype,
             **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
 
@@ -1167,14 +1191,16 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
                            ("q4mma_rows_swiglu_", q4_mma.q4mma_rows_swiglu))), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
-          Kernel(matvec.matvec_add_kernel, _matvec_add), _onnx_matmul_add,
+          Kernel(matvec.matvec_add_kernel, _matvec_add, variants=(("q4mma_add_", q4_mma.q4mma_add),)), _onnx_matmul_add,
           doc="s = r + W @ x; ss[i] = sum of s^2 over rows [i*partial_rows, (i+1)*partial_rows) (the next "
               "rmsnorm's partial sums)"),
     OpDef("rmsnorm_matmul", "vvww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_ref,
-          Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec), _onnx_rmsnorm_matmul,
+          Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec, variants=(("q4mma_norm_", q4_mma.q4mma_norm),)),
+          _onnx_rmsnorm_matmul,
           doc="W @ rmsnorm(s, nw) (the mean square from s, or from matmul_add's partials ss: the kernel's NORM)"),
     OpDef("rmsnorm_matmul_swiglu", "vvwww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_swiglu_ref,
-          Kernel(matvec.rmsnorm_matvec_swiglu_kernel, _rmsnorm_matvec), _onnx_rmsnorm_matmul,
+          Kernel(matvec.rmsnorm_matvec_swiglu_kernel, _rmsnorm_matvec,
+                 variants=(("q4mma_norm_swiglu_", q4_mma.q4mma_norm_swiglu),)), _onnx_rmsnorm_matmul,
           doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square as rmsnorm_matmul's)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "

@@ -457,10 +457,10 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
 
 def matvec_add_ref(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, partial_rows: int):
     """(s, ss): s = r + W @ x (add_rmsnorm's sum, in its operand order), ss[i] = sum of s^2 over rows
-    [i * partial_rows, (i + 1) * partial_rows)."""
+    [i * partial_rows, (i + 1) * partial_rows); at M rows (x [M, K]) the same for each row: ss [M, P]."""
     s = r + matvec_ref(x, w)
-    n = s.shape[0]
-    ss = torch.stack([(s[i:i + partial_rows].float() ** 2).sum() for i in range(0, n, partial_rows)])
+    n = s.shape[-1]
+    ss = torch.stack([(s[..., i:i + partial_rows].float() ** 2).sum(-1) for i in range(0, n, partial_rows)], -1)
     return s, ss
 
 

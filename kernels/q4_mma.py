@@ -44,6 +44,7 @@ from kestrel.kernels.matvec import Q4_X_SCALE, q4_codes
 
 MAX_ROWS = 16  # two MMA column tiles of 8
 PAD_BYTES = 64  # each staged x row is padded so rows g and g + 1 fall in different bank halves
+NORM_PARTIAL_ROWS = 16  # ADD: one partial sum of squares per row block of 16 outputs (the warp that stores them)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ def shared_bytes(consts: dict) -> int:
     nt, nw = -(-m // 8), 2 if consts["SWIGLU"] else 1
     staged = m * (2 * (k // cs) + PAD_BYTES)
     red = warps * 32 * nt * 4 * nw * 4
-    return max(staged + ring_bytes(consts), max(staged, red) + consts["RB"] * 32 * nt * 4 * nw * 4)
+    norm = 4 * m if consts.get("NORM") else 0  # each row's rstd, after the ring
+    return max(staged + ring_bytes(consts) + norm, max(staged, red) + consts["RB"] * 32 * nt * 4 * nw * 4)
 
 
 def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth: int, swiglu: bool,
@@ -114,9 +116,10 @@ def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth:
     return {"grid": [cs * -(-n // (16 * rb)), 1, 1], "num_warps": rb * ks, "constexprs": consts}
 
 
-def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) -> dict | None:
+def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, norm: bool = False) -> dict | None:
     """The launch ``target.rules["q4_mma"]`` gives a q4 matmul at m rows, or None where the kernel is not
-    used (m past the rule's max_rows, or no configuration fits the shape and target)."""
+    used (m past the rule's max_rows, or no configuration fits the shape and target). ``norm``: the input
+    normed in the kernel (its rstd in shared memory)."""
     r = target.rules["q4_mma"]
     if not 2 <= m <= r.max_rows:
         return None
@@ -127,14 +130,26 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False) 
     for st in dict.fromkeys((stages, 0)):  # where it fits (sm_80 and later, shared memory), else registers
         for cs in r.clusters:
             ks = min(ks0, k // group // cs)
-            if ks >= 1 and fits(m, n, k, group, rb, ks, cs, target, pair, st) is None:
+            if ks >= 1 and fits(m, n, k, group, rb, ks, cs, target, pair, st, norm) is None:
                 options.append((cs, ks, st))
         if options:
             break
     if not options:
         return None
     cs, ks, st = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
-    return launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
+    c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
+    if norm:
+        c["constexprs"] |= {"NORM": 1, "NP": k // NORM_PARTIAL_ROWS}
+    return c
+
+
+def add_launch(m: int, n: int, k: int, group: int, target) -> dict | None:
+    """matmul_add at m rows (the residual add folded in: passes/fold_row_norms.py): rule_launch's split,
+    with ADD and BLOCK_N, the outputs per partial sum of squares (NORM_PARTIAL_ROWS, one row block)."""
+    c = rule_launch(m, n, k, group, target)
+    if c is not None:
+        c["constexprs"] |= {"ADD": 1, "BLOCK_N": NORM_PARTIAL_ROWS}
+    return c
 
 
 def _grouped_split(m: int, n: int, k: int, group: int, target, gate_up: bool) -> tuple[int, int, int] | None:
@@ -174,7 +189,7 @@ def grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunks: int, 
 
 
 def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False,
-         stages: int = 0) -> str | None:
+         stages: int = 0, norm: bool = False) -> str | None:
     """None when the configuration can run on ``target``, else why not."""
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (1..{MAX_ROWS})"
@@ -188,7 +203,10 @@ def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, 
         return f"{rb * ks} warps"
     if stages and (stages < 2 or target.cc < 80):
         return f"{stages} cp.async stages (2 or more, sm_80 and later)"
-    consts = {"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair), "GROUP": group, "STAGES": stages}
+    if norm and k % NORM_PARTIAL_ROWS:
+        return f"K {k} not a multiple of {NORM_PARTIAL_ROWS} (the producer's partials)"
+    consts = {"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair), "GROUP": group, "STAGES": stages,
+              "NORM": int(norm)}
     if (s := shared_bytes(consts)) > target.smem_optin:
         return f"{s} bytes of shared memory"
     return None
@@ -204,6 +222,29 @@ def _emulate(swiglu: bool):
         ws, y = rest[:-1], rest[-1]
         codes = [_codes(w, N, K, GROUP) for w in ws]
         xm = x[:M * K].reshape(M, K)
+        out = (q4_mma_swiglu_ref(xm, *codes[0], *codes[1], GROUP) if swiglu
+               else q4_mma_ref(xm, *codes[0], GROUP))
+        y[:M * N] = out.reshape(-1)
+    return run
+
+
+def _emulate_add(grid, x, w, r, s, ss, partial_rows, *, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, ADD, BLOCK_N,
+                 STAGES=0, PDL=False):
+    """matmul_add at M rows: s = r + the product, ss [M, N / 16] each row block's sum of s^2."""
+    assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1] and ADD == 1 and partial_rows == BLOCK_N, f"grid {grid}"
+    out = r[:M * N].reshape(M, N) + q4_mma_ref(x[:M * K].reshape(M, K), *_codes(w, N, K, GROUP), GROUP)
+    s[:M * N] = out.reshape(-1)
+    ss[:M * (N // BLOCK_N)] = (out.double() ** 2).reshape(M, N // BLOCK_N, BLOCK_N).sum(-1).float().reshape(-1)
+
+
+def _emulate_norm(swiglu: bool):
+    """rmsnorm_matmul(_swiglu) at M rows: the product of x * rstd * (1 + nw), rstd from the NP partials."""
+    def run(grid, x, ss, nw, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, NORM, NP, STAGES=0, PDL=False):
+        assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1] and NORM == 1, f"grid {grid}"
+        *ws, y, eps = rest
+        rstd = torch.rsqrt(ss[:M * NP].reshape(M, NP).double().sum(-1, keepdim=True) / K + eps).float()
+        xm = x[:M * K].reshape(M, K) * rstd * (1.0 + nw[:K].float())
+        codes = [_codes(w, N, K, GROUP) for w in ws]
         out = (q4_mma_swiglu_ref(xm, *codes[0], *codes[1], GROUP) if swiglu
                else q4_mma_ref(xm, *codes[0], GROUP))
         y[:M * N] = out.reshape(-1)
@@ -244,6 +285,13 @@ SOURCE = r"""
 #define E 1                 /* experts stacked in each weight */
 #define P 1                 /* sorted pairs (rows of y) */
 #endif
+#ifndef ADD
+#define ADD 0               /* matmul_add: y = r + W x, and ss: the sum of y^2 per row and 16 outputs */
+#endif
+#ifndef NORM
+#define NORM 0              /* rmsnorm_matmul: x <- x * rstd * (1 + nw), rstd from the producer's NP partials */
+#define NP 1
+#endif
 #define V (GROUP / 32)
 #define NG (K / GROUP)
 #define NGC (NG / CS)
@@ -253,6 +301,7 @@ SOURCE = r"""
 #define NW (SWIGLU ? 2 : 1)
 #define XROW (KC / 8 + 4)   /* uint4 slots per staged x row: KC / 8 words' pairs, 64 bytes of padding */
 #define STAGED_BYTES (M * (2 * KC + 64))   /* the staged x: M rows of XROW uint4 */
+#define NORM_AT (STAGED_BYTES + WARPS * STAGES * NW * (2 * 32 * 4 * V + 2 * 32 * 4))  /* NORM: rstd [M], after the ring */
 
 #if V == 4
 typedef uint4 wvec;
@@ -490,11 +539,23 @@ ENTRY(const float* __restrict__ x,
 #elif GROUPED == 2
       const int* __restrict__ chunks,
 #endif
+#if NORM
+      const float* __restrict__ ss_in, const float* __restrict__ nw,
+#endif
       const unsigned char* __restrict__ w0,
 #if SWIGLU
       const unsigned char* __restrict__ w1,
 #endif
-      float* __restrict__ y,
+#if ADD
+      const float* r_in,
+#endif
+      float* y,
+#if ADD
+      float* __restrict__ ss_out, int partial_rows,
+#endif
+#if NORM
+      float eps,
+#endif
 #if GROUPED
       int experts, int chunk,
 #endif
@@ -537,6 +598,18 @@ ENTRY(const float* __restrict__ x,
   if (live) prologue(ws, ss, ring, row0, gl0, gl1, cta_g0, g, lane);
 #endif
 #endif
+#if NORM
+  /* each row's rstd from the producer's partial sums of squares (NP a row), summed in a fixed order */
+  float* rstd = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + NORM_AT);
+  for (int n = warp; n < rows; n += WARPS) {
+    float q = 0.f;
+    for (int i = lane; i < NP; i += 32) q += ss_in[(size_t)(first + n) * NP + i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+    if (lane == 0) rstd[n] = rsqrtf(q / (float)K + eps);
+  }
+  __syncthreads();
+#endif
   /* stage x [rows][KC] (this CTA's K range) as f16x2 of x / 64: slot of word j of group gl, lane t, v */
   for (int i = threadIdx.x; i < rows * (KC / 8); i += 32 * WARPS) {
     const int n = i / (KC / 8), j = i - n * (KC / 8);
@@ -546,7 +619,18 @@ ENTRY(const float* __restrict__ x,
     const size_t xr = (size_t)(first + n);
 #endif
     const float4* xp = reinterpret_cast<const float4*>(x + xr * K + (size_t)rank * KC + 8 * j);
+#if NORM
+    float4 f0 = xp[0], f1 = xp[1];
+    {
+      const float4* wp = reinterpret_cast<const float4*>(nw + (size_t)rank * KC + 8 * j);
+      const float4 a = wp[0], b = wp[1];
+      const float q = rstd[n];
+      f0 = make_float4(f0.x * q * (1.f + a.x), f0.y * q * (1.f + a.y), f0.z * q * (1.f + a.z), f0.w * q * (1.f + a.w));
+      f1 = make_float4(f1.x * q * (1.f + b.x), f1.y * q * (1.f + b.y), f1.z * q * (1.f + b.z), f1.w * q * (1.f + b.w));
+    }
+#else
     const float4 f0 = xp[0], f1 = xp[1];
+#endif
     const int gl = j / (4 * V), r = j - gl * 4 * V, tt = r / V, v = r - tt * V;
     xs[n * XROW + gl * 4 * V + v * 4 + tt] =
         make_uint4(pack_half2(f0.x * 0.015625f, f0.y * 0.015625f), pack_half2(f0.z * 0.015625f, f0.w * 0.015625f),
@@ -612,6 +696,7 @@ ENTRY(const float* __restrict__ x,
     for (int nt = 0; nt < NT; nt++) {
       const int n0 = nt * 8 + 2 * t;
       const int ra = row0 + g, rbw = row0 + g + 8;
+      float sq[2] = {0.f, 0.f};  /* ADD: y^2 of this lane's two rows, per x row n0, n0 + 1 */
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int n = n0 + (e & 1), r = e < 2 ? ra : rbw;
@@ -620,8 +705,21 @@ ENTRY(const float* __restrict__ x,
         const float u = 64.f * s[(NT + nt) * 4 + e];
         v = v / (1.f + expf(-v)) * u;
 #endif
+#if ADD
+        v = r_in[(size_t)(first + min(n, rows - 1)) * N + r] + v;
+        sq[e & 1] += v * v;
+#endif
         if (n < rows) y[(size_t)(first + n) * N + r] = v;
       }
+#if ADD
+      /* the 16 rows' sum for each x row: over g (lanes 4 apart), in a fixed order */
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) sq[h] += __shfl_xor_sync(0xffffffffu, sq[h], o);
+        if (g == 0 && n0 + h < rows) ss_out[(size_t)(first + n0 + h) * (N / 16) + row0 / 16] = sq[h];
+      }
+#endif
     }
   }
   cluster_sync();  /* rank 0 has read every CTA's sums: they may leave */
@@ -633,6 +731,15 @@ Q4MMA_ROWS = CudaKernel("q4mma_rows", __name__, SOURCE, ("x_ptr", "w_ptr", "y_pt
                         shared_bytes, _emulate(False))
 Q4MMA_ROWS_SWIGLU = CudaKernel("q4mma_rows_swiglu", __name__, SOURCE, ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr"),
                                Q4MMA_ROWS.constexprs, shared_bytes, _emulate(True))
+# the residual add and the next norm folded in at M rows (passes/fold_row_norms.py; ops matmul_add,
+# rmsnorm_matmul, rmsnorm_matmul_swiglu): the operands and results in the op's order, then its attribute
+Q4MMA_ADD = CudaKernel("q4mma_add", __name__, SOURCE, ("x_ptr", "w_ptr", "r_ptr", "s_ptr", "ss_ptr", "partial_rows"),
+                       Q4MMA_ROWS.constexprs + ("ADD", "BLOCK_N"), shared_bytes, _emulate_add)
+Q4MMA_NORM = CudaKernel("q4mma_norm", __name__, SOURCE, ("x_ptr", "ss_ptr", "nw_ptr", "w_ptr", "y_ptr", "eps"),
+                        Q4MMA_ROWS.constexprs + ("NORM", "NP"), shared_bytes, _emulate_norm(False))
+Q4MMA_NORM_SWIGLU = CudaKernel("q4mma_norm_swiglu", __name__, SOURCE,
+                               ("x_ptr", "ss_ptr", "nw_ptr", "wg_ptr", "wu_ptr", "y_ptr", "eps"),
+                               Q4MMA_NORM.constexprs, shared_bytes, _emulate_norm(True))
 _GROUPED_CONSTS = Q4MMA_ROWS.constexprs + ("GROUPED", "E", "P")
 Q4MMA_GATE_UP_GROUPED = CudaKernel("q4mma_gate_up_grouped", __name__, SOURCE,
                                    ("x_ptr", "src_ptr", "chunks_ptr", "wg_ptr", "wu_ptr", "act_ptr", "experts", "chunk"),
@@ -643,5 +750,8 @@ Q4MMA_DOWN_GROUPED = CudaKernel("q4mma_down_grouped", __name__, SOURCE,
 # the kernel table names these through jit_name ("kestrel.kernels.q4_mma:q4mma_rows")
 q4mma_rows = Q4MMA_ROWS
 q4mma_rows_swiglu = Q4MMA_ROWS_SWIGLU
+q4mma_add = Q4MMA_ADD
+q4mma_norm = Q4MMA_NORM
+q4mma_norm_swiglu = Q4MMA_NORM_SWIGLU
 q4mma_gate_up_grouped = Q4MMA_GATE_UP_GROUPED
 q4mma_down_grouped = Q4MMA_DOWN_GROUPED

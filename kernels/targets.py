@@ -208,6 +208,7 @@ class Q4MmaRule(Rule):
     grouped_rb: int = 2         # ... RB x KS warps, DEPTH groups in flight, no clusters
     grouped_ks: int = 2
     grouped_depth: int = 2
+    fold_norms: bool = True     # passes/fold_row_norms.py folds the residual add and norm between its products
     grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
     grouped_swiglu_stages: int = 0
 

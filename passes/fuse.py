@@ -333,10 +333,12 @@ NORM_CONSUMERS = {"matmul": "rmsnorm_matmul", "matmul_swiglu": "rmsnorm_matmul_s
                   "moe_gate_up": "rmsnorm_moe_gate_up"}
 
 
-def _fuse_norm_into_matmuls(p: Program) -> int:
+def fold_norms_into_matmuls(p: Program, rows: bool = False, accept=None) -> int:
+    """Rule 7 (at one row), or at M rows (``rows``: passes/fold_row_norms.py) where ``accept(producer,
+    consumers)`` says the kernels can take it; returns the number of add_rmsnorms folded."""
     g, n = _Graph(p), 0
     for op in list(p.ops):
-        if op.kind != "add_rmsnorm" or len(op.ins[0].type.shape) != 1:
+        if op.kind != "add_rmsnorm" or len(op.ins[0].type.shape) != (2 if rows else 1):
             continue
         r, y, nw = op.ins
         mm = g.producer.get(id(y))
@@ -347,8 +349,10 @@ def _fuse_norm_into_matmuls(p: Program) -> int:
         if not users or id(normed) in g.outputs or any(
                 u.kind not in NORM_CONSUMERS or u.ins[0] is not normed for u in users):
             continue
-        ss = Value(TensorType("f32", (1,)))
-        p.ops[p.ops.index(op)] = Op(NORM_PRODUCERS[mm.kind], [s, ss], [*mm.ins, r], {"partial_rows": y.type.shape[0]})
+        if accept is not None and not accept(mm, users):
+            continue
+        ss = Value(TensorType("f32", y.type.shape[:-1] + (1,)))
+        p.ops[p.ops.index(op)] = Op(NORM_PRODUCERS[mm.kind], [s, ss], [*mm.ins, r], {"partial_rows": y.type.shape[-1]})
         p.ops.remove(mm)
         for u in users:
             p.ops[p.ops.index(u)] = Op(NORM_CONSUMERS[u.kind], u.outs, [s, ss, nw, *u.ins[1:]],
@@ -439,7 +443,7 @@ def _split_router(p: Program) -> int:
 
 REWRITES = (("matmul_swiglu", _fuse_swiglu), ("moe_gate_up + moe_down", _split_moe), ("moe_topk", _split_router), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
             ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
-            ("norm into matmuls", _fuse_norm_into_matmuls), ("dead ops", _drop_dead))
+            ("norm into matmuls", fold_norms_into_matmuls), ("dead ops", _drop_dead))
 
 
 def fuse(program: Program) -> Program:

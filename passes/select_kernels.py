@@ -84,9 +84,9 @@ def _size_norm_partials(p: Program, target) -> None:
     for op in p.ops:
         if op.kind in ("matmul_add", "moe_down_add"):
             rows = OPS[op.kind].kernel.launch(op, target)["constexprs"]["BLOCK_N"]
-            n = op.outs[0].type.shape[0]
+            *m, n = op.outs[0].type.shape  # (at M rows, fold_row_norms: the partials of each row)
             op.attrs["partial_rows"] = rows
-            op.outs[1].type = type(op.outs[1].type)("f32", ((n + rows - 1) // rows,))
+            op.outs[1].type = type(op.outs[1].type)("f32", (*m, (n + rows - 1) // rows))
 
 
 def _router_at_rows(op, routing: set[int]) -> bool:

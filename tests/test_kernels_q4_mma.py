@@ -62,6 +62,44 @@ def test_emulated_launch_writes_the_reference(pair, m, group, rb, ks, cs):
         kernel[[launch["grid"][0] + 1, 1, 1]](x.reshape(-1), *[w for w, _ in ws], y, **launch["constexprs"])
 
 
+@pytest.mark.parametrize("pair", [False, True])
+def test_folded_add_and_norm_are_the_unfolded_ops(pair):
+    """fold_row_norms' kernels, emulated: matmul_add at M rows (s = r + the product, 16 outputs a partial sum
+    of squares) feeding rmsnorm_matmul(_swiglu) (rstd from those partials) give what the unfolded chain's
+    references give: add_rmsnorm's sum and norm, then the product, within the product's fp16 rounding of x."""
+    from kestrel.kernels.matvec import matvec_add_ref, matvec_swiglu_ref
+    from kestrel.kernels.rmsnorm import rmsnorm_ref
+
+    m, h, n, group, t = 4, 256, 512, 64, _on()
+    g = torch.Generator().manual_seed(7)
+    x, r = torch.randn(m, 512, generator=g), torch.randn(m, h, generator=g)
+    nw = torch.randn(h, generator=g) * 0.1
+    wo, (qo, so) = _weight(h, 512, group, 8)
+    add = q4_mma.add_launch(m, h, 512, group, t)
+    s, ss = torch.full((m * h,), float("nan")), torch.full((m * h // 16,), float("nan"))
+    q4_mma.q4mma_add[add["grid"]](x.reshape(-1), wo, r.reshape(-1), s, ss, 16, **add["constexprs"], PDL=True)
+    s_ref, ss_ref = matvec_add_ref(x, q4_unpack(wo, h, 512, group), r, 16)
+    assert torch.allclose(s.reshape(m, h), s_ref, rtol=0, atol=3e-3 * s_ref.abs().max().item())
+    assert torch.allclose(ss.reshape(m, h // 16), (s.reshape(m, h, 1) ** 2).reshape(m, h // 16, 16).sum(-1), rtol=1e-5)
+
+    ws = [_weight(n, h, group, seed) for seed in (9, 10)[:2 if pair else 1]]
+    norm = q4_mma.rule_launch(m, n, h, group, t, pair=pair, norm=True)
+    assert norm["constexprs"]["NORM"] == 1 and norm["constexprs"]["NP"] == h // 16
+    y = torch.full((m * n,), float("nan"))
+    kernel = q4_mma.q4mma_norm_swiglu if pair else q4_mma.q4mma_norm
+    kernel[norm["grid"]](s, ss, nw, *[w for w, _ in ws], y, 1e-6, **norm["constexprs"], PDL=True)
+    xn = rmsnorm_ref(s.reshape(m, h), nw, 1e-6)
+    unpacked = [q4_unpack(w, n, h, group) for w, _ in ws]
+    ref = matvec_swiglu_ref(xn, *unpacked) if pair else matvec_ref(xn, unpacked[0])
+    assert ((y.reshape(m, n) - ref).abs().max() / ref.abs().max()).item() < 3e-3
+    # the partials decide the norm: scaled by 4, every rstd halves
+    y2 = torch.full((m * n,), float("nan"))
+    kernel[norm["grid"]](s, ss * 4, nw, *[w for w, _ in ws], y2, 1e-6, **norm["constexprs"], PDL=True)
+    xh = rmsnorm_ref(s.reshape(m, h), nw, 1e-6) / 2
+    ref2 = matvec_swiglu_ref(xh, *unpacked) if pair else matvec_ref(xh, unpacked[0])
+    assert ((y2.reshape(m, n) - ref2).abs().max() / ref2.abs().max()).item() < 3e-3
+
+
 def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
     assert q4_mma.rule_launch(16, 5120, 17408, 128, TARGETS["sm_90"]) is not None  # on from 2 to 16 rows
     t = _on()
@@ -122,6 +160,15 @@ def test_compiles_for_every_target(target):
         types = ["*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32"]
         ck = compile_kernel("q4mma", q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows, types, c,
                             launch["num_warps"], t.cc)
+        # the folded forms (fold_row_norms): the add, and the norm before the product
+        if not pair and (add := q4_mma.add_launch(m, n, k, group, t)) is not None:
+            assert compile_kernel("q4mma_add", q4_mma.q4mma_add, ["*fp32", "*u8", "*fp32", "*fp32", "*fp32", "i32"],
+                                  add["constexprs"], add["num_warps"], t.cc).cubin[:4] == b"\x7fELF"
+        norm = q4_mma.rule_launch(m, n, k, group, t, pair, norm=True)
+        if norm is not None:
+            fn = q4_mma.q4mma_norm_swiglu if pair else q4_mma.q4mma_norm
+            nt = ["*fp32", "*fp32", "*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32", "fp32"]
+            assert compile_kernel("q4mma_norm", fn, nt, norm["constexprs"], norm["num_warps"], t.cc).cubin[:4] == b"\x7fELF"
         assert ck.cubin[:4] == b"\x7fELF" and ck.arch == f"sm_{t.cc}" and ck.compiler.startswith("nvrtc")
         assert ck.name == ("q4mma_rows_swiglu" if pair else "q4mma_rows") and ck.shared == q4_mma.shared_bytes(c)
         assert [p for p, _ in ck.params] == list((q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows).params)

@@ -32,10 +32,15 @@ MODELS = {
                             tie_word_embeddings=True),
     "hidden48": dict(hidden_size=48, layer_types=["linear_attention"]),
     "attn_layer_gqa2_long": dict(layer_types=["full_attention"], max_position_embeddings=1024),
+    # every matrix q4 (inputs multiples of 32): the tensor-core q4 kernel's shapes at M rows
+    "q4_two_layers": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], hidden_size=64,
+                          intermediate_size=128, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
 }
 MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
-ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4)}  # the M-row step of a model: (model, M)
-SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1)}  # the speculative iteration of a model: (model, K)
+ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4), "q4_two_layers_rows4": ("q4_two_layers", 4),
+        "q4_two_layers_rows32": ("q4_two_layers", 32)}  # the M-row step of a model: (model, M)
+SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1),
+        "q4_two_layers_spec_k3": ("q4_two_layers", 3)}  # the speculative iteration of a model: (model, K)
 
 # Hand-written programs (also exercise the parser).
 NOTHING_TO_FUSE = """kestrel.step v1
@@ -104,6 +109,11 @@ CASES = {
                  ("q4_tied_lm_head_copy", "tied_two_layers", {"quant": "q4"}),
                  ("q4_group_fallback_hidden48", "hidden48", {"quant": "q4"}),
                  ("none_is_identity", "gdn_layer", {"quant": "none"})],
+    "fold_row_norms": [("q4_sm90_rows4", "q4_two_layers_rows4", {"quant": "q4", "target": "sm_90"}),
+                       ("q4_sm90_spec_k3", "q4_two_layers_spec_k3", {"quant": "q4", "target": "sm_90"}),
+                       ("bf16_sm90_rows4", "q4_two_layers_rows4", {"quant": "bf16", "target": "sm_90"}),
+                       ("q4_sm90_rows32_gemm", "q4_two_layers_rows32", {"quant": "q4", "target": "sm_90"}),
+                       ("q4_cpu_rows4", "q4_two_layers_rows4", {"quant": "q4", "target": "cpu"})],
     "hoist_dynamic": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
                       ("nothing_to_fuse", NOTHING_TO_FUSE, {}), ("already_hoisted", LIVENESS_CHAIN, {})],
     "plan_memory": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa4", "attn_layer_gqa4", {}),
