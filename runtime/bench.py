@@ -298,7 +298,18 @@ def spec_phases(launches: list[dict]) -> list[str]:
     return ["verify" if i < first else "accept_rollback" if i <= last else "draft" for i in range(len(launches))]
 
 
-def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int], n: int = 8) -> dict:
+def _by_kernel(launches: list[dict], rows: list[list[float]]) -> dict:
+    """{kernel id: [launches, ms]} (each launch's median over the rows), largest first."""
+    out: dict = {}
+    for ln, col in zip(launches, zip(*rows)):
+        g = out.setdefault(ln["kernel"], [0, 0.0])
+        g[0] += 1
+        g[1] += statistics.median(col)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+
+
+def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int], n: int = 8,
+                     m1_launches: list[dict] | None = None) -> dict:
     """The iteration's launches kernel by kernel (each between two events, behind profile's stream gate) over
     ``n`` iterations of a replayed request at acceptance 1, and the one-token step's the same way and as
     graph replays: ms per phase (median over iterations), the verify at K + 1 rows over the M=1 step."""
@@ -315,7 +326,8 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
     m1_events = [[kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)] for _ in step.launches]
     try:
         per_iter = [profile._timed_launches(step, step.spec_launches, events, gate) for _ in range(n)]
-        m1 = [sum(profile._timed_launches(step, step.launches, m1_events, gate)) for _ in range(n)]
+        m1_rows = [profile._timed_launches(step, step.launches, m1_events, gate) for _ in range(n)]
+        m1 = [sum(row) for row in m1_rows]
         m1_graph = None
         if step.graph_exec is not None:
             step.set_graph(True)
@@ -330,7 +342,11 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
     med = {ph: statistics.median(sum(ms for ms, p in zip(row, phases) if p == ph) for row in per_iter)
            for ph in SPEC_PHASES}
     m1_med = statistics.median(m1)
+    verify = [i for i, p in enumerate(phases) if p == "verify"]
     return {"phase_ms_kernel_by_kernel": med, "launches_per_phase": {ph: phases.count(ph) for ph in SPEC_PHASES},
+            # where the verify's time goes, per kernel (median over iterations), beside the one-token step's
+            "verify_by_kernel": _by_kernel([launches[i] for i in verify], [[row[i] for i in verify] for row in per_iter]),
+            "m1_step_by_kernel": _by_kernel(m1_launches, m1_rows) if m1_launches else None,
             "iteration_ms_kernel_by_kernel": statistics.median(sum(row) for row in per_iter),
             "m1_step_ms_kernel_by_kernel": m1_med, "m1_step_ms_graph": m1_graph,
             "verify_over_m1_step": med["verify"] / m1_med if m1_med > 0 else None,
@@ -387,7 +403,7 @@ def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float],
         "label": CONTROLLED_LABEL, "draft_source": source, "draft_tokens": k, "prompt_tokens": len(ids),
         "new_tokens": n_new, "rounds": rounds, "plain_ms_per_token": plain_ms,
         "plain_ms_per_token_rounds": plain, "rows": rows,
-        "iteration": iteration_phases(step, lp_launches, ids, seq),
+        "iteration": iteration_phases(step, lp_launches, ids, seq, m1_launches=plan.launch_plan["launches"]),
         "spec_graph": step.graph_spec_exec is not None,
         "weights": None if plan is None else "random" if plan.random_weights else "checkpoint"}}
 
@@ -406,4 +422,8 @@ def format_controlled(r: dict) -> str:
                  f"{ph['verify']:.3f} ms ({it['verify_over_m1_step']:.2f}x the M=1 step's "
                  f"{it['m1_step_ms_kernel_by_kernel']:.3f}), accept + rollback {ph['accept_rollback']:.3f} ms, "
                  f"MTP drafts {ph['draft']:.3f} ms ({it['draft_ms_per_draft']:.3f} per draft)")
+    for name, table in (("verify", it.get("verify_by_kernel")), ("M=1 step", it.get("m1_step_by_kernel"))):
+        if table:
+            lines.append(f"{name} by kernel (ms, launches): " + ", ".join(
+                f"{k} {ms:.3f} ({n})" for k, (n, ms) in list(table.items())[:10]))
     return "\n".join(lines)

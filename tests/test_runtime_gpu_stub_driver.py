@@ -345,6 +345,12 @@ print(json.dumps({{"image": image[:len(seq) + 2].tolist(), "on": on, "off": off,
 """
 
 
+def spec_phases_of(lp):
+    from kestrel.runtime.bench import spec_phases
+
+    return spec_phases(lp["speculative"]["iteration"]["launches"])
+
+
 def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     """Controlled acceptance on the GPU runtime: set_replay uploads the replayed sequence to the plan's
     replay buffer and sets dyn.replay / replay_accept, the next request's begin turns it off; the bench
@@ -378,6 +384,13 @@ def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     assert all(it["phase_ms_kernel_by_kernel"][ph] > 0 for ph in ("verify", "accept_rollback", "draft"))
     assert it["verify_over_m1_step"] > 0 and it["m1_step_ms_graph"] is not None
     assert "controlled-acceptance" in out["text"] and "verify at K + 1 rows" in out["text"]
+    # per kernel (each launch's median): the verify's launches and the one-token step's
+    kernels = [launch["kernel"] for launch, p in zip(lp["speculative"]["iteration"]["launches"],
+                                                      spec_phases_of(lp)) if p == "verify"]
+    assert {k: n for k, (n, _) in it["verify_by_kernel"].items()} == {k: kernels.count(k) for k in set(kernels)}
+    assert all(ms > 0 for _, ms in it["verify_by_kernel"].values())
+    assert sum(n for n, _ in it["m1_step_by_kernel"].values()) == len(step)
+    assert "verify by kernel" in out["text"] and "M=1 step by kernel" in out["text"]
     # the phases follow the ops: the row decisions and rollback between the verify's lm_head and the head
     ops = [launch["op"] for launch in lp["speculative"]["iteration"]["launches"]]
     from kestrel.runtime.bench import spec_phases
