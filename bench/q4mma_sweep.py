@@ -36,8 +36,9 @@ PIPE_CASES = [c for c in CASES if c[0].startswith("27b")] + [CASES[5], CASES[8]]
 if "lmhead" in sys.argv[-1]:  # a folder named "...pipe-lmhead...": the 27B lm_head alone (the verify's 4 rows)
     PIPE_CASES = [("27b lm_head", 248320, 5120, False)]
 PIPE_ROWS = (1, 4)
-PIPE_SPLITS = [(1, 8), (2, 2), (2, 4), (4, 2), (4, 4)]
-PIPE_STAGES = (0, 2, 3, 4, 6)
+PIPE_SPLITS = [(1, 8), (2, 4), (4, 2), (4, 4)]
+PIPE_STAGES = (0, 3)
+PIPE_PERSIST = (0, 1, 2)  # PERSIST: 0 (a cluster per row-block group), or this many CTAs per SM, looping
 # KESTREL_CHAINED=1: "us" is each kernel timed in a chain of programmatic edges, as in the step's graph
 # (bench/graph_timing.py chain_times_us); "us_plain" the plain graph's
 CHAINED = os.environ.get("KESTREL_CHAINED") == "1"
@@ -54,9 +55,11 @@ def _pipe_jobs():
             yield name, n, k, pair, m, "matvec", matvec_launch(n, k, GROUP, t, pair=pair)
         else:
             yield name, n, k, pair, m, "rows", matvec_rows_launch(m, n, k, GROUP, t, pair=pair)
-        for (rb, ks), cs, stages in itertools.product(PIPE_SPLITS, CLUSTERS, PIPE_STAGES):
-            if q4_mma.fits(m, n, k, GROUP, rb, ks, cs, t, pair, stages) is None and k // GROUP // cs >= ks:
-                yield name, n, k, pair, m, "mma", q4_mma.launch(m, n, k, GROUP, rb, ks, cs, 2, pair, stages)
+        for (rb, ks), cs, stages, per_sm in itertools.product(PIPE_SPLITS, CLUSTERS, PIPE_STAGES, PIPE_PERSIST):
+            if (q4_mma.fits(m, n, k, GROUP, rb, ks, cs, t, pair, stages, persist=per_sm > 0) is None
+                    and k // GROUP // cs >= ks):
+                yield name, n, k, pair, m, "mma", q4_mma.launch(m, n, k, GROUP, rb, ks, cs, 2, pair, stages,
+                                                                per_sm * t.sms // cs)
 
 
 def _jobs():
@@ -135,7 +138,8 @@ def _describe(job, ck, launch) -> dict:
     name, n, k, pair, m, kind, _ = job
     c = launch["constexprs"]
     return {"shape": name, "M": m, "N": n, "K": k, "pair": pair, "kind": kind,
-            "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "STAGES", "BLOCK_N", "BLOCK_K", "BLOCK_M") if x in c}}
+            "config": {x: c[x] for x in ("RB", "KS", "CS", "DEPTH", "STAGES", "PERSIST", "BLOCK_N", "BLOCK_K", "BLOCK_M")
+                       if x in c} | ({"grid": launch["grid"][0]} if c.get("PERSIST") else {})}
 
 
 def compile_all(folder: str) -> None:

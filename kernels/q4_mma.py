@@ -99,21 +99,29 @@ def ring_bytes(consts: dict) -> int:
 
 
 def shared_bytes(consts: dict) -> int:
+    """The staged x, the ring, the rows' rstd (NORM), then the warps' and the CTA's sums: over the staged x,
+    or after it where x stays for the next row-block group (PERSIST)."""
     m, k, cs = consts["M"], consts["K"], consts["CS"]
     warps = consts["RB"] * consts["KS"]
     nt, nw = -(-m // 8), 2 if consts["SWIGLU"] else 1
     staged = m * (2 * (k // cs) + PAD_BYTES)
     red = warps * 32 * nt * 4 * nw * 4
-    norm = 4 * m if consts.get("NORM") else 0  # each row's rstd, after the ring
-    return max(staged + ring_bytes(consts) + norm, max(staged, red) + consts["RB"] * 32 * nt * 4 * nw * 4)
+    part = consts["RB"] * 32 * nt * 4 * nw * 4
+    front = staged + ring_bytes(consts) + (4 * m if consts.get("NORM") else 0)
+    if consts.get("PERSIST"):
+        return -(-front // 16) * 16 + red + part
+    return max(front, red + part)
 
 
 def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth: int, swiglu: bool,
-           stages: int = 0) -> dict:
-    """The launch of one configuration: grid [CS x ceil(N / 16 RB)], RB x KS warps."""
+           stages: int = 0, persist: int = 0) -> dict:
+    """The launch of one configuration: grid [CS x ceil(N / 16 RB)], RB x KS warps; ``persist`` > 0: at most
+    that many clusters, each looping over the row-block groups (PERSIST)."""
     consts = {"M": m, "N": n, "K": k, "GROUP": group, "RB": rb, "KS": ks, "CS": cs, "DEPTH": depth,
-              "SWIGLU": int(swiglu), "STAGES": stages}
-    return {"grid": [cs * -(-n // (16 * rb)), 1, 1], "num_warps": rb * ks, "constexprs": consts}
+              "SWIGLU": int(swiglu), "STAGES": stages, "PERSIST": int(persist > 0)}
+    groups = -(-n // (16 * rb))
+    return {"grid": [cs * (min(groups, persist) if persist else groups), 1, 1], "num_warps": rb * ks,
+            "constexprs": consts}
 
 
 def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, norm: bool = False) -> dict | None:
@@ -189,7 +197,7 @@ def grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunks: int, 
 
 
 def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False,
-         stages: int = 0, norm: bool = False) -> str | None:
+         stages: int = 0, norm: bool = False, persist: bool = False) -> str | None:
     """None when the configuration can run on ``target``, else why not."""
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (1..{MAX_ROWS})"
@@ -206,7 +214,7 @@ def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, 
     if norm and k % NORM_PARTIAL_ROWS:
         return f"K {k} not a multiple of {NORM_PARTIAL_ROWS} (the producer's partials)"
     consts = {"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair), "GROUP": group, "STAGES": stages,
-              "NORM": int(norm)}
+              "NORM": int(norm), "PERSIST": int(persist)}
     if (s := shared_bytes(consts)) > target.smem_optin:
         return f"{s} bytes of shared memory"
     return None
@@ -217,8 +225,8 @@ def _codes(w, rows: int, k: int, group: int):
 
 
 def _emulate(swiglu: bool):
-    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, STAGES=0, PDL=False):
-        assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1], f"grid {grid}"
+    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, STAGES=0, PERSIST=0, PDL=False):
+        _check_grid(grid, N, RB, CS, PERSIST)
         ws, y = rest[:-1], rest[-1]
         codes = [_codes(w, N, K, GROUP) for w in ws]
         xm = x[:M * K].reshape(M, K)
@@ -228,10 +236,18 @@ def _emulate(swiglu: bool):
     return run
 
 
+def _check_grid(grid, n: int, rb: int, cs: int, persist: int) -> None:
+    """The grid a launch must have: a cluster per row-block group, or (PERSIST) at most that many."""
+    groups = -(-n // (16 * rb))
+    ok = grid[0] % cs == 0 and (1 <= grid[0] // cs <= groups if persist else grid[0] == cs * groups)
+    assert ok and list(grid[1:]) == [1, 1], f"grid {grid}"
+
+
 def _emulate_add(grid, x, w, r, s, ss, partial_rows, *, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, ADD, BLOCK_N,
-                 STAGES=0, PDL=False):
+                 STAGES=0, PERSIST=0, PDL=False):
     """matmul_add at M rows: s = r + the product, ss [M, N / 16] each row block's sum of s^2."""
-    assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1] and ADD == 1 and partial_rows == BLOCK_N, f"grid {grid}"
+    _check_grid(grid, N, RB, CS, PERSIST)
+    assert ADD == 1 and partial_rows == BLOCK_N
     out = r[:M * N].reshape(M, N) + q4_mma_ref(x[:M * K].reshape(M, K), *_codes(w, N, K, GROUP), GROUP)
     s[:M * N] = out.reshape(-1)
     ss[:M * (N // BLOCK_N)] = (out.double() ** 2).reshape(M, N // BLOCK_N, BLOCK_N).sum(-1).float().reshape(-1)
@@ -239,8 +255,10 @@ def _emulate_add(grid, x, w, r, s, ss, partial_rows, *, M, N, K, GROUP, RB, KS, 
 
 def _emulate_norm(swiglu: bool):
     """rmsnorm_matmul(_swiglu) at M rows: the product of x * rstd * (1 + nw), rstd from the NP partials."""
-    def run(grid, x, ss, nw, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, NORM, NP, STAGES=0, PDL=False):
-        assert list(grid) == [CS * -(-N // (16 * RB)), 1, 1] and NORM == 1, f"grid {grid}"
+    def run(grid, x, ss, nw, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, NORM, NP, STAGES=0, PERSIST=0,
+            PDL=False):
+        _check_grid(grid, N, RB, CS, PERSIST)
+        assert NORM == 1
         *ws, y, eps = rest
         rstd = torch.rsqrt(ss[:M * NP].reshape(M, NP).double().sum(-1, keepdim=True) / K + eps).float()
         xm = x[:M * K].reshape(M, K) * rstd * (1.0 + nw[:K].float())
@@ -254,7 +272,7 @@ def _emulate_norm(swiglu: bool):
 def _emulate_grouped(gate_up: bool):
     """moe_gate_up_grouped (x, src, chunks, wg, wu -> act) or moe_down_grouped (act, chunks, wd -> y):
     each used chunk's rows through ``q4_mma_ref`` with its expert's rows of the stacked weights."""
-    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, GROUPED, E, P, STAGES=0, PDL=False):
+    def run(grid, x, *rest, M, N, K, GROUP, RB, KS, CS, DEPTH, SWIGLU, GROUPED, E, P, STAGES=0, PERSIST=0, PDL=False):
         if gate_up:
             src, chunks, wg, wu, y, _experts, _chunk = rest
             ws = [wg, wu]
@@ -302,6 +320,12 @@ SOURCE = r"""
 #define XROW (KC / 8 + 4)   /* uint4 slots per staged x row: KC / 8 words' pairs, 64 bytes of padding */
 #define STAGED_BYTES (M * (2 * KC + 64))   /* the staged x: M rows of XROW uint4 */
 #define NORM_AT (STAGED_BYTES + WARPS * STAGES * NW * (2 * 32 * 4 * V + 2 * 32 * 4))  /* NORM: rstd [M], after the ring */
+#ifndef PERSIST
+#define PERSIST 0           /* 1: the grid's CTAs loop over the row-block groups, x staged once per CTA */
+#endif
+/* the warps' sums and the CTA's (reduction): over the staged x, or (PERSIST: x stays) after the rstd */
+#define RED_AT (PERSIST ? ((NORM_AT + 4 * M + 15) / 16 * 16) : 0)
+#define RED_FLOATS_MIN (WARPS * 32 * NW * NT * 4)
 
 #if V == 4
 typedef uint4 wvec;
@@ -563,12 +587,14 @@ ENTRY(const float* __restrict__ x,
   extern __shared__ uint4 smem[];
   uint4* xs = smem;                                          /* [M][XROW] staged x */
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rank = blockIdx.x % CS, block_group = blockIdx.x / CS;
+  const int rank = blockIdx.x % CS;
   const int cta_g0 = rank * NGC;                             /* this CTA's first group */
   const int rb = warp / KS, ks = warp - rb * KS;
-  const int row0 = (block_group * RB + rb) * 16;
-  const bool live = row0 < N;
   const int gl0 = ks * NGC / KS, gl1 = (ks + 1) * NGC / KS;  /* this warp's groups (CTA-local) */
+  /* PERSIST: the grid's clusters loop over the row-block groups (x staged once per CTA, not once per group) */
+  int block_group = blockIdx.x / CS;
+  int row0 = (block_group * RB + rb) * 16;
+  bool live = row0 < N;
 #if STAGES
   /* this warp's ring, after the staged x (STAGED_BYTES, 16-byte aligned) */
   const unsigned* ringp = reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(smem) + STAGED_BYTES)
@@ -640,6 +666,9 @@ ENTRY(const float* __restrict__ x,
   int xrow[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, rows - 1);
+#if PERSIST
+  for (;;) {
+#endif
   float tot[NW][NT][4];
 #pragma unroll
   for (int i = 0; i < NW; i++)
@@ -647,6 +676,7 @@ ENTRY(const float* __restrict__ x,
     for (int nt = 0; nt < NT; nt++) tot[i][nt][0] = tot[i][nt][1] = tot[i][nt][2] = tot[i][nt][3] = 0.f;
   if (live) {
 #if STAGES
+    if (block_group >= (int)(gridDim.x / CS)) prologue(ws, ss, ring, row0, gl0, gl1, cta_g0, g, lane);
     pipelined(ws, ss, xs, ring, ringp, row0, gl0, gl1, cta_g0, g, t, lane, xrow, tot);
 #else
     int gl = gl0;
@@ -656,7 +686,7 @@ ENTRY(const float* __restrict__ x,
   }
   /* the warps' totals, in ks order, per row block; then the cluster's CTAs' in rank order */
   __syncthreads();
-  float* red = reinterpret_cast<float*>(smem);
+  float* red = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + RED_AT);
   const int per = NW * NT * 4;
 #pragma unroll
   for (int i = 0; i < NW; i++)
@@ -665,8 +695,7 @@ ENTRY(const float* __restrict__ x,
 #pragma unroll
       for (int e = 0; e < 4; e++) red[(warp * 32 + lane) * per + (i * NT + nt) * 4 + e] = tot[i][nt][e];
   __syncthreads();
-  const int red_floats = (M * (2 * KC + 64) / 4 > WARPS * 32 * per) ? M * (2 * KC + 64) / 4 : WARPS * 32 * per;
-  float* part = red + red_floats;                            /* [RB][32][per]: this CTA's sums */
+  float* part = red + WARPS * 32 * per;                      /* [RB][32][per]: this CTA's sums */
   if (ks == 0) {
     for (int j = 0; j < per; j++) {
       float s = 0.f;
@@ -722,12 +751,20 @@ ENTRY(const float* __restrict__ x,
 #endif
     }
   }
-  cluster_sync();  /* rank 0 has read every CTA's sums: they may leave */
+  cluster_sync();  /* rank 0 has read every CTA's sums: they may leave (or, PERSIST, overwrite them) */
+#if PERSIST
+  block_group += gridDim.x / CS;
+  row0 = (block_group * RB + rb) * 16;
+  live = row0 < N;
+  if (block_group * RB * 16 >= N) break;
+  __syncthreads();
+  }
+#endif
 }
 """
 
 Q4MMA_ROWS = CudaKernel("q4mma_rows", __name__, SOURCE, ("x_ptr", "w_ptr", "y_ptr"),
-                        ("M", "N", "K", "GROUP", "RB", "KS", "CS", "DEPTH", "SWIGLU", "STAGES", "PDL"),
+                        ("M", "N", "K", "GROUP", "RB", "KS", "CS", "DEPTH", "SWIGLU", "STAGES", "PERSIST", "PDL"),
                         shared_bytes, _emulate(False))
 Q4MMA_ROWS_SWIGLU = CudaKernel("q4mma_rows_swiglu", __name__, SOURCE, ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr"),
                                Q4MMA_ROWS.constexprs, shared_bytes, _emulate(True))
