@@ -35,7 +35,7 @@ DEPTHS = (2, 4)
 PIPE_CASES = [c for c in CASES if c[0].startswith("27b")] + [CASES[5], CASES[8]]
 if "lmhead" in sys.argv[-1]:  # a folder named "...pipe-lmhead...": the 27B lm_head alone (the verify's 4 rows)
     PIPE_CASES = [("27b lm_head", 248320, 5120, False)]
-PIPE_ROWS = (1, 4)
+PIPE_ROWS = tuple(int(m) for m in os.environ.get("KESTREL_PIPE_ROWS", "1 4").split())
 PIPE_SPLITS = [(1, 8), (2, 4), (4, 2), (4, 4)]
 PIPE_STAGES = (0, 3)
 PIPE_PERSIST = (0, 1, 2)  # PERSIST: 0 (a cluster per row-block group), or this many CTAs per SM, looping

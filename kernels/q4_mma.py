@@ -324,7 +324,7 @@ SOURCE = r"""
 #define PERSIST 0           /* 1: the grid's CTAs loop over the row-block groups, x staged once per CTA */
 #endif
 /* the warps' sums and the CTA's (reduction): over the staged x, or (PERSIST: x stays) after the rstd */
-#define RED_AT (PERSIST ? ((NORM_AT + 4 * M + 15) / 16 * 16) : 0)
+#define RED_AT (PERSIST ? ((NORM_AT + (NORM ? 4 * M : 0) + 15) / 16 * 16) : 0)
 #define RED_FLOATS_MIN (WARPS * 32 * NW * NT * 4)
 
 #if V == 4
