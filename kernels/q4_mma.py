@@ -145,6 +145,14 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
     if not options:
         return None
     cs, ks, st = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
+    per_sm = r.swiglu_persist if pair else 0
+    if per_sm and blocks > per_sm * target.sms and (ks_p := min(ks0, k // group)) >= 1 and fits(
+            m, n, k, group, rb, ks_p, 1, target, pair, 0, norm, persist=True) is None:
+        c = launch(m, n, k, group, rb, ks_p, 1, r.depth, pair, 0, per_sm * target.sms)
+        if per_sm * (shared_bytes(c["constexprs"] | {"NORM": int(norm)}) + 1024) <= target.smem_optin + 1024:
+            if norm:
+                c["constexprs"] |= {"NORM": 1, "NP": k // NORM_PARTIAL_ROWS}
+            return c
     c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
     if norm:
         c["constexprs"] |= {"NORM": 1, "NP": k // NORM_PARTIAL_ROWS}

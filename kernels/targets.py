@@ -204,6 +204,8 @@ class Q4MmaRule(Rule):
     swiglu_rb: int = 0          # the gate / up pair's split (0: rb, ks, stages as above)
     swiglu_ks: int = 0
     swiglu_stages: int = 0
+    swiglu_persist: int = 0     # the pair: this many CTAs per SM looping over the row blocks (PERSIST, registers),
+                                # where that many fit an SM's shared memory (else the split above)
     grouped_rows: int = 0       # Qwen3-Next's grouped experts (q4): chunks of this many sorted pairs (0: not used)
     grouped_rb: int = 2         # ... RB x KS warps, DEPTH groups in flight, no clusters
     grouped_ks: int = 2
@@ -283,12 +285,15 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # The gate / up pair: RB 2 x KS 4 with a 3-stage cp.async ring, weights prefetched before the PDL wait
     # (stop 26's chained sweep, 1,007 variants: 27B gate + up at 4 rows 37.8 us against 50.6 with the plain
     # split; the plain products keep the register form: the ring was no better at 4 rows as one rule). Grouped
-    # gate / up: KS 2 with a 2-stage ring (Qwen3-Next, chained: 217 / 247 us at 256 / 512 rows against 240 / 274)
+    # gate / up: KS 2 with a 2-stage ring (Qwen3-Next, chained: 217 / 247 us at 256 / 512 rows against 240 / 274).
+    # The pair, where two CTAs fit an SM: persistent, two CTAs per SM in registers (35.2 us against the ring's 38.4
+    # in the same call; every other shape was no faster persistent: q4mma-persist-m4-chained-h200.json)
     "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
-                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, grouped_rows=16,
+                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=2, grouped_rows=16,
                         grouped_rb=4, grouped_ks=1, grouped_depth=2, grouped_swiglu_ks=2, grouped_swiglu_stages=2,
                         provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json",
-                                    _TUNING + "q4mma-pipe-chained-h200.json", _TUNING + "q4mma-grouped-pipe-chained-h200.json")),
+                                    _TUNING + "q4mma-pipe-chained-h200.json", _TUNING + "q4mma-grouped-pipe-chained-h200.json",
+                                    _TUNING + "q4mma-persist-m4-chained-h200.json")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

@@ -58,6 +58,11 @@ def test_emulated_launch_writes_the_reference(pair, m, group, rb, ks, cs):
     else:
         ref = q4_mma.q4_mma_ref(x, *ws[0][1], group)
     assert torch.equal(y[:m * n].reshape(m, n), ref) and y[m * n:].isnan().all()
+    persist = q4_mma.launch(m, n, k, group, rb, ks, cs, 2, pair, persist=1)  # one cluster loops over them all
+    assert persist["grid"] == [cs, 1, 1] and persist["constexprs"]["PERSIST"] == 1
+    y2 = torch.full((m * n,), float("nan"))
+    kernel[persist["grid"]](x.reshape(-1), *[w for w, _ in ws], y2, **persist["constexprs"], PDL=True)
+    assert torch.equal(y2.reshape(m, n), ref)
     with pytest.raises(AssertionError, match="grid"):
         kernel[[launch["grid"][0] + 1, 1, 1]](x.reshape(-1), *[w for w, _ in ws], y, **launch["constexprs"])
 
@@ -115,13 +120,22 @@ def test_rule_takes_q4_at_a_few_rows_and_falls_back_elsewhere():
     # more staged x than a CTA may hold: no configuration fits sm_120's 99 KB at K = 17408, 8 rows
     assert q4_mma.fits(8, 5120, 17408, 128, 2, 4, 1, TARGETS["sm_120"]) is not None
     assert q4_mma.fits(4, 5120, 17408, 128, 2, 4, 2, TARGETS["sm_80"]) == "clusters need sm_90"
-    # the gate / up pair: its own split and the cp.async ring (sm_80 and later), whose shared memory counts
-    pair = q4_mma.rule_launch(4, 17408, 5120, 128, t, pair=True)["constexprs"]
-    assert (pair["RB"], pair["KS"], pair["STAGES"]) == (r.swiglu_rb, r.swiglu_ks, r.swiglu_stages) != (r.rb, r.ks, 0)
+    # the gate / up pair: persistent, swiglu_persist CTAs per SM, where they fit an SM's shared memory ...
+    t16 = TARGETS["sm_90"]  # (max_rows 16)
+    at4 = q4_mma.rule_launch(4, 17408, 5120, 128, t16, pair=True)
+    c4 = at4["constexprs"]
+    assert (c4["RB"], c4["KS"], c4["CS"], c4["STAGES"], c4["PERSIST"]) == (r.swiglu_rb, r.swiglu_ks, 1, 0, 1)
+    assert at4["grid"] == [r.swiglu_persist * t16.sms, 1, 1]
+    # ... else its own split and the cp.async ring (sm_80 and later), whose shared memory counts
+    pair = q4_mma.rule_launch(16, 17408, 5120, 128, t16, pair=True)["constexprs"]
+    assert (pair["RB"], pair["KS"], pair["STAGES"], pair["PERSIST"]) == (r.swiglu_rb, r.swiglu_ks, r.swiglu_stages, 0)
     assert q4_mma.ring_bytes(pair) == 8 * pair["STAGES"] * 2 * (2 * 32 * 16 + 2 * 32 * 4)  # 8 warps, 2 weights
-    assert q4_mma.shared_bytes(pair) == 4 * (2 * 5120 + 64) + q4_mma.ring_bytes(pair)  # after the staged x
-    # where the ring does not fit (sm_86's 99 KB at 4 rows), the register form
-    assert q4_mma.rule_launch(4, 17408, 5120, 128, _on("sm_86"), pair=True)["constexprs"]["STAGES"] == 0
+    assert q4_mma.shared_bytes(pair) == 16 * (2 * 5120 + 64) + q4_mma.ring_bytes(pair)  # after the staged x
+    # persistent, the sums go after the staged x (which stays for the next row blocks) instead of over it
+    assert q4_mma.shared_bytes(c4) == 4 * (2 * 5120 + 64) + 8 * 32 * 8 * 4 + 2 * 32 * 8 * 4
+    # where neither fits (sm_86's 99 KB at 8 rows), the register form, a CTA per row block
+    c86 = q4_mma.rule_launch(8, 17408, 5120, 128, _on("sm_86"), pair=True)["constexprs"]
+    assert (c86["STAGES"], c86["PERSIST"]) == (0, 0)
     assert "cp.async" in q4_mma.fits(4, 5120, 6144, 128, 4, 4, 1, TARGETS["sm_90"], stages=1)
     # Qwen3-Next's grouped experts: gate / up on its own KS and ring, down in registers
     gu = q4_mma.grouped_launch(2560, 512, 512, 2048, 128, 300, TARGETS["sm_90"], True)["constexprs"]
@@ -154,9 +168,8 @@ def test_compiles_for_every_target(target):
     for m, n, k, group, pair in cases:
         launch = q4_mma.rule_launch(m, n, k, group, t, pair) or q4_mma.launch(m, n, k, group, 1, 2, 1, 2, pair)
         c = launch["constexprs"]
-        assert q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair, c["STAGES"]) is None
-        ring = q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair, t.rules["q4_mma"].swiglu_stages)
-        assert c["STAGES"] == (t.rules["q4_mma"].swiglu_stages if pair and ring is None else 0)
+        assert q4_mma.fits(m, n, k, group, c["RB"], c["KS"], c["CS"], t, pair, c["STAGES"], persist=c["PERSIST"]) is None
+        assert c["STAGES"] in ((0, t.rules["q4_mma"].swiglu_stages) if pair else (0,))
         types = ["*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32"]
         ck = compile_kernel("q4mma", q4_mma.q4mma_rows_swiglu if pair else q4_mma.q4mma_rows, types, c,
                             launch["num_warps"], t.cc)
