@@ -35,10 +35,14 @@ DEPTHS = (2, 4)
 PIPE_CASES = [c for c in CASES if c[0].startswith("27b")] + [CASES[5], CASES[8]]
 if "lmhead" in sys.argv[-1]:  # a folder named "...pipe-lmhead...": the 27B lm_head alone (the verify's 4 rows)
     PIPE_CASES = [("27b lm_head", 248320, 5120, False)]
+if "san" in sys.argv[-1]:  # "...pipe-san...": a few splits of each form, for compute-sanitizer
+    PIPE_CASES = [CASES[4], CASES[2]]
 PIPE_ROWS = tuple(int(m) for m in os.environ.get("KESTREL_PIPE_ROWS", "1 4").split())
 PIPE_SPLITS = [(1, 8), (2, 4), (4, 2), (4, 4)]
 PIPE_STAGES = (0, 3)
 PIPE_PERSIST = (0, 1, 2)  # PERSIST: 0 (a cluster per row-block group), or this many CTAs per SM, looping
+if "san" in sys.argv[-1]:
+    PIPE_SPLITS, PIPE_PERSIST = [(2, 4), (4, 2)], (0, 2)
 # KESTREL_CHAINED=1: "us" is each kernel timed in a chain of programmatic edges, as in the step's graph
 # (bench/graph_timing.py chain_times_us); "us_plain" the plain graph's
 CHAINED = os.environ.get("KESTREL_CHAINED") == "1"
@@ -208,11 +212,12 @@ def time_all(folder: str, out: str) -> None:
         err = ((y - mma_ref[:m]).abs().max() / mma_ref[:m].abs().max()).item()
         r4 = min(m, 4)
         err_cpu = ((y[:r4] - ref[:r4]).abs().max() / ref[:r4].abs().max()).item()
-        us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=7, launches=32))
+        reps = (1, 1) if os.environ.get("KESTREL_SWEEP_QUICK") == "1" else (7, 32)  # (under compute-sanitizer)
+        us = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=reps[0], launches=reps[1]))
         extra = {}
         if CHAINED:  # as the step graph chains them: programmatic edges (the PDL wait in every kernel)
             extra["us_plain"] = us
-            us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=7, launches=32))
+            us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=reps[0], launches=reps[1]))
         rows.append({**e, "us": us, "rel_err_vs_mma_ref": err, "rel_err_vs_matvec_ref": err_cpu,
                      "weight_GBps": nbytes / us / 1e3, **extra})
         print(f"row {e['shape']:<20} M={m:<2} {e['kind']:<6} {json.dumps(e['config'])} {us:8.2f} us "
