@@ -29,6 +29,13 @@ through distributed shared memory): the result does not depend on timing. ``PDL`
 the previous kernel of the step before it reads x (kernels/pdl.py). ``SWIGLU``: two weights (gate and
 up) over the same x, y = silu(gate) * up.
 
+Options (constexprs; the launch rule picks them, stop 26's chained sweeps): ``STAGES`` > 0, each lane copies
+its words and their scales with cp.async into its warp's ring STAGES - 1 groups ahead of the MMAs (the
+non-grouped kernel issues the first ones before its PDL wait, so it streams weights while the previous kernel
+finishes); ``PERSIST``, the grid's clusters loop over the row blocks and x is staged once per CTA; ``ADD``
+(matmul_add, passes/fold_row_norms.py), y = r + W x and each row's sum of y^2 per 16 outputs; ``NORM``
+(rmsnorm_matmul), x normed while it is staged, each row's rstd from the producer's NP partials.
+
 The reference (``q4_mma_ref``): x / 64 rounded to fp16, each group's products (q - 8) * xh summed
 exactly, times the group's scale, the groups summed, times 64. The GPU sums a group's products in the
 MMA's fp32 accumulator and the groups in fp32: within 2.4e-7 of max |y| at every configuration swept on
@@ -333,7 +340,6 @@ SOURCE = r"""
 #endif
 /* the warps' sums and the CTA's (reduction): over the staged x, or (PERSIST: x stays) after the rstd */
 #define RED_AT (PERSIST ? ((NORM_AT + (NORM ? 4 * M : 0) + 15) / 16 * 16) : 0)
-#define RED_FLOATS_MIN (WARPS * 32 * NW * NT * 4)
 
 #if V == 4
 typedef uint4 wvec;
@@ -399,6 +405,33 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
   return f;
 }
 
+/* one group (CTA-local gl) of one weight: rows g and g + 8's words qa, qb with their scales sa, sb, times the
+   staged x's B fragments; the group's MMA sums scaled into tot */
+__device__ __forceinline__ void group_mma(const wvec& qa, const wvec& qb, float sa, float sb, const uint4* xs, int gl,
+                                          int t, const int* xrow, float (*tot)[4]) {
+  float c[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+  for (int v = 0; v < V; v++) {
+    unsigned pa[4], pb[4];
+    dequant(word_of(qa, v), pa);
+    dequant(word_of(qb, v), pb);
+    const int slot = gl * 4 * V + v * 4 + t;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      const uint4 b = xs[xrow[nt] * XROW + slot];
+      mma(c[nt], pa[0], pb[0], pa[1], pb[1], b.x, b.y);
+      mma(c[nt], pa[2], pb[2], pa[3], pb[3], b.z, b.w);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    tot[nt][0] += c[nt][0] * sa; tot[nt][1] += c[nt][1] * sa;
+    tot[nt][2] += c[nt][2] * sb; tot[nt][3] += c[nt][3] * sb;
+  }
+}
+
 /* D groups (CTA-local gl0 ..) of the NW weights: every word in flight first, then the MMAs */
 template <int D>
 __device__ __forceinline__ void groups(const unsigned char* const* w, const unsigned short* const* scales,
@@ -424,27 +457,7 @@ __device__ __forceinline__ void groups(const unsigned char* const* w, const unsi
       const int gi = cta_g0 + gl0 + d;
       const float sa = half_to_float(__ldg(sc + (size_t)(row0 + g) * NG + gi));
       const float sb = half_to_float(__ldg(sc + (size_t)(row0 + g + 8) * NG + gi));
-      float c[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
-#pragma unroll
-      for (int v = 0; v < V; v++) {
-        unsigned pa[4], pb[4];
-        dequant(word_of(qa[i][d], v), pa);
-        dequant(word_of(qb[i][d], v), pb);
-        const int slot = (gl0 + d) * 4 * V + v * 4 + t;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-          const uint4 b = xs[xrow[nt] * XROW + slot];
-          mma(c[nt], pa[0], pb[0], pa[1], pb[1], b.x, b.y);
-          mma(c[nt], pa[2], pb[2], pa[3], pb[3], b.z, b.w);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) {
-        tot[i][nt][0] += c[nt][0] * sa; tot[i][nt][1] += c[nt][1] * sa;
-        tot[i][nt][2] += c[nt][2] * sb; tot[i][nt][3] += c[nt][3] * sb;
-      }
+      group_mma(qa[i][d], qb[i][d], sa, sb, xs, gl0 + d, t, xrow, tot[i]);
     }
   }
 }
@@ -513,27 +526,7 @@ __device__ __forceinline__ void pipelined(const unsigned char* const* w, const u
       const unsigned swa = st[2 * 32 * V + lane], swb = st[2 * 32 * V + 32 + lane];
       const float sa = half_to_float((unsigned short)((sia & 1) ? swa >> 16 : swa & 0xffff));
       const float sb = half_to_float((unsigned short)((sib & 1) ? swb >> 16 : swb & 0xffff));
-      float c[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
-#pragma unroll
-      for (int v = 0; v < V; v++) {
-        unsigned pa[4], pb[4];
-        dequant(word_of(qa, v), pa);
-        dequant(word_of(qb, v), pb);
-        const int slot = (gl0 + j) * 4 * V + v * 4 + t;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-          const uint4 b = xs[xrow[nt] * XROW + slot];
-          mma(c[nt], pa[0], pb[0], pa[1], pb[1], b.x, b.y);
-          mma(c[nt], pa[2], pb[2], pa[3], pb[3], b.z, b.w);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) {
-        tot[i][nt][0] += c[nt][0] * sa; tot[i][nt][1] += c[nt][1] * sa;
-        tot[i][nt][2] += c[nt][2] * sb; tot[i][nt][3] += c[nt][3] * sb;
-      }
+      group_mma(qa, qb, sa, sb, xs, gl0 + j, t, xrow, tot[i]);
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
