@@ -52,7 +52,7 @@ for n in ${NEXT_PLANS:-}; do  # Qwen3-Next: decode against the honest roofline, 
 done
 for p in ${SPEC_PLANS:-}; do  # greedy and sampled speculation against plain decoding
   KESTREL_SPEC_SAMPLING=1 python3 bench/device_spec.py "$w/spec-$p.json" "bench/plans/$p.plan" > "$w/spec-$p.txt" 2>&1
-  grep -i -E "sampled|iteration|plain" "$w/spec-$p.txt" | tail -6
+  grep -i -E "sampled|iteration|plain|as graphs|by kernel" "$w/spec-$p.txt" | tail -8
   save "spec $p"
 done
 save done

@@ -298,6 +298,26 @@ def spec_phases(launches: list[dict]) -> list[str]:
     return ["verify" if i < first else "accept_rollback" if i <= last else "draft" for i in range(len(launches))]
 
 
+def _graph_ms(step, packed: list, n: int) -> list[float]:
+    """``packed`` launches captured as one graph (plain edges), replayed n + 1 times; each replay's ms but the
+    first's."""
+    cu = kc.driver()
+    graph, graph_exec = kc.chain_graph(packed, False)
+    events = [kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(n + 2)]
+    try:
+        kc.check(cu.cuEventRecord(events[0], step.stream), "cuEventRecord")
+        for ev in events[1:]:
+            kc.check(cu.cuGraphLaunch(graph_exec, step.stream), "cuGraphLaunch")
+            kc.check(cu.cuEventRecord(ev, step.stream), "cuEventRecord")
+        kc.check(cu.cuEventSynchronize(events[-1]), "cuEventSynchronize")
+        return [kc.check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") for a, b in zip(events[1:], events[2:])]
+    finally:
+        for ev in events:
+            cu.cuEventDestroy(ev)
+        cu.cuGraphExecDestroy(graph_exec)
+        cu.cuGraphDestroy(graph)
+
+
 def _by_kernel(launches: list[dict], rows: list[list[float]]) -> dict:
     """{kernel id: [launches, ms]} (each launch's median over the rows), largest first."""
     out: dict = {}
@@ -328,13 +348,16 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
         per_iter = [profile._timed_launches(step, step.spec_launches, events, gate) for _ in range(n)]
         m1_rows = [profile._timed_launches(step, step.launches, m1_events, gate) for _ in range(n)]
         m1 = [sum(row) for row in m1_rows]
-        m1_graph = None
+        m1_graph = verify_graph = None
         if step.graph_exec is not None:
             step.set_graph(True)
             marks: list = []
             step.run(1, marks)
             step.run(n, marks)
             m1_graph = statistics.median(step.mark_ms(marks))
+            # the verify's launches alone as one graph (plain edges, as the iteration's), against the step's graph
+            verify_graph = statistics.median(_graph_ms(step, [step.spec_launches[i] for i, p in enumerate(phases)
+                                                              if p == "verify"], n))
     finally:
         profile._release(gate, events)
         profile._release(None, m1_events)
@@ -350,6 +373,9 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
             "iteration_ms_kernel_by_kernel": statistics.median(sum(row) for row in per_iter),
             "m1_step_ms_kernel_by_kernel": m1_med, "m1_step_ms_graph": m1_graph,
             "verify_over_m1_step": med["verify"] / m1_med if m1_med > 0 else None,
+            # the same ratio as graphs replay them (launch costs mostly hidden): the verify's launches as one graph
+            "verify_ms_graph": verify_graph,
+            "verify_over_m1_step_graph": verify_graph / m1_graph if verify_graph and m1_graph else None,
             "draft_ms_per_draft": med["draft"] / step.spec_k}
 
 
@@ -422,6 +448,9 @@ def format_controlled(r: dict) -> str:
                  f"{ph['verify']:.3f} ms ({it['verify_over_m1_step']:.2f}x the M=1 step's "
                  f"{it['m1_step_ms_kernel_by_kernel']:.3f}), accept + rollback {ph['accept_rollback']:.3f} ms, "
                  f"MTP drafts {ph['draft']:.3f} ms ({it['draft_ms_per_draft']:.3f} per draft)")
+    if it.get("verify_over_m1_step_graph"):
+        lines.append(f"as graphs: the verify's launches {it['verify_ms_graph']:.3f} ms, "
+                     f"{it['verify_over_m1_step_graph']:.2f}x the step's graph ({it['m1_step_ms_graph']:.3f} ms)")
     for name, table in (("verify", it.get("verify_by_kernel")), ("M=1 step", it.get("m1_step_by_kernel"))):
         if table:
             lines.append(f"{name} by kernel (ms, launches): " + ", ".join(

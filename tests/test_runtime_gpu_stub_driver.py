@@ -378,8 +378,11 @@ def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     prefill = [names[launch["kernel_index"]] for launch in lp["speculative"]["prefill"]["launches"]]
     it = c["iteration"]
     n = (32 - 3 - 4 * 2 - 4) // (2 + 3)  # iterations timed: as many as fit in max_seq 32 (at most 8)
-    # the speculative prefill, n iterations and n one-token steps kernel by kernel, n + 1 step graph replays
-    assert out["launched"] == prefill + iteration * n + step * n + step * (n + 1)
+    # the speculative prefill, n iterations and n one-token steps kernel by kernel, n + 1 step graph replays,
+    # n + 1 replays of the verify's launches as a graph
+    verify = [k for k, p in zip(iteration, spec_phases_of(lp)) if p == "verify"]
+    assert out["launched"] == prefill + iteration * n + step * n + step * (n + 1) + verify * (n + 1)
+    assert it["verify_ms_graph"] > 0 and it["verify_over_m1_step_graph"] > 0 and "as graphs" in out["text"]
     assert sum(it["launches_per_phase"].values()) == len(iteration)
     assert all(it["phase_ms_kernel_by_kernel"][ph] > 0 for ph in ("verify", "accept_rollback", "draft"))
     assert it["verify_over_m1_step"] > 0 and it["m1_step_ms_graph"] is not None

@@ -302,6 +302,12 @@ def cuGraphExecDestroy(exec_):
 
 
 @_count
+def cuGraphDestroy(graph):
+    assert graph in _graph_nodes
+    return (OK,)
+
+
+@_count
 def cuGraphLaunch(exec_, stream):
     factor = os.environ.get("KESTREL_STUB_PDL_FACTOR")
     if factor is not None:
