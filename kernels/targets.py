@@ -286,10 +286,11 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # (stop 26's chained sweep, 1,007 variants: 27B gate + up at 4 rows 37.8 us against 50.6 with the plain
     # split; the plain products keep the register form: the ring was no better at 4 rows as one rule). Grouped
     # gate / up: KS 2 with a 2-stage ring (Qwen3-Next, chained: 217 / 247 us at 256 / 512 rows against 240 / 274).
-    # The pair, where two CTAs fit an SM: persistent, two CTAs per SM in registers (35.2 us against the ring's 38.4
-    # in the same call; every other shape was no faster persistent: q4mma-persist-m4-chained-h200.json)
+    # The pair persistent, two CTAs per SM in registers, was faster alone (35.2 us against the ring's 38.4 in the
+    # same call; every other shape no faster: q4mma-persist-m4-chained-h200.json) but is off (swiglu_persist=0)
+    # until a whole plan with it (the folded norm's NORM + PERSIST form) has run on the GPU and under the sanitizer
     "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
-                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=2, grouped_rows=16,
+                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=0, grouped_rows=16,
                         grouped_rb=4, grouped_ks=1, grouped_depth=2, grouped_swiglu_ks=2, grouped_swiglu_stages=2,
                         provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json",
                                     _TUNING + "q4mma-pipe-chained-h200.json", _TUNING + "q4mma-grouped-pipe-chained-h200.json",
