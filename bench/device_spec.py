@@ -52,10 +52,6 @@ def run(step, spec: bool, graph: bool = True, sampling: SamplingParams | None = 
         step.spec_k, step.graph_spec_exec = k, g
 
 
-def step_launches(path: str) -> list:
-    return load_plan(path).launch_plan["speculative"]["iteration"]["launches"]
-
-
 def iteration_ms(step, n: int = 24, sampling: SamplingParams | None = None) -> list[float]:
     s = sampling or SamplingParams()
     step.begin(IDS, s.temperature, s.top_p, s.seed, top_k=s.top_k, min_p=s.min_p)
@@ -129,8 +125,9 @@ def main(out: str, plans: list[str]) -> None:
               f"{r['sampled']['sampling_ms_paired_range']:.3f})", flush=True)
         replay = f"{out}.replay-{len(report)}.json"
         json.dump({"tokens": spec.tokens, "prompt_ids": IDS, "temperature": 0.0, "plan": path}, open(replay, "w"))
+        lp = load_plan(path).launch_plan
         c = bench_controlled(None, IDS, IDS + spec.tokens, [0.0, 0.5, 0.8, 1.0], 3, source=f"replay:{replay}",
-                             step=step, launches=step_launches(path))
+                             step=step, launches=lp["speculative"]["iteration"]["launches"], m1_launches=lp["launches"])
         r.update(c)
         print(format_controlled(c), flush=True)
         report.append(r)

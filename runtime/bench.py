@@ -380,13 +380,15 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
 
 
 def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float], rounds: int = 3, log=print,
-                     source: str = "replay", step=None, launches: list | None = None) -> dict:
+                     source: str = "replay", step=None, launches: list | None = None,
+                     m1_launches: list | None = None) -> dict:
     """ms/token of speculative decoding at controlled acceptance: for each ``accepts`` value a, requests
     replaying ``seq`` (prompt + a greedy run's tokens) with each draft intact with probability a (the
     iteration does all its work: the MTP head drafts, its drafts are replaced on the device), interleaved
     with plain decoding over ``rounds`` rounds after a warm-up (round r's corruption seeded by r); then
     the iteration's phases kernel by kernel (iteration_phases). Every figure is a controlled-acceptance one.
-    ``step`` (a loaded GpuStep) and ``launches`` (its iteration's launch-plan entries) stand in for ``plan``."""
+    ``step`` (a loaded GpuStep), ``launches`` (its iteration's launch-plan entries) and ``m1_launches`` (its
+    one-token step's, for the per-kernel table; none: no table) stand in for ``plan``."""
     step = step or GpuStep(plan, use_graph=True, use_graph_m=True)
     if not step.spec_k:
         raise DraftSourceError("--draft-source replays drafts into speculative iterations: this plan has none; "
@@ -429,7 +431,8 @@ def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float],
         "label": CONTROLLED_LABEL, "draft_source": source, "draft_tokens": k, "prompt_tokens": len(ids),
         "new_tokens": n_new, "rounds": rounds, "plain_ms_per_token": plain_ms,
         "plain_ms_per_token_rounds": plain, "rows": rows,
-        "iteration": iteration_phases(step, lp_launches, ids, seq, m1_launches=plan.launch_plan["launches"]),
+        "iteration": iteration_phases(step, lp_launches, ids, seq, m1_launches=m1_launches if plan is None
+                                      else plan.launch_plan["launches"]),
         "spec_graph": step.graph_spec_exec is not None,
         "weights": None if plan is None else "random" if plan.random_weights else "checkpoint"}}
 

@@ -339,9 +339,14 @@ def token_loop(st, prompt, n, sampling, replay=None, **kw):
 bench.generate = token_loop
 n0 = len(stub.LAUNCHES)
 r = bench.bench_controlled(plan, ids, seq, [0.0, 1.0], 3, log=lambda m: None, source="replay:run.json", step=step)
-print(json.dumps({{"image": image[:len(seq) + 2].tolist(), "on": on, "off": off, "calls": calls, "report": r,
-                   "text": bench.format_controlled(r),
-                   "launched": [name for name, *_ in stub.LAUNCHES[n0:]]}}))
+launched, first_calls = [name for name, *_ in stub.LAUNCHES[n0:]], list(calls)
+# as bench/device_spec.py calls it: no plan, the launch lists given
+lp = plan.launch_plan
+r2 = bench.bench_controlled(None, ids, seq, [1.0], 1, log=lambda m: None, source="replay:run.json", step=step,
+                            launches=lp["speculative"]["iteration"]["launches"], m1_launches=lp["launches"])
+print(json.dumps({{"image": image[:len(seq) + 2].tolist(), "on": on, "off": off, "calls": first_calls, "report": r,
+                   "text": bench.format_controlled(r), "launched": launched,
+                   "no_plan": r2["controlled_acceptance"]["iteration"]}}))
 """
 
 
@@ -394,6 +399,7 @@ def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     assert all(ms > 0 for _, ms in it["verify_by_kernel"].values())
     assert sum(n for n, _ in it["m1_step_by_kernel"].values()) == len(step)
     assert "verify by kernel" in out["text"] and "M=1 step by kernel" in out["text"]
+    assert out["no_plan"]["m1_step_by_kernel"] == it["m1_step_by_kernel"]
     # the phases follow the ops: the row decisions and rollback between the verify's lm_head and the head
     ops = [launch["op"] for launch in lp["speculative"]["iteration"]["launches"]]
     from kestrel.runtime.bench import spec_phases
