@@ -52,6 +52,7 @@ from kestrel.kernels.matvec import Q4_X_SCALE, q4_codes
 MAX_ROWS = 16  # two MMA column tiles of 8
 PAD_BYTES = 64  # each staged x row is padded so rows g and g + 1 fall in different bank halves
 NORM_PARTIAL_ROWS = 16  # ADD: one partial sum of squares per row block of 16 outputs (the warp that stores them)
+CTA_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident CTA (sm_80 on)
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,14 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
     if not options:
         return None
     cs, ks, st = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
-    per_sm = r.swiglu_persist if pair else 0
+    c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
+    per_sm = r.swiglu_persist if pair else 0  # the pair persistent, per_sm CTAs an SM, where that many fit one
     if per_sm and blocks > per_sm * target.sms and (ks_p := min(ks0, k // group)) >= 1 and fits(
             m, n, k, group, rb, ks_p, 1, target, pair, 0, norm, persist=True) is None:
-        c = launch(m, n, k, group, rb, ks_p, 1, r.depth, pair, 0, per_sm * target.sms)
-        if per_sm * (shared_bytes(c["constexprs"] | {"NORM": int(norm)}) + 1024) <= target.smem_optin + 1024:
-            if norm:
-                c["constexprs"] |= {"NORM": 1, "NP": k // NORM_PARTIAL_ROWS}
-            return c
-    c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
+        p = launch(m, n, k, group, rb, ks_p, 1, r.depth, pair, 0, per_sm * target.sms)
+        if per_sm * (shared_bytes(p["constexprs"] | {"NORM": int(norm)}) + CTA_RESERVED_SMEM) <= \
+                target.smem_optin + CTA_RESERVED_SMEM:  # (an SM holds the opt-in maximum plus one reservation)
+            c = p
     if norm:
         c["constexprs"] |= {"NORM": 1, "NP": k // NORM_PARTIAL_ROWS}
     return c
