@@ -2,13 +2,18 @@
 # The plans a stop's device call reads (bench/plans/, carried), built here; random weights store a seed, so each
 # plan is small. Names as bench/device_stop.sh expects them. Pass names to build a subset:
 #   bash bench/build_stop_plans.sh next4-bf16 tiny-next-q4-m16 tiny-next-bf16-m16 tiny-mtp-q4-spec3 0.8b-bf16 0.8b-q4
-#     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3   (any subset)
+#     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3
+#     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist   (any subset)
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p bench/plans
 R="--weights random --target sm_90"
 next4() {  # 4 layers of the 80B-A3B shape (3 Gated DeltaNet + 1 attention, and its MTP layer): GPU against CPU
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3-next-80b-a3b']); c['num_hidden_layers'] = 4; c['mtp_num_hidden_layers'] = 1; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+  echo "$d"
+}
+l27b4() {  # 4 layers of the 27B shape (3 Gated DeltaNet + 1 attention, and its MTP layer): GPU against CPU
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-27b']); c['num_hidden_layers'] = 4; c['mtp_num_hidden_layers'] = 1; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
 for p in "$@"; do
@@ -26,6 +31,10 @@ for p in "$@"; do
     next80-q4) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4.plan ;;
     27b-q4-spec3) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3.plan ;;
     27b-bf16-spec3) kestrelc build qwen3.5-27b $R --quant bf16 --max-seq 4096 --speculative mtp --draft-tokens 3 --draft-quant q4 -o bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan ;;
+    27b-q4-spec3-nosplit) python3 bench/build_variant.py attn_rows.max_splits=1 -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-nosplit.plan ;;
+    27b-q4-spec3-persist) python3 bench/build_variant.py q4_mma.swiglu_persist=2 -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-persist.plan ;;
+    27b4-q4-m4-persist) python3 bench/build_variant.py q4_mma.swiglu_persist=2 -- "$(l27b4)" $R --quant q4 --prefill-rows 4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-m4-persist.plan ;;
+    27b4-q4-spec3-persist) python3 bench/build_variant.py q4_mma.swiglu_persist=2 -- "$(l27b4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-persist.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
   esac
 done

@@ -360,7 +360,7 @@ def _infer_attn_rows_kv(ins, a):
 
 
 def _infer_attn_rows_q(ins, a):
-    x, qn, kc, vc, pos, n_prompt = ins
+    x, qn, kc, vc, pos, n_prompt, part, tickets = ins
     _, hkv, d = _t(kc).shape
     h = a["heads"]
     _need(h > 0 and h % hkv == 0, f"attn_rows_q: {h} query heads do not group over {hkv} kv heads")
@@ -368,6 +368,9 @@ def _infer_attn_rows_q(ins, a):
     _need(_t(qn).shape == (d,) and _t(vc).shape == _t(kc).shape, "q norm weight must be [head_dim], caches alike")
     _need(a["rotary_dim"] % 2 == 0 and 0 < a["rotary_dim"] <= d, "rotary_dim must be even and <= head_dim")
     _infer_rows_dyn(pos, n_prompt)
+    _need(_t(part).dtype == "f32" and len(_t(part).shape) == 2 and _t(part).shape[1] == d + 2
+          and _t(tickets).dtype == "i32" and len(_t(tickets).shape) == 1,
+          f"attn_rows_q's scratch: f32 partials [n, {d + 2}] and i32 tickets [groups]")
     return [_f32((_t(x).shape[0], h * d))]
 
 
@@ -861,8 +864,12 @@ def _attn_rows_kv(op: Op, t: Target) -> dict:
 def _attn_rows_q(op: Op, t: Target) -> dict:
     rows, width = op.ins[0].type.shape
     s, hkv, d = op.ins[2].type.shape
-    return {"kernel": f"attn_rows_q_{op.ins[2].type.dtype}",
-            **attention.attn_rows_q_launch(rows, width, op.attrs["heads"], hkv, d, s, t)}
+    launch = attention.attn_rows_q_launch(rows, width, op.attrs["heads"], hkv, d, s, t)
+    part, tickets = attention.attn_rows_scratch(launch, d)
+    if (op.ins[6].type.shape, op.ins[7].type.shape) != (part, tickets):
+        raise IRError(f"attn_rows_q: its scratch is {op.ins[6].type.shape} / {op.ins[7].type.shape}, the launch "
+                      f"needs {part} / {tickets} (select_kernels sizes it)")
+    return {"kernel": f"attn_rows_q_{op.ins[2].type.dtype}", **launch}
 
 
 def _sample(op: Op, t: Target) -> dict:
@@ -1029,6 +1036,10 @@ def _onnx_attn_step(ex, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_st
 
 def _attn_step_ref(qg, k, v, qn, kn, kc, vc, pos, partials, tickets, **attrs):
     return attention.attn_step_ref(qg, k, v, qn, kn, kc, vc, pos, **attrs)  # the split is a GPU detail
+
+
+def _attn_rows_q_ref(x, qn, kc, vc, pos, n_prompt, partials, tickets, **attrs):
+    return attention.attn_rows_q_ref(x, qn, kc, vc, pos, n_prompt, **attrs)  # the split is a GPU detail
 
 
 def _rows_of(x) -> int:
@@ -1238,9 +1249,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("attn_rows_kv", "vwssdd", ("k", "v", "eps", "theta", "rotary_dim"), _infer_attn_rows_kv,
           attention.attn_rows_kv_ref, Kernel(attention.attn_rows_kv_kernel, _attn_rows_kv), _ROWS_ONNX, inout=(2, 3),
           doc="the valid rows' k (rmsnorm, rope at pos + r) and v appended to the caches"),
-    OpDef("attn_rows_q", "vwssdd", ("q", "heads", "eps", "theta", "rotary_dim", "scale"), _infer_attn_rows_q,
-          attention.attn_rows_q_ref, Kernel(attention.attn_rows_q_kernel, _attn_rows_q), _ROWS_ONNX,
-          doc="after attn_rows_kv: each valid row's q (rmsnorm, rope) over cache rows 0..pos + r, sigmoid gate"),
+    OpDef("attn_rows_q", "vwssddss", ("q", "heads", "eps", "theta", "rotary_dim", "scale"), _infer_attn_rows_q,
+          _attn_rows_q_ref, Kernel(attention.attn_rows_q_kernel, _attn_rows_q), _ROWS_ONNX, inout=(6, 7),
+          doc="after attn_rows_kv: each valid row's q (rmsnorm, rope) over cache rows 0..pos + r, sigmoid gate "
+              "(split over the sequence where the rows are few: partials and tickets in scratch states)"),
     OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, Kernel(sample.last_row_kernel, _last_row),
           _ROWS_ONNX,
           doc="the chunk's last valid row"),

@@ -199,7 +199,14 @@ def attn_rows_q_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: i
     shared memory for the K/V tiles in flight, at most pipe_bytes_max [64 KiB], leaving the bf16 query
     tile (BLOCK_R x BLOCK_D x 2 bytes) and smem_reserve [8 KiB] of the target's ``smem_optin``; the
     kernel derives its stage count from it and the cache's element size (bf16: 2 tile pairs in flight,
-    fp32: 1). DOT_FP32 is False (True only in interpreter tests)."""
+    fp32: 1). DOT_FP32 is False (True only in interpreter tests).
+
+    SPLITS (a power of two; the grid's third axis) where the tile groups are few (a verify's few rows):
+    about split_programs [128] programs in all, at most max_splits [32] and at least one split per
+    split_tiles [4] x BLOCK_N cache rows of max_seq; SPLIT_ROWS = split_tiles x BLOCK_N, the rows an
+    active split takes at least (so a short context merges little: below 128 rows at D = 256 one split
+    works and nothing merges). 27B at 4 rows (8 tile groups): 16 splits; at 128 rows (192 groups): 1,
+    the kernel as before. ``attn_rows_scratch`` sizes the partials and tickets for the launch."""
     r = target.rules["attn_rows"]
     block_d = max(16, pow2_at_least(head_dim))
     tile_rows = rows * (heads // n_kv)
@@ -209,9 +216,23 @@ def attn_rows_q_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: i
     block_n = max(r.min_block_n, min(r.max_block_n, r.tile_elems // block_d))
     warps = max(r.min_warps, min(r.max_warps, block_r * block_d // r.acc_elems_per_warp))
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - 2 * block_r * block_d)
-    return {"grid": [n_kv, -(-tile_rows // block_r), 1], "num_warps": warps,
+    blocks = -(-tile_rows // block_r)
+    cap = min(r.max_splits, max(1, r.split_programs // (n_kv * blocks)),
+              max(1, max_seq // (r.split_tiles * block_n)))
+    splits = 1 << (cap.bit_length() - 1)
+    return {"grid": [n_kv, blocks, splits], "num_warps": warps,
             "constexprs": {"M": rows, "W": width, "NKV": n_kv, "D": head_dim, "S": max_seq, "BLOCK_D": block_d,
-                           "BLOCK_R": block_r, "BLOCK_N": block_n, "PIPE_BYTES": pipe, "DOT_FP32": False}}
+                           "BLOCK_R": block_r, "BLOCK_N": block_n, "SPLITS": splits,
+                           "SPLIT_ROWS": r.split_tiles * block_n, "PIPE_BYTES": pipe, "DOT_FP32": False}}
+
+
+def attn_rows_scratch(launch: dict, head_dim: int) -> tuple[tuple[int, int], tuple[int]]:
+    """(partials, tickets) shapes for an attn_rows_q launch: f32 [tile groups x SPLITS x BLOCK_R, D + 2] and
+    i32 [tile groups]; [1, D + 2] and [1] where it does not split (the kernel then never touches them)."""
+    nkv, blocks, splits = launch["grid"]
+    if splits == 1:
+        return (1, head_dim + 2), (1,)
+    return (nkv * blocks * splits * launch["constexprs"]["BLOCK_R"], head_dim + 2), (nkv * blocks,)
 
 
 @triton.jit
@@ -587,11 +608,11 @@ def _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, kmask, causal, m_i, 
 
 
 @triton.jit
-def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, out_ptr, q, heads, eps,
-                       theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr, NKV: tl.constexpr,
-                       D: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr,
-                       PDL: tl.constexpr = False):
+def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, part_ptr, ticket_ptr,
+                       out_ptr, q, heads, eps, theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr,
+                       NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                       PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """The chunk's gated attention (``attn_rows_q_ref``), after attn_rows_kv_kernel on the same stream;
     kernel ids attn_rows_q_bf16 / attn_rows_q_f32.
 
@@ -601,18 +622,27 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
       out[r, h*D ..] = softmax(q . K[0..p, g]^T * scale) V[0..p, g] * sigmoid(x[r, q + h*2D + D ..][:D]);
     invalid rows of out are written as 0. RoPE angles as in attn_step_kernel (_rope_inv_freq).
 
-    Work split (flash attention): grid [NKV, ceil(M * REP / BLOCK_R)], REP = heads / NKV. Program
-    (g, b) owns tile rows t = b' * BLOCK_R + i, i < BLOCK_R, with b' = (blocks - 1 - b) (the blocks
-    with the longest causal range start first), of kv head g's (row, head) pairs in row-major order:
-    row t // REP, query head g * REP + t % REP. So the REP query heads of a GQA group and about
+    Work split (flash attention): grid [NKV, ceil(M * REP / BLOCK_R), SPLITS], REP = heads / NKV.
+    Programs (g, b, *) own tile rows t = b' * BLOCK_R + i, i < BLOCK_R, with b' = (blocks - 1 - b) (the
+    blocks with the longest causal range start first), of kv head g's (row, head) pairs in row-major
+    order: row t // REP, query head g * REP + t % REP. So the REP query heads of a GQA group and about
     BLOCK_R / REP chunk rows share one [BLOCK_R, BLOCK_D] query tile, and a program reads each K/V
-    tile once for all of them. The program walks cache rows 0 .. pos + (its last valid row) in BLOCK_N-row
-    tiles [BLOCK_N, BLOCK_D] (software-pipelined through shared memory: up to 3 K/V tile pairs in
-    flight, as many as PIPE_BYTES holds for the cache's element size): first the tiles every one of
-    its rows sees whole (rows <= pos + its first row: no mask), then the rest with the causal mask
-    key <= pos + row. Per tile: S = Q K^T and acc += P V on tensor cores, bf16 operands and fp32
-    accumulation, online softmax in fp32 (exp2, q pre-scaled by scale * log2(e); the running sum l
-    adds the fp32 weights). Each program then divides, applies sigmoid(gate) and stores its tile rows.
+    tile once for all of them. The tile's cache rows 0 .. kv_end - 1 (kv_end = pos + its last valid
+    row + 1) are split over the sequence (flash-decoding, as attn_step_kernel; few programs otherwise
+    at a verify's few rows): A = clamp(ceil(kv_end / SPLIT_ROWS), 1, SPLITS) splits work, split j < A
+    taking rows [j * C, min((j + 1) * C, kv_end)) with C = ceil(ceil(kv_end / A) / BLOCK_N) * BLOCK_N,
+    all fixed by pos and n_prompt alone; splits j >= A return at once. A split walks its rows in
+    BLOCK_N-row tiles [BLOCK_N, BLOCK_D] (software-pipelined through shared memory where Triton can:
+    up to 3 K/V tile pairs in flight, as many as PIPE_BYTES holds for the cache's element size): first
+    the tiles every tile row sees whole (rows <= pos + its first row: no mask), then the rest with the
+    causal mask key <= pos + row. Per tile: S = Q K^T and acc += P V on tensor cores, bf16 operands and
+    fp32 accumulation, online softmax in fp32 (exp2, q pre-scaled by scale * log2(e); the running sum l
+    adds the fp32 weights). With A = 1 the program divides, applies sigmoid(gate) and stores its tile
+    rows. Otherwise it stores its partial (acc, m, l per tile row) in part_ptr (row ((tile group *
+    SPLITS) + j) * BLOCK_R + i, D + 2 floats; tile group = g * blocks + b) and takes the tile group's
+    ticket; the last of the A splits to arrive merges the A partials in split order (m = max m_j,
+    o = sum_j acc_j 2^(m_j - m) / sum_j l_j 2^(m_j - m)), gates, stores, and zeroes the ticket for the
+    next launch.
 
     Numerics vs the fp32 reference: the dots' bf16 operands are the only roundings beyond fp32
     summation order: q * scale * log2(e) and the weights p are rounded to bf16 (unit roundoff
@@ -625,62 +655,102 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
     far below that bound: ~2u (bf16 caches) and ~3u (fp32) of max|out| in the interpreter tests
     (tests/test_kernels_attn_rows.py checks both).
 
-    Race-free and deterministic: every out element is written by exactly one program; the caches,
-    x and q_norm are only read (the chunk's K/V rows were written by the kv kernel before this launch);
-    no atomics, and each program's loop order is fixed by pos and n_prompt alone, so runs repeat bit
-    for bit. Offsets are int32: M * W, M * heads * D and S * NKV * D < 2^31.
+    Race-free and deterministic: every out element is written by exactly one program (the merging one
+    where A > 1); the caches, x and q_norm are only read (the chunk's K/V rows were written by the kv
+    kernel before this launch); a split's partial rows are its own, written before its ticket (released
+    at GPU scope, acquired by the merger, read past L1); each split's loop order and the merge order are
+    fixed by pos and n_prompt alone, so runs repeat bit for bit whichever split merges. The merge adds
+    fp32 roundings only (the bound below holds with fp32 summation in any order). Offsets are int32:
+    M * W, M * heads * D, S * NKV * D and the partials' size < 2^31.
     """
     pdl_wait(PDL)
     g = tl.program_id(0)
     b = tl.num_programs(1) - 1 - tl.program_id(1)
+    sp = tl.program_id(2)
     rep = heads // NKV
     pos, n_valid = _chunk_rows(pos_ptr, n_prompt_ptr, M, S)
 
-    t = b * BLOCK_R + tl.arange(0, BLOCK_R)
-    row = t // rep
-    head = g * rep + t % rep
-    live = row < n_valid
-    row_c = tl.minimum(row, M - 1)  # clamped for the loads (tile rows past M * rep are never stored)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    MASK_D: tl.constexpr = BLOCK_D != D
-
-    # The query tile: rmsnorm, RoPE at pos + row, pre-scaled for exp2, rounded to bf16 once.
-    src = x_ptr + row_c * W + q + head * (2 * D)
-    qpos = pos + row
-    angle = qpos.to(tl.float32)[:, None] * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)[None, :]
-    qn = _norm_rope_rows(src, q_norm_ptr, d, dmask, eps, tl.cos(angle), tl.sin(angle), rotary_dim, D)
-    q_tile = _bf16_operand(qn * (scale * 1.4426950408889634), DOT_FP32)
-
-    # Cache rows this program reads: 0 .. kv_end - 1; every tile below full_end is seen whole by all its rows.
+    # Cache rows this tile reads: 0 .. kv_end - 1; every tile below full_end is seen whole by all its rows.
     row_lo = (b * BLOCK_R) // rep
     row_hi = tl.minimum((b * BLOCK_R + BLOCK_R - 1) // rep, n_valid - 1)
     kv_end = tl.where(row_lo < n_valid, pos + row_hi + 1, 0)
     full_end = tl.minimum(((pos + row_lo + 1) // BLOCK_N) * BLOCK_N, kv_end)
+    if SPLITS == 1:
+        active = 1
+        lo = 0
+        hi = kv_end
+    else:  # this split's rows [lo, hi) (the docstring's A, C)
+        active = tl.minimum(tl.maximum(tl.cdiv(kv_end, SPLIT_ROWS), 1), SPLITS)
+        chunk = tl.cdiv(tl.cdiv(kv_end, active), BLOCK_N) * BLOCK_N
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    if sp < active:
+        t = b * BLOCK_R + tl.arange(0, BLOCK_R)
+        row = t // rep
+        head = g * rep + t % rep
+        live = row < n_valid
+        row_c = tl.minimum(row, M - 1)  # clamped for the loads (tile rows past M * rep are never stored)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        MASK_D: tl.constexpr = BLOCK_D != D
 
-    m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a fully masked tile gives weights exp2(-inf) = 0
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    n_off = tl.arange(0, BLOCK_N)
-    head_off = g * D + d
-    ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-    NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_N * BLOCK_D * ELEM_BYTES)
-    STAGES: tl.constexpr = 1 + (NBUF if NBUF < 3 else 3)
-    for start in tl.range(0, full_end, BLOCK_N, num_stages=STAGES):
-        keys = start + n_off
-        offs = (keys * (NKV * D))[:, None] + head_off[None, :]
-        m_i, l_i, acc = _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, dmask[None, :], None, m_i, l_i,
-                                        acc, DOT_FP32, MASK_D, False)
-    for start in tl.range(full_end, kv_end, BLOCK_N, num_stages=STAGES):
-        keys = start + n_off
-        offs = (keys * (NKV * D))[:, None] + head_off[None, :]
-        kmask = (keys < kv_end)[:, None] & dmask[None, :]
-        causal = keys[None, :] <= qpos[:, None]
-        m_i, l_i, acc = _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, kmask, causal, m_i, l_i, acc,
-                                        DOT_FP32, True, True)
+        # The query tile: rmsnorm, RoPE at pos + row, pre-scaled for exp2, rounded to bf16 once.
+        src = x_ptr + row_c * W + q + head * (2 * D)
+        qpos = pos + row
+        angle = qpos.to(tl.float32)[:, None] * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)[None, :]
+        qn = _norm_rope_rows(src, q_norm_ptr, d, dmask, eps, tl.cos(angle), tl.sin(angle), rotary_dim, D)
+        q_tile = _bf16_operand(qn * (scale * 1.4426950408889634), DOT_FP32)
 
-    gate = tl.load(src[:, None] + D + d[None, :], mask=dmask[None, :], other=0.0)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * tl.sigmoid(gate)
-    o = tl.where(live[:, None], o, 0.0)
-    dst = out_ptr + (row * heads + head) * D
-    tl.store(dst[:, None] + d[None, :], o, mask=(t < M * rep)[:, None] & dmask[None, :])
+        m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a fully masked tile gives weights exp2(-inf) = 0
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        n_off = tl.arange(0, BLOCK_N)
+        head_off = g * D + d
+        ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+        NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_N * BLOCK_D * ELEM_BYTES)
+        STAGES: tl.constexpr = 1 + (NBUF if NBUF < 3 else 3)
+        for start in tl.range(lo, tl.minimum(hi, full_end), BLOCK_N, num_stages=STAGES):
+            keys = start + n_off
+            offs = (keys * (NKV * D))[:, None] + head_off[None, :]
+            m_i, l_i, acc = _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, dmask[None, :], None, m_i,
+                                            l_i, acc, DOT_FP32, MASK_D, False)
+        for start in tl.range(tl.maximum(lo, full_end), hi, BLOCK_N, num_stages=STAGES):
+            keys = start + n_off
+            offs = (keys * (NKV * D))[:, None] + head_off[None, :]
+            kmask = (keys < hi)[:, None] & dmask[None, :]
+            causal = keys[None, :] <= qpos[:, None]
+            m_i, l_i, acc = _attn_rows_tile(q_tile, k_cache_ptr, v_cache_ptr, offs, kmask, causal, m_i, l_i, acc,
+                                            DOT_FP32, True, True)
+
+        dst = out_ptr + (row * heads + head) * D
+        smask = (t < M * rep)[:, None] & dmask[None, :]
+        if active == 1:
+            gate = tl.load(src[:, None] + D + d[None, :], mask=dmask[None, :], other=0.0)
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * tl.sigmoid(gate)
+            tl.store(dst[:, None] + d[None, :], tl.where(live[:, None], o, 0.0), mask=smask)
+        else:
+            grp = g * tl.num_programs(1) + tl.program_id(1)
+            i = tl.arange(0, BLOCK_R)
+            prow = part_ptr + ((grp * SPLITS + sp) * BLOCK_R + i) * (D + 2)
+            tl.store(prow[:, None] + d[None, :], acc, mask=dmask[None, :])
+            tl.store(prow + D, m_i)
+            tl.store(prow + D + 1, l_i)
+            tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
+            ticket = tl.atomic_add(ticket_ptr + grp, 1, sem="acq_rel", scope="gpu")
+            if ticket == active - 1:  # the last split merges the tile group's partials in split order
+                m = tl.full([BLOCK_R], -1.0e30, tl.float32)
+                for j in range(0, active):
+                    m = tl.maximum(m, tl.load(part_ptr + ((grp * SPLITS + j) * BLOCK_R + i) * (D + 2) + D,
+                                              cache_modifier=".cg"))
+                o = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+                l = tl.zeros([BLOCK_R], tl.float32)
+                for j in range(0, active):
+                    pj = part_ptr + ((grp * SPLITS + j) * BLOCK_R + i) * (D + 2)
+                    w = tl.exp2(tl.load(pj + D, cache_modifier=".cg") - m)
+                    l += tl.load(pj + D + 1, cache_modifier=".cg") * w
+                    o += tl.load(pj[:, None] + d[None, :], mask=dmask[None, :], other=0.0,
+                                 cache_modifier=".cg") * w[:, None]
+                gate = tl.load(src[:, None] + D + d[None, :], mask=dmask[None, :], other=0.0)
+                o = o / tl.where(l > 0, l, 1.0)[:, None] * tl.sigmoid(gate)
+                tl.store(dst[:, None] + d[None, :], tl.where(live[:, None], o, 0.0), mask=smask)
+                tl.atomic_xchg(ticket_ptr + grp, 0, sem="relaxed", scope="gpu")  # ready for the next launch

@@ -99,6 +99,9 @@ class AttnRowsRule(Rule):
     pipe_bytes_max: int         # PIPE_BYTES cap (K/V tiles in flight) ...
     smem_reserve: int           # ... leaving the query tile and this much of the opt-in shared memory
     kv_num_warps: int           # attn_rows_kv: one program per (row, kv head)
+    split_programs: int         # attn_rows_q's sequence splits: about this many programs in all, ...
+    max_splits: int             # ... at most this many splits (a power of two), ...
+    split_tiles: int            # ... each at least this many BLOCK_N tiles of max_seq (and of the context)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,7 +251,10 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "attn_rows": AttnRowsRule(
         max_block_r=32, min_block_r=16, programs_per_sm=1, tile_elems=8192, min_block_n=16, max_block_n=64,
         acc_elems_per_warp=1024, min_warps=4, max_warps=8, pipe_bytes_max=64 * 1024, smem_reserve=8 * 1024,
-        kv_num_warps=2, provenance=(RULE_OF_THUMB,)),
+        kv_num_warps=2, split_programs=128, max_splits=32, split_tiles=4,
+        # the split (27B heads, 4-16 rows, chained, stop 27 call 1): at 1000 / 4000 cache rows 25-27 / 32-48 us
+        # against 42 / 124 unsplit; at 64 rows 17.7 against 16.8 (split_tiles 4: one split works; 1: 19.2)
+        provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json")),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
                               provenance=(_RESULTS + "stop24/call2/summary.txt",)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),

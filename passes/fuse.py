@@ -207,6 +207,17 @@ def _attention_scratch(p: Program, cache_shape, qg_size: int):
     return p.states[ATTN_PARTIALS], p.states[ATTN_TICKETS]
 
 
+def _rows_attention_scratch(p: Program, rows: int, d: int):
+    """The scratch states every attn_rows_q of an M-row program shares: partials and tickets of its split over
+    the sequence, named by the row count (a plan's programs at other row counts split differently; the
+    arena keeps one placement per name). Made unsplit: select_kernels sizes them for the target's launch."""
+    part, tickets = f"{SCRATCH_PREFIX}attn_rows{rows}_partials", f"{SCRATCH_PREFIX}attn_rows{rows}_tickets"
+    if part not in p.states:
+        p.add_state(part, "f32", (1, d + 2))
+        p.add_state(tickets, "i32", (1,))
+    return p.states[part], p.states[tickets]
+
+
 def _fuse_add_rmsnorm(p: Program) -> int:
     g, count = _Graph(p), 0
     for op in list(p.ops):
@@ -318,7 +329,8 @@ def _fuse_rows(p: Program) -> int:
             a = op.attrs
             rope = {"eps": a["eps"], "theta": a["theta"], "rotary_dim": a["rotary_dim"]}
             kv = Op("attn_rows_kv", [], [x, kn, kc, vc, pos, n_prompt], {"k": c_k, "v": c_v, **rope})
-            q = Op("attn_rows_q", [op.outs[0]], [x, qn, kc, vc, pos, n_prompt],
+            part, tickets = _rows_attention_scratch(p, x.type.shape[0], d)
+            q = Op("attn_rows_q", [op.outs[0]], [x, qn, kc, vc, pos, n_prompt, part, tickets],
                    {"q": c_q, "heads": qg.type.shape[1] // (2 * d), **rope, "scale": a["scale"]})
             i = p.ops.index(op)
             p.ops[i:i + 1] = [kv, q]

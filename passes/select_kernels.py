@@ -13,7 +13,8 @@ tensor-core GEMM, whose bf16 activations can flip the choice between near-tied e
 the M-row prefill then routes otherwise than the one-token step would).
 
 Target-dependent shapes are decided here too: the attention scratch states (made by fuse with one
-split) get the target's number of sequence splits, the sampling partials (made by the lowering with
+split) get the target's number of sequence splits (attn_step's, and each M-row program's attn_rows_q's
+partials and tickets), the sampling partials (made by the lowering with
 one row) a row per program of the target's sampling kernel, the speculative sampler's partials (spec_filter's)
 (K + 1) blocks of G + 1 such rows, and Qwen3-Next's grouped experts' chunk table the chunk size their
 kernels take (16 pairs for the tensor-core q4 kernel, kernels/q4_mma.py; else 4). plan_memory runs after
@@ -26,7 +27,7 @@ import copy
 from kestrel.compiler.ir import IRError, Program
 from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view, moe_grouped_rows, routing_logits
 from kestrel.kernels import matvec
-from kestrel.kernels.attention import attn_splits
+from kestrel.kernels.attention import attn_rows_q_launch, attn_rows_scratch, attn_splits
 from kestrel.kernels.moe import grouped_chunks
 from kestrel.kernels.sample import sample_scratch_shape
 from kestrel.kernels.speculative import spec_scratch_shape
@@ -35,12 +36,19 @@ from kestrel.kernels.targets import ALL_TARGETS, TARGETS
 
 def _size_attention_scratch(p: Program, target) -> None:
     """Each attn_step's partials state (operand 8; one state shared by every layer) gets the target's
-    split count."""
+    split count; each attn_rows_q's partials and tickets (operands 6, 7; shared by the program's layers) the
+    size its launch needs."""
     for op in p.ops:
         if op.kind == "attn_step":
             nh, nkv, d = attn_heads(op)
             part = op.ins[8]
             part.type = type(part.type)("f32", (nh, attn_splits(nkv, op.ins[5].type.shape[0], target), d + 2))
+        elif op.kind == "attn_rows_q":
+            (rows, width), (s, nkv, d) = op.ins[0].type.shape, op.ins[2].type.shape
+            launch = attn_rows_q_launch(rows, width, op.attrs["heads"], nkv, d, s, target)
+            shapes = attn_rows_scratch(launch, d)
+            for st, dtype, shape in zip(op.ins[6:8], ("f32", "i32"), shapes):
+                st.type = type(st.type)(dtype, shape)
 
 
 def _size_sample_scratch(p: Program, target) -> None:

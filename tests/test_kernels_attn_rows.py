@@ -28,7 +28,7 @@ import torch
 
 from kernel_harness import assert_close, interpret
 from kestrel.kernels.attention import (attn_rows_kv_kernel, attn_rows_kv_launch, attn_rows_kv_ref, attn_rows_q_kernel,
-                                       attn_rows_q_launch, attn_rows_q_ref, attn_rows_ref, rope_ref)
+                                       attn_rows_q_launch, attn_rows_q_ref, attn_rows_ref, attn_rows_scratch, rope_ref)
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import GPU_TARGETS, TARGETS
 
@@ -77,9 +77,11 @@ def run_kv(x, kn, kc, vc, pos, n_prompt, nh, rd):
                                                      **c["constexprs"])
 
 
-def run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, block_r=None, block_n=None):
+def run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, block_r=None, block_n=None, splits=None, split_rows=None,
+          scratch=None):
     """The q kernel with the sm_90 rule's constants (BLOCK_R / BLOCK_N overridable: small tiles give
-    many blocks and tiles; the interpreter accepts dots the compiler would not) and DOT_FP32."""
+    many blocks and tiles; the interpreter accepts dots the compiler would not; SPLITS / SPLIT_ROWS too: the
+    sequence split and its merge) and DOT_FP32. Checks the tickets are left zero."""
     m, w = x.shape
     s, nkv, d = kc.shape
     c = attn_rows_q_launch(m, w, nh, nkv, d, s, SM90)
@@ -89,9 +91,18 @@ def run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, block_r=None, block_n=None):
         consts["BLOCK_R"], grid[1] = block_r, -(-m * (nh // nkv) // block_r)
     if block_n:
         consts["BLOCK_N"] = block_n
+    if splits:
+        consts["SPLITS"], grid[2] = splits, splits
+    if split_rows:
+        consts["SPLIT_ROWS"] = split_rows
+    part_shape, ticket_shape = attn_rows_scratch({"grid": grid, "constexprs": consts}, d)
+    part, tickets = torch.full(part_shape, float("nan")), torch.zeros(ticket_shape, dtype=torch.int32)
     out = torch.full((m, nh * d), float("nan"))
-    interpret(attn_rows_q_kernel)[tuple(grid)](x, qn, kc, vc, dyn(pos), dyn(n_prompt), out, layout(nh, nkv, d)[0], nh,
-                                               EPS, THETA, rd, d ** -0.5, **consts)
+    interpret(attn_rows_q_kernel)[tuple(grid)](x, qn, kc, vc, dyn(pos), dyn(n_prompt), part, tickets, out,
+                                               layout(nh, nkv, d)[0], nh, EPS, THETA, rd, d ** -0.5, **consts)
+    assert (tickets == 0).all(), "a ticket left non-zero"
+    if scratch is not None:
+        scratch["part"] = part
     return out
 
 
@@ -121,7 +132,9 @@ def rounding_bound(x, qn, kc, vc, pos, n_valid, nh, rd):
 # straddle chunk rows); D = 24 (BLOCK_D = 32, masked lanes).
 CASES = [(4, 2, 32, 8, 5, 32, 7, 30), (4, 2, 32, 8, 8, 32, 20, 25), (4, 2, 16, 8, 8, 32, 0, 6),
          (4, 2, 16, 8, 8, 32, 24, 40), (6, 2, 16, 8, 5, 32, 13, 30), (4, 2, 24, 8, 5, 32, 9, 12)]
-TILES = [(None, None), (4, 8)]  # the rule's BLOCK_R / BLOCK_N (one block, one tile), and small ones
+# the rule's BLOCK_R / BLOCK_N (one block, one tile), small ones, and small ones split over the sequence
+# (SPLITS, SPLIT_ROWS: several splits with work, the last ones short or idle)
+TILES = [(None, None, None, None), (4, 8, None, None), (4, 8, 4, 8)]
 
 
 @DTYPES
@@ -148,9 +161,10 @@ def test_attn_rows_match_references(case, dtype):
     # q kernel on the reference's caches: within the bf16 rounding bound, invalid rows exactly 0
     ref = attn_rows_q_ref(x, qn, kc_ref, vc_ref, pos, n_prompt, layout(nh, nkv, d)[0], nh, EPS, THETA, rd, d ** -0.5)
     bound = rounding_bound(x, qn, kc_ref, vc_ref, pos, n_valid, nh, rd)
-    for block_r, block_n in TILES:
-        out = run_q(x, qn, kc_ref.clone(), vc_ref.clone(), pos, n_prompt, nh, rd, block_r, block_n)
-        tiles = f"{what} BLOCK_R/N {block_r}/{block_n}"
+    for block_r, block_n, splits, split_rows in TILES:
+        out = run_q(x, qn, kc_ref.clone(), vc_ref.clone(), pos, n_prompt, nh, rd, block_r, block_n, splits,
+                    split_rows)
+        tiles = f"{what} BLOCK_R/N {block_r}/{block_n} SPLITS {splits}"
         assert torch.isfinite(out).all(), f"{tiles}: an output element not written"
         assert (out[n_valid:] == 0).all(), f"{tiles}: rows past the valid ones not zero"
         assert_close(out[:n_valid], ref[:n_valid], RTOL[dtype], 0.0, tiles)
@@ -178,6 +192,29 @@ def test_no_valid_rows(dtype):
         assert torch.equal(bits(kc_k), bits(kc)) and torch.equal(bits(vc_k), bits(vc)), (pos, n_prompt)
         out = run_q(x, qn, kc_k, vc_k, pos, n_prompt, nh, rd)
         assert (out == 0).all(), (pos, n_prompt)
+
+
+@pytest.mark.parametrize("pos", [0, 7, 8, 23, 40])
+def test_split_over_the_sequence(pos):
+    """A verify's few rows split over the sequence (SPLITS 8, one 8-row tile each at least: 1 to 6 splits with
+    work, idle ones past them): within the rounding bound of the reference, invalid rows 0, the tickets left
+    zero, and bit-equal whichever way the splits fall (SPLITS 8 against 16, the same active splits)."""
+    nh, nkv, d, rd, m, s, n_prompt = 6, 2, 16, 8, 4, 64, pos + 3
+    x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, torch.bfloat16, seed=100 + pos)
+    _, ko, vo, _ = layout(nh, nkv, d)
+    attn_rows_kv_ref(x, kn, kc, vc, pos, n_prompt, ko, vo, EPS, THETA, rd)
+    ref = attn_rows_q_ref(x, qn, kc, vc, pos, n_prompt, layout(nh, nkv, d)[0], nh, EPS, THETA, rd, d ** -0.5)
+    bound = rounding_bound(x, qn, kc, vc, pos, 3, nh, rd)
+    out = run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, 16, 8, 8, 8)
+    assert (out[3:] == 0).all()
+    assert ((out - ref).abs() - bound).max().item() <= 0, pos
+    assert torch.equal(out, run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, 16, 8, 16, 8))
+    scratch = {}
+    run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, 16, 8, 8, 8, scratch=scratch)
+    merged = torch.isfinite(scratch["part"]).any().item()
+    assert merged == (pos + 3 > 8), f"pos {pos}: partials written {merged}"  # more than one split has work
+    one = run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, 16, 8, 1, 8)
+    assert_close(out, one, RTOL[torch.bfloat16], 0.0, f"split vs whole at pos {pos}")
 
 
 def test_rows_past_the_cache_are_invalid():
@@ -216,7 +253,7 @@ def test_launch_rules_give_sane_grids(target):
             k = c["constexprs"]
             br, bn = k["BLOCK_R"], k["BLOCK_N"]
             tile_rows = m * nh // nkv
-            assert c["grid"][0] == nkv and c["grid"][2] == 1
+            assert c["grid"][0] == nkv and c["grid"][2] == k["SPLITS"] and k["SPLIT_ROWS"] == 4 * bn
             assert (c["grid"][1] - 1) * br < tile_rows <= c["grid"][1] * br  # every tile row once, no empty block
             assert 16 <= br <= 64 and 16 <= bn <= 64 and br & (br - 1) == 0 and bn & (bn - 1) == 0  # tl.dot shapes
             assert k["BLOCK_D"] == 256 and k["DOT_FP32"] is False and c["num_warps"] in (4, 8)
@@ -226,9 +263,12 @@ def test_launch_rules_give_sane_grids(target):
             if c["grid"][0] * c["grid"][1] < t.sms:  # a small grid only at the smallest tile
                 assert br == 16
     # the H200: 27B at M = 128 in 4 x 48 programs of 16 tile rows, at M = 512 in 4 x 96 of 32
+    # the verify at 4 rows: 4 x 2 tile groups split 16 ways over the sequence (128 programs); 16 rows: 4 x 6 x 4
+    assert attn_rows_q_launch(4, 14336, 24, 4, 256, 4096, SM90)["grid"] == [4, 2, 16]
+    assert attn_rows_q_launch(16, 14336, 24, 4, 256, 4096, SM90)["grid"] == [4, 6, 4]
     assert attn_rows_q_launch(128, 14336, 24, 4, 256, 4096, SM90)["grid"] == [4, 48, 1]
     assert attn_rows_q_launch(512, 14336, 24, 4, 256, 4096, SM90)["grid"] == [4, 96, 1]
-    assert attn_rows_q_launch(128, 5120, 8, 2, 256, 4096, SM90)["grid"] == [2, 32, 1]
+    assert attn_rows_q_launch(128, 5120, 8, 2, 256, 4096, SM90)["grid"] == [2, 32, 2]  # 64 groups: 2 splits
 
 
 def test_launch_rules_read_the_table():
@@ -259,7 +299,8 @@ W = NH * 2 * D + 2 * NKV * D
 def aot_jobs(dt):
     p = PTR[dt]
     kv_types = ["*fp32", "*fp32", p, p, "*i32", "*i32"] + ["i32", "i32", "fp32", "fp32", "i32"]
-    q_types = ["*fp32", "*fp32", p, p, "*i32", "*i32", "*fp32"] + ["i32", "i32", "fp32", "fp32", "i32", "fp32"]
+    q_types = ["*fp32", "*fp32", p, p, "*i32", "*i32", "*fp32", "*i32", "*fp32"] + ["i32", "i32", "fp32", "fp32",
+                                                                                   "i32", "fp32"]
     jobs = []
     for name in GPU_TARGETS:
         t = TARGETS[name]
@@ -269,6 +310,10 @@ def aot_jobs(dt):
                      kv["constexprs"], kv["num_warps"], t.cc))
         jobs.append((f"attn_rows_q_{dt}", "kestrel.kernels.attention:attn_rows_q_kernel", q_types, q["constexprs"],
                      q["num_warps"], t.cc))
+        v = attn_rows_q_launch(4, W, NH, NKV, D, S, t)  # a verify's 4 rows: split over the sequence
+        assert v["constexprs"]["SPLITS"] > 1
+        jobs.append((f"attn_rows_q_{dt}_split", "kestrel.kernels.attention:attn_rows_q_kernel", q_types,
+                     v["constexprs"], v["num_warps"], t.cc))
     return jobs
 
 
@@ -309,7 +354,7 @@ def test_aot_compiles_for_every_target(aot_results, dt):
     assert rc == 0, f"AOT compile of attn_rows_*_{dt} failed:\n{err[-3000:]}"
     res = json.loads(out.strip().splitlines()[-1])
     jobs = aot_jobs(dt)
-    assert len(res) == len(jobs) == 2 * len(GPU_TARGETS)
+    assert len(res) == len(jobs) == 3 * len(GPU_TARGETS)
     for (kid, _, _, consts, nw, cc), r in zip(jobs, res):
         assert r["elf"] and r["name"] and r["num_warps"] == nw, (kid, cc)
         assert r["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}"

@@ -38,7 +38,7 @@ MODELS = {
 }
 MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
 ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4), "q4_two_layers_rows4": ("q4_two_layers", 4),
-        "q4_two_layers_rows32": ("q4_two_layers", 32)}  # the M-row step of a model: (model, M)
+        "q4_two_layers_rows32": ("q4_two_layers", 32), "attn_layer_gqa2_long_rows4": ("attn_layer_gqa2_long", 4)}  # the M-row step of a model: (model, M)
 SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1),
         "q4_two_layers_spec_k3": ("q4_two_layers", 3)}  # the speculative iteration of a model: (model, K)
 
@@ -122,6 +122,7 @@ CASES = {
                        ("sm_80_q4_gdn", "gdn_layer", {"quant": "q4", "target": "sm_80"}),
                        ("sm_120_attn_mha", "attn_layer_mha", {"quant": "bf16", "target": "sm_120"}),
                        ("sm_90_attn_splits", "attn_layer_gqa2_long", {"quant": "bf16", "target": "sm_90"}),
+                       ("sm_90_attn_rows_splits", "attn_layer_gqa2_long_rows4", {"quant": "bf16", "target": "sm_90"}),
                        ("cpu_liveness_chain", LIVENESS_CHAIN, {"target": "cpu"})],
 }
 
