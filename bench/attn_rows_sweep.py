@@ -6,6 +6,7 @@ larger than L2, as in the step, where other layers' weights evict them).
 
 Here:            python bench/attn_rows_sweep.py compile bench/attn-rows-sweep
 On the device:   cd bench && python3 attn_rows_sweep.py time attn-rows-sweep $OUT/attn-rows.json
+(KESTREL_ATTN_POS="64 1000": the positions; KESTREL_SWEEP_QUICK=1: one launch each, for ncu)
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 NH, NKV, D, S = 24, 4, 256, 4096
 W = NH * 2 * D + 2 * NKV * D
 ROWS = (4, 8, 16)
-POSITIONS = (64, 1000, 4000)
+POSITIONS = tuple(int(p) for p in os.environ.get("KESTREL_ATTN_POS", "64 1000 4000").split())
 SPLIT_TILES = (None, 1, 2, 4)  # None: SPLITS = 1 (the kernel before the split); else split_tiles x BLOCK_N rows
 # at 4 rows, the rule's launch with these changed (the fixed cost at a short context): (name, constexprs, warps)
 TWEAKS = [("8 warps", {}, 8), ("BLOCK_N 64", {"BLOCK_N": 64}, None), ("no pipeline", {"PIPE_BYTES": 0}, None),
@@ -114,12 +115,16 @@ def time_all(folder: str, out: str) -> None:
             again = outs[0].clone()
             kc.launch(kernel, e["grid"], sets[0], stream)
             torch.cuda.synchronize()
-            us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=7, launches=64))
+            reps = (1, 1) if os.environ.get("KESTREL_SWEEP_QUICK") == "1" else (7, 64)  # (under ncu)
+            us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=reps[0], launches=reps[1]))
             r = {**e, "pos": pos, "us": us, "rel_err": err, "repeatable": torch.equal(again, outs[0]),
                  "tickets_zero": bool((tickets == 0).all().item())}
             rows.append(r)
             print(f"pos {pos:>5} M={m:<2} split_tiles {str(e['split_tiles']):>4} grid {e['grid']} {us:8.2f} us "
                   f"err {err:.1e} repeatable {r['repeatable']} tickets 0 {r['tickets_zero']}", flush=True)
+    for r in rows:
+        if isinstance(r["split_tiles"], str):
+            print(f"pos {r['pos']:>5} M=4 {r['split_tiles']:<12} {r['us']:8.2f} us")
     print("\n  pos   M   no split   " + "   ".join(f"tiles {t}" for t in SPLIT_TILES[1:]))
     for pos in POSITIONS:
         for m in ROWS:

@@ -3,7 +3,7 @@
 # plan is small. Names as bench/device_stop.sh expects them. Pass names to build a subset:
 #   bash bench/build_stop_plans.sh next4-bf16 tiny-next-q4-m16 tiny-next-bf16-m16 tiny-mtp-q4-spec3 0.8b-bf16 0.8b-q4
 #     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3
-#     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist   (any subset)
+#     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist wide4-q4-m4   (any subset)
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p bench/plans
@@ -14,6 +14,11 @@ next4() {  # 4 layers of the 80B-A3B shape (3 Gated DeltaNet + 1 attention, and 
 }
 l27b4() {  # 4 layers of the 27B shape (3 Gated DeltaNet + 1 attention, and its MTP layer): GPU against CPU
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-27b']); c['num_hidden_layers'] = 4; c['mtp_num_hidden_layers'] = 1; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+  echo "$d"
+}
+wide4() {  # 4 layers of the 0.8B shape with the 27B's MLP width (17,408: the pair runs persistent at 4 rows) and a
+  # 4,096-token vocabulary: the CPU reference's e2e fits a device call (4 layers of 27B did not in 5 minutes)
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-0.8b']); c['num_hidden_layers'] = 4; c['intermediate_size'] = 17408; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
 for p in "$@"; do
@@ -35,6 +40,7 @@ for p in "$@"; do
     27b-q4-spec3-persist) python3 bench/build_variant.py q4_mma.swiglu_persist=2 -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-persist.plan ;;
     27b4-q4-m4-persist) python3 bench/build_variant.py q4_mma.swiglu_persist=2 -- "$(l27b4)" $R --quant q4 --prefill-rows 4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-m4-persist.plan ;;
     27b4-q4-spec3-persist) python3 bench/build_variant.py q4_mma.swiglu_persist=2 -- "$(l27b4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-persist.plan ;;
+    wide4-q4-m4) kestrelc build "$(wide4)" $R --quant q4 --prefill-rows 4 -o bench/plans/qwen3.5-wide4-sm90-q4-m4.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
   esac
 done

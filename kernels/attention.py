@@ -195,7 +195,7 @@ def attn_rows_q_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: i
     max_block_r [32], halved while the grid has fewer than programs_per_sm [1] x sms programs, down to
     min_block_r [16] (27B at M = 128 on the H200: 4 x 48 programs of 16 tile rows; at M = 512: 4 x 96
     of 32); BLOCK_N = tile_elems [8192] / BLOCK_D within [16, 64] (32 at D = 256); one warp per
-    acc_elems_per_warp [1024] accumulator elements (BLOCK_R x BLOCK_D), within [4, 8]. PIPE_BYTES:
+    acc_elems_per_warp [512] accumulator elements (BLOCK_R x BLOCK_D), within [4, 8]. PIPE_BYTES:
     shared memory for the K/V tiles in flight, at most pipe_bytes_max [64 KiB], leaving the bf16 query
     tile (BLOCK_R x BLOCK_D x 2 bytes) and smem_reserve [8 KiB] of the target's ``smem_optin``; the
     kernel derives its stage count from it and the cache's element size (bf16: 2 tile pairs in flight,

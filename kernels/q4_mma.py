@@ -154,7 +154,8 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
         return None
     cs, ks, st = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
     c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
-    per_sm = r.swiglu_persist if pair else 0  # the pair persistent, per_sm CTAs an SM, where that many fit one
+    # the pair persistent, per_sm CTAs an SM, where that many fit one (at up to swiglu_persist_rows rows)
+    per_sm = r.swiglu_persist if pair and m <= r.swiglu_persist_rows else 0
     if per_sm and blocks > per_sm * target.sms and (ks_p := min(ks0, k // group)) >= 1 and fits(
             m, n, k, group, rb, ks_p, 1, target, pair, 0, norm, persist=True) is None:
         p = launch(m, n, k, group, rb, ks_p, 1, r.depth, pair, 0, per_sm * target.sms)

@@ -208,7 +208,8 @@ class Q4MmaRule(Rule):
     swiglu_ks: int = 0
     swiglu_stages: int = 0
     swiglu_persist: int = 0     # the pair: this many CTAs per SM looping over the row blocks (PERSIST, registers),
-                                # where that many fit an SM's shared memory (else the split above)
+                                # where that many fit an SM's shared memory (else the split above), ...
+    swiglu_persist_rows: int = 4  # ... at up to this many rows (where it was measured)
     grouped_rows: int = 0       # Qwen3-Next's grouped experts (q4): chunks of this many sorted pairs (0: not used)
     grouped_rb: int = 2         # ... RB x KS warps, DEPTH groups in flight, no clusters
     grouped_ks: int = 2
@@ -250,11 +251,13 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # spills for 32 rows with 8 warps and 16 with 4; 64 rows spilled (8 warps) or spilled heavily (4)
     "attn_rows": AttnRowsRule(
         max_block_r=32, min_block_r=16, programs_per_sm=1, tile_elems=8192, min_block_n=16, max_block_n=64,
-        acc_elems_per_warp=1024, min_warps=4, max_warps=8, pipe_bytes_max=64 * 1024, smem_reserve=8 * 1024,
+        acc_elems_per_warp=512, min_warps=4, max_warps=8, pipe_bytes_max=64 * 1024, smem_reserve=8 * 1024,
         kv_num_warps=2, split_programs=128, max_splits=32, split_tiles=4,
         # the split (27B heads, 4-16 rows, chained, stop 27 call 1): at 1000 / 4000 cache rows 25-27 / 32-48 us
-        # against 42 / 124 unsplit; at 64 rows 17.7 against 16.8 (split_tiles 4: one split works; 1: 19.2)
-        provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json")),
+        # against 42 / 124 unsplit; at 64 rows 17.7 against 16.8 (split_tiles 4: one split works; 1: 19.2);
+        # 8 warps at BLOCK_R 16 (acc_elems_per_warp 512): 12.6 / 15.7 / 20.0 / 28.8 us at 64 / 256 / 1000 / 4000
+        # rows against 4 warps' 17.2 / 20.9 / 25.4 / 33.0 (call 2)
+        provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json", _RESULTS + "stop27/call2/attn-rows.json")),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
                               provenance=(_RESULTS + "stop24/call2/summary.txt",)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
@@ -293,14 +296,20 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # split; the plain products keep the register form: the ring was no better at 4 rows as one rule). Grouped
     # gate / up: KS 2 with a 2-stage ring (Qwen3-Next, chained: 217 / 247 us at 256 / 512 rows against 240 / 274).
     # The pair persistent, two CTAs per SM in registers, was faster alone (35.2 us against the ring's 38.4 in the
-    # same call; every other shape no faster: q4mma-persist-m4-chained-h200.json) but is off (swiglu_persist=0)
-    # until a whole plan with it (the folded norm's NORM + PERSIST form) has run on the GPU and under the sanitizer
+    # same call; every other shape no faster: q4mma-persist-m4-chained-h200.json), taken at up to 4 rows: in the
+    # whole 27B q4 spec3 plan its iteration is 8.76 against 9.02 ms (stop 27 call 1, same call), and its folded
+    # NORM + PERSIST form ran clean under compute-sanitizer (4 layers of 27B with the head, call 2) and equal to
+    # the CPU reference (4 layers at the 27B MLP width, call 4: the same tokens, logits within 0.2%)
     "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
-                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=0, grouped_rows=16,
+                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=2, swiglu_persist_rows=4,
+                        grouped_rows=16,
                         grouped_rb=4, grouped_ks=1, grouped_depth=2, grouped_swiglu_ks=2, grouped_swiglu_stages=2,
                         provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json",
                                     _TUNING + "q4mma-pipe-chained-h200.json", _TUNING + "q4mma-grouped-pipe-chained-h200.json",
-                                    _TUNING + "q4mma-persist-m4-chained-h200.json")),
+                                    _TUNING + "q4mma-persist-m4-chained-h200.json", 
+                                    _RESULTS + "stop27/call1/spec-qwen3.5-27b-sm90-q4-spec3-persist.txt",
+                                    _RESULTS + "stop27/call2/sanitizer-qwen3.5-27b-4l-sm90-q4-spec3-persist.txt",
+                                    _RESULTS + "stop27/call4/e2e-qwen3.5-wide4-sm90-q4-m4.json")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),
