@@ -3,7 +3,8 @@
 # plan is small. Names as bench/device_stop.sh expects them. Pass names to build a subset:
 #   bash bench/build_stop_plans.sh next4-bf16 tiny-next-q4-m16 tiny-next-bf16-m16 tiny-mtp-q4-spec3 0.8b-bf16 0.8b-q4
 #     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3
-#     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist wide4-q4-m4   (any subset)
+#     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist wide4-q4-m4
+#     tiny-mtp-bf16-spec3 0.8b-bf16-m4   (any subset)
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p bench/plans
@@ -26,6 +27,8 @@ for p in "$@"; do
     next4-bf16) kestrelc build "$(next4)" $R --quant bf16 -o bench/plans/qwen3-next-4l-sm90-bf16.plan ;;
     tiny-next-q4-m16) kestrelc build tiny-next --target sm_90 --quant q4 --prefill-rows 16 -o bench/plans/tiny-next-sm90-q4-m16.plan ;;
     tiny-next-bf16-m16) kestrelc build tiny-next --target sm_90 --quant bf16 --prefill-rows 16 -o bench/plans/tiny-next-sm90-bf16-m16.plan ;;
+    tiny-mtp-bf16-spec3) kestrelc build tiny-mtp --target sm_90 --quant bf16 --speculative mtp --draft-tokens 3 -o bench/plans/tiny-mtp-sm90-bf16-spec3.plan ;;
+    0.8b-bf16-m4) kestrelc build qwen3.5-0.8b $R --quant bf16 --prefill-rows 4 -o bench/plans/qwen3.5-0.8b-sm90-bf16-m4.plan ;;
     tiny-mtp-q4-spec3) kestrelc build tiny-mtp --target sm_90 --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/tiny-mtp-sm90-q4-spec3.plan ;;
     0.8b-bf16) kestrelc build qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16.plan ;;
     0.8b-q4) kestrelc build qwen3.5-0.8b $R --quant q4 -o bench/plans/qwen3.5-0.8b-sm90-q4.plan ;;
