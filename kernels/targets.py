@@ -306,7 +306,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                         grouped_rb=4, grouped_ks=1, grouped_depth=2, grouped_swiglu_ks=2, grouped_swiglu_stages=2,
                         provenance=(_TUNING + "q4mma-sweep-h200.json", _TUNING + "q4mma-grouped-sweep-h200.json",
                                     _TUNING + "q4mma-pipe-chained-h200.json", _TUNING + "q4mma-grouped-pipe-chained-h200.json",
-                                    _TUNING + "q4mma-persist-m4-chained-h200.json", 
+                                    _TUNING + "q4mma-persist-m4-chained-h200.json",
                                     _RESULTS + "stop27/call1/spec-qwen3.5-27b-sm90-q4-spec3-persist.txt",
                                     _RESULTS + "stop27/call2/sanitizer-qwen3.5-27b-4l-sm90-q4-spec3-persist.txt",
                                     _RESULTS + "stop27/call4/e2e-qwen3.5-wide4-sm90-q4-m4.json")),
