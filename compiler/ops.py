@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
-from kestrel.kernels import (attention, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp, q4_mma,
-                             rmsnorm, sample, speculative)
+from kestrel.kernels import (attention, bf16_mma, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp,
+                             q4_mma, rmsnorm, sample, speculative)
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -734,15 +734,16 @@ def _matrix(w: Weight) -> tuple[int, int, int]:
 def _matvec(op: Op, t: Target) -> dict:
     """One row: the matvec (kernels/matvec.py); M rows: the tensor-core GEMM (kernels/gemm.py), or at a
     few rows (M <= the gemm rule's few_rows_matvec: a speculative verify's k + 1) the matvec's few-rows
-    form, which reads each weight tile once for up to four rows; q4 at 2..the q4_mma rule's max_rows
-    rows the tensor-core q4 product (kernels/q4_mma.py) where it fits."""
+    form, which reads each weight tile once for up to four rows; q4 (bf16) at 2..the q4_mma (bf16_mma) rule's
+    max_rows rows the tensor-core product (kernels/q4_mma.py, kernels/bf16_mma.py) where it fits."""
     w = op.ins[1]
     n, k, group = _matrix(w)
     swiglu = op.kind == "matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
         m = op.ins[0].type.shape[0]
-        if group and (mma := q4_mma.rule_launch(m, n, k, group, t, pair=swiglu)) is not None:
-            return {"kernel": ("q4mma_rows_swiglu_" if swiglu else "q4mma_rows_") + w.type.dtype, **mma}
+        if (mma := _mma_launch(op, t, pair=swiglu)) is not None:
+            kind = ("q4mma" if group else "bf16mma") + ("_rows_swiglu_" if swiglu else "_rows_")
+            return {"kernel": kind + w.type.dtype, **mma}
         if m <= t.rules["gemm"].few_rows_matvec:
             return {"kernel": ("matvec_rows_swiglu_" if swiglu else "matvec_rows_") + w.type.dtype,
                     **matvec.matvec_rows_launch(m, n, k, group, t, pair=swiglu)}
@@ -752,37 +753,59 @@ def _matvec(op: Op, t: Target) -> dict:
     return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t, pair=swiglu)}
 
 
+def mma_launch(x_shape, w_dtype: str, w_shape, t: Target, pair: bool = False, norm: bool = False,
+               add: bool = False) -> dict | None:
+    """The tensor-core few-rows product's launch of a matmul at M rows (x [M, K]) with weights of ``w_dtype``
+    [N, K]: q4 (kernels/q4_mma.py) or bf16 (kernels/bf16_mma.py) where the target's rule runs it, else None.
+    ``norm``: the input normed in the kernel; ``add``: the residual add (matmul_add). passes/fold_row_norms.py
+    folds exactly where this is not None."""
+    (m, k), (n, _) = x_shape, w_shape
+    if is_q4(w_dtype):
+        g = q4_group(w_dtype)
+        return q4_mma.add_launch(m, n, k, g, t) if add else q4_mma.rule_launch(m, n, k, g, t, pair=pair, norm=norm)
+    if w_dtype == "bf16":
+        return bf16_mma.add_launch(m, n, k, t) if add else bf16_mma.rule_launch(m, n, k, t, pair=pair, norm=norm)
+    return None
+
+
+def _mma_launch(op: Op, t: Target, pair: bool = False, norm: bool = False, add: bool = False) -> dict | None:
+    w = op.ins[3 if norm else 1]
+    return mma_launch(op.ins[0].type.shape, w.type.dtype, w.type.shape, t, pair, norm, add)
+
+
+def _mma_kind(w: Weight) -> str:
+    return "q4mma" if is_q4(w.type.dtype) else "bf16mma"
+
+
 def _folded_at_rows(launch: dict | None, op: Op) -> dict:
-    """The tensor-core q4 kernel's launch of an op fold_row_norms made at M rows (it folds only where there is
+    """The tensor-core kernel's launch of an op fold_row_norms made at M rows (it folds only where there is
     one)."""
     if launch is None:
-        raise IRError(f"{op.kind} at M rows {op.ins[0].type.shape}: the q4 tensor-core kernel does not take it on "
-                      "this target (passes/fold_row_norms.py folds only where it does)")
+        raise IRError(f"{op.kind} at M rows {op.ins[0].type.shape}: the tensor-core few-rows kernel does not take "
+                      "it on this target (passes/fold_row_norms.py folds only where it does)")
     return launch
 
 
 def _matvec_add(op: Op, t: Target) -> dict:
     """matvec_kernel's launch rule; partial_rows (select_kernels sets it) is its BLOCK_N. At M rows the
-    tensor-core q4 kernel with the add (kernels/q4_mma.py add_launch: 16 rows a partial)."""
+    tensor-core kernel with the add (kernels/q4_mma.py add_launch: 16 rows a partial)."""
     w = op.ins[1]
     if len(op.ins[0].type.shape) == 2:
-        n, k, group = _matrix(w)
-        return {"kernel": "q4mma_add_" + w.type.dtype,
-                **_folded_at_rows(q4_mma.add_launch(op.ins[0].type.shape[0], n, k, group, t) if group else None, op)}
+        return {"kernel": _mma_kind(w) + "_add_" + w.type.dtype, **_folded_at_rows(_mma_launch(op, t, add=True), op)}
     return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(*_matrix(w), t)}
 
 
 def _rmsnorm_matvec(op: Op, t: Target) -> dict:
     """matvec_kernel's (matvec_swiglu_kernel's) launch rule, with the producer's partials (operand 1). At M
-    rows the tensor-core q4 kernel with the norm (its rstd from the partials)."""
+    rows the tensor-core kernel with the norm (its rstd from the partials)."""
     w = op.ins[3]
     swiglu = op.kind == "rmsnorm_matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
-        n, k, group = _matrix(w)
-        mma = q4_mma.rule_launch(op.ins[0].type.shape[0], n, k, group, t, pair=swiglu, norm=True) if group else None
+        mma = _mma_launch(op, t, pair=swiglu, norm=True)
         if mma is not None and mma["constexprs"]["NP"] != op.ins[1].type.shape[1]:
             mma = None  # the partials are not one per 16 inputs (not made by the kernel with the add)
-        return {"kernel": ("q4mma_norm_swiglu_" if swiglu else "q4mma_norm_") + w.type.dtype, **_folded_at_rows(mma, op)}
+        kind = _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_")
+        return {"kernel": kind + w.type.dtype, **_folded_at_rows(mma, op)}
     return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype,
             **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
 
@@ -1144,7 +1167,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="x * rsqrt(mean(x^2) + eps) * (1 + w), fp32, last axis"),
     OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref,
           Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel,
-                 variants=(("matvec_rows_", matvec.matvec_rows_kernel), ("q4mma_rows_", q4_mma.q4mma_rows))),
+                 variants=(("matvec_rows_", matvec.matvec_rows_kernel), ("q4mma_rows_", q4_mma.q4mma_rows),
+                           ("bf16mma_rows_", bf16_mma.bf16mma_rows))),
           lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
     OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
           lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
@@ -1199,19 +1223,23 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,
           Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel,
                  variants=(("matvec_rows_swiglu_", matvec.matvec_rows_swiglu_kernel),
-                           ("q4mma_rows_swiglu_", q4_mma.q4mma_rows_swiglu))), _onnx_matmul_swiglu,
+                           ("q4mma_rows_swiglu_", q4_mma.q4mma_rows_swiglu),
+                           ("bf16mma_rows_swiglu_", bf16_mma.bf16mma_rows_swiglu))), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
-          Kernel(matvec.matvec_add_kernel, _matvec_add, variants=(("q4mma_add_", q4_mma.q4mma_add),)), _onnx_matmul_add,
+          Kernel(matvec.matvec_add_kernel, _matvec_add,
+                 variants=(("q4mma_add_", q4_mma.q4mma_add), ("bf16mma_add_", bf16_mma.bf16mma_add))), _onnx_matmul_add,
           doc="s = r + W @ x; ss[i] = sum of s^2 over rows [i*partial_rows, (i+1)*partial_rows) (the next "
               "rmsnorm's partial sums)"),
     OpDef("rmsnorm_matmul", "vvww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_ref,
-          Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec, variants=(("q4mma_norm_", q4_mma.q4mma_norm),)),
+          Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec,
+                 variants=(("q4mma_norm_", q4_mma.q4mma_norm), ("bf16mma_norm_", bf16_mma.bf16mma_norm))),
           _onnx_rmsnorm_matmul,
           doc="W @ rmsnorm(s, nw) (the mean square from s, or from matmul_add's partials ss: the kernel's NORM)"),
     OpDef("rmsnorm_matmul_swiglu", "vvwww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_swiglu_ref,
           Kernel(matvec.rmsnorm_matvec_swiglu_kernel, _rmsnorm_matvec,
-                 variants=(("q4mma_norm_swiglu_", q4_mma.q4mma_norm_swiglu),)), _onnx_rmsnorm_matmul,
+                 variants=(("q4mma_norm_swiglu_", q4_mma.q4mma_norm_swiglu),
+                           ("bf16mma_norm_swiglu_", bf16_mma.bf16mma_norm_swiglu))), _onnx_rmsnorm_matmul,
           doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square as rmsnorm_matmul's)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "

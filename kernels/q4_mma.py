@@ -100,19 +100,21 @@ def q4_mma_swiglu_ref(x, qg, sg, qu, su, group: int) -> torch.Tensor:
 
 def ring_bytes(consts: dict) -> int:
     """The cp.async ring (STAGES > 0): per warp, stage and weight, each lane's words of rows g and g + 8 and
-    the 32-bit words holding their scales."""
+    (q4) the 32-bit words holding their scales; bf16 (WBF16): 16-byte words, no scales."""
     v = consts["GROUP"] // 32
     nw = 2 if consts["SWIGLU"] else 1
-    return consts["RB"] * consts["KS"] * consts.get("STAGES", 0) * nw * (2 * 32 * 4 * v + 2 * 32 * 4)
+    per = 2 * 32 * 16 if consts.get("WBF16") else 2 * 32 * 4 * v + 2 * 32 * 4
+    return consts["RB"] * consts["KS"] * consts.get("STAGES", 0) * nw * per
 
 
 def shared_bytes(consts: dict) -> int:
     """The staged x, the ring, the rows' rstd (NORM), then the warps' and the CTA's sums: over the staged x,
     or after it where x stays for the next row-block group (PERSIST)."""
     m, k, cs = consts["M"], consts["K"], consts["CS"]
+    xv = 2 if consts.get("WBF16") else 1  # bf16: x staged as hi and lo rows
     warps = consts["RB"] * consts["KS"]
-    nt, nw = -(-m // 8), 2 if consts["SWIGLU"] else 1
-    staged = m * (2 * (k // cs) + PAD_BYTES)
+    nt, nw = -(-xv * m // 8), 2 if consts["SWIGLU"] else 1
+    staged = xv * m * (2 * (k // cs) + PAD_BYTES)
     red = warps * 32 * nt * 4 * nw * 4
     part = consts["RB"] * 32 * nt * 4 * nw * 4
     front = staged + ring_bytes(consts) + (4 * m if consts.get("NORM") else 0)
@@ -122,21 +124,24 @@ def shared_bytes(consts: dict) -> int:
 
 
 def launch(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, depth: int, swiglu: bool,
-           stages: int = 0, persist: int = 0) -> dict:
+           stages: int = 0, persist: int = 0, bf16: bool = False) -> dict:
     """The launch of one configuration: grid [CS x ceil(N / 16 RB)], RB x KS warps; ``persist`` > 0: at most
-    that many clusters, each looping over the row-block groups (PERSIST)."""
+    that many clusters, each looping over the row-block groups (PERSIST). ``bf16``: bf16 weights (WBF16,
+    kernels/bf16_mma.py; group 32)."""
     consts = {"M": m, "N": n, "K": k, "GROUP": group, "RB": rb, "KS": ks, "CS": cs, "DEPTH": depth,
-              "SWIGLU": int(swiglu), "STAGES": stages, "PERSIST": int(persist > 0)}
+              "SWIGLU": int(swiglu), "STAGES": stages, "PERSIST": int(persist > 0)} | ({"WBF16": 1} if bf16 else {})
     groups = -(-n // (16 * rb))
     return {"grid": [cs * (min(groups, persist) if persist else groups), 1, 1], "num_warps": rb * ks,
             "constexprs": consts}
 
 
-def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, norm: bool = False) -> dict | None:
+def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, norm: bool = False,
+                bf16: bool = False) -> dict | None:
     """The launch ``target.rules["q4_mma"]`` gives a q4 matmul at m rows, or None where the kernel is not
     used (m past the rule's max_rows, or no configuration fits the shape and target). ``norm``: the input
-    normed in the kernel (its rstd in shared memory)."""
-    r = target.rules["q4_mma"]
+    normed in the kernel (its rstd in shared memory). ``bf16``: a bf16 matmul under ``rules["bf16_mma"]``
+    (kernels/bf16_mma.py; ``group`` 32)."""
+    r = target.rules["bf16_mma" if bf16 else "q4_mma"]
     if not 2 <= m <= r.max_rows:
         return None
     rb, ks0, stages = ((r.swiglu_rb, r.swiglu_ks, r.swiglu_stages) if pair and r.swiglu_rb
@@ -146,19 +151,19 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
     for st in dict.fromkeys((stages, 0)):  # where it fits (sm_80 and later, shared memory), else registers
         for cs in r.clusters:
             ks = min(ks0, k // group // cs)
-            if ks >= 1 and fits(m, n, k, group, rb, ks, cs, target, pair, st, norm) is None:
+            if ks >= 1 and fits(m, n, k, group, rb, ks, cs, target, pair, st, norm, bf16=bf16) is None:
                 options.append((cs, ks, st))
         if options:
             break
     if not options:
         return None
     cs, ks, st = next((o for o in options if o[0] * blocks >= r.ctas_per_sm * target.sms), options[-1])
-    c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st)
+    c = launch(m, n, k, group, rb, ks, cs, r.depth, pair, st, bf16=bf16)
     # the pair persistent, per_sm CTAs an SM, where that many fit one (at up to swiglu_persist_rows rows)
     per_sm = r.swiglu_persist if pair and m <= r.swiglu_persist_rows else 0
     if per_sm and blocks > per_sm * target.sms and (ks_p := min(ks0, k // group)) >= 1 and fits(
-            m, n, k, group, rb, ks_p, 1, target, pair, 0, norm, persist=True) is None:
-        p = launch(m, n, k, group, rb, ks_p, 1, r.depth, pair, 0, per_sm * target.sms)
+            m, n, k, group, rb, ks_p, 1, target, pair, 0, norm, persist=True, bf16=bf16) is None:
+        p = launch(m, n, k, group, rb, ks_p, 1, r.depth, pair, 0, per_sm * target.sms, bf16=bf16)
         if per_sm * (shared_bytes(p["constexprs"] | {"NORM": int(norm)}) + CTA_RESERVED_SMEM) <= \
                 target.smem_optin + CTA_RESERVED_SMEM:  # (an SM holds the opt-in maximum plus one reservation)
             c = p
@@ -167,10 +172,10 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
     return c
 
 
-def add_launch(m: int, n: int, k: int, group: int, target) -> dict | None:
+def add_launch(m: int, n: int, k: int, group: int, target, bf16: bool = False) -> dict | None:
     """matmul_add at m rows (the residual add folded in: passes/fold_row_norms.py): rule_launch's split,
     with ADD and BLOCK_N, the outputs per partial sum of squares (NORM_PARTIAL_ROWS, one row block)."""
-    c = rule_launch(m, n, k, group, target)
+    c = rule_launch(m, n, k, group, target, bf16=bf16)
     if c is not None:
         c["constexprs"] |= {"ADD": 1, "BLOCK_N": NORM_PARTIAL_ROWS}
     return c
@@ -213,12 +218,14 @@ def grouped_launch(pairs: int, e: int, n: int, k: int, group: int, chunks: int, 
 
 
 def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, pair: bool = False,
-         stages: int = 0, norm: bool = False, persist: bool = False) -> str | None:
+         stages: int = 0, norm: bool = False, persist: bool = False, bf16: bool = False) -> str | None:
     """None when the configuration can run on ``target``, else why not."""
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (1..{MAX_ROWS})"
-    if group not in (32, 64, 128):
+    if group not in ((32,) if bf16 else (32, 64, 128)):
         return f"group {group}"
+    if bf16 and target.cc < 80:
+        return "bf16 MMAs need sm_80"
     if n % 16 or k % (group * cs):
         return f"N {n} not a multiple of 16, or K {k} not of {group} x {cs} CTAs"
     if cs > 1 and target.cc < 90:
@@ -230,7 +237,7 @@ def fits(m: int, n: int, k: int, group: int, rb: int, ks: int, cs: int, target, 
     if norm and k % NORM_PARTIAL_ROWS:
         return f"K {k} not a multiple of {NORM_PARTIAL_ROWS} (the producer's partials)"
     consts = {"M": m, "K": k, "CS": cs, "RB": rb, "KS": ks, "SWIGLU": int(pair), "GROUP": group, "STAGES": stages,
-              "NORM": int(norm), "PERSIST": int(persist)}
+              "NORM": int(norm), "PERSIST": int(persist), "WBF16": int(bf16)}
     if (s := shared_bytes(consts)) > target.smem_optin:
         return f"{s} bytes of shared memory"
     return None
@@ -326,23 +333,43 @@ SOURCE = r"""
 #define NORM 0              /* rmsnorm_matmul: x <- x * rstd * (1 + nw), rstd from the producer's NP partials */
 #define NP 1
 #endif
+#ifndef WBF16
+#define WBF16 0             /* 1: bf16 weights (kernels/bf16_mma.py): a lane's word is 16 bytes (8 inputs), no scales;
+                               x staged as two bf16 rows, hi = bf16(x) and lo = bf16(x - hi) */
+#endif
+#if WBF16
+#if GROUP != 32 || GROUPED
+#error "bf16 weights: GROUP 32 (one 16-byte word per lane and row), not grouped"
+#endif
+#define XV 2                /* staged x rows per row of x: hi, lo (MMA columns 2t, 2t + 1: the lane sums them) */
+#define WORD_BYTES 16
+#define ROW_BYTES ((size_t)K * 2)
+#define SCALE_WORDS 0
+#else
+#define XV 1
+#define WORD_BYTES 4
+#define ROW_BYTES ((size_t)K / 2)
+#define SCALE_WORDS (2 * 32) /* the ring's 32-bit words holding a stage's scales (rows g and g + 8) */
+#endif
 #define V (GROUP / 32)
 #define NG (K / GROUP)
 #define NGC (NG / CS)
 #define KC (K / CS)
-#define NT ((M + 7) / 8)
+#define NT ((XV * M + 7) / 8)
 #define WARPS (RB * KS)
 #define NW (SWIGLU ? 2 : 1)
 #define XROW (KC / 8 + 4)   /* uint4 slots per staged x row: KC / 8 words' pairs, 64 bytes of padding */
-#define STAGED_BYTES (M * (2 * KC + 64))   /* the staged x: M rows of XROW uint4 */
-#define NORM_AT (STAGED_BYTES + WARPS * STAGES * NW * (2 * 32 * 4 * V + 2 * 32 * 4))  /* NORM: rstd [M], after the ring */
+#define STAGED_BYTES (XV * M * (2 * KC + 64))   /* the staged x: XV M rows of XROW uint4 */
+#define LANE_BYTES (V * WORD_BYTES)              /* a lane's bytes of one row and group */
+#define RING_WORDS (2 * 32 * LANE_BYTES / 4 + SCALE_WORDS)   /* 32-bit words per ring stage and weight */
+#define NORM_AT (STAGED_BYTES + WARPS * STAGES * NW * 4 * RING_WORDS)  /* NORM: rstd [M], after the ring */
 #ifndef PERSIST
 #define PERSIST 0           /* 1: the grid's CTAs loop over the row-block groups, x staged once per CTA */
 #endif
 /* the warps' sums and the CTA's (reduction): over the staged x, or (PERSIST: x stays) after the rstd */
 #define RED_AT (PERSIST ? ((NORM_AT + (NORM ? 4 * M : 0) + 15) / 16 * 16) : 0)
 
-#if V == 4
+#if WBF16 || V == 4
 typedef uint4 wvec;
 #elif V == 2
 typedef uint2 wvec;
@@ -355,6 +382,8 @@ __device__ __forceinline__ unsigned word_of(const wvec& w, int v) {
   return v == 0 ? w.x : v == 1 ? w.y : v == 2 ? w.z : w.w;
 #elif V == 2
   return v == 0 ? w.x : w.y;
+#elif WBF16
+  return w.x;  /* (not used: bf16 words are their own fragments) */
 #else
   return w;
 #endif
@@ -362,7 +391,7 @@ __device__ __forceinline__ unsigned word_of(const wvec& w, int v) {
 
 __device__ __forceinline__ wvec ldg_stream(const wvec* p) {
   wvec r;
-#if V == 4
+#if WBF16 || V == 4
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
 #elif V == 2
@@ -392,9 +421,27 @@ __device__ __forceinline__ void dequant(unsigned q, unsigned* p) {
   asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(p[3]) : "r"(0x2c002c00u), "r"(0xd480d480u));
 }
 
+/* bf16 x pairs (a, b) split into hi = bf16(x) and lo = bf16(x - hi): x = hi + lo within 2^-16 |x| */
+__device__ __forceinline__ unsigned pack_bf162(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+  return r;
+}
+
+__device__ __forceinline__ void split_bf16(float a, float b, unsigned& hi, unsigned& lo) {
+  hi = pack_bf162(a, b);
+  lo = pack_bf162(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xffff0000u));
+}
+
+#if WBF16
+#define MMA_AB "bf16"
+#else
+#define MMA_AB "f16"
+#endif
+
 __device__ __forceinline__ void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                     unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -410,6 +457,17 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
    staged x's B fragments; the group's MMA sums scaled into tot */
 __device__ __forceinline__ void group_mma(const wvec& qa, const wvec& qb, float sa, float sb, const uint4* xs, int gl,
                                           int t, const int* xrow, float (*tot)[4]) {
+#if WBF16
+  /* bf16: the 16-byte words are the f16x2-style pairs (0, 1) .. (6, 7) themselves; no scale, the MMAs
+     accumulate in the totals */
+  const int slot = gl * 4 + t;
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    const uint4 b = xs[xrow[nt] * XROW + slot];
+    mma(tot[nt], qa.x, qb.x, qa.y, qb.y, b.x, b.y);
+    mma(tot[nt], qa.z, qb.z, qa.w, qb.w, b.z, b.w);
+  }
+#else
   float c[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
@@ -431,6 +489,7 @@ __device__ __forceinline__ void group_mma(const wvec& qa, const wvec& qb, float 
     tot[nt][0] += c[nt][0] * sa; tot[nt][1] += c[nt][1] * sa;
     tot[nt][2] += c[nt][2] * sb; tot[nt][3] += c[nt][3] * sb;
   }
+#endif
 }
 
 /* D groups (CTA-local gl0 ..) of the NW weights: every word in flight first, then the MMAs */
@@ -438,7 +497,7 @@ template <int D>
 __device__ __forceinline__ void groups(const unsigned char* const* w, const unsigned short* const* scales,
                                        const uint4* xs, int row0, int gl0, int cta_g0, int g, int t, const int* xrow,
                                        float (*tot)[NT][4]) {
-  const size_t rowbytes = (size_t)K / 2;
+  const size_t rowbytes = ROW_BYTES;
   wvec qa[NW][D], qb[NW][D];
 #pragma unroll
   for (int i = 0; i < NW; i++) {
@@ -452,6 +511,10 @@ __device__ __forceinline__ void groups(const unsigned char* const* w, const unsi
   }
 #pragma unroll
   for (int i = 0; i < NW; i++) {
+#if WBF16
+#pragma unroll
+    for (int d = 0; d < D; d++) group_mma(qa[i][d], qb[i][d], 1.f, 1.f, xs, gl0 + d, t, xrow, tot[i]);
+#else
     const unsigned short* sc = scales[i];
 #pragma unroll
     for (int d = 0; d < D; d++) {
@@ -460,6 +523,7 @@ __device__ __forceinline__ void groups(const unsigned char* const* w, const unsi
       const float sb = half_to_float(__ldg(sc + (size_t)(row0 + g + 8) * NG + gi));
       group_mma(qa[i][d], qb[i][d], sa, sb, xs, gl0 + d, t, xrow, tot[i]);
     }
+#endif
   }
 }
 
@@ -467,8 +531,6 @@ __device__ __forceinline__ void groups(const unsigned char* const* w, const unsi
 /* The cp.async ring (STAGES > 0): each lane copies its own words of rows g and g + 8 and the 32-bit words
    holding their scales into its warp's ring, STAGES - 1 groups ahead of the group it multiplies, so the weight
    bytes in flight do not depend on registers. A lane reads back only what it copied: no barrier is needed. */
-#define RING_WORDS (2 * 32 * V + 2 * 32)   /* 32-bit words per stage and weight */
-
 __device__ __forceinline__ void cp_async(unsigned dst, const void* src, int bytes) {
   if (bytes == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
@@ -480,17 +542,19 @@ __device__ __forceinline__ void cp_async(unsigned dst, const void* src, int byte
 
 __device__ __forceinline__ void issue(const unsigned char* const* w, const unsigned short* const* scales,
                                       unsigned ring, int stage, int row0, int gi, int g, int lane) {
-  const size_t rowbytes = (size_t)K / 2;
+  const size_t rowbytes = ROW_BYTES;
 #pragma unroll
   for (int i = 0; i < NW; i++) {
     const unsigned base = ring + 4u * (unsigned)((stage * NW + i) * RING_WORDS);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int row = row0 + g + 8 * h;
-      const unsigned char* src = w[i] + (size_t)row * rowbytes + ((size_t)gi * 4 + (lane & 3)) * 4 * V;
-      cp_async(base + 4u * (unsigned)(h * 32 * V + lane * V), src, 4 * V);
+      const unsigned char* src = w[i] + (size_t)row * rowbytes + ((size_t)gi * 4 + (lane & 3)) * LANE_BYTES;
+      cp_async(base + (unsigned)((h * 32 + lane) * LANE_BYTES), src, LANE_BYTES);
+#if !WBF16
       const size_t si = (size_t)row * NG + gi;   /* the scale's 32-bit word: (si & ~1), half si & 1 */
       cp_async(base + 4u * (unsigned)(2 * 32 * V + h * 32 + lane), scales[i] + (si & ~(size_t)1), 4);
+#endif
     }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
@@ -523,11 +587,15 @@ __device__ __forceinline__ void pipelined(const unsigned char* const* w, const u
     for (int i = 0; i < NW; i++) {
       const unsigned* st = ringp + (stage * NW + i) * RING_WORDS;
       const wvec qa = reinterpret_cast<const wvec*>(st)[lane], qb = reinterpret_cast<const wvec*>(st)[32 + lane];
+#if WBF16
+      group_mma(qa, qb, 1.f, 1.f, xs, gl0 + j, t, xrow, tot[i]);
+#else
       const size_t sia = (size_t)(row0 + g) * NG + gi, sib = (size_t)(row0 + g + 8) * NG + gi;
       const unsigned swa = st[2 * 32 * V + lane], swb = st[2 * 32 * V + 32 + lane];
       const float sa = half_to_float((unsigned short)((sia & 1) ? swa >> 16 : swa & 0xffff));
       const float sb = half_to_float((unsigned short)((sib & 1) ? swb >> 16 : swb & 0xffff));
       group_mma(qa, qb, sa, sb, xs, gl0 + j, t, xrow, tot[i]);
+#endif
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -660,14 +728,22 @@ ENTRY(const float* __restrict__ x,
     const float4 f0 = xp[0], f1 = xp[1];
 #endif
     const int gl = j / (4 * V), r = j - gl * 4 * V, tt = r / V, v = r - tt * V;
+#if WBF16
+    uint4 hi, lo;  /* staged rows 2 n (hi) and 2 n + 1 (lo) */
+    split_bf16(f0.x, f0.y, hi.x, lo.x); split_bf16(f0.z, f0.w, hi.y, lo.y);
+    split_bf16(f1.x, f1.y, hi.z, lo.z); split_bf16(f1.z, f1.w, hi.w, lo.w);
+    xs[2 * n * XROW + gl * 4 + tt] = hi;
+    xs[(2 * n + 1) * XROW + gl * 4 + tt] = lo;
+#else
     xs[n * XROW + gl * 4 * V + v * 4 + tt] =
         make_uint4(pack_half2(f0.x * 0.015625f, f0.y * 0.015625f), pack_half2(f0.z * 0.015625f, f0.w * 0.015625f),
                    pack_half2(f1.x * 0.015625f, f1.y * 0.015625f), pack_half2(f1.z * 0.015625f, f1.w * 0.015625f));
+#endif
   }
   __syncthreads();
-  int xrow[NT];
+  int xrow[NT];  /* the staged row of B column g in tile nt (past the last: the last row, its column not stored) */
 #pragma unroll
-  for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, rows - 1);
+  for (int nt = 0; nt < NT; nt++) xrow[nt] = min(nt * 8 + g, XV * rows - 1);
 #if PERSIST
   for (;;) {
 #endif
@@ -723,6 +799,33 @@ ENTRY(const float* __restrict__ x,
       }
     }
 #endif
+#if WBF16
+    /* columns 2t (hi) and 2t + 1 (lo) of tile nt are x row nt * 4 + t: their sum is the product */
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      const int n = nt * 4 + t;
+      const int ra = row0 + g, rbw = row0 + g + 8;
+      float va = s[nt * 4] + s[nt * 4 + 1], vb = s[nt * 4 + 2] + s[nt * 4 + 3];
+#if SWIGLU
+      const float ua = s[(NT + nt) * 4] + s[(NT + nt) * 4 + 1], ub = s[(NT + nt) * 4 + 2] + s[(NT + nt) * 4 + 3];
+      va = va / (1.f + expf(-va)) * ua;
+      vb = vb / (1.f + expf(-vb)) * ub;
+#endif
+#if ADD
+      const size_t rr = (size_t)(first + min(n, rows - 1)) * N;
+      va = r_in[rr + ra] + va;
+      vb = r_in[rr + rbw] + vb;
+      float sq = va * va + vb * vb;  /* the 16 rows' sum for x row n: over g (lanes 4 apart), in a fixed order */
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      if (g == 0 && n < rows) ss_out[(size_t)(first + n) * (N / 16) + row0 / 16] = sq;
+#endif
+      if (n < rows) {
+        y[(size_t)(first + n) * N + ra] = va;
+        y[(size_t)(first + n) * N + rbw] = vb;
+      }
+    }
+#else
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
       const int n0 = nt * 8 + 2 * t;
@@ -752,6 +855,7 @@ ENTRY(const float* __restrict__ x,
       }
 #endif
     }
+#endif
   }
   cluster_sync();  /* rank 0 has read every CTA's sums: they may leave (or, PERSIST, overwrite them) */
 #if PERSIST

@@ -193,9 +193,10 @@ class GemmRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Q4MmaRule(Rule):
-    """The tensor-core q4 product at a few rows (kernels/q4_mma.py): q4 matmuls at 2..max_rows rows run it
-    (0: never). Its split: RB row blocks of 16 x KS warps per CTA, DEPTH groups in flight; clusters of the
+class MmaRule(Rule):
+    """The tensor-core product at a few rows (kernels/q4_mma.py; its bf16 form kernels/bf16_mma.py, family
+    ``bf16_mma``, where the grouped fields are unused): matmuls of the family's weights at 2..max_rows rows
+    run it (0: never). Its split: RB row blocks of 16 x KS warps per CTA, DEPTH groups in flight; clusters of the
     smallest CS in ``clusters`` that gives the grid ctas_per_sm CTAs per SM (the largest otherwise)."""
     max_rows: int
     rb: int
@@ -300,7 +301,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # whole 27B q4 spec3 plan its iteration is 8.76 against 9.02 ms (stop 27 call 1, same call), and its folded
     # NORM + PERSIST form ran clean under compute-sanitizer (4 layers of 27B with the head, call 2) and equal to
     # the CPU reference (4 layers at the 27B MLP width, call 4: the same tokens, logits within 0.2%)
-    "q4_mma": Q4MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
+    "q4_mma": MmaRule(max_rows=16, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=2, swiglu_persist_rows=4,
                         grouped_rows=16,
                         grouped_rb=4, grouped_ks=1, grouped_depth=2, grouped_swiglu_ks=2, grouped_swiglu_stages=2,
@@ -310,6 +311,11 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                                     _RESULTS + "stop27/call1/spec-qwen3.5-27b-sm90-q4-spec3-persist.txt",
                                     _RESULTS + "stop27/call2/sanitizer-qwen3.5-27b-4l-sm90-q4-spec3-persist.txt",
                                     _RESULTS + "stop27/call4/e2e-qwen3.5-wide4-sm90-q4-m4.json")),
+    # bf16 weights on the same kernel (WBF16): q4 group 128 and bf16 group 32 read the same 64 bytes a row and
+    # group, so q4's split is the first guess; not yet swept (written without a device)
+    "bf16_mma": MmaRule(max_rows=8, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
+                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=2, swiglu_persist_rows=4,
+                        provenance=(RULE_OF_THUMB,)),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

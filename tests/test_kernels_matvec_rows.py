@@ -90,13 +90,16 @@ def test_launch_rule():
 
 def test_matmul_rows_pick_the_few_rows_matvec_up_to_the_rule():
     """compiler/ops.py: a matmul at M rows runs the few-rows matvec up to the gemm rule's few_rows_matvec
-    rows (bf16; q4 takes the tensor-core q4 kernel there, tests/test_kernels_q4_mma.py), the GEMM past it;
-    one row the matvec."""
+    rows (bf16 with the tensor-core bf16 kernel off; with it, and q4, the tensor-core products take those rows:
+    tests/test_kernels_bf16_mma.py, tests/test_kernels_q4_mma.py), the GEMM past it; one row the matvec."""
+    import dataclasses
+
     from kestrel.compiler.ir import Op, TensorType, Value, Weight
     from kestrel.compiler.ops import OPS
     from kestrel.kernels.gemm import gemm_kernel
 
     t = TARGETS["sm_90"]
+    t = dataclasses.replace(t, rules={**t.rules, "bf16_mma": dataclasses.replace(t.rules["bf16_mma"], max_rows=0)})
     few = t.rules["gemm"].few_rows_matvec
     assert few >= 4  # a verify step's k + 1 = 4 rows
     w = Weight("w", TensorType("bf16", (5120, 6144)), ["ckpt", "w"])

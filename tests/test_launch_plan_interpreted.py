@@ -137,21 +137,22 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
             assert gpu.dyn(slot) == cpu.dyn[slot], f"step {step}: dyn.{slot}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-triton", "bf16-attn-split"])
+@pytest.mark.parametrize("quant", ["bf16", "bf16-triton", "q4", "q4-triton", "bf16-attn-split"])
 def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
     """The M-row step's launch list (4 rows) over a 6-token prompt: a full chunk, then a partial one;
     then the one-token step takes over from the states it left. The GPU GEMM feeds the tensor cores
     bf16 activations where the CPU reference multiplies in fp32: the bound is that rounding's. q4: the
     tensor-core q4 kernel (emulated here, kernels/q4_mma.py); q4-triton: with it turned off (KESTREL_RULES),
-    the few-rows matvec. bf16-attn-split: the attention split over the sequence in 16-row splits (KESTREL_RULES;
+    the few-rows matvec. bf16: the tensor-core bf16 kernel (kernels/bf16_mma.py, emulated), bf16-triton: the
+    few-rows matvec. bf16-attn-split: the attention split over the sequence in 16-row splits (KESTREL_RULES;
     max_seq 64: 4 splits) over a 22-token prompt, so the later chunks merge two splits' partials."""
     from conftest import run_cli
 
-    mma = quant == "q4"
+    mma = quant in ("q4", "bf16", "bf16-attn-split")
     max_seq, prompt = 16, [5, 9, 3, 60, 17, 2]
-    if quant == "q4-triton":
-        monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=0")
-        quant = "q4"
+    if quant.endswith("-triton"):
+        quant = quant.removesuffix("-triton")
+        monkeypatch.setenv("KESTREL_RULES", f"{quant}_mma.max_rows=0")
     elif quant == "bf16-attn-split":
         monkeypatch.setenv("KESTREL_RULES", "attn_rows.split_tiles=1 attn_rows.max_block_n=16")
         quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
@@ -164,8 +165,9 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     assert plan.launch_plan["prefill"]["rows"] == 4
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
     # with the kernel, the residual adds and norms between its products are folded in (fold_row_norms)
-    assert mma == all(any(i.startswith(p) for i in ids) for p in ("q4mma_rows_q4g", "q4mma_add_", "q4mma_norm_q4",
-                                                                  "q4mma_norm_swiglu_")), sorted(ids)
+    kind = "q4mma" if quant == "q4" else "bf16mma"
+    assert mma == all(any(i.startswith(kind + p) for i in ids) for p in ("_rows_", "_add_", "_norm_", "_norm_swiglu_")), \
+        sorted(ids)
     splits = {x["constexprs"]["SPLITS"] for x in plan.launch_plan["prefill"]["launches"] if x["op"] == "attn_rows_q"}
     assert splits == ({4} if max_seq == 64 else {1}), splits
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)

@@ -76,12 +76,29 @@ def _without_q4_mma(programs):
         TARGETS["sm_90"] = t
 
 
+def _without_bf16_fold(programs):
+    """``programs()`` built with the bf16 tensor-core kernel's folding turned off (passes/fold_row_norms.py):
+    its plain and gate / up forms, which the fold otherwise replaces in the tiny programs."""
+    import dataclasses
+
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    TARGETS["sm_90"] = dataclasses.replace(t, rules={**t.rules, "bf16_mma": dataclasses.replace(
+        t.rules["bf16_mma"], fold_norms=False)})
+    try:
+        return programs()
+    finally:
+        TARGETS["sm_90"] = t
+
+
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
     for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), _tiny_gpu_program(rows=32),
                  _tiny_gpu_program(rows=4, quant="bf16"), *_tiny_speculative_programs(), *_tiny_next_programs(),
-                 *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs()))):
+                 *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs())),
+                 *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),))):
         for op in prog.ops:
             if is_view(op):
                 continue
@@ -97,7 +114,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     rows_jits = {d.kernel.rows for d in OPS.values() if isinstance(d.kernel, Kernel) and d.kernel.rows is not None}
     assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included ...
     variant_jits = {j for d in OPS.values() if isinstance(d.kernel, Kernel) for _, j in d.kernel.variants}
-    assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec, q4_mma)
+    assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec, q4_mma, bf16_mma)
 
 
 def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():
