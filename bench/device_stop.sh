@@ -2,9 +2,9 @@
 # One device call of a stop (stop 23 on; it was bench/device_stop23.sh), the parts chosen by the environment:
 # Qwen3-Next's one-row MoE kernels and its q4 matrices swept; compute-sanitizer; the GPU path against the CPU
 # reference; Qwen3-Next decode / prefill / profile; the speculative plans with sampled speculation.
-#   Q4MMA_SWEEP=1 MOE_SWEEP=1 MV_SWEEP=1 SANITIZE_PLANS="..." E2E_PLANS="..." NEXT_PLANS="..." SPEC_PLANS="..." SPEC_KERNELS=1 \
+#   Q4MMA_SWEEP=1 BF16MMA_SWEEP=1 MOE_SWEEP=1 MV_SWEEP=1 SANITIZE_PLANS="..." E2E_PLANS="..." NEXT_PLANS="..." SPEC_PLANS="..." SPEC_KERNELS=1 \
 #     bash bench/device_stop.sh OUTDIR     (kestrel importable; bench/plans, bench/moe-sweep, bench/sweep-next,
-#     bench/q4mma-sweep carried)
+#     bench/q4mma-sweep, bench/bf16mma-sweep carried)
 # Everything lands in OUTDIR/stop.tar.
 set -u
 out=$1; w=$(mktemp -d); t0=$(date +%s)
@@ -15,6 +15,11 @@ if [ "${Q4MMA_SWEEP:-0}" = 1 ]; then  # kernels/q4_mma.py's splits against the T
   (cd bench && python3 q4mma_sweep.py time q4mma-sweep "$w/q4mma-sweep.json") > "$w/q4mma-sweep.txt" 2>&1
   sed -n '/^shape /,$p' "$w/q4mma-sweep.txt"; tail -2 "$w/q4mma-sweep.txt"
   save "q4mma sweep"
+fi
+if [ "${BF16MMA_SWEEP:-0}" = 1 ]; then  # kernels/bf16_mma.py's splits against the few-rows matvec (bench/bf16mma-sweep)
+  (cd bench && python3 q4mma_sweep.py time bf16mma-sweep "$w/bf16mma-sweep.json") > "$w/bf16mma-sweep.txt" 2>&1
+  sed -n '/^shape /,$p' "$w/bf16mma-sweep.txt"; tail -2 "$w/bf16mma-sweep.txt"
+  save "bf16mma sweep"
 fi
 if [ "${MOE_SWEEP:-0}" = 1 ]; then
   (cd bench && python3 moe_sweep.py time moe-sweep "$w/moe-sweep.json") > "$w/moe-sweep.txt" 2>&1

@@ -6,6 +6,8 @@ is checked against ``q4_mma_ref`` (float64 on the device); the Triton kernels ag
 
 Here:            python bench/q4mma_sweep.py compile bench/q4mma-sweep        (nvidia-cuda-nvrtc, Triton)
 On the device:   cd bench && python3 q4mma_sweep.py time q4mma-sweep $OUT/q4mma-sweep.json
+The folder's name picks the sweep: "grouped" (Qwen3-Next's experts), "bf16" (kernels/bf16_mma.py), "pipe"
+(the ring and persistence), else the plain splits.
 """
 from __future__ import annotations
 
@@ -107,6 +109,35 @@ def _grouped_jobs():
                 yield name, n, k, gate_up, m, "grouped_mma", c
 
 
+# a folder named "...bf16...": the bf16 form (kernels/bf16_mma.py, WBF16) at the 27B and 0.8B shapes and the 27B
+# lm_head, M = 4 and 8, against the few-rows matvec the rules picked before it and the one-row matvec (M = 1)
+BF16_CASES = [c for c in CASES if not c[0].startswith("next")] + [("27b lm_head", 248320, 5120, False)]
+BF16_ROWS = tuple(int(m) for m in os.environ.get("KESTREL_BF16_ROWS", "4").split())
+BF16_SPLITS = [(1, 8), (2, 4), (4, 2), (4, 4), (8, 2)]
+BF16_PIPES = [(2, 0), (4, 0), (2, 3)]  # (DEPTH, STAGES)
+BF16_PERSIST = (0, 1, 2)
+
+
+def _bf16_jobs():
+    from kestrel.kernels import q4_mma
+    from kestrel.kernels.matvec import matvec_launch, matvec_rows_launch
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    for name, n, k, pair in BF16_CASES:
+        yield name, n, k, pair, 1, "matvec", matvec_launch(n, k, 0, t, pair=pair)
+        for m in BF16_ROWS:
+            yield name, n, k, pair, m, "rows", matvec_rows_launch(m, n, k, 0, t, pair=pair)
+            for (rb, ks), cs, (depth, stages), per_sm in itertools.product(BF16_SPLITS, CLUSTERS, BF16_PIPES,
+                                                                           BF16_PERSIST):
+                if per_sm and (cs > 1 or stages or n // (16 * rb) <= per_sm * t.sms):
+                    continue  # (persistence: registers, no clusters, more row blocks than CTAs)
+                if (q4_mma.fits(m, n, k, 32, rb, ks, cs, t, pair, stages, persist=per_sm > 0, bf16=True) is None
+                        and k // 32 // cs >= ks):
+                    yield name, n, k, pair, m, "mma", q4_mma.launch(m, n, k, 32, rb, ks, cs, depth, pair, stages,
+                                                                    per_sm * t.sms, bf16=True)
+
+
 def _compile(job):
     from kestrel.compiler.codegen import compile_kernel
     from kestrel.kernels import gemm, matvec, q4_mma
@@ -130,7 +161,14 @@ def _compile(job):
            ("matvec", False): matvec.matvec_kernel, ("matvec", True): matvec.matvec_swiglu_kernel,
            ("rows", False): matvec.matvec_rows_kernel, ("rows", True): matvec.matvec_rows_swiglu_kernel,
            ("mma", False): q4_mma.q4mma_rows, ("mma", True): q4_mma.q4mma_rows_swiglu}[kind, pair]
-    types = ["*fp32", "*u8"] + (["*u8"] if pair else []) + ["*fp32"]
+    wt = "*u8"
+    if launch["constexprs"].get("WBF16") or launch["constexprs"].get("GROUP") == 0:  # bf16 weights
+        from kestrel.kernels import bf16_mma
+
+        wt = "*bf16"
+        if kind == "mma":
+            jit = bf16_mma.bf16mma_rows_swiglu if pair else bf16_mma.bf16mma_rows
+    types = ["*fp32", wt] + ([wt] if pair else []) + ["*fp32"]
     try:
         ck = compile_kernel(kind, jit, types, launch["constexprs"], launch["num_warps"], 90, [True] * len(types))
     except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped
@@ -149,7 +187,8 @@ def _describe(job, ck, launch) -> dict:
 def compile_all(folder: str) -> None:
     from cubin_folder import compile_to_folder
 
-    jobs = list(_grouped_jobs() if "grouped" in folder else _pipe_jobs() if "pipe" in folder else _jobs())
+    jobs = list(_grouped_jobs() if "grouped" in folder else _bf16_jobs() if "bf16" in folder
+                else _pipe_jobs() if "pipe" in folder else _jobs())
     compile_to_folder(folder, jobs, _compile, _describe, prefix="q")
 
 
@@ -254,6 +293,71 @@ def time_all(folder: str, out: str) -> None:
     json.dump({"rows": rows}, open(out, "w"), indent=1)
 
 
+def time_bf16(folder: str, out: str) -> None:
+    """The bf16 folder: every variant chained (as the step's graph runs them) against ``bf16_mma_ref`` (the
+    tensor-core form) and the fp32 matvec product (every kernel)."""
+    import torch
+
+    from graph_timing import chain_times_us, rotating_copies
+    from kestrel.runtime import cuda as kc
+
+    rows, operands = [], {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    for e in json.load(open(os.path.join(folder, "index.json"))):
+        n, k, pair, m = e["N"], e["K"], e["pair"], e["M"]
+        if e["shape"] not in operands:
+            operands.clear()
+            torch.cuda.empty_cache()
+            x = torch.randn(16, k, device="cuda", generator=g)
+            hi = x.bfloat16()
+            xs = (hi.double() + (x - hi.float()).bfloat16().double(), x.double())
+            ws = [(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16() for _ in range(2 if pair else 1)]
+            refs = []
+            for xx in xs:  # the tensor-core form's product, then the fp32 one
+                ys = [(xx @ w.double().T) for w in ws]
+                refs.append((ys[0] / (1 + torch.exp(-ys[0])) * ys[1] if pair else ys[0]).float())
+                del ys
+            nbytes = sum(w.numel() * 2 for w in ws)
+            copies = [[w.clone() for w in ws] for _ in range(rotating_copies(nbytes) - 1)]
+            operands[e["shape"]] = (x, [ws] + copies, refs, nbytes)
+        x, wsets, (mma_ref, ref), nbytes = operands[e["shape"]]
+        y = torch.full((m, n), float("nan"), device="cuda")
+        kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"], e["shared"])
+        sets = [kc.PackedArgs(e["params"], [x.data_ptr()] + [w.data_ptr() for w in ws] + [y.data_ptr()]) for ws in wsets]
+        try:
+            kc.launch(kernel, e["grid"], sets[0], stream)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a launch the device refuses is reported
+            rows.append({**e, "error": str(exc)[:200]})
+            print(f"{e['shape']:<20} M={m:<2} {e['kind']:<6} {e['config']} launch failed: {str(exc)[:120]}", flush=True)
+            continue
+        err = ((y - mma_ref[:m]).abs().max() / mma_ref[:m].abs().max()).item()
+        err_f32 = ((y - ref[:m]).abs().max() / ref[:m].abs().max()).item()
+        reps = (1, 1) if os.environ.get("KESTREL_SWEEP_QUICK") == "1" else (7, 32)
+        us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=reps[0], launches=reps[1]))
+        rows.append({**e, "us": us, "rel_err_vs_mma_ref": err, "rel_err_vs_fp32": err_f32, "weight_GBps": nbytes / us / 1e3,
+                     "chained": True})
+        print(f"row {e['shape']:<20} M={m:<2} {e['kind']:<6} {json.dumps(e['config'])} {us:8.2f} us "
+              f"err {err:.1e} fp32 {err_f32:.1e}", flush=True)
+    print("\nshape                 M=1 matvec  M  few-rows matvec   mma best (RB KS CS DEPTH STAGES PERSIST)  vs rows  vs M=1")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        one = next((r["us"] for r in rows if r["shape"] == shape and r["kind"] == "matvec" and "us" in r), float("nan"))
+        for m in BF16_ROWS:
+            tri = next((r for r in rows if (r["shape"], r["M"], r["kind"]) == (shape, m, "rows") and "us" in r), None)
+            ok = [r for r in rows if (r["shape"], r["M"], r["kind"]) == (shape, m, "mma") and "us" in r
+                  and r["rel_err_vs_mma_ref"] < 1e-5]
+            if tri is None or not ok:
+                print(f"{shape:<20} {m:>2}  no valid variant")
+                continue
+            b = min(ok, key=lambda r: r["us"])
+            c = b["config"]
+            print(f"{shape:<20} {one:8.1f} us  {m:>2} {tri['us']:8.1f} us      {b['us']:8.1f} us ({c['RB']} {c['KS']} {c['CS']} "
+                  f"{c['DEPTH']} {c.get('STAGES', 0)} {c.get('PERSIST', 0)})  {tri['us'] / b['us']:5.2f}x  "
+                  f"{b['us'] / one:5.2f}x  err {b['rel_err_vs_fp32']:.1e}")
+    json.dump({"rows": rows}, open(out, "w"), indent=1)
+
+
 def time_grouped(folder: str, out: str) -> None:
     """The grouped experts (folder compiled from a name containing "grouped"): a random routing of M rows
     (NEXT_TOPK distinct experts each), sorted and chunked by moe_group_ref (16 pairs a chunk for the
@@ -327,5 +431,7 @@ if __name__ == "__main__":
         compile_all(sys.argv[2])
     elif "grouped" in sys.argv[2]:
         time_grouped(sys.argv[2], sys.argv[3])
+    elif "bf16" in sys.argv[2]:
+        time_bf16(sys.argv[2], sys.argv[3])
     else:
         time_all(sys.argv[2], sys.argv[3])
