@@ -116,6 +116,10 @@ BF16_ROWS = tuple(int(m) for m in os.environ.get("KESTREL_BF16_ROWS", "4").split
 BF16_SPLITS = [(1, 8), (2, 4), (4, 2), (4, 4), (8, 2)]
 BF16_PIPES = [(2, 0), (4, 0), (2, 3)]  # (DEPTH, STAGES)
 BF16_PERSIST = (0, 1, 2)
+if os.environ.get("KESTREL_BF16_GRID"):  # another grid: "shape prefix; splits; pipes; persist" (Python literals)
+    _pre, _sp, _pp, _pe = os.environ["KESTREL_BF16_GRID"].split(";")
+    BF16_CASES = [c for c in BF16_CASES if c[0].startswith(_pre.strip())]
+    BF16_SPLITS, BF16_PIPES, BF16_PERSIST = eval(_sp), eval(_pp), eval(_pe)  # noqa: S307 - the bench's own input
 
 
 def _bf16_jobs():
