@@ -4,7 +4,8 @@
 #   bash bench/build_stop_plans.sh next4-bf16 tiny-next-q4-m16 tiny-next-bf16-m16 tiny-mtp-q4-spec3 0.8b-bf16 0.8b-q4
 #     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3
 #     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist wide4-q4-m4
-#     tiny-mtp-bf16-spec3 0.8b-bf16-m4 wide4-bf16-m4 27b-bf16-spec3-nomma 27b4-bf16-spec3   (any subset)
+#     tiny-mtp-bf16-spec3 0.8b-bf16-m4 wide4-bf16-m4 27b-bf16-spec3-nomma 27b4-bf16-spec3
+#     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma   (any subset)
 set -eu
 cd "$(dirname "$0")/.."
 mkdir -p bench/plans
@@ -46,6 +47,8 @@ for p in "$@"; do
     wide4-q4-m4) kestrelc build "$(wide4)" $R --quant q4 --prefill-rows 4 -o bench/plans/qwen3.5-wide4-sm90-q4-m4.plan ;;
     wide4-bf16-m4) kestrelc build "$(wide4)" $R --quant bf16 --prefill-rows 4 -o bench/plans/qwen3.5-wide4-sm90-bf16-m4.plan ;;
     27b-bf16-spec3-nomma) python3 bench/build_variant.py bf16_mma.max_rows=0 -- qwen3.5-27b $R --quant bf16 --max-seq 4096 --speculative mtp --draft-tokens 3 --draft-quant q4 -o bench/plans/qwen3.5-27b-sm90-bf16-spec3-nomma.plan ;;
+    0.8b-bf16-spec3) kestrelc build qwen3.5-0.8b $R --quant bf16 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-0.8b-sm90-bf16-spec3.plan ;;
+    0.8b-bf16-spec3-nomma) python3 bench/build_variant.py bf16_mma.max_rows=0 -- qwen3.5-0.8b $R --quant bf16 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-0.8b-sm90-bf16-spec3-nomma.plan ;;
     27b4-bf16-spec3) kestrelc build "$(l27b4)" $R --quant bf16 --speculative mtp --draft-tokens 3 --draft-quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-bf16-spec3.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
   esac

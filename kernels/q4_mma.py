@@ -142,7 +142,7 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
     normed in the kernel (its rstd in shared memory). ``bf16``: a bf16 matmul under ``rules["bf16_mma"]``
     (kernels/bf16_mma.py; ``group`` 32)."""
     r = target.rules["bf16_mma" if bf16 else "q4_mma"]
-    if not 2 <= m <= r.max_rows:
+    if not 2 <= m <= r.max_rows or r.max_weight_bytes and n * k * (2 if bf16 else 0.5) > r.max_weight_bytes:
         return None
     rb, ks0, stages = ((r.swiglu_rb, r.swiglu_ks, r.swiglu_stages) if pair and r.swiglu_rb
                        else (r.rb, r.ks, r.stages))

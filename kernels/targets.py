@@ -203,7 +203,7 @@ class MmaRule(Rule):
     ks: int
     depth: int
     clusters: tuple[int, ...]
-    ctas_per_sm: int
+    ctas_per_sm: float
     stages: int = 0             # the cp.async ring's stages (kernels/q4_mma.py STAGES; 0: DEPTH groups in registers)
     swiglu_rb: int = 0          # the gate / up pair's split (0: rb, ks, stages as above)
     swiglu_ks: int = 0
@@ -218,6 +218,7 @@ class MmaRule(Rule):
     fold_norms: bool = True     # passes/fold_row_norms.py folds the residual add and norm between its products
     grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
     grouped_swiglu_stages: int = 0
+    max_weight_bytes: int = 0   # matrices of more bytes than this (a pair: each weight) keep the Triton kernels (0: any)
 
 
 _TUNING = "bench/results/tuning/"
@@ -311,11 +312,19 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                                     _RESULTS + "stop27/call1/spec-qwen3.5-27b-sm90-q4-spec3-persist.txt",
                                     _RESULTS + "stop27/call2/sanitizer-qwen3.5-27b-4l-sm90-q4-spec3-persist.txt",
                                     _RESULTS + "stop27/call4/e2e-qwen3.5-wide4-sm90-q4-m4.json")),
-    # bf16 weights on the same kernel (WBF16): q4 group 128 and bf16 group 32 read the same 64 bytes a row and
-    # group, so q4's split is the first guess; not yet swept (written without a device)
-    "bf16_mma": MmaRule(max_rows=8, rb=4, ks=4, depth=2, clusters=(1, 2, 4), ctas_per_sm=1,
-                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, swiglu_persist=2, swiglu_persist_rows=4,
-                        provenance=(RULE_OF_THUMB,)),
+    # bf16 weights on the same kernel (WBF16), at 4 rows (stop 28, chained, every variant within 4e-6 of the fp32
+    # product): on the 0.8B matrices the best splits take the one-row matvec's time (in_proj 5.05 us against 5.15,
+    # gate + up 6.24 / 6.24, down 4.87 / 3.75) and 1.2-1.6x less than the few-rows matvec: RB 1 x KS 8 with a
+    # 3-stage ring (pair RB 2 x KS 4), the clusters' pick at 0.8 CTAs per SM (0.8B gate + up unclustered, down in
+    # pairs). On the 27B matrices (63-178 MB) the best of ~750 variants is 0.92-1.05x the few-rows matvec and one
+    # rule 1.08x slower (geometric mean; down 1.32x): ncu shows the same DRAM rate (3.3 TB/s) with 12% issue slots
+    # busy against the few-rows matvec's 57%, so FMA issue was not what held the few-rows matvec there. Off above 32 MB a
+    # weight, where the fold's saved add_rmsnorm launches (0.8 ms at 27B) would not pay for the slower products.
+    "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
+                        swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,
+                        provenance=(_RESULTS + "stop28/call1/bf16mma-sweep.json", _RESULTS + "stop28/call2/wide.json",
+                                    _RESULTS + "stop28/call2/ncu.csv",
+                                    _RESULTS + "stop28/call1/spec-qwen3.5-27b-sm90-bf16-spec3.txt")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
     "gemm": GemmRule(many_rows=256, wide_n=16384, bf16_many=(128, 256, 64, 8), bf16_few=(64, 128, 64, 4),
                      bf16_few_wide=(64, 256, 64, 4), q4_many=(128, 64, 64, 4), q4_few=(128, 64, 128, 8),

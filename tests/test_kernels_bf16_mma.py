@@ -92,20 +92,27 @@ def test_rule():
     t = TARGETS["sm_90"]
     r = t.rules["bf16_mma"]
     assert r.max_rows >= 4  # a verify's K + 1 rows at K = 3
-    at4 = bf16_mma.rule_launch(4, 5120, 17408, t)
+    at4 = bf16_mma.rule_launch(4, 6144, 1024, t)  # 0.8B in_proj
     assert at4 is not None and at4["constexprs"]["WBF16"] == 1 and at4["constexprs"]["GROUP"] == 32
     assert q4_mma.shared_bytes(at4["constexprs"]) <= t.smem_optin
-    assert bf16_mma.rule_launch(1, 5120, 17408, t) is None  # the one-token step keeps the matvec
-    assert bf16_mma.rule_launch(r.max_rows + 1, 5120, 17408, t) is None
-    assert bf16_mma.rule_launch(4, 5128, 4096, t) is None  # N not a multiple of 16
-    # x is staged twice (hi, lo): 4 rows of K 17408 need a cluster of 2 on sm_90, and do not fit sm_86's CTA
-    assert at4["constexprs"]["CS"] >= 2
+    assert bf16_mma.rule_launch(1, 6144, 1024, t) is None  # the one-token step keeps the matvec
+    assert bf16_mma.rule_launch(r.max_rows + 1, 6144, 1024, t) is None
+    assert bf16_mma.rule_launch(4, 6152, 1024, t) is None  # N not a multiple of 16
+    # the 27B matrices keep the few-rows matvec (faster there: the rule's provenance); each weight counts
+    assert bf16_mma.rule_launch(4, 5120, 6144, t) is None and 5120 * 6144 * 2 > r.max_weight_bytes
+    assert bf16_mma.rule_launch(4, 3584, 1024, t, pair=True) is not None
+    big = dataclasses.replace(t, rules={**t.rules, "bf16_mma": dataclasses.replace(r, max_weight_bytes=0)})
+    # x is staged twice (hi, lo): 4 rows of K 17408 need a cluster on sm_90
+    assert bf16_mma.rule_launch(4, 5120, 17408, big)["constexprs"]["CS"] >= 2
     assert q4_mma.fits(4, 5120, 17408, 32, 4, 4, 1, t, bf16=True) is not None
     assert "sm_80" in q4_mma.fits(4, 64, 64, 32, 1, 1, 1, dataclasses.replace(t, cc=75), bf16=True)
     assert q4_mma.fits(4, 64, 64, 64, 1, 1, 1, t, bf16=True) == "group 64"
-    c4 = bf16_mma.rule_launch(4, 512, 256, t)["constexprs"]
+    # the clusters' pick at 0.8 CTAs per SM: 0.8B gate + up (112 row-block pairs) unclustered, down in pairs
+    assert bf16_mma.rule_launch(4, 3584, 1024, t, pair=True)["constexprs"]["CS"] == 1
+    assert bf16_mma.rule_launch(4, 1024, 3584, t)["constexprs"]["CS"] == 2
+    c4 = q4_mma.launch(4, 512, 256, 32, 4, 4, 1, 2, False, bf16=True)["constexprs"]
     # x rows hi and lo, then the warps' sums (NT = 1: 4 rows fill the 8 columns) over it
-    assert q4_mma.shared_bytes(c4) == max(8 * (2 * 256 + 64), c4["RB"] * c4["KS"] * 32 * 4 * 4 + c4["RB"] * 32 * 4 * 4)
+    assert q4_mma.shared_bytes(c4) == max(8 * (2 * 256 + 64), 16 * 32 * 4 * 4 + 4 * 32 * 4 * 4)
 
 
 def test_matmuls_at_a_few_bf16_rows_select_it(monkeypatch):
@@ -114,18 +121,18 @@ def test_matmuls_at_a_few_bf16_rows_select_it(monkeypatch):
     from kestrel.kernels import targets
 
     p = Program("t")
-    w = p.add_weight("w", "bf16", (17408, 5120))
+    w = p.add_weight("w", "bf16", (6144, 1024))
     for rows, expect in ((4, "bf16mma_rows_bf16"), (1, "matvec_bf16")):
-        x = Value(TensorType("f32", (rows, 5120) if rows > 1 else (5120,)))
-        op = Op("matmul", [Value(TensorType("f32", x.type.shape[:-1] + (17408,)))], [x, w], {})
+        x = Value(TensorType("f32", (rows, 1024) if rows > 1 else (5120,)))
+        op = Op("matmul", [Value(TensorType("f32", x.type.shape[:-1] + (6144,)))], [x, w], {})
         op.launch = OPS["matmul"].kernel.launch(op, TARGETS["sm_90"])
         assert op.launch["kernel"] == expect
-    at4 = Op("matmul", [Value(TensorType("f32", (4, 17408)))], [Value(TensorType("f32", (4, 5120))), w], {})
+    at4 = Op("matmul", [Value(TensorType("f32", (4, 6144)))], [Value(TensorType("f32", (4, 1024))), w], {})
     at4.launch = OPS["matmul"].kernel.launch(at4, TARGETS["sm_90"])
     assert OPS["matmul"].kernel.jit_for(at4) is bf16_mma.bf16mma_rows
     monkeypatch.setitem(targets.TARGETS, "sm_90", targets.TARGETS["sm_90"])
     targets.override_rules("sm_90", "bf16_mma.max_rows=0")
-    op = Op("matmul", [Value(TensorType("f32", (4, 17408)))], [Value(TensorType("f32", (4, 5120))), w], {})
+    op = Op("matmul", [Value(TensorType("f32", (4, 6144)))], [Value(TensorType("f32", (4, 1024))), w], {})
     assert OPS["matmul"].kernel.launch(op, targets.TARGETS["sm_90"])["kernel"] == "matvec_rows_bf16"
 
 
