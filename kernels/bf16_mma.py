@@ -3,11 +3,12 @@ row-major (the one-token matvec's layout, unchanged), 1 <= M <= 16: a speculativ
 short prefill chunks of bf16 plans.
 
 Why: at a few rows the Triton few-rows matvec (kernels/matvec.py) multiplies on the CUDA cores, M FMAs per
-weight; at 27B and 4 rows that is ~4 x 27e9 FMAs, a quarter of the step's weight-read time in issue alone,
-and the verify ran 1.21x the one-token step (bench/results/stop27). Here each weight is multiplied by every
-row of x in one MMA instruction, as kernels/q4_mma.py does for q4; the CUDA source is q4_mma's with
-``WBF16`` (one kernel, one set of launch forms: the ring, persistence, clusters, the folded residual add and
-norm of passes/fold_row_norms.py).
+weight. Here each weight is multiplied by every row of x in one MMA instruction, as kernels/q4_mma.py does for
+q4; the CUDA source is q4_mma's with ``WBF16`` (one kernel, one set of launch forms: the ring, persistence,
+clusters, the folded residual add and norm of passes/fold_row_norms.py). Measured (bench/results/stop28): on
+the 0.8B matrices 4 rows take the one-row matvec's time, 1.2-1.6x less than the few-rows matvec; on the 27B
+matrices it is 0.92-1.05x the few-rows matvec (the same DRAM rate at a fifth of the issued instructions: the
+few-rows matvec was not issue-bound there), so the rule (``max_weight_bytes``) leaves those to it.
 
 The fragments. A lane's 16-byte load of a weight row (8 consecutive bf16) is the four bf16x2 pairs
 (0, 1) .. (6, 7) that q4_mma's dequantisation makes of one q4 word: GROUP 32 (a warp reads 16 rows x 32
