@@ -251,11 +251,20 @@ def _infer_rmsnorm_matmul(ins, a):
 
 
 def _infer_gdn_step(ins, a):
-    qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec = ins
+    qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec, tickets = ins
     hv, _, dv = _t(rec).shape
     _need(_t(z).shape == (hv * dv,), f"z must be [{hv * dv}]")
     _need(_t(norm_w).shape == (dv,), f"the norm weight must be [{dv}]")
-    return _infer_gdn_delta([qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec], a)
+    out = _infer_gdn_delta([qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec], a)
+    hk = gdn_layer_heads(qkv, rec)[0]
+    _need(_t(tickets).dtype == "i32" and len(_t(tickets).shape) == 1 and _t(tickets).shape[0] >= hv + hk,
+          f"gdn_step's scratch: i32 tickets [>= {hv + hk}] (one per value head and key head)")
+    return out
+
+
+def _gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, tickets, eps, l2_eps, scale):
+    """gdn_step_ref; the tickets are the GPU kernel's scratch."""
+    return gated_delta.gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, eps, l2_eps, scale)
 
 
 def gdn_layer_heads(qkv, rec) -> tuple[int, int, int, int]:
@@ -823,6 +832,11 @@ def _gdn_delta(op: Op, t: Target) -> dict:
     return {"kernel": "gdn_delta", **gated_delta.gdn_delta_launch(hk, hv, dk, dv, op.ins[4].type.shape[1], t)}
 
 
+def _gdn_step(op: Op, t: Target) -> dict:
+    hk, hv, dk, dv = gdn_layer_heads(op.ins[0], op.ins[9])
+    return {"kernel": "gdn_step", **gated_delta.gdn_step_launch(hk, hv, dk, dv, op.ins[5].type.shape[1], t)}
+
+
 def _gdn_norm(op: Op, t: Target) -> dict:
     dv = op.ins[3].type.shape[0]
     c, kc1 = op.ins[4].type.shape
@@ -1034,7 +1048,7 @@ def _onnx_gdn_norm(ex, op, o_raw, z, qkv, norm_w, conv_state):
     return ex.reshape(out, [n])
 
 
-def _onnx_gdn_step(ex, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec):
+def _onnx_gdn_step(ex, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, tickets):
     hk, hv, _, dv = gdn_layer_heads(qkv, rec)
     window = ex.conv_window(ex.f32(qkv), conv_state)
     mixed = ex.conv1d(window, conv_w, "silu")
@@ -1241,11 +1255,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
                  variants=(("q4mma_norm_swiglu_", q4_mma.q4mma_norm_swiglu),
                            ("bf16mma_norm_swiglu_", bf16_mma.bf16mma_norm_swiglu))), _onnx_rmsnorm_matmul,
           doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square as rmsnorm_matmul's)"),
-    OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
-          NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
-                        "conv state shared by a key head's value heads)"),
-          _onnx_gdn_step, inout=(4, 9),
-          doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm"),
+    OpDef("gdn_step", "vvvvswwwwss", ("eps", "l2_eps", "scale"), _infer_gdn_step, _gdn_step_ref,
+          Kernel(gated_delta.gdn_step_kernel, _gdn_step), _onnx_gdn_step, inout=(4, 9, 10),
+          doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm (one "
+              "launch: the norm and the conv shift by the last program of a head, tickets in a scratch state)"),
     OpDef("gdn_delta", "vvvswwws", ("l2_eps", "scale"), _infer_gdn_delta, gated_delta.gdn_delta_ref,
           Kernel(gated_delta.gdn_delta_kernel, _gdn_delta), _onnx_gdn_delta, inout=(7,),
           doc="conv1d+silu (state only read), split q|k|v, l2norm q and k, gates, gated_delta_step"),

@@ -110,6 +110,7 @@ class GdnDeltaRule(Rule):
     max_block_v: int
     block_v_div: int            # BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     num_warps: int
+    fuse_norm: bool = False     # the one-token step's gdn_delta + gdn_norm as one gdn_step launch (merge_gdn_norm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,7 +261,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         # 8 warps at BLOCK_R 16 (acc_elems_per_warp 512): 12.6 / 15.7 / 20.0 / 28.8 us at 64 / 256 / 1000 / 4000
         # rows against 4 warps' 17.2 / 20.9 / 25.4 / 33.0 (call 2)
         provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json", _RESULTS + "stop27/call2/attn-rows.json")),
-    "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
+    "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1, fuse_norm=True,
                               provenance=(_RESULTS + "stop24/call2/summary.txt",)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
