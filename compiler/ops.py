@@ -806,7 +806,8 @@ def _matvec_add(op: Op, t: Target) -> dict:
 
 def _rmsnorm_matvec(op: Op, t: Target) -> dict:
     """matvec_kernel's (matvec_swiglu_kernel's) launch rule, with the producer's partials (operand 1). At M
-    rows the tensor-core kernel with the norm (its rstd from the partials)."""
+    rows the tensor-core kernel with the norm (its rstd from the partials); at one row too where its rule
+    says so (bf16_mma ``one_row_norm``: the 0.8B-class bf16 matrices)."""
     w = op.ins[3]
     swiglu = op.kind == "rmsnorm_matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
@@ -815,8 +816,13 @@ def _rmsnorm_matvec(op: Op, t: Target) -> dict:
             mma = None  # the partials are not one per 16 inputs (not made by the kernel with the add)
         kind = _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_")
         return {"kernel": kind + w.type.dtype, **_folded_at_rows(mma, op)}
+    (partials,) = op.ins[1].type.shape
+    mma = mma_launch((1, op.ins[0].type.shape[0]), w.type.dtype, w.type.shape, t, swiglu, True)
+    if mma is not None:  # one row (bf16_mma's one_row_norm): rstd from the Triton matvec_add's partials
+        mma["constexprs"]["NP"] = partials
+        return {"kernel": _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_") + w.type.dtype, **mma}
     return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype,
-            **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
+            **matvec.rmsnorm_matvec_launch(*_matrix(w), partials, t, pair=swiglu)}
 
 
 def _embedding(op: Op, t: Target) -> dict:

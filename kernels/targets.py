@@ -220,6 +220,9 @@ class MmaRule(Rule):
     grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
     grouped_swiglu_stages: int = 0
     max_weight_bytes: int = 0   # matrices of more bytes than this (a pair: each weight) keep the Triton kernels (0: any)
+    one_row_norm: bool = False  # the one-token step's normed products (rmsnorm_matmul[_swiglu]) run it too, at one
+    one_row_stages: int = 0     # row: the split above with this ring (0: stages), the pair (RB, KS, STAGES) below
+    one_row_swiglu: tuple[int, ...] = ()  # (empty: the pair's split above)
 
 
 _TUNING = "bench/results/tuning/"
@@ -323,7 +326,11 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # weight, where the fold's saved add_rmsnorm launches (0.8 ms at 27B) would not pay for the slower products.
     "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,
+                        # one row (stop 28 call 7, chained: in_proj 4.1 against the matvec's 5.1 us, gate + up 5.1
+                        # against 6.2; down 4.0 against 3.7, so the add products stay the Triton matvec)
+                        one_row_norm=True, one_row_stages=6, one_row_swiglu=(1, 8, 4),
                         provenance=(_RESULTS + "stop28/call1/bf16mma-sweep.json", _RESULTS + "stop28/call2/wide.json",
+                                    _RESULTS + "stop28/call7/m1.json",
                                     _RESULTS + "stop28/call2/ncu.csv",
                                     _RESULTS + "stop28/call1/spec-qwen3.5-27b-sm90-bf16-spec3.txt")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4
