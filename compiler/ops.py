@@ -251,20 +251,11 @@ def _infer_rmsnorm_matmul(ins, a):
 
 
 def _infer_gdn_step(ins, a):
-    qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec, tickets = ins
+    qkv, z, b, av, conv_state, conv_w, a_log, dt_bias, norm_w, rec = ins
     hv, _, dv = _t(rec).shape
     _need(_t(z).shape == (hv * dv,), f"z must be [{hv * dv}]")
     _need(_t(norm_w).shape == (dv,), f"the norm weight must be [{dv}]")
-    out = _infer_gdn_delta([qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec], a)
-    hk = gdn_layer_heads(qkv, rec)[0]
-    _need(_t(tickets).dtype == "i32" and len(_t(tickets).shape) == 1 and _t(tickets).shape[0] >= hv + hk,
-          f"gdn_step's scratch: i32 tickets [>= {hv + hk}] (one per value head and key head)")
-    return out
-
-
-def _gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, tickets, eps, l2_eps, scale):
-    """gdn_step_ref; the tickets are the GPU kernel's scratch."""
-    return gated_delta.gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, eps, l2_eps, scale)
+    return _infer_gdn_delta([qkv, b, av, conv_state, conv_w, a_log, dt_bias, rec], a)
 
 
 def gdn_layer_heads(qkv, rec) -> tuple[int, int, int, int]:
@@ -806,8 +797,7 @@ def _matvec_add(op: Op, t: Target) -> dict:
 
 def _rmsnorm_matvec(op: Op, t: Target) -> dict:
     """matvec_kernel's (matvec_swiglu_kernel's) launch rule, with the producer's partials (operand 1). At M
-    rows the tensor-core kernel with the norm (its rstd from the partials); at one row too where its rule
-    says so (bf16_mma ``one_row_norm``: the 0.8B-class bf16 matrices)."""
+    rows the tensor-core kernel with the norm (its rstd from the partials)."""
     w = op.ins[3]
     swiglu = op.kind == "rmsnorm_matmul_swiglu"
     if len(op.ins[0].type.shape) == 2:
@@ -816,13 +806,8 @@ def _rmsnorm_matvec(op: Op, t: Target) -> dict:
             mma = None  # the partials are not one per 16 inputs (not made by the kernel with the add)
         kind = _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_")
         return {"kernel": kind + w.type.dtype, **_folded_at_rows(mma, op)}
-    (partials,) = op.ins[1].type.shape
-    mma = mma_launch((1, op.ins[0].type.shape[0]), w.type.dtype, w.type.shape, t, swiglu, True)
-    if mma is not None:  # one row (bf16_mma's one_row_norm): rstd from the Triton matvec_add's partials
-        mma["constexprs"]["NP"] = partials
-        return {"kernel": _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_") + w.type.dtype, **mma}
     return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype,
-            **matvec.rmsnorm_matvec_launch(*_matrix(w), partials, t, pair=swiglu)}
+            **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
 
 
 def _embedding(op: Op, t: Target) -> dict:
@@ -836,11 +821,6 @@ def _rmsnorm(op: Op, t: Target) -> dict:
 def _gdn_delta(op: Op, t: Target) -> dict:
     hk, hv, dk, dv = gdn_layer_heads(op.ins[0], op.ins[7])
     return {"kernel": "gdn_delta", **gated_delta.gdn_delta_launch(hk, hv, dk, dv, op.ins[4].type.shape[1], t)}
-
-
-def _gdn_step(op: Op, t: Target) -> dict:
-    hk, hv, dk, dv = gdn_layer_heads(op.ins[0], op.ins[9])
-    return {"kernel": "gdn_step", **gated_delta.gdn_step_launch(hk, hv, dk, dv, op.ins[5].type.shape[1], t)}
 
 
 def _gdn_norm(op: Op, t: Target) -> dict:
@@ -1054,7 +1034,7 @@ def _onnx_gdn_norm(ex, op, o_raw, z, qkv, norm_w, conv_state):
     return ex.reshape(out, [n])
 
 
-def _onnx_gdn_step(ex, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, tickets):
+def _onnx_gdn_step(ex, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec):
     hk, hv, _, dv = gdn_layer_heads(qkv, rec)
     window = ex.conv_window(ex.f32(qkv), conv_state)
     mixed = ex.conv1d(window, conv_w, "silu")
@@ -1261,10 +1241,11 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
                  variants=(("q4mma_norm_swiglu_", q4_mma.q4mma_norm_swiglu),
                            ("bf16mma_norm_swiglu_", bf16_mma.bf16mma_norm_swiglu))), _onnx_rmsnorm_matmul,
           doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square as rmsnorm_matmul's)"),
-    OpDef("gdn_step", "vvvvswwwwss", ("eps", "l2_eps", "scale"), _infer_gdn_step, _gdn_step_ref,
-          Kernel(gated_delta.gdn_step_kernel, _gdn_step), _onnx_gdn_step, inout=(4, 9, 10),
-          doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm (one "
-              "launch: the norm and the conv shift by the last program of a head, tickets in a scratch state)"),
+    OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
+          NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "
+                        "conv state shared by a key head's value heads)"),
+          _onnx_gdn_step, inout=(4, 9),
+          doc="conv1d_step+silu, split q|k|v, l2norm q and k, gates, gated_delta_step, gated_rmsnorm"),
     OpDef("gdn_delta", "vvvswwws", ("l2_eps", "scale"), _infer_gdn_delta, gated_delta.gdn_delta_ref,
           Kernel(gated_delta.gdn_delta_kernel, _gdn_delta), _onnx_gdn_delta, inout=(7,),
           doc="conv1d+silu (state only read), split q|k|v, l2norm q and k, gates, gated_delta_step"),

@@ -10,11 +10,9 @@ Fused forms (made by passes/fuse.py), each composing the references above in the
 * ``gdn_delta``: conv (reading, not shifting, the conv state) + SiLU, split q|k|v, L2 norms, gates,
   delta rule -> o_raw [Hv * Dv]; one program per (value head, column block of Dv);
 * ``gdn_norm``: gated RMSNorm of o_raw per value head, and the conv-state shift (x appended);
-* ``gdn_step``: both as one launch (``gdn_step_kernel``; passes/merge_gdn_norm.py makes it where the
-  target's rule says so): ``gdn_delta``'s work split, and the norm of a value head and the conv-state
-  shift of a key head's q and k channels done by the program that finishes last (tickets), so that no
-  program writes a conv window another may still read. (A kernel of one program per key head does it
-  without tickets, but 16 programs at 27B ran at 6.8% of bandwidth.)
+* ``gdn_step``: both as one op (valid IR with a CPU reference; no GPU kernel: one kernel doing both
+  needs one program per key head to update the conv state race-free — 16 programs at 27B, 6.8% of
+  bandwidth measured — so fuse emits the pair instead).
 
 M-row (prefill) forms over the M projection rows x [M, W] of a prompt chunk (rows past the prompt's
 end are invalid: zero outputs, states untouched):
@@ -235,13 +233,6 @@ def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dic
             "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "BLOCK_DK": bdk, "BLOCK_V": block_v}}
 
 
-def gdn_step_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dict:
-    """``gdn_step_kernel``: ``gdn_delta_launch``'s grid and constants, and BLOCK_DV for the norm of a head."""
-    launch = gdn_delta_launch(hk, hv, dk, dv, kc, target)
-    launch["constexprs"]["BLOCK_DV"] = pow2_at_least(dv)
-    return launch
-
-
 def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
     """Grid [Hv]: program j normalises value head j and shifts conv-state channels
     [j * CH_PER_PROG, (j + 1) * CH_PER_PROG) of all ``channels`` (q, k and v alike).
@@ -336,23 +327,37 @@ def _store_window(conv_state_ptr, window, ch, ch_mask, KC: tl.constexpr):
 
 
 @triton.jit
-def _gdn_delta_tile(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr,
-                    l2_eps, scale, j, offs_k, mk, cols, mv,
-                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr):
-    """The delta rule on state columns ``cols`` of value head j (``gdn_delta_kernel``'s work): updates the
-    state tile in place (after a CTA barrier: every old value this CTA reads has been read) and returns
-    (o [BLOCK_V], the conv windows of the key head's q and k channels [BLOCK_DK, KCP] and of the columns'
-    v channels [BLOCK_V, KCP]; see ``_conv_window``)."""
+def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr,
+                     o_raw_ptr, l2_eps, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
+                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    """``gdn_delta_ref``: conv1d + SiLU over [conv state | x] (the state is only read), L2 norms of q
+    and k, gates, delta rule on the fp32 state [HV, DK, DV] (in place); writes o_raw = S^T q.
+
+    Work split: grid [HV, cdiv(DV, BLOCK_V)]; program (j, c) owns columns c*BLOCK_V .. +BLOCK_V of
+    value head j's state S_j [DK, DV] (row-major, so each row of the tile is BLOCK_V contiguous
+    fp32: 16-byte vector loads and stores) and the same columns of o_raw. The delta rule is
+    independent per column (kv_mem[v] = sum_k S[k, v] k[k]), so no program reads what another
+    writes. Each program recomputes q and k of its key head j // (HV / HK) (2 * DK channels x KC
+    taps, L2 hits) and the BLOCK_V channels of v it needs. The conv state is shifted later by
+    ``gdn_norm_kernel``. Fixed reduction order: results do not depend on scheduling."""
+    pdl_wait(PDL)
     R: tl.constexpr = HV // HK
     QKD: tl.constexpr = HK * DK
+    j = tl.program_id(0)
     h = j // R
+
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = cols < DV
     tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
     tile_mask = mk[:, None] & mv[None, :]
     s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0)
 
-    q, qwin = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, h * DK + offs_k, mk, KC)
-    k, kwin = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, QKD + h * DK + offs_k, mk, KC)
-    v, vwin = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, 2 * QKD + j * DV + cols, mv, KC)
+    q, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, h * DK + offs_k, mk, KC)
+    k, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, QKD + h * DK + offs_k, mk, KC)
+    v, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, 2 * QKD + j * DV + cols, mv, KC)
     q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps)) * scale
     k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps))
 
@@ -371,84 +376,7 @@ def _gdn_delta_tile(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr
 
     tl.debug_barrier()  # every old state value this CTA reads has been read
     tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask)
-    return o, qwin, kwin, vwin
-
-
-@triton.jit
-def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr,
-                     o_raw_ptr, l2_eps, scale,
-                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
-                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
-    """``gdn_delta_ref``: conv1d + SiLU over [conv state | x] (the state is only read), L2 norms of q
-    and k, gates, delta rule on the fp32 state [HV, DK, DV] (in place); writes o_raw = S^T q.
-
-    Work split: grid [HV, cdiv(DV, BLOCK_V)]; program (j, c) owns columns c*BLOCK_V .. +BLOCK_V of
-    value head j's state S_j [DK, DV] (row-major, so each row of the tile is BLOCK_V contiguous
-    fp32: 16-byte vector loads and stores) and the same columns of o_raw. The delta rule is
-    independent per column (kv_mem[v] = sum_k S[k, v] k[k]), so no program reads what another
-    writes. Each program recomputes q and k of its key head j // (HV / HK) (2 * DK channels x KC
-    taps, L2 hits) and the BLOCK_V channels of v it needs. The conv state is shifted later by
-    ``gdn_norm_kernel``. Fixed reduction order: results do not depend on scheduling."""
-    pdl_wait(PDL)
-    j = tl.program_id(0)
-    offs_k = tl.arange(0, BLOCK_DK)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    o, _, _, _ = _gdn_delta_tile(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                                 rec_state_ptr, l2_eps, scale, j, offs_k, offs_k < DK, cols, cols < DV,
-                                 HK, HV, DK, DV, KC)
-    tl.store(o_raw_ptr + j * DV + cols, o, mask=cols < DV)
-
-
-@triton.jit
-def gdn_step_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                    rec_state_ptr, tickets_ptr, out_ptr, eps, l2_eps, scale,
-                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
-                    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """``gdn_step_ref`` in one launch: ``gdn_delta_kernel``'s work split, then what ``gdn_norm_kernel``
-    does, by the programs that finish last (tickets: ``tickets`` i32 [HV + HK], zero between launches):
-
-    * program (j, c) stores its columns of o (raw) into ``out``, and shifts the conv state of its own v
-      channels (no other program reads them) after its CTA barrier;
-    * then takes a ticket of value head j (acquire-release at GPU scope, after a CTA barrier); the program
-      that draws the last one (cdiv(DV, BLOCK_V) - 1) reads the head's raw o back (L2), stores the gated
-      RMSNorm of it in place, resets the ticket, and takes a ticket of key head h = j // (HV / HK); the one
-      that draws the last of those (HV / HK - 1: every value head of the key head is done, so every program
-      that read the key head's q and k conv windows has read them) stores those windows shifted, and resets it.
-
-    Which program finishes a head varies; what it computes does not (the norm reads the whole row from
-    memory and sums it in a fixed order; the windows are the same values in every program), so runs repeat
-    bit for bit."""
-    pdl_wait(PDL)
-    R: tl.constexpr = HV // HK
-    QKD: tl.constexpr = HK * DK
-    j = tl.program_id(0)
-    h = j // R
-    offs_k = tl.arange(0, BLOCK_DK)
-    mk = offs_k < DK
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mv = cols < DV
-    o, qwin, kwin, vwin = _gdn_delta_tile(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr,
-                                          dt_bias_ptr, rec_state_ptr, l2_eps, scale, j, offs_k, mk, cols, mv,
-                                          HK, HV, DK, DV, KC)
-    tl.store(out_ptr + j * DV + cols, o, mask=mv)
-    _store_window(conv_state_ptr, vwin, 2 * QKD + j * DV + cols, mv, KC)
-    tl.debug_barrier()  # every thread's loads and stores precede the ticket (released at GPU scope)
-    ticket = tl.atomic_add(tickets_ptr + j, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(1) - 1:  # the last program of value head j: its gated RMSNorm
-        offs_v = tl.arange(0, BLOCK_DV)
-        mo = offs_v < DV
-        ov = tl.load(out_ptr + j * DV + offs_v, mask=mo, other=0.0, cache_modifier=".cg")
-        zz = tl.load(z_ptr + j * DV + offs_v, mask=mo, other=0.0).to(tl.float32)
-        norm_w = tl.load(norm_w_ptr + offs_v, mask=mo, other=0.0).to(tl.float32)
-        y = ov * (1.0 / tl.sqrt(tl.sum(ov * ov, axis=0) / DV + eps))
-        tl.store(out_ptr + j * DV + offs_v, norm_w * y * (zz * tl.sigmoid(zz)), mask=mo)
-        tl.atomic_xchg(tickets_ptr + j, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-        last = tl.atomic_add(tickets_ptr + HV + h, 1, sem="acq_rel", scope="gpu")
-        if last == R - 1:  # every value head of key head h is done: shift its q and k conv windows
-            _store_window(conv_state_ptr, qwin, h * DK + offs_k, mk, KC)
-            _store_window(conv_state_ptr, kwin, QKD + h * DK + offs_k, mk, KC)
-            tl.atomic_xchg(tickets_ptr + HV + h, 0, sem="relaxed", scope="gpu")
+    tl.store(o_raw_ptr + j * DV + cols, o, mask=mv)
 
 
 @triton.jit

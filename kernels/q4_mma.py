@@ -139,18 +139,13 @@ def rule_launch(m: int, n: int, k: int, group: int, target, pair: bool = False, 
                 bf16: bool = False) -> dict | None:
     """The launch ``target.rules["q4_mma"]`` gives a q4 matmul at m rows, or None where the kernel is not
     used (m past the rule's max_rows, or no configuration fits the shape and target). ``norm``: the input
-    normed in the kernel (its rstd in shared memory; at one row where the rule's ``one_row_norm`` says so,
-    with its one-row split; NP is then the producer's partial count, which the caller sets). ``bf16``: a
-    bf16 matmul under ``rules["bf16_mma"]`` (kernels/bf16_mma.py; ``group`` 32)."""
+    normed in the kernel (its rstd in shared memory). ``bf16``: a bf16 matmul under ``rules["bf16_mma"]``
+    (kernels/bf16_mma.py; ``group`` 32)."""
     r = target.rules["bf16_mma" if bf16 else "q4_mma"]
-    lowest = 1 if norm and r.one_row_norm else 2  # one row: the normed products, where the rule says so
-    if not lowest <= m <= r.max_rows or r.max_weight_bytes and n * k * (2 if bf16 else 0.5) > r.max_weight_bytes:
+    if not 2 <= m <= r.max_rows or r.max_weight_bytes and n * k * (2 if bf16 else 0.5) > r.max_weight_bytes:
         return None
     rb, ks0, stages = ((r.swiglu_rb, r.swiglu_ks, r.swiglu_stages) if pair and r.swiglu_rb
                        else (r.rb, r.ks, r.stages))
-    if m == 1:
-        rb, ks0, stages = (r.one_row_swiglu if pair and r.one_row_swiglu
-                           else (rb, ks0, r.one_row_stages or stages))
     blocks = -(-n // (16 * rb))
     options = []  # (CTAs per cluster, warps per row block, stages): KS at most the CTA's groups; the ring
     for st in dict.fromkeys((stages, 0)):  # where it fits (sm_80 and later, shared memory), else registers

@@ -110,7 +110,6 @@ class GdnDeltaRule(Rule):
     max_block_v: int
     block_v_div: int            # BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     num_warps: int
-    fuse_norm: bool = False     # the one-token step's gdn_delta + gdn_norm as one gdn_step launch (merge_gdn_norm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,9 +219,6 @@ class MmaRule(Rule):
     grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
     grouped_swiglu_stages: int = 0
     max_weight_bytes: int = 0   # matrices of more bytes than this (a pair: each weight) keep the Triton kernels (0: any)
-    one_row_norm: bool = False  # the one-token step's normed products (rmsnorm_matmul[_swiglu]) run it too, at one
-    one_row_stages: int = 0     # row: the split above with this ring (0: stages), the pair (RB, KS, STAGES) below
-    one_row_swiglu: tuple[int, ...] = ()  # (empty: the pair's split above)
 
 
 _TUNING = "bench/results/tuning/"
@@ -264,7 +260,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         # 8 warps at BLOCK_R 16 (acc_elems_per_warp 512): 12.6 / 15.7 / 20.0 / 28.8 us at 64 / 256 / 1000 / 4000
         # rows against 4 warps' 17.2 / 20.9 / 25.4 / 33.0 (call 2)
         provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json", _RESULTS + "stop27/call2/attn-rows.json")),
-    "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1, fuse_norm=True,
+    "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
                               provenance=(_RESULTS + "stop24/call2/summary.txt",)),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
@@ -326,11 +322,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # weight, where the fold's saved add_rmsnorm launches (0.8 ms at 27B) would not pay for the slower products.
     "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,
-                        # one row (stop 28 call 7, chained: in_proj 4.1 against the matvec's 5.1 us, gate + up 5.1
-                        # against 6.2; down 4.0 against 3.7, so the add products stay the Triton matvec)
-                        one_row_norm=True, one_row_stages=6, one_row_swiglu=(1, 8, 4),
                         provenance=(_RESULTS + "stop28/call1/bf16mma-sweep.json", _RESULTS + "stop28/call2/wide.json",
-                                    _RESULTS + "stop28/call7/m1.json",
                                     _RESULTS + "stop28/call2/ncu.csv",
                                     _RESULTS + "stop28/call1/spec-qwen3.5-27b-sm90-bf16-spec3.txt")),
     # the best of 22 tile / warp configurations at 4 projection shapes x M 128 / 512 x bf16 / q4

@@ -35,8 +35,8 @@ def test_round_trip_after_all_passes():
     text = print_program(compiled_program())
     assert print_program(parse_program(text)) == text
     for needle in ("target sm_90", "arena weights=", "dyn pos:i32 @dyn+0", "q4g128[", '<- ["q4",128,', " @act+",
-                   "dyn.pos, dyn.token = step_end", 'launch{kernel="gdn_step", grid=[4,4,1], num_warps=1, HK=2, HV=4, DK=32',
-                   "state scratch.gdn_tickets : i32[6]"):
+                   "dyn.pos, dyn.token = step_end", 'launch{kernel="gdn_delta", grid=[4,4,1], num_warps=1, HK=2, HV=4, DK=32',
+                   'launch{kernel="gdn_norm", grid=[4,1,1], num_warps=4, HV=4, DV=32'):
         assert needle in text
 
 

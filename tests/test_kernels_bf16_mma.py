@@ -95,16 +95,7 @@ def test_rule():
     at4 = bf16_mma.rule_launch(4, 6144, 1024, t)  # 0.8B in_proj
     assert at4 is not None and at4["constexprs"]["WBF16"] == 1 and at4["constexprs"]["GROUP"] == 32
     assert q4_mma.shared_bytes(at4["constexprs"]) <= t.smem_optin
-    assert bf16_mma.rule_launch(1, 6144, 1024, t) is None  # the one-token step's plain products keep the matvec
-    # ... its normed ones run the kernel (one_row_norm): RB 1 x KS 8 with the one-row ring, the pair its own split
-    one = bf16_mma.rule_launch(1, 6144, 1024, t, norm=True)["constexprs"]
-    assert (one["M"], one["RB"], one["KS"], one["STAGES"], one["NORM"]) == (1, r.rb, r.ks, r.one_row_stages, 1)
-    pair = bf16_mma.rule_launch(1, 3584, 1024, t, pair=True, norm=True)["constexprs"]
-    assert (pair["RB"], pair["KS"], pair["STAGES"]) == r.one_row_swiglu
-    assert bf16_mma.rule_launch(1, 5120, 6144, t, norm=True) is None  # 27B: the matvec
-    assert q4_mma.rule_launch(1, 6144, 1024, 128, t, norm=True) is None  # q4 at one row: the matvec
-    off = dataclasses.replace(t, rules={**t.rules, "bf16_mma": dataclasses.replace(r, one_row_norm=False)})
-    assert bf16_mma.rule_launch(1, 6144, 1024, off, norm=True) is None
+    assert bf16_mma.rule_launch(1, 6144, 1024, t) is None  # the one-token step keeps the matvec
     assert bf16_mma.rule_launch(r.max_rows + 1, 6144, 1024, t) is None
     assert bf16_mma.rule_launch(4, 6152, 1024, t) is None  # N not a multiple of 16
     # the 27B matrices keep the few-rows matvec (faster there: the rule's provenance); each weight counts

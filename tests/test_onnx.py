@@ -126,12 +126,20 @@ def test_onnx_step_passes_checker_and_strict_shape_inference(exported):
 
 
 def _with_gdn_step(prog):
-    """The fused program with each gdn_delta + gdn_norm pair merged into one gdn_step (what merge_gdn_norm makes
-    for GPU targets; its CPU reference composes the same single-op references)."""
+    """The fused program with each gdn_delta + gdn_norm pair merged into one gdn_step (valid IR that
+    fuse does not emit; its CPU reference composes the same single-op references)."""
+    from kestrel.compiler.ir import Op
     from kestrel.compiler.ops import verify
-    from kestrel.passes.merge_gdn_norm import merge_pairs
 
-    assert merge_pairs(prog)
+    ops = list(prog.ops)
+    for delta in [op for op in ops if op.kind == "gdn_delta"]:
+        norm = next(op for op in ops if op.kind == "gdn_norm" and op.ins[0] is delta.outs[0])
+        qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec = delta.ins
+        _, z, _, norm_w, _ = norm.ins
+        ops[ops.index(norm)] = Op("gdn_step", norm.outs, [qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w,
+                                                          rec], {"eps": norm.attrs["eps"], **delta.attrs})
+        ops.remove(delta)
+    prog.ops = ops
     verify(prog)
     return prog
 

@@ -60,36 +60,36 @@ def _tiny_next_programs():
     return one, *(run_passes(lower(cfg, 64, rows=r), PassOptions("sm_90", "q4", shares_arena_with=one)) for r in (8, 16))
 
 
-def _with_rule(programs, family: str, **fields):
-    """``programs()`` built with fields of the sm_90 rule row ``family`` replaced (kernels/targets.py)."""
+def _without_q4_mma(programs):
+    """``programs()`` built with the tensor-core q4 kernel turned off (kernels/q4_mma.py): the few-rows q4
+    matvecs and grouped kernels it replaces, still the fallback where it does not fit."""
     import dataclasses
 
     from kestrel.kernels.targets import TARGETS
 
     t = TARGETS["sm_90"]
-    TARGETS["sm_90"] = dataclasses.replace(t, rules={**t.rules, family: dataclasses.replace(t.rules[family], **fields)})
+    TARGETS["sm_90"] = dataclasses.replace(t, rules={**t.rules, "q4_mma": dataclasses.replace(
+        t.rules["q4_mma"], max_rows=0, grouped_rows=0)})
     try:
         return programs()
     finally:
         TARGETS["sm_90"] = t
 
 
-def _without_q4_mma(programs):
-    """``programs()`` built with the tensor-core q4 kernel turned off (kernels/q4_mma.py): the few-rows q4
-    matvecs and grouped kernels it replaces, still the fallback where it does not fit."""
-    return _with_rule(programs, "q4_mma", max_rows=0, grouped_rows=0)
-
-
 def _without_bf16_fold(programs):
     """``programs()`` built with the bf16 tensor-core kernel's folding turned off (passes/fold_row_norms.py):
     its plain and gate / up forms, which the fold otherwise replaces in the tiny programs."""
-    return _with_rule(programs, "bf16_mma", fold_norms=False)
+    import dataclasses
 
+    from kestrel.kernels.targets import TARGETS
 
-def _without_gdn_merge(programs):
-    """``programs()`` built with the one-launch Gated DeltaNet step turned off (passes/merge_gdn_norm.py): the
-    gdn_delta + gdn_norm pair it replaces."""
-    return _with_rule(programs, "gdn_delta", fuse_norm=False)
+    t = TARGETS["sm_90"]
+    TARGETS["sm_90"] = dataclasses.replace(t, rules={**t.rules, "bf16_mma": dataclasses.replace(
+        t.rules["bf16_mma"], fold_norms=False)})
+    try:
+        return programs()
+    finally:
+        TARGETS["sm_90"] = t
 
 
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
@@ -98,8 +98,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), _tiny_gpu_program(rows=32),
                  _tiny_gpu_program(rows=4, quant="bf16"), *_tiny_speculative_programs(), *_tiny_next_programs(),
                  *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs())),
-                 *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),)),
-                 *_without_gdn_merge(lambda: (_tiny_gpu_program(),))):
+                 *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),))):
         for op in prog.ops:
             if is_view(op):
                 continue
