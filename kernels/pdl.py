@@ -16,7 +16,9 @@ chain waits before it reads or writes step data, so kernel i + 1 finishing
 implies kernel i finished: the chain keeps the full order of a plain graph (and the same bytes);
 what PDL removes is the launch gap between nodes (measured on the H200: bench/results/stop19). An L2
 prefetch of each matvec CTA's first weight bytes before the wait was measured too and lost (27B q4
-5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB), so no kernel reads before it.
+5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB), so no kernel reads before it; so did a
+prefetch branch beside the chain (bulk L2 prefetches of the next products' weights, stop 29 call 1: 0.8B
+bf16 0.741 -> 0.770-0.898 ms a step, 27B q4 5.48 -> 5.53-5.78).
 
 Whether a step graph keeps programmatic edges is decided at load by timing (runtime/gpu.py): on the
 H200 they cut 0.8B's step by 7-13%, 2B bf16's by 6% and 27B q4's by 3.6%, and cost 2B q4, 4B, 9B
