@@ -149,6 +149,9 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     while it leaves a tail, with fewer it is not (a masked last tile measured faster than shorter tiles:
     27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048).
 
+    PRELOAD ([true]): each program loads its first weight tile before its PDL wait (weights are never
+    written by the step), so those bytes stream while the kernel before it finishes (stop 29).
+
     PDL_LATE (programmatic dependent launch, kernels/pdl.py): from pdl_late_bytes [32 MiB] of weight the
     kernel lets the next one launch after its K loop, not at its start: on the H200 the 27B q4 step's
     programmatic graph took 6.01 ms with every matvec triggering at its start (the next kernel's
@@ -187,7 +190,8 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
         num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                           "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes}}
+                           "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
+                           "PRELOAD": r.preload}}
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -281,9 +285,32 @@ def _q4_words_interpreted(words, xh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def _tile_weights(w_ptr, rows, k0, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """The weight tile of rows ``rows`` and inputs [k0, k0 + BLOCK_K) as ``_matvec_tile`` multiplies it: q4
+    (GROUP > 0), the int32 words [BLOCK_N, BLOCK_K / 8] (words past K read as 0); else the elements (past K:
+    0). It reads nothing a kernel of the step writes, so a kernel may load it before its PDL wait."""
+    if GROUP > 0:
+        j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
+        if MASKED:  # inputs past K: x = 0, so their products are 0 whatever the word holds
+            w = tl.load(wp, mask=(j < K // 8)[None, :], other=0)
+        else:
+            w = tl.load(wp)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        wp = w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
+        if MASKED:
+            w = tl.load(wp, mask=(ks < K)[None, :], other=0.0)
+        else:
+            w = tl.load(wp)
+    return w
+
+
+@triton.jit
 def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                 MASKED: tl.constexpr, NORM: tl.constexpr):
+                 MASKED: tl.constexpr, NORM: tl.constexpr, w_tile=None):
     """(partial products, x^2): partial products of rows ``rows`` (clamped, in
     bounds) with inputs [k0, k0 + BLOCK_K): fp32 [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK
     inputs, a thread's 16-byte load (32 inputs for q4, 8 bf16, 4 f32). MASKED: the tile runs past K
@@ -315,12 +342,10 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
         # (the scales are loaded after the products, below: one helper loading words and scales together,
         # shared with _rows_tile, made the 27B q4 step 5% slower on the H200, 5.84 against 5.55 ms/token,
         # bench/results/stop22 calls 9-10)
-        j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
-        if MASKED:  # inputs past K: x = 0, so their products are 0 whatever the word holds
-            words = tl.load(wp, mask=(j < K // 8)[None, :], other=0)
-        else:
-            words = tl.load(wp)
+        if w_tile is None:
+            words = _tile_weights(w_ptr, rows, k0, K, GROUP, BLOCK_K, MASKED)
+        else:  # loaded by the caller (before its PDL wait: ``_matvec_rows``' PRELOAD)
+            words = w_tile
         xq = xv * (1.0 / 64.0)  # Q4_X_SCALE
         if _INTERPRET:
             d = _q4_words_interpreted(words, xq.to(tl.float16), BLOCK_N, BLOCK_K)
@@ -348,23 +373,34 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
             scale = tl.load(sp + (c * 32 // GROUP)[None, :])
         return part * scale.to(tl.float32), ssq
     else:
-        wp = w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
-        if MASKED:
-            w = tl.load(wp, mask=(ks < K)[None, :], other=0.0)
+        if w_tile is None:
+            w = _tile_weights(w_ptr, rows, k0, K, GROUP, BLOCK_K, MASKED)
         else:
-            w = tl.load(wp)
+            w = w_tile
         prod = w.to(tl.float32) * xv[None, :]
         return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), axis=2), ssq
 
 
 @triton.jit
+def _first_tile(w_ptr, rows, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
+    """The first weight tile ``_matvec_rows`` multiplies (inputs [0, BLOCK_K), masked when K < BLOCK_K), loaded
+    now where PRELOAD (the kernels call it before their PDL wait), else None."""
+    if PRELOAD:
+        w = _tile_weights(w_ptr, rows, 0, K, GROUP, BLOCK_K, K < BLOCK_K)
+    else:
+        w = None
+    return w
+
+
+@triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, eps=0.0,
-                 NORM: tl.constexpr = 0):
+                 NORM: tl.constexpr = 0, w0=None):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
     ``rows`` must be in bounds (the callers clamp them). NORM: rmsnorm(x)[k] = x[k] * rstd * (1 + nw[k])
     in place of x[k] (_matvec_tile; NORM_AFTER: the rstd of the sum of x^2 over the tiles, applied to
-    the row sums)."""
+    the row sums). ``w0``: the first tile, already loaded (``_first_tile``); the same products in the same
+    order either way."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
@@ -381,12 +417,20 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     K_FULL: tl.constexpr = K - K % BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     ssq = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
+    if w0 is None:  # the loop's first tile
+        START: tl.constexpr = 0
+    else:  # the tile after w0
+        START: tl.constexpr = BLOCK_K
+        part, t = _matvec_tile(x_ptr, w_ptr, rows, 0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
+                               K < BLOCK_K, NORM, w0)
+        acc += part
+        ssq += t
+    for k0 in tl.range(START, K_FULL, BLOCK_K, num_stages=STAGES):
         part, t = _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
                                False, NORM)
         acc += part
         ssq += t
-    if K_FULL < K:
+    if K_FULL < K and K_FULL >= START:
         part, t = _matvec_tile(x_ptr, w_ptr, rows, K_FULL, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
                                True, NORM)
         acc += part
@@ -402,13 +446,15 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
 @triton.jit
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                  PDL_LATE: tl.constexpr = False):
+                  PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
-    programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles."""
-    pdl_wait(PDL, not PDL_LATE)
+    programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. PRELOAD: the first weight tile
+    is loaded before the PDL wait (``matvec_launch``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
+    w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    pdl_wait(PDL, not PDL_LATE)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -418,15 +464,16 @@ def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: 
 def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False,
-                         PDL_LATE: tl.constexpr = False):
+                         PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
     the same split: each program computes BLOCK_N rows of both products, gate then up. (One K loop
     streaming both weights' tiles together was measured for q4 and lost: 27B q4 5.56 ms/token against
-    5.42, bench/results/stop19.)"""
-    pdl_wait(PDL, not PDL_LATE)
+    5.42, bench/results/stop19.) PRELOAD: the gate's first tile before the PDL wait."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
+    w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, PRELOAD)
+    pdl_wait(PDL, not PDL_LATE)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
@@ -507,12 +554,14 @@ def _partials_rstd(ss_ptr, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.co
 @triton.jit
 def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.constexpr, K: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                      PDL_LATE: tl.constexpr = False):
+                      PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """s = r + W @ x (matvec_kernel's product, the same split) and ss[program] = the sum of s^2 over
-    the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read)."""
-    pdl_wait(PDL, not PDL_LATE)
+    the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read). PRELOAD as
+    matvec_kernel's."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K)
+    w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    pdl_wait(PDL, not PDL_LATE)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     live = rows < N
@@ -525,15 +574,17 @@ def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.co
 def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, K: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
                           BLOCK_P: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
-                          PDL_LATE: tl.constexpr = False):
+                          PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
-    (matvec_add_kernel's); matvec_kernel's split."""
+    (matvec_add_kernel's); matvec_kernel's split and PRELOAD."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
     pdl_wait(PDL, not PDL_LATE)
     rstd = 1.0
     if NORM == NORM_PARTIALS:
         rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM,
+                     w0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -544,16 +595,17 @@ def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, e
                                  K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
                                  PDL: tl.constexpr = False,
-                                 PDL_LATE: tl.constexpr = False):
-    """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split of
-    matvec_swiglu_kernel."""
+                                 PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+    """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split and
+    PRELOAD of matvec_swiglu_kernel."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1)
+    w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, PRELOAD)
     pdl_wait(PDL, not PDL_LATE)
     rstd = 1.0
     if NORM == NORM_PARTIALS:
         rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_in = tl.minimum(rows, N - 1)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, w0)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
@@ -619,7 +671,7 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
     bit for bit (the same tiles, products and reduction order)."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = dict(launch["constexprs"])
-    del c["PDL_LATE"]
+    del c["PDL_LATE"], c["PRELOAD"]
     num_warps = launch["num_warps"]
     rr = target.rules["matvec_rows"]
     r = target.rules["matvec"]

@@ -52,6 +52,7 @@ class MatvecRule(Rule):
     rows_per_warp: int          # large: one warp per this many rows
     max_warps: int
     pdl_late_bytes: int = 32 << 20  # PDL_LATE (the next kernel launches after the K loop, not at the start)
+    preload: bool = True  # PRELOAD: the first weight tile loaded before the PDL wait
     #                                 from this many weight bytes
 
 

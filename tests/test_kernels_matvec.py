@@ -111,7 +111,7 @@ def test_launch_rule_real_shapes(target, group):
     for name, (n, k) in REAL_SHAPES.items():
         c = matvec_launch(n, k, group, t)
         e = c["constexprs"]
-        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PDL_LATE"}
+        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PDL_LATE", "PRELOAD"}
         assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
         assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]
         assert c["grid"][0] >= 2 * t.sms, f"{name}: {c['grid'][0]} CTAs for {t.sms} SMs"
