@@ -149,8 +149,13 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     while it leaves a tail, with fewer it is not (a masked last tile measured faster than shorter tiles:
     27B down_proj, K = 17408, 1.10x slower at 1024 than at 2048).
 
-    PRELOAD ([true]): each program loads its first weight tile before its PDL wait (weights are never
-    written by the step), so those bytes stream while the kernel before it finishes (stop 29).
+    PRELOAD: each program loads its first weight tile before its PDL wait (no kernel of the step writes a
+    weight), so those bytes stream while the kernel before it finishes: bf16 / f32 matrices below
+    preload_bytes [32 MiB] (the latency-bound small ones, where a program's tile is most of its slice).
+    H200, same call, kestrel-run --bench (bench/results/stop29 call 3): 0.8B bf16 0.756 -> 0.734 ms/token;
+    every matrix preloading, 27B bf16 lost 0.7% (13.34 -> 13.43), 27B q4 gained 0.5% (5.475 -> 5.447) and
+    0.8B q4 lost (its programmatic graph 0.528 -> 0.578 ms, so the load-time trial kept plain edges: 0.622), so
+    q4 never preloads.
 
     PDL_LATE (programmatic dependent launch, kernels/pdl.py): from pdl_late_bytes [32 MiB] of weight the
     kernel lets the next one launch after its K loop, not at its start: on the H200 the 27B q4 step's
@@ -191,7 +196,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
-                           "PRELOAD": r.preload}}
+                           "PRELOAD": not group and n * k * 2 < r.preload_bytes}}
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
