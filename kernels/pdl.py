@@ -12,11 +12,12 @@ may start while kernel i is still running, once every program of kernel i has pa
 Where a kernel lets the next one launch is its choice: at its start (most kernels: one wave, or few
 programs), or after its main loop (``pdl_launch``; the matvec family when its launch rule says
 ``PDL_LATE``: measured against the start on the H200, bench/results/stop20). Every kernel of the
-chain waits before it reads or writes step data, so kernel i + 1 finishing
-implies kernel i finished: the chain keeps the full order of a plain graph (and the same bytes);
-what PDL removes is the launch gap between nodes (measured on the H200: bench/results/stop19). An L2
-prefetch of each matvec CTA's first weight bytes before the wait was measured too and lost (27B q4
-5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB), so no kernel reads before it; so did a
+chain waits before it reads or writes step data, so kernel i + 1 finishing implies kernel i finished: the
+chain keeps the full order of a plain graph (and the same bytes); what PDL removes is the launch gap between
+nodes (measured on the H200: bench/results/stop19). Weights are not step data (no kernel of the step writes
+one): the small bf16 matvecs load their first weight tile before the wait (kernels/matvec.py PRELOAD; 0.8B
+bf16 0.757 -> 0.739 ms/token, stop 29). An L2 prefetch of each matvec CTA's first weight bytes before the wait
+lost (27B q4 5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB); so did a
 prefetch branch beside the chain (bulk L2 prefetches of the next products' weights, stop 29 call 1: 0.8B
 bf16 0.741 -> 0.770-0.898 ms a step, 27B q4 5.48 -> 5.53-5.78).
 
