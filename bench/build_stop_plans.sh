@@ -5,7 +5,8 @@
 #     0.8b-q4-m8 next80-q4 next80-q4-m512 next4-bf16-spec3 next80-q4-spec3 27b-q4-spec3 27b-bf16-spec3
 #     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist wide4-q4-m4
 #     tiny-mtp-bf16-spec3 0.8b-bf16-m4 wide4-bf16-m4 27b-bf16-spec3-nomma 27b4-bf16-spec3
-#     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma 0.8b-bf16-nopre 27b-q4 27b-bf16
+#     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma 0.8b-bf16-nopre 27b-q4 27b-bf16 0.8b-bf16-gdnnopre 0.8b-q4-gdnnopre
+#     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -52,6 +53,11 @@ for p in "$@"; do
     0.8b-bf16-spec3-nomma) python3 bench/build_variant.py bf16_mma.max_rows=0 -- qwen3.5-0.8b $R --quant bf16 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-0.8b-sm90-bf16-spec3-nomma.plan ;;
     27b4-bf16-spec3) kestrelc build "$(l27b4)" $R --quant bf16 --speculative mtp --draft-tokens 3 --draft-quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-bf16-spec3.plan ;;
     0.8b-bf16-nopre) python3 bench/build_variant.py matvec.preload_bytes=0 -- qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16-nopre.plan ;;
+    0.8b-bf16-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16-gdnnopre.plan ;;
+    0.8b-q4-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3.5-0.8b $R --quant q4 -o bench/plans/qwen3.5-0.8b-sm90-q4-gdnnopre.plan ;;
+    27b-q4-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-gdnnopre.plan ;;
+    next80-q4-decode) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode.plan ;;
+    next80-q4-decode-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-gdnnopre.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
     27b-bf16) kestrelc build qwen3.5-27b $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-bf16.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;

@@ -230,7 +230,8 @@ def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dic
     bdk = pow2_at_least(dk)
     block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
     return {"grid": [hv, -(-dv // block_v), 1], "num_warps": r.num_warps,
-            "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "BLOCK_DK": bdk, "BLOCK_V": block_v}}
+            "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "BLOCK_DK": bdk, "BLOCK_V": block_v,
+                           "PRELOAD": r.preload}}
 
 
 def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
@@ -298,23 +299,39 @@ def gdn_rows_norm_launch(rows: int, width: int, hv: int, dv: int, channels: int,
 
 
 @triton.jit
+def _conv_taps(conv_state_ptr, conv_w_ptr, ch, ch_mask, KC: tl.constexpr):
+    """What the conv of channels ``ch`` reads besides the new input: (the state window [BLOCK, KCP], its
+    column KC - 1 (the input's) zero, and the conv weights [BLOCK, KCP]); see ``_conv_window``."""
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    tl.static_assert(KC <= 16)
+    i = tl.arange(0, KCP)[None, :]
+    c = ch[:, None]
+    m = ch_mask[:, None]
+    st = tl.load(conv_state_ptr + c * (KC - 1) + i, mask=m & (i < KC - 1), other=0.0).to(tl.float32)
+    w = tl.load(conv_w_ptr + c * KC + i, mask=m & (i < KC), other=0.0).to(tl.float32)
+    return st, w
+
+
+@triton.jit
+def _conv_apply(qkv_ptr, st, w, ch, ch_mask, KC: tl.constexpr):
+    """The conv of ``_conv_window`` from ``_conv_taps``' state and weights and the input x read now."""
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    i = tl.arange(0, KCP)[None, :]
+    x = tl.load(qkv_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
+    window = tl.where(i == KC - 1, x[:, None], st)
+    acc = tl.sum(window * w, axis=1)
+    return acc * tl.sigmoid(acc), window
+
+
+@triton.jit
 def _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, ch, ch_mask, KC: tl.constexpr):
     """Depthwise causal conv of channels ``ch`` over [state | x], then SiLU.
 
     Returns (silu(conv) [BLOCK], window [BLOCK, KCP]); window[:, i] is the state column i for
     i < KC - 1 and the raw input x for i == KC - 1 (zero past KC). Nothing is written here: the
     caller stores window[:, 1:KC] as the new state, after a CTA barrier (see ``_store_window``)."""
-    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
-    tl.static_assert(KC <= 16)
-    i = tl.arange(0, KCP)[None, :]
-    c = ch[:, None]
-    m = ch_mask[:, None]
-    x = tl.load(qkv_ptr + ch, mask=ch_mask, other=0.0).to(tl.float32)
-    st = tl.load(conv_state_ptr + c * (KC - 1) + i, mask=m & (i < KC - 1), other=0.0).to(tl.float32)
-    window = tl.where(i == KC - 1, x[:, None], st)
-    w = tl.load(conv_w_ptr + c * KC + i, mask=m & (i < KC), other=0.0).to(tl.float32)
-    acc = tl.sum(window * w, axis=1)
-    return acc * tl.sigmoid(acc), window
+    st, w = _conv_taps(conv_state_ptr, conv_w_ptr, ch, ch_mask, KC)
+    return _conv_apply(qkv_ptr, st, w, ch, ch_mask, KC)
 
 
 @triton.jit
@@ -330,7 +347,8 @@ def _store_window(conv_state_ptr, window, ch, ch_mask, KC: tl.constexpr):
 def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr,
                      o_raw_ptr, l2_eps, scale,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
-                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
+                     PRELOAD: tl.constexpr = False):
     """``gdn_delta_ref``: conv1d + SiLU over [conv state | x] (the state is only read), L2 norms of q
     and k, gates, delta rule on the fp32 state [HV, DK, DV] (in place); writes o_raw = S^T q.
 
@@ -340,8 +358,14 @@ def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_pt
     independent per column (kv_mem[v] = sum_k S[k, v] k[k]), so no program reads what another
     writes. Each program recomputes q and k of its key head j // (HV / HK) (2 * DK channels x KC
     taps, L2 hits) and the BLOCK_V channels of v it needs. The conv state is shifted later by
-    ``gdn_norm_kernel``. Fixed reduction order: results do not depend on scheduling."""
-    pdl_wait(PDL)
+    ``gdn_norm_kernel``. Fixed reduction order: results do not depend on scheduling.
+
+    PRELOAD: before its PDL wait (kernels/pdl.py) a program loads what no kernel still running can write: its
+    state tile and the conv windows' state (written by this layer's kernels of the previous step, which has
+    ended), the conv weights, A_log and dt_bias; after it, the projections (qkv, a, b) the kernel before
+    wrote. Else it waits first."""
+    if not PRELOAD:
+        pdl_wait(PDL)
     R: tl.constexpr = HV // HK
     QKD: tl.constexpr = HK * DK
     j = tl.program_id(0)
@@ -354,17 +378,25 @@ def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_pt
     tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
     tile_mask = mk[:, None] & mv[None, :]
     s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0)
+    ch_q, ch_k, ch_v = h * DK + offs_k, QKD + h * DK + offs_k, 2 * QKD + j * DV + cols
+    st_q, w_q = _conv_taps(conv_state_ptr, conv_w_ptr, ch_q, mk, KC)
+    st_k, w_k = _conv_taps(conv_state_ptr, conv_w_ptr, ch_k, mk, KC)
+    st_v, w_v = _conv_taps(conv_state_ptr, conv_w_ptr, ch_v, mv, KC)
+    dt_bias = tl.load(dt_bias_ptr + j).to(tl.float32)
+    neg_a = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32))
+    if PRELOAD:
+        pdl_wait(PDL)
 
-    q, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, h * DK + offs_k, mk, KC)
-    k, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, QKD + h * DK + offs_k, mk, KC)
-    v, _ = _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, 2 * QKD + j * DV + cols, mv, KC)
+    q, _ = _conv_apply(qkv_ptr, st_q, w_q, ch_q, mk, KC)
+    k, _ = _conv_apply(qkv_ptr, st_k, w_k, ch_k, mk, KC)
+    v, _ = _conv_apply(qkv_ptr, st_v, w_v, ch_v, mv, KC)
     q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + l2_eps)) * scale
     k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps))
 
     # gates: g = -exp(A_log) * softplus(a + dt_bias) (torch threshold 20), beta = sigmoid(b)
-    x = tl.load(a_ptr + j).to(tl.float32) + tl.load(dt_bias_ptr + j).to(tl.float32)
+    x = tl.load(a_ptr + j).to(tl.float32) + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32)) * softplus
+    g = neg_a * softplus
     beta = tl.sigmoid(tl.load(b_ptr + j).to(tl.float32))
 
     # delta rule on the column block: S = S * exp(g); S += k (outer) beta * (v - S^T k); o = S^T q

@@ -112,6 +112,7 @@ class GdnDeltaRule(Rule):
     max_block_v: int
     block_v_div: int            # BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     num_warps: int
+    preload: bool = True        # PRELOAD: the state tile, conv state and weights loaded before the PDL wait
 
 
 @dataclass(frozen=True, kw_only=True)
