@@ -742,12 +742,7 @@ def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: 
     zero = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     p1, p2, p3 = zero, zero, zero
     if GROUP > 0:
-        j = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        wp = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (K // 8) + j[None, :]
-        if MASKED:  # inputs past K: x = 0, so their products are 0 whatever the word holds
-            words = tl.load(wp, mask=(j < K // 8)[None, :], other=0)
-        else:
-            words = tl.load(wp)
+        words = _tile_weights(w_ptr, rows, k0, K, GROUP, BLOCK_K, MASKED)
         c = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         sp = (w_ptr + N * K // 2).to(tl.pointer_type(tl.float16)) + rows.to(tl.int64)[:, None] * (K // GROUP)
         if MASKED:
@@ -795,11 +790,7 @@ def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: 
         if R > 3:
             p3 = tl.sum(tl.reshape(d3, [BLOCK_N, BLOCK_K // 32, 4]), axis=2) * scale
     else:
-        wp = w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
-        if MASKED:
-            w = tl.load(wp, mask=(ks < K)[None, :], other=0.0).to(tl.float32)
-        else:
-            w = tl.load(wp).to(tl.float32)
+        w = _tile_weights(w_ptr, rows, k0, K, GROUP, BLOCK_K, MASKED).to(tl.float32)
         p0 = _fp_part(w, x0, BLOCK_N, BLOCK_K, CHUNK)
         if R > 1:
             p1 = _fp_part(w, x1, BLOCK_N, BLOCK_K, CHUNK)
