@@ -238,7 +238,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
-        provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json")),
+        provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
+                    _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;
@@ -264,7 +265,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         # rows against 4 warps' 17.2 / 20.9 / 25.4 / 33.0 (call 2)
         provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json", _RESULTS + "stop27/call2/attn-rows.json")),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
-                              provenance=(_RESULTS + "stop24/call2/summary.txt",)),
+                              provenance=(_RESULTS + "stop24/call2/summary.txt", _RESULTS + "stop29/call5/log.txt")),
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
                             num_warps=1, chunk_block_v=16, chunk_num_warps=8, norm_block_m=16, norm_num_warps=4,
