@@ -25,6 +25,7 @@ import statistics
 import sys
 
 THREADS = 512
+XCH = 4  # x chunks of 8 inputs a lane holds: K is cut into slices of 32 XCH chunks, one per warp of a row group
 LAYER = [(6144, 1024), (1024, 2048), (7168, 1024), (1024, 3584)]  # (N, K): the 0.8B bf16 step's products
 LAYERS = int(os.environ.get("KESTREL_PROBE_LAYERS", "24"))
 SMS = 132  # H200; the device run checks it
@@ -103,27 +104,35 @@ ENTRY(const unsigned long long* __restrict__ table, unsigned* __restrict__ bar, 
     STAMP(p, 2);
     c0_ = clock64();
     const uint4* w = (const uint4*)(smem + (PERSIST && (p & 1) ? BUF_A : 0));
-    // units (row, K slice): S slices a row where the CTA has fewer rows than warps, so that every warp works; warp
-    // w takes units w, w + WARPS, ...; lane l of a unit the 8 inputs at 8 j, j = its slice's l, l + 32, ...
-    const int S = rows >= WARPS ? 1 : WARPS / max(rows, 1), J = k / 8, js = J / S;
+    // warp w: K slice sl = w % S of the row group w / S (rows w / S, w / S + WARPS / S, ...); a lane holds its
+    // slice's x chunks (8 inputs at 8 j, j = sl * js + lane + 32 i) in registers for all its rows
+    const int J = k / 8, S = (J + 32 * XCH - 1) / (32 * XCH), js = J / S, sl = warp % S, rg = WARPS / S;
     float* red = (float*)(smem + RED_OFF);
-    for (int u = warp; u < rows * S; u += WARPS) {
-      const int r = u / S, sl = u % S;
+    float4 xa[XCH], xb[XCH];
+#pragma unroll
+    for (int i = 0; i < XCH; ++i) {
+      const int j = sl * js + lane + 32 * i;
+      if (j < (sl + 1) * js) { xa[i] = xs[2 * j]; xb[i] = xs[2 * j + 1]; }
+      else { xa[i] = make_float4(0.f, 0.f, 0.f, 0.f); xb[i] = xa[i]; }
+    }
+    for (int r = warp / S; r < rows; r += rg) {
       const uint4* wr = w + (size_t)r * J;
       float a0 = 0.f, a1 = 0.f;
-#pragma unroll 4
-      for (int j = sl * js + lane; j < (sl + 1) * js; j += 32) {
-        const float4 xa = xs[2 * j], xb = xs[2 * j + 1];
-        const uint4 q = wr[j];
-        // bf16 pairs: the low half is the even input (its bits << 16 are the f32), the high half the odd
-        a0 = fmaf(__uint_as_float(q.x << 16), xa.x, a0); a1 = fmaf(__uint_as_float(q.x & 0xffff0000u), xa.y, a1);
-        a0 = fmaf(__uint_as_float(q.y << 16), xa.z, a0); a1 = fmaf(__uint_as_float(q.y & 0xffff0000u), xa.w, a1);
-        a0 = fmaf(__uint_as_float(q.z << 16), xb.x, a0); a1 = fmaf(__uint_as_float(q.z & 0xffff0000u), xb.y, a1);
-        a0 = fmaf(__uint_as_float(q.w << 16), xb.z, a0); a1 = fmaf(__uint_as_float(q.w & 0xffff0000u), xb.w, a1);
+#pragma unroll
+      for (int i = 0; i < XCH; ++i) {
+        const int j = sl * js + lane + 32 * i;
+        if (j < (sl + 1) * js) {
+          const uint4 q = wr[j];
+          // bf16 pairs: the low half is the even input (its bits << 16 are the f32), the high half the odd
+          a0 = fmaf(__uint_as_float(q.x << 16), xa[i].x, a0); a1 = fmaf(__uint_as_float(q.x & 0xffff0000u), xa[i].y, a1);
+          a0 = fmaf(__uint_as_float(q.y << 16), xa[i].z, a0); a1 = fmaf(__uint_as_float(q.y & 0xffff0000u), xa[i].w, a1);
+          a0 = fmaf(__uint_as_float(q.z << 16), xb[i].x, a0); a1 = fmaf(__uint_as_float(q.z & 0xffff0000u), xb[i].y, a1);
+          a0 = fmaf(__uint_as_float(q.w << 16), xb[i].z, a0); a1 = fmaf(__uint_as_float(q.w & 0xffff0000u), xb[i].w, a1);
+        }
       }
       float v = a0 + a1;
       for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[u] = v;
+      if (lane == 0) red[r * S + sl] = v;
     }
     __syncthreads();
     for (int r = tid; r < rows; r += THREADS) {  // the slices in order
@@ -150,14 +159,14 @@ def phase_bytes(n: int, k: int, sms: int) -> int:
 
 def consts(persist: bool, pdl: bool, flag: int, sms: int, stamps: bool = False) -> dict:
     return {"THREADS": THREADS, "PERSIST": int(persist), "PDL": int(pdl), "FLAG": flag if persist else 0,
-            "MIN_CTAS": 1 if persist else max(1, flag), "STAMPS": int(stamps),
+            "MIN_CTAS": 1 if persist else max(1, flag), "STAMPS": int(stamps), "XCH": XCH,
             "BUF_A": max(phase_bytes(n, k, sms) for n, k in LAYER[0::2]),
             "BUF_B": max(phase_bytes(n, k, sms) for n, k in LAYER[1::2])}
 
 
 def shared_bytes(c: dict, n: int = 0, k: int = 0, sms: int = SMS) -> int:
     """Persistent: both weight slots and the widest x; chained: the launch's own product and its x."""
-    red = 4 * max(THREADS // 32, max(-(-n // sms) for n, _ in LAYER))  # the units' sums
+    red = 4 * 16 * max(-(-n // sms) for n, _ in LAYER)  # each row's slice sums (at most 16 slices)
     if c["PERSIST"]:
         return c["BUF_A"] + c["BUF_B"] + 4 * max(k for _, k in LAYER) + red
     return phase_bytes(n, k, sms) + 4 * k + red
