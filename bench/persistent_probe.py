@@ -25,6 +25,7 @@ import statistics
 import sys
 
 THREADS = 512
+RB = 4  # rows a warp multiplies at once (independent FMA chains and shuffles)
 XCH = 4  # x chunks of 8 inputs a lane holds: K is cut into slices of 32 XCH chunks, one per warp of a row group
 LAYER = [(6144, 1024), (1024, 2048), (7168, 1024), (1024, 3584)]  # (N, K): the 0.8B bf16 step's products
 LAYERS = int(os.environ.get("KESTREL_PROBE_LAYERS", "24"))
@@ -115,24 +116,40 @@ ENTRY(const unsigned long long* __restrict__ table, unsigned* __restrict__ bar, 
       if (j < (sl + 1) * js) { xa[i] = xs[2 * j]; xb[i] = xs[2 * j + 1]; }
       else { xa[i] = make_float4(0.f, 0.f, 0.f, 0.f); xb[i] = xa[i]; }
     }
-    for (int r = warp / S; r < rows; r += rg) {
-      const uint4* wr = w + (size_t)r * J;
-      float a0 = 0.f, a1 = 0.f;
+    for (int r = warp / S; r < rows; r += RB * rg) {  // RB rows at once (rows r, r + rg, ...): independent chains
+      float a[RB][2];
+#pragma unroll
+      for (int q = 0; q < RB; ++q) a[q][0] = a[q][1] = 0.f;
 #pragma unroll
       for (int i = 0; i < XCH; ++i) {
         const int j = sl * js + lane + 32 * i;
         if (j < (sl + 1) * js) {
-          const uint4 q = wr[j];
-          // bf16 pairs: the low half is the even input (its bits << 16 are the f32), the high half the odd
-          a0 = fmaf(__uint_as_float(q.x << 16), xa[i].x, a0); a1 = fmaf(__uint_as_float(q.x & 0xffff0000u), xa[i].y, a1);
-          a0 = fmaf(__uint_as_float(q.y << 16), xa[i].z, a0); a1 = fmaf(__uint_as_float(q.y & 0xffff0000u), xa[i].w, a1);
-          a0 = fmaf(__uint_as_float(q.z << 16), xb[i].x, a0); a1 = fmaf(__uint_as_float(q.z & 0xffff0000u), xb[i].y, a1);
-          a0 = fmaf(__uint_as_float(q.w << 16), xb[i].z, a0); a1 = fmaf(__uint_as_float(q.w & 0xffff0000u), xb[i].w, a1);
+#pragma unroll
+          for (int q = 0; q < RB; ++q) {
+            if (r + q * rg < rows) {
+              const uint4 w4 = w[(size_t)(r + q * rg) * J + j];
+              // bf16 pairs: the low half is the even input (its bits << 16 are the f32), the high half the odd
+              float a0 = a[q][0], a1 = a[q][1];
+              a0 = fmaf(__uint_as_float(w4.x << 16), xa[i].x, a0); a1 = fmaf(__uint_as_float(w4.x & 0xffff0000u), xa[i].y, a1);
+              a0 = fmaf(__uint_as_float(w4.y << 16), xa[i].z, a0); a1 = fmaf(__uint_as_float(w4.y & 0xffff0000u), xa[i].w, a1);
+              a0 = fmaf(__uint_as_float(w4.z << 16), xb[i].x, a0); a1 = fmaf(__uint_as_float(w4.z & 0xffff0000u), xb[i].y, a1);
+              a0 = fmaf(__uint_as_float(w4.w << 16), xb[i].z, a0); a1 = fmaf(__uint_as_float(w4.w & 0xffff0000u), xb[i].w, a1);
+              a[q][0] = a0; a[q][1] = a1;
+            }
+          }
         }
       }
-      float v = a0 + a1;
-      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[r * S + sl] = v;
+      float v[RB];
+#pragma unroll
+      for (int q = 0; q < RB; ++q) v[q] = a[q][0] + a[q][1];
+#pragma unroll
+      for (int o = 16; o; o >>= 1) {
+#pragma unroll
+        for (int q = 0; q < RB; ++q) v[q] += __shfl_xor_sync(0xffffffffu, v[q], o);
+      }
+#pragma unroll
+      for (int q = 0; q < RB; ++q)
+        if (lane == 0 && r + q * rg < rows) red[(r + q * rg) * S + sl] = v[q];
     }
     __syncthreads();
     for (int r = tid; r < rows; r += THREADS) {  // the slices in order
@@ -159,7 +176,7 @@ def phase_bytes(n: int, k: int, sms: int) -> int:
 
 def consts(persist: bool, pdl: bool, flag: int, sms: int, stamps: bool = False) -> dict:
     return {"THREADS": THREADS, "PERSIST": int(persist), "PDL": int(pdl), "FLAG": flag if persist else 0,
-            "MIN_CTAS": 1 if persist else max(1, flag), "STAMPS": int(stamps), "XCH": XCH,
+            "MIN_CTAS": 1 if persist else max(1, flag), "STAMPS": int(stamps), "XCH": XCH, "RB": RB,
             "BUF_A": max(phase_bytes(n, k, sms) for n, k in LAYER[0::2]),
             "BUF_B": max(phase_bytes(n, k, sms) for n, k in LAYER[1::2])}
 
