@@ -8,7 +8,12 @@ in_proj 6144 x 1024, out_proj 1024 x 2048, gate + up 7168 x 1024, down 1024 x 35
   for the current product's input; a barrier is an atomic arrival and a spin on the count;
 * ``chained`` (programmatic edges) / ``plain``: one launch a product in a CUDA graph (kestrel.runtime.cuda
   chain_graph); each launch copies its rows into shared memory before its PDL wait, so what differs from the
-  persistent kernel is the kernel boundary in place of the grid barrier.
+  persistent kernel is the kernel boundary in place of the grid barrier;
+* ``chained2``: chained, compiled for two CTAs an SM (registers capped at 64), so that a launch's CTAs are
+  resident and copying their rows while the previous launch runs.
+
+``-stamps`` runs (chained, chained2) record %globaltimer per product and CTA (start, release, x and weights in
+shared memory, stored; the device's timer advanced in ~1 us steps) and the compute interval in SM cycles.
 
 Every variant's result is checked against a float64 reference of the chain and against each other (the same
 per-row sums in the same order: bit for bit). Times are medians of replays; the floor is the weight bytes at
@@ -16,6 +21,7 @@ the copy bandwidth measured in the same run.
 
 Here (no GPU):   python bench/persistent_probe.py compile bench/persistent-cubins
 On the device:   cd bench && python3 persistent_probe.py time persistent-cubins $OUT/persistent.json
+                 (the cubin folder is git-ignored: the device call carries it, run's carry=["bench/persistent-cubins"])
 """
 from __future__ import annotations
 
@@ -189,9 +195,10 @@ def shared_bytes(c: dict, n: int = 0, k: int = 0, sms: int = SMS) -> int:
     return phase_bytes(n, k, sms) + 4 * k + red
 
 
-VARIANTS = {"persistent": (True, False, 0), "chained": (False, True, 0), "plain": (False, False, 0),
-            "chained2": (False, True, 2)}  # (PERSIST, PDL, FLAG or, chained, MIN_CTAS: 2 caps the registers so that
-# the next launch's CTA fits beside the running one)
+# name: (PERSIST, PDL, the third constant): for the persistent kernel FLAG (1: the barrier's waiters poll a flag line the
+# last arrival raises, not the count), for chained ones MIN_CTAS (2: registers capped so that two CTAs fit an SM)
+VARIANTS = {"persistent": (True, False, 0), "persistent-flag": (True, False, 1), "chained": (False, True, 0),
+            "plain": (False, False, 0), "chained2": (False, True, 2)}
 STAMPED = ("chained", "chained2")  # also compiled with STAMPS, run once more for the timeline
 
 
