@@ -14,7 +14,7 @@ run() {  # plan tag [carveout]
     kestrel-run "bench/plans/$1.plan" --prompt-ids "$ids" --max-new-tokens 64 --rounds 3 --bench "$w/bench-$2.json" \
       > "$w/bench-$2.txt" 2>&1
   fi
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); t=r.get('pdl_trial_ms') or {}; med=lambda v: sorted(v)[len(v)//2]; print(sys.argv[2], 'ms/token', {k: round(v, 4) for k, v in r['ms_per_token'].items()}, 'pdl', r.get('graph_pdl'), 'trial', {k: round(med(v), 4) for k, v in t.items()})" "$w/bench-$2.json" "$2" 2>/dev/null || tail -3 "$w/bench-$2.txt"
+  python3 bench/bench_line.py "$w/bench-$2.json" "$2" 2>/dev/null || tail -3 "$w/bench-$2.txt"
 }
 for p in ${PLANS:-}; do
   run "$p" "$p-1"; run "$p" "$p-carveout-1" "$CARVEOUT"; run "$p" "$p-carveout-2" "$CARVEOUT"; run "$p" "$p-2"
