@@ -59,6 +59,9 @@ for p in "$@"; do
     next80-q4-decode) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode.plan ;;
     next80-q4-decode-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-gdnnopre.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
+    27b-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
+    27b4-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-stream.plan ;;
+    27b-q4-spec3-stream) python3 bench/build_variant.py q4_stream.enabled=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-stream.plan ;;
     27b-bf16) kestrelc build qwen3.5-27b $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-bf16.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
   esac

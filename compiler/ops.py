@@ -25,7 +25,7 @@ from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
 from kestrel.kernels import (attention, bf16_mma, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp,
-                             q4_mma, rmsnorm, sample, speculative)
+                             q4_mma, q4_stream, rmsnorm, sample, speculative)
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -749,6 +749,8 @@ def _matvec(op: Op, t: Target) -> dict:
                     **matvec.matvec_rows_launch(m, n, k, group, t, pair=swiglu)}
         return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
                 **gemm.gemm_launch(op.ins[0].type.shape[0], n, k, group, t, swiglu=swiglu)}
+    if (stream := q4_stream.stream_launch(n, k, group, t, pair=swiglu)) is not None:
+        return {"kernel": ("q4stream_swiglu_" if swiglu else "q4stream_") + w.type.dtype, **stream}
     prefix = "matvec_swiglu_" if swiglu else "matvec_"
     return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t, pair=swiglu)}
 
@@ -792,6 +794,8 @@ def _matvec_add(op: Op, t: Target) -> dict:
     w = op.ins[1]
     if len(op.ins[0].type.shape) == 2:
         return {"kernel": _mma_kind(w) + "_add_" + w.type.dtype, **_folded_at_rows(_mma_launch(op, t, add=True), op)}
+    if (stream := q4_stream.stream_launch(*_matrix(w), t, add=True)) is not None:
+        return {"kernel": "q4stream_add_" + w.type.dtype, **stream}
     return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(*_matrix(w), t)}
 
 
@@ -806,6 +810,9 @@ def _rmsnorm_matvec(op: Op, t: Target) -> dict:
             mma = None  # the partials are not one per 16 inputs (not made by the kernel with the add)
         kind = _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_")
         return {"kernel": kind + w.type.dtype, **_folded_at_rows(mma, op)}
+    if op.ins[2].type.dtype == "f32" and (stream := q4_stream.stream_launch(
+            *_matrix(w), t, pair=swiglu, norm=True, partials=op.ins[1].type.shape[0])) is not None:
+        return {"kernel": ("q4stream_norm_swiglu_" if swiglu else "q4stream_norm_") + w.type.dtype, **stream}
     return {"kernel": ("rmsnorm_matvec_swiglu_" if swiglu else "rmsnorm_matvec_") + w.type.dtype,
             **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
 
@@ -1168,7 +1175,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("matmul", "vw", (), _infer_matmul, matvec.matvec_ref,
           Kernel(matvec.matvec_kernel, _matvec, rows=gemm.gemm_kernel,
                  variants=(("matvec_rows_", matvec.matvec_rows_kernel), ("q4mma_rows_", q4_mma.q4mma_rows),
-                           ("bf16mma_rows_", bf16_mma.bf16mma_rows))),
+                           ("bf16mma_rows_", bf16_mma.bf16mma_rows), ("q4stream_", q4_stream.q4stream))),
           lambda ex, op, x, w: ex.matmul(ex.f32(x), w), doc="W @ x (W is [out, in])"),
     OpDef("add", "vv", (), _infer_same, elementwise.add_ref, NotApplicable("the GPU runs it inside add_rmsnorm (fuse)"),
           lambda ex, op, a, b: ex.g.node("Add", [ex.f32(a), ex.f32(b)]), doc="a + b"),
@@ -1224,22 +1231,26 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel,
                  variants=(("matvec_rows_swiglu_", matvec.matvec_rows_swiglu_kernel),
                            ("q4mma_rows_swiglu_", q4_mma.q4mma_rows_swiglu),
-                           ("bf16mma_rows_swiglu_", bf16_mma.bf16mma_rows_swiglu))), _onnx_matmul_swiglu,
+                           ("bf16mma_rows_swiglu_", bf16_mma.bf16mma_rows_swiglu),
+                           ("q4stream_swiglu_", q4_stream.q4stream_swiglu))), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
           Kernel(matvec.matvec_add_kernel, _matvec_add,
-                 variants=(("q4mma_add_", q4_mma.q4mma_add), ("bf16mma_add_", bf16_mma.bf16mma_add))), _onnx_matmul_add,
+                 variants=(("q4mma_add_", q4_mma.q4mma_add), ("bf16mma_add_", bf16_mma.bf16mma_add),
+                           ("q4stream_add_", q4_stream.q4stream_add))), _onnx_matmul_add,
           doc="s = r + W @ x; ss[i] = sum of s^2 over rows [i*partial_rows, (i+1)*partial_rows) (the next "
               "rmsnorm's partial sums)"),
     OpDef("rmsnorm_matmul", "vvww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_ref,
           Kernel(matvec.rmsnorm_matvec_kernel, _rmsnorm_matvec,
-                 variants=(("q4mma_norm_", q4_mma.q4mma_norm), ("bf16mma_norm_", bf16_mma.bf16mma_norm))),
+                 variants=(("q4mma_norm_", q4_mma.q4mma_norm), ("bf16mma_norm_", bf16_mma.bf16mma_norm),
+                           ("q4stream_norm_", q4_stream.q4stream_norm))),
           _onnx_rmsnorm_matmul,
           doc="W @ rmsnorm(s, nw) (the mean square from s, or from matmul_add's partials ss: the kernel's NORM)"),
     OpDef("rmsnorm_matmul_swiglu", "vvwww", ("eps",), _infer_rmsnorm_matmul, matvec.rmsnorm_matvec_swiglu_ref,
           Kernel(matvec.rmsnorm_matvec_swiglu_kernel, _rmsnorm_matvec,
                  variants=(("q4mma_norm_swiglu_", q4_mma.q4mma_norm_swiglu),
-                           ("bf16mma_norm_swiglu_", bf16_mma.bf16mma_norm_swiglu))), _onnx_rmsnorm_matmul,
+                           ("bf16mma_norm_swiglu_", bf16_mma.bf16mma_norm_swiglu),
+                           ("q4stream_norm_swiglu_", q4_stream.q4stream_norm_swiglu))), _onnx_rmsnorm_matmul,
           doc="silu(Wg @ n) * (Wu @ n), n = rmsnorm(s, nw) (the mean square as rmsnorm_matmul's)"),
     OpDef("gdn_step", "vvvvswwwws", ("eps", "l2_eps", "scale"), _infer_gdn_step, gated_delta.gdn_step_ref,
           NotApplicable("the GPU runs it as gdn_delta + gdn_norm, which fuse emits (one kernel would race on the "

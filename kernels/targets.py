@@ -196,6 +196,21 @@ class GemmRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StreamRule(Rule):
+    """The one-row q4 product fed by bulk copies (kernels/q4_stream.py): the q4 matmuls of one row whose form is in
+    ``forms`` ("plain", "swiglu", "add", "norm_plain", "norm_swiglu"), with N >= min_rows (a multiple of rb) and
+    K <= max_k, run it where ``enabled`` (else the Triton matvec). One CTA an SM: rb rows a block, a ring of
+    ``stages`` blocks, nc consumer warps and one producer warp."""
+    enabled: bool
+    forms: tuple[str, ...]
+    rb: int
+    stages: int
+    nc: int
+    min_rows: int
+    max_k: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class MmaRule(Rule):
     """The tensor-core product at a few rows (kernels/q4_mma.py; its bf16 form kernels/bf16_mma.py, family
     ``bf16_mma``, where the grouped fields are unused): matmuls of the family's weights at 2..max_rows rows
@@ -324,6 +339,13 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # rule 1.08x slower (geometric mean; down 1.32x): ncu shows the same DRAM rate (3.3 TB/s) with 12% issue slots
     # busy against the few-rows matvec's 57%, so FMA issue was not what held the few-rows matvec there. Off above 32 MB a
     # weight, where the fold's saved add_rmsnorm launches (0.8 ms at 27B) would not pay for the slower products.
+    # bench/q4stream_probe.py, each kernel in a chain of programmatic edges at the 27B q4 shapes (stop 31 calls 1-3):
+    # against the Triton matvec 1.19x at 17408 x 5120, 1.29x at 5120 x 6144, 0.98x at 16480 x 5120 and 0.76x at
+    # 5120 x 17408 (its x from shared memory), slower at every 0.8B shape; RB 16, 2 stages, 4 consumer warps best at
+    # the first two. Off until the whole step measures it (the forms' fused prologue and epilogue included).
+    "q4_stream": StreamRule(enabled=False, forms=("swiglu", "norm_swiglu", "add"), rb=16, stages=2, nc=4,
+                            min_rows=4096, max_k=8192,
+                            provenance=(_RESULTS + "stop31/call3/ws3.json",)),
     "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,
                         provenance=(_RESULTS + "stop28/call1/bf16mma-sweep.json", _RESULTS + "stop28/call2/wide.json",

@@ -112,15 +112,24 @@ def _close(what, g, c, bound):
     assert rel < bound, f"{what} differ by {rel:.2e}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q4"])
-def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path):
+@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-stream"])
+def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
+    """q4-stream: the bulk-copy q4 kernel (kernels/q4_stream.py, emulated; off by default) turned on with
+    thresholds the mini model's shapes pass: its gate / up pair with the norm and its residual adds, whose
+    partials feed the next norm."""
     from conftest import run_cli
 
-    path = str(tmp_path / f"mini-{quant}.plan")
+    stream = quant == "q4-stream"
+    if stream:
+        quant = "q4"
+        monkeypatch.setenv("KESTREL_RULES", "q4_stream.enabled=True q4_stream.min_rows=16 q4_stream.rb=8 q4_stream.nc=2")
+    path = str(tmp_path / f"mini-{quant}{'-stream' if stream else ''}.plan")
     r = run_cli("kestrelc", "build", mini_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
                 "--max-seq", "16")
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
+    ids = {k["id"] for k in plan.launch_plan["kernels"]}
+    assert stream == ({"q4stream_norm_swiglu_q4g32", "q4stream_add_q4g32"} <= ids), sorted(ids)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     prompt = [5, 9]
     tokens = _begin(gpu, cpu, prompt)

@@ -1,0 +1,137 @@
+"""kernels/q4_stream.py, the one-row q4 product fed by bulk copies (CUDA C through NVRTC). Without a GPU: its CPU
+emulation (what the launch-plan tests run) against the references of the ops it takes, the launch rule (off by
+default; which forms and shapes it takes when on, where it falls back), and its AOT compile for every target with
+the bulk copy engine. Its CUDA C runs on the device only (bench/q4stream_probe.py checks it against
+``q4_matvec_ref`` at the 27B shapes)."""
+import dataclasses
+
+import pytest
+import torch
+
+from kestrel.compiler.codegen import compile_kernel
+from kestrel.kernels import q4_stream
+from kestrel.kernels.matvec import (matvec_add_ref, matvec_ref, matvec_swiglu_ref, q4_pack, q4_unpack,
+                                    rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_ref)
+from kestrel.kernels.targets import GPU_TARGETS, TARGETS
+
+ALL_FORMS = ("plain", "swiglu", "add", "norm_plain", "norm_swiglu")
+
+
+def _on(name: str = "sm_90", **fields):
+    """``name``'s target with the kernel on for every form (and ``fields`` of its row replaced)."""
+    t = TARGETS[name]
+    row = dataclasses.replace(t.rules["q4_stream"], **{"enabled": True, "forms": ALL_FORMS, **fields})
+    return dataclasses.replace(t, rules={**t.rules, "q4_stream": row})
+
+
+def _weight(n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = q4_pack(torch.randn(n, k, generator=g) / k ** 0.5, group)
+    return w, q4_unpack(w, n, k, group)
+
+
+@pytest.mark.parametrize("group,rb,nc", [(128, 16, 4), (32, 8, 2), (64, 4, 4)])
+def test_emulated_plain_and_pair_write_the_references(group, rb, nc):
+    n, k = 64, 512
+    (wg, dg), (wu, du) = _weight(n, k, group, 1), _weight(n, k, group, 2)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(3)) * 2
+    plain = q4_stream.launch(n, k, group, rb, 2, nc, 132)
+    assert plain["grid"] == [n // rb, 1, 1] and plain["num_warps"] == nc + 1
+    y = torch.full((n + 5,), float("nan"))
+    q4_stream.q4stream[plain["grid"]](x, wg, y, **plain["constexprs"], PDL=True)
+    assert torch.equal(y[:n], matvec_ref(x, dg)) and y[n:].isnan().all()
+    pair = q4_stream.launch(n, k, group, rb, 2, nc, 3, pair=True)  # fewer CTAs than blocks: they loop
+    assert pair["grid"] == [3, 1, 1] and pair["constexprs"]["SWIGLU"] == 1
+    y2 = torch.full((n,), float("nan"))
+    q4_stream.q4stream_swiglu[pair["grid"]](x, wg, wu, y2, **pair["constexprs"], PDL=True)
+    assert torch.allclose(y2, matvec_swiglu_ref(x, dg, du), rtol=1e-6, atol=1e-7)
+    with pytest.raises(AssertionError, match="grid"):  # more CTAs than blocks
+        q4_stream.q4stream[[n // rb + 1, 1, 1]](x, wg, y, **plain["constexprs"])
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_emulated_add_feeds_the_norm_forms(pair):
+    """matmul_add's form (s = r + W x, one partial sum of squares per consumer warp's RB / NC rows) feeding
+    rmsnorm_matmul(_swiglu)'s (rstd from those partials) gives the unfused chain's references."""
+    h, k, n, group = 256, 512, 128, 128
+    g = torch.Generator().manual_seed(7)
+    x, r, nw = torch.randn(k, generator=g), torch.randn(h, generator=g), torch.randn(h, generator=g) * 0.1
+    wo, do = _weight(h, k, group, 8)
+    add = q4_stream.launch(h, k, group, 16, 2, 4, 132, add=True)
+    rows = add["constexprs"]["BLOCK_N"]
+    assert rows == 4 and add["constexprs"]["ADD"] == 1
+    s, ss = torch.full((h,), float("nan")), torch.full((h // rows,), float("nan"))
+    q4_stream.q4stream_add[add["grid"]](x, wo, r, s, ss, rows, **add["constexprs"], PDL=True)
+    s_ref, ss_ref = matvec_add_ref(x, do, r, rows)
+    assert torch.equal(s, s_ref) and torch.allclose(ss, ss_ref, rtol=1e-6)
+
+    ws = [_weight(n, h, group, seed) for seed in (9, 10)[:2 if pair else 1]]
+    norm = q4_stream.launch(n, h, group, 8, 3, 2, 132, pair=pair, norm=True, partials=h // rows)
+    assert norm["constexprs"]["NORM"] == 1 and norm["constexprs"]["NP"] == h // rows
+    kernel = q4_stream.q4stream_norm_swiglu if pair else q4_stream.q4stream_norm
+    y = torch.full((n,), float("nan"))
+    kernel[norm["grid"]](s, ss, nw, *[w for w, _ in ws], y, 1e-6, **norm["constexprs"], PDL=True)
+    ref = (rmsnorm_matvec_swiglu_ref(s, ss, nw, ws[0][1], ws[1][1], 1e-6) if pair
+           else rmsnorm_matvec_ref(s, ss, nw, ws[0][1], 1e-6))
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-3  # rstd from the partials, not from s
+    # the partials decide the norm: scaled by 4, rstd halves
+    y2 = torch.full((n,), float("nan"))
+    kernel[norm["grid"]](s, ss * 4, nw, *[w for w, _ in ws], y2, 1e-6, **norm["constexprs"], PDL=True)
+    ref2 = (matvec_swiglu_ref(_normed(s, nw) / 2, ws[0][1], ws[1][1]) if pair
+            else matvec_ref(_normed(s, nw) / 2, ws[0][1]))
+    assert ((y2 - ref2).abs().max() / ref2.abs().max()).item() < 3e-3
+
+
+def _normed(s, nw):
+    from kestrel.kernels.rmsnorm import rmsnorm_ref
+
+    return rmsnorm_ref(s, nw, 1e-6)
+
+
+def test_rule_is_off_by_default_and_takes_the_big_projections_when_on():
+    t = TARGETS["sm_90"]
+    assert not t.rules["q4_stream"].enabled
+    assert q4_stream.stream_launch(17408, 5120, 128, t, pair=True, norm=True, partials=640) is None
+    on = _on()
+    r = on.rules["q4_stream"]
+    pair = q4_stream.stream_launch(17408, 5120, 128, on, pair=True, norm=True, partials=640)
+    c = pair["constexprs"]
+    assert (c["RB"], c["STAGES"], c["NC"], c["SWIGLU"], c["NORM"], c["NP"]) == (r.rb, r.stages, r.nc, 1, 1, 640)
+    assert pair["grid"] == [on.sms, 1, 1] and pair["num_warps"] == r.nc + 1
+    add = q4_stream.stream_launch(5120, 6144, 128, on, add=True)["constexprs"]
+    assert add["ADD"] == 1 and add["BLOCK_N"] == r.rb // r.nc
+    assert q4_stream.stream_launch(5120, 17408, 128, on, add=True) is None  # K above max_k: the matvec
+    assert q4_stream.stream_launch(1024, 2048, 128, on, add=True) is None  # below min_rows
+    assert q4_stream.stream_launch(5128, 4096, 128, on) is None  # N not a multiple of RB
+    assert q4_stream.stream_launch(5120, 4096, 0, on) is None  # bf16 weights
+    assert q4_stream.stream_launch(5120, 4096, 128, TARGETS["sm_80"]) is None  # no bulk copies before sm_90
+    assert q4_stream.stream_launch(5120, 4096, 128, _on("sm_80")) is None
+    # sm_120's 99 KB: the plain ring fits, the pair's (two weights a slot) does not
+    assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_120")) is not None
+    assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120"), pair=True) is None
+    # the default forms: the pair and the add, not the plain or normed single products (measured no faster)
+    default = _on(forms=t.rules["q4_stream"].forms)
+    assert q4_stream.stream_launch(16480, 5120, 128, default, norm=True, partials=640) is None
+    assert q4_stream.stream_launch(17408, 5120, 128, default, pair=True, norm=True, partials=640) is not None
+
+
+@pytest.mark.parametrize("target", [t for t in GPU_TARGETS if TARGETS[t].cc >= q4_stream.BULK_MIN_CC])
+@pytest.mark.parametrize("form", ALL_FORMS)
+def test_compiles_for_every_target_with_bulk_copies(target, form):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    t = _on(target)
+    pair, norm, add = "swiglu" in form, form.startswith("norm"), form == "add"
+    n, k = (17408, 5120) if pair else (5120, 6144)
+    if t.smem_optin < 100 * 1024:  # sm_120: a ring that fits its 99 KB
+        n, k, t = 5120, 5120, _on(target, rb=8 if pair else 16)
+    launch = q4_stream.stream_launch(n, k, 128, t, pair=pair, add=add, norm=norm, partials=640)
+    assert launch is not None, (target, form)
+    kernel = {"plain": q4_stream.q4stream, "swiglu": q4_stream.q4stream_swiglu, "add": q4_stream.q4stream_add,
+              "norm_plain": q4_stream.q4stream_norm, "norm_swiglu": q4_stream.q4stream_norm_swiglu}[form]
+    types = {"plain": ["*fp32", "*u8", "*fp32"], "swiglu": ["*fp32", "*u8", "*u8", "*fp32"],
+             "add": ["*fp32", "*u8", "*fp32", "*fp32", "*fp32", "i32"],
+             "norm_plain": ["*fp32", "*fp32", "*fp32", "*u8", "*fp32", "fp32"],
+             "norm_swiglu": ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", "fp32"]}[form]
+    ck = compile_kernel(f"q4stream_{form}", kernel, types, launch["constexprs"], launch["num_warps"], t.cc)
+    assert ck.cubin[:4] == b"\x7fELF" and ck.arch == f"sm_{t.cc}" and ck.compiler.startswith("nvrtc")
+    assert ck.shared == q4_stream.shared_bytes(launch["constexprs"]) <= t.smem_optin
