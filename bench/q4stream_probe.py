@@ -27,6 +27,9 @@ copies so each launch reads DRAM), beside the Triton matvec the launch rule pick
 Here (no GPU):   python bench/q4stream_probe.py compile bench/q4stream-cubins
 On the device:   cd bench && python3 q4stream_probe.py time q4stream-cubins $OUT/q4stream.json
                  (run's carry=["bench/q4stream-cubins"]; the folder is git-ignored)
+The product's fused forms (kernels/q4_stream.py) against the Triton kernels the step runs:
+                 python bench/q4stream_probe.py compile-forms bench/q4stream-forms
+                 cd bench && python3 q4stream_probe.py time-forms q4stream-forms $OUT/forms.json
 """
 from __future__ import annotations
 
@@ -680,9 +683,140 @@ def time_all(folder: str, out: str) -> None:
     json.dump({"rows": rows, "bandwidth_GBps": bw}, open(out, "w"), indent=1)
 
 
+# --- forms: kernels/q4_stream.py's fused forms against the Triton kernels the step runs at the same 27B shapes ----
+# (norm_swiglu: rmsnorm_matvec_swiglu, 17408 x 5120, the partials of a 5120-row add; add: matvec_add, 5120 x 6144)
+FORM_CASES = [("27b norm_swiglu", 17408, 5120, "norm_swiglu"), ("27b add", 5120, 6144, "add"),
+              ("27b norm_plain", 16480, 5120, "norm_plain")]
+FORM_TYPES = {"norm_swiglu": ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", "fp32"],
+              "add": ["*fp32", "*u8", "*fp32", "*fp32", "*fp32", "i32"],
+              "norm_plain": ["*fp32", "*fp32", "*fp32", "*u8", "*fp32", "fp32"]}
+FORM_NP = 640  # the producer's partials (the Triton matvec_add's 8-row programs over 5120 rows)
+
+
+def _form_jobs():
+    from kestrel.kernels import q4_stream
+    from kestrel.kernels.matvec import matvec_launch, rmsnorm_matvec_launch
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    for name, n, k, form in FORM_CASES:
+        pair, norm = "swiglu" in form, form.startswith("norm")
+        tri = rmsnorm_matvec_launch(n, k, GROUP, FORM_NP, t, pair=pair) if norm else matvec_launch(n, k, GROUP, t)
+        yield name, n, k, form, "triton", tri
+        for rb, stages, nc in itertools.product((8, 16, 32), (2, 3, 4), (4, 8, 16)):
+            if n % rb or rb % nc:
+                continue
+            la = q4_stream.launch(n, k, GROUP, rb, stages, nc, SMS, pair=pair, add=form == "add", norm=norm,
+                                  partials=FORM_NP)
+            if q4_stream.shared_bytes(la["constexprs"]) + 1024 <= 227 * 1024:
+                yield name, n, k, form, "stream", la
+
+
+def _compile_form(job):
+    from kestrel.compiler.codegen import compile_kernel
+    from kestrel.kernels import matvec, q4_stream
+
+    name, n, k, form, kind, launch = job
+    if kind == "triton":
+        fn = {"norm_swiglu": matvec.rmsnorm_matvec_swiglu_kernel, "add": matvec.matvec_add_kernel,
+              "norm_plain": matvec.rmsnorm_matvec_kernel}[form]
+    else:
+        fn = {"norm_swiglu": q4_stream.q4stream_norm_swiglu, "add": q4_stream.q4stream_add,
+              "norm_plain": q4_stream.q4stream_norm}[form]
+    try:
+        ck = compile_kernel(f"{kind}_{form}", fn, FORM_TYPES[form], launch["constexprs"], launch["num_warps"], 90,
+                            [True] * len(FORM_TYPES[form]))
+    except Exception as e:  # noqa: BLE001
+        return None, f"skip {name} {kind} {launch['constexprs']}: {type(e).__name__} {str(e)[:600]}"
+    return (ck, launch), None
+
+
+def _describe_form(job, ck, launch) -> dict:
+    name, n, k, form, kind, _ = job
+    c = launch["constexprs"]
+    return {"shape": name, "N": n, "K": k, "form": form, "kind": kind, "constexprs": c,
+            "config": {x: c[x] for x in ("RB", "STAGES", "NC", "BLOCK_N", "BLOCK_K") if x in c}}
+
+
+def compile_forms(folder: str) -> None:
+    from cubin_folder import compile_to_folder
+
+    compile_to_folder(folder, list(_form_jobs()), _compile_form, _describe_form, prefix="f")
+
+
+def time_forms(folder: str, out: str) -> None:
+    import torch
+
+    from graph_timing import chain_times_us, launch_times_us, rotating_copies
+    from kestrel.kernels import q4_stream
+    from kestrel.kernels.matvec import q4_pack
+    from kestrel.runtime import cuda as kc
+    from kestrel.runtime.bench import copy_bandwidth
+
+    kc.init()
+    stream = torch.cuda.current_stream().cuda_stream
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, operands = [], {}
+    for e in json.load(open(os.path.join(folder, "index.json"))):
+        n, k, form, key = e["N"], e["K"], e["form"], e["shape"]
+        pair, norm, add = "swiglu" in form, form.startswith("norm"), form == "add"
+        if key not in operands:
+            operands.clear()
+            torch.cuda.empty_cache()
+            x = torch.randn(k, device="cuda", generator=g)
+            nw = torch.randn(k, device="cuda", generator=g) * 0.1
+            r = torch.randn(n, device="cuda", generator=g)
+            ws = [q4_pack(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5, GROUP) for _ in range(2 if pair else 1)]
+            ss = (x.reshape(FORM_NP, -1) ** 2).sum(-1) if norm else None  # x's own partials: rstd = x's
+            nbytes = sum(w.numel() for w in ws)
+            copies = [ws] + [[w.clone() for w in ws] for _ in range(rotating_copies(nbytes) - 1)]
+            operands[key] = (x, nw, r, ss, copies, nbytes)
+        x, nw, r, ss, copies, nbytes = operands[key]
+        y = torch.full((n,), float("nan"), device="cuda")
+        rows_p = e["constexprs"].get("BLOCK_N", 1)
+        ss_out = torch.zeros(n // rows_p + 1, device="cuda")
+
+        def args(ws):
+            if form == "add":
+                return [x.data_ptr(), ws[0].data_ptr(), r.data_ptr(), y.data_ptr(), ss_out.data_ptr(), rows_p]
+            return [x.data_ptr(), ss.data_ptr(), nw.data_ptr(), *[w.data_ptr() for w in ws], y.data_ptr(), 1e-6]
+
+        kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"], e["shared"])
+        sets = [kc.PackedArgs(e["params"], args(ws)) for ws in copies]
+        kc.launch(kernel, e["grid"], sets[0], stream)
+        torch.cuda.synchronize()
+        ref = torch.full((n,), float("nan"), device="cuda")
+        rc = dict(e["constexprs"]) if e["kind"] == "stream" else dict(
+            q4_stream.launch(n, k, GROUP, 16, 2, 2, SMS, pair=pair, add=add, norm=norm, partials=FORM_NP)["constexprs"])
+        ref_ss = torch.zeros(n // rc.get("BLOCK_N", 1) + 1, device="cuda")
+        ref_args = ([x, copies[0][0], r, ref, ref_ss, rc.get("BLOCK_N", 1)] if add
+                    else [x, ss, nw, *copies[0], ref, 1e-6])
+        q4_stream._emulate([1, 1, 1], *ref_args, **rc)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        alone = statistics.median(launch_times_us(kernel, e["grid"], sets, replays=7, launches=48))
+        chained = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=7, launches=48))
+        rows.append({**{a: b for a, b in e.items() if a != "constexprs"}, "us_alone": alone, "us_chained": chained,
+                     "GBps_chained": nbytes / chained / 1e3, "err_vs_ref": err})
+        print(f"{key:<16} {e['kind']:<7} {json.dumps(e['config']):<44} alone {alone:7.2f}  chained {chained:7.2f} us "
+              f"{nbytes / chained / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
+    bw = copy_bandwidth(stream) / 1e9
+    print(f"\ncopy bandwidth {bw:.0f} GB/s; best chained (alone) per form, err < 1e-4")
+    for name, n, k, form in FORM_CASES:
+        for kind in ("triton", "stream"):
+            ok = [r for r in rows if r["shape"] == name and r["kind"] == kind and r["err_vs_ref"] < 1e-4]
+            if ok:
+                b = min(ok, key=lambda r: r["us_chained"])
+                print(f"{name:<16} {kind:<7} {b['us_chained']:7.2f} ({b['GBps_chained'] / bw:4.0%})  alone {b['us_alone']:7.2f}"
+                      f"  {json.dumps(b['config'])}")
+    json.dump({"rows": rows, "copy_GBps": bw}, open(out, "w"), indent=1)
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if sys.argv[1] == "compile":
         compile_all(sys.argv[2])
+    elif sys.argv[1] == "compile-forms":
+        compile_forms(sys.argv[2])
+    elif sys.argv[1] == "time-forms":
+        time_forms(sys.argv[2], sys.argv[3])
     else:
         time_all(sys.argv[2], sys.argv[3])

@@ -203,9 +203,12 @@ class StreamRule(Rule):
     ``stages`` blocks, nc consumer warps and one producer warp."""
     enabled: bool
     forms: tuple[str, ...]
-    rb: int
+    rb: int                     # the single products (plain, add, norm_plain)
     stages: int
     nc: int
+    pair_rb: int                # the gate / up pair (swiglu, norm_swiglu): two weights a slot
+    pair_stages: int
+    pair_nc: int
     min_rows: int
     max_k: int
 
@@ -343,9 +346,12 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # against the Triton matvec 1.19x at 17408 x 5120, 1.29x at 5120 x 6144, 0.98x at 16480 x 5120 and 0.76x at
     # 5120 x 17408 (its x from shared memory), slower at every 0.8B shape; RB 16, 2 stages, 4 consumer warps best at
     # the first two. Off until the whole step measures it (the forms' fused prologue and epilogue included).
+    # The fused forms against the Triton kernels the step runs (call 6, chained): rmsnorm + gate / up 17408 x 5120
+    # 32.4 -> 27.1 us (RB 8, 2 stages, 8 consumer warps), matvec_add 5120 x 6144 10.5 -> 8.7 (RB 16, 2, 4), the
+    # normed in_proj 16480 x 5120 16.1 -> 16.4 (not taken).
     "q4_stream": StreamRule(enabled=False, forms=("swiglu", "norm_swiglu", "add"), rb=16, stages=2, nc=4,
-                            min_rows=4096, max_k=8192,
-                            provenance=(_RESULTS + "stop31/call3/ws3.json",)),
+                            pair_rb=8, pair_stages=2, pair_nc=8, min_rows=4096, max_k=8192,
+                            provenance=(_RESULTS + "stop31/call3/ws3.json", _RESULTS + "stop31/call6/forms.json")),
     "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,
                         provenance=(_RESULTS + "stop28/call1/bf16mma-sweep.json", _RESULTS + "stop28/call2/wide.json",

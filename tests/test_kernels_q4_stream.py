@@ -96,19 +96,21 @@ def test_rule_is_off_by_default_and_takes_the_big_projections_when_on():
     r = on.rules["q4_stream"]
     pair = q4_stream.stream_launch(17408, 5120, 128, on, pair=True, norm=True, partials=640)
     c = pair["constexprs"]
-    assert (c["RB"], c["STAGES"], c["NC"], c["SWIGLU"], c["NORM"], c["NP"]) == (r.rb, r.stages, r.nc, 1, 1, 640)
-    assert pair["grid"] == [on.sms, 1, 1] and pair["num_warps"] == r.nc + 1
-    add = q4_stream.stream_launch(5120, 6144, 128, on, add=True)["constexprs"]
-    assert add["ADD"] == 1 and add["BLOCK_N"] == r.rb // r.nc
+    assert (c["RB"], c["STAGES"], c["NC"], c["SWIGLU"], c["NORM"], c["NP"]) == (r.pair_rb, r.pair_stages, r.pair_nc,
+                                                                                1, 1, 640)
+    assert pair["grid"] == [on.sms, 1, 1] and pair["num_warps"] == r.pair_nc + 1
+    add = q4_stream.stream_launch(5120, 6144, 128, on, add=True)
+    assert add["constexprs"]["ADD"] == 1 and add["constexprs"]["BLOCK_N"] == r.rb // r.nc
+    assert (add["constexprs"]["RB"], add["num_warps"]) == (r.rb, r.nc + 1)
     assert q4_stream.stream_launch(5120, 17408, 128, on, add=True) is None  # K above max_k: the matvec
     assert q4_stream.stream_launch(1024, 2048, 128, on, add=True) is None  # below min_rows
     assert q4_stream.stream_launch(5128, 4096, 128, on) is None  # N not a multiple of RB
     assert q4_stream.stream_launch(5120, 4096, 0, on) is None  # bf16 weights
     assert q4_stream.stream_launch(5120, 4096, 128, TARGETS["sm_80"]) is None  # no bulk copies before sm_90
     assert q4_stream.stream_launch(5120, 4096, 128, _on("sm_80")) is None
-    # sm_120's 99 KB: the plain ring fits, the pair's (two weights a slot) does not
+    # sm_120's 99 KB: the plain ring fits, the pair's at 16 rows a block (two weights a slot) does not
     assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_120")) is not None
-    assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120"), pair=True) is None
+    assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120", pair_rb=16), pair=True) is None
     # the default forms: the pair and the add, not the plain or normed single products (measured no faster)
     default = _on(forms=t.rules["q4_stream"].forms)
     assert q4_stream.stream_launch(16480, 5120, 128, default, norm=True, partials=640) is None
@@ -123,7 +125,7 @@ def test_compiles_for_every_target_with_bulk_copies(target, form):
     pair, norm, add = "swiglu" in form, form.startswith("norm"), form == "add"
     n, k = (17408, 5120) if pair else (5120, 6144)
     if t.smem_optin < 100 * 1024:  # sm_120: a ring that fits its 99 KB
-        n, k, t = 5120, 5120, _on(target, rb=8 if pair else 16)
+        n, k = 5120, 5120
     launch = q4_stream.stream_launch(n, k, 128, t, pair=pair, add=add, norm=norm, partials=640)
     assert launch is not None, (target, form)
     kernel = {"plain": q4_stream.q4stream, "swiglu": q4_stream.q4stream_swiglu, "add": q4_stream.q4stream_add,

@@ -122,7 +122,8 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
     stream = quant == "q4-stream"
     if stream:
         quant = "q4"
-        monkeypatch.setenv("KESTREL_RULES", "q4_stream.enabled=True q4_stream.min_rows=16 q4_stream.rb=8 q4_stream.nc=2")
+        monkeypatch.setenv("KESTREL_RULES", "q4_stream.enabled=True q4_stream.min_rows=16 q4_stream.rb=8 q4_stream.nc=2 "
+                           "q4_stream.pair_rb=16 q4_stream.pair_nc=4")
     path = str(tmp_path / f"mini-{quant}{'-stream' if stream else ''}.plan")
     r = run_cli("kestrelc", "build", mini_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
                 "--max-seq", "16")
