@@ -61,6 +61,7 @@ for p in "$@"; do
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
     27b-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
     27b4-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-stream.plan ;;
+    0.8b-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True q4_stream.min_rows=1024 -- qwen3.5-0.8b $R --quant q4 --max-seq 256 -o bench/plans/qwen3.5-0.8b-sm90-q4-stream.plan ;;
     27b-q4-spec3-stream) python3 bench/build_variant.py q4_stream.enabled=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-stream.plan ;;
     27b-bf16) kestrelc build qwen3.5-27b $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-bf16.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
