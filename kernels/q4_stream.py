@@ -375,12 +375,12 @@ def stream_launch(n: int, k: int, group: int, target, pair: bool = False, add: b
     """The launch of this kernel for a one-row q4 product [N, K] (``pair``: the gate / up pair; ``add``:
     matmul_add; ``norm``: rstd from ``partials`` partial sums), or None where the target's ``q4_stream`` rule
     does not run it: off, a target without the bulk copy engine, N below ``min_rows`` or not a multiple of RB,
-    K above ``max_k``, the form not in ``forms``, or a ring that does not fit the target's shared memory. The pair
+    K outside [``min_k``, ``max_k``], the form not in ``forms``, or a ring that does not fit the target's shared memory. The pair
     takes the rule's ``pair_*`` split, the single products its ``rb`` / ``stages`` / ``nc``."""
     r = target.rules.get("q4_stream")
     form = ("norm_" if norm else "") + ("swiglu" if pair else "add" if add else "plain")
     if (r is None or not r.enabled or not group or target.cc < BULK_MIN_CC or form not in r.forms or n < r.min_rows
-            or k > r.max_k or k % group or k % 32):
+            or not r.min_k <= k <= r.max_k or k % group or k % 32):
         return None
     rb, stages, nc = (r.pair_rb, r.pair_stages, r.pair_nc) if pair else (r.rb, r.stages, r.nc)
     if n % rb or rb % nc or not bulk_aligned(n, k, group, rb):

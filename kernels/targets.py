@@ -210,6 +210,7 @@ class StreamRule(Rule):
     pair_stages: int
     pair_nc: int
     min_rows: int
+    min_k: int                  # K from min_k to max_k: the shapes it was measured at (the 27B's)
     max_k: int
 
 
@@ -348,10 +349,14 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # the first two. Off until the whole step measures it (the forms' fused prologue and epilogue included).
     # The fused forms against the Triton kernels the step runs (call 6, chained): rmsnorm + gate / up 17408 x 5120
     # 32.4 -> 27.1 us (RB 8, 2 stages, 8 consumer warps), matvec_add 5120 x 6144 10.5 -> 8.7 (RB 16, 2, 4), the
-    # normed in_proj 16480 x 5120 16.1 -> 16.4 (not taken).
-    "q4_stream": StreamRule(enabled=False, forms=("swiglu", "norm_swiglu", "add"), rb=16, stages=2, nc=4,
-                            pair_rb=8, pair_stages=2, pair_nc=8, min_rows=4096, max_k=8192,
-                            provenance=(_RESULTS + "stop31/call3/ws3.json", _RESULTS + "stop31/call6/forms.json")),
+    # normed in_proj 16480 x 5120 16.1 -> 16.4 (not taken). The whole 27B q4 step (call 7, A B B A): 5.471 / 5.469
+    # -> 5.415 / 5.412 ms/token; an RB 16 / 4-warp pair ran 6.95 (call 4). At the 0.8B shapes slower (0.606 ms/token
+    # against 0.508, call 8): min_rows / min_k keep it to the 27B-class shapes it was measured at.
+    "q4_stream": StreamRule(enabled=True, forms=("swiglu", "norm_swiglu", "add"), rb=16, stages=2, nc=4,
+                            pair_rb=8, pair_stages=2, pair_nc=8, min_rows=4096, min_k=5120, max_k=8192,
+                            provenance=(_RESULTS + "stop31/call3/ws3.json", _RESULTS + "stop31/call6/forms.json",
+                                        _RESULTS + "stop31/call7/bench-qwen3.5-27b-sm90-q4-stream-1.json",
+                                        _RESULTS + "stop31/call8/e2e-qwen3.5-0.8b-sm90-q4-stream.json")),
     "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,
                         provenance=(_RESULTS + "stop28/call1/bf16mma-sweep.json", _RESULTS + "stop28/call2/wide.json",

@@ -1,6 +1,6 @@
 """kernels/q4_stream.py, the one-row q4 product fed by bulk copies (CUDA C through NVRTC). Without a GPU: its CPU
-emulation (what the launch-plan tests run) against the references of the ops it takes, the launch rule (off by
-default; which forms and shapes it takes when on, where it falls back), and its AOT compile for every target with
+emulation (what the launch-plan tests run) against the references of the ops it takes, the launch rule (which
+forms and shapes it takes, where it falls back), and its AOT compile for every target with
 the bulk copy engine. Its CUDA C runs on the device only (bench/q4stream_probe.py checks it against
 ``q4_matvec_ref`` at the 27B shapes)."""
 import dataclasses
@@ -88,33 +88,33 @@ def _normed(s, nw):
     return rmsnorm_ref(s, nw, 1e-6)
 
 
-def test_rule_is_off_by_default_and_takes_the_big_projections_when_on():
+def test_rule_takes_the_27b_class_projections_and_falls_back_elsewhere():
     t = TARGETS["sm_90"]
-    assert not t.rules["q4_stream"].enabled
-    assert q4_stream.stream_launch(17408, 5120, 128, t, pair=True, norm=True, partials=640) is None
-    on = _on()
-    r = on.rules["q4_stream"]
-    pair = q4_stream.stream_launch(17408, 5120, 128, on, pair=True, norm=True, partials=640)
+    r = t.rules["q4_stream"]
+    assert r.enabled and set(r.forms) == {"swiglu", "norm_swiglu", "add"}
+    pair = q4_stream.stream_launch(17408, 5120, 128, t, pair=True, norm=True, partials=640)
     c = pair["constexprs"]
     assert (c["RB"], c["STAGES"], c["NC"], c["SWIGLU"], c["NORM"], c["NP"]) == (r.pair_rb, r.pair_stages, r.pair_nc,
                                                                                 1, 1, 640)
-    assert pair["grid"] == [on.sms, 1, 1] and pair["num_warps"] == r.pair_nc + 1
-    add = q4_stream.stream_launch(5120, 6144, 128, on, add=True)
+    assert pair["grid"] == [t.sms, 1, 1] and pair["num_warps"] == r.pair_nc + 1
+    add = q4_stream.stream_launch(5120, 6144, 128, t, add=True)
     assert add["constexprs"]["ADD"] == 1 and add["constexprs"]["BLOCK_N"] == r.rb // r.nc
     assert (add["constexprs"]["RB"], add["num_warps"]) == (r.rb, r.nc + 1)
-    assert q4_stream.stream_launch(5120, 17408, 128, on, add=True) is None  # K above max_k: the matvec
-    assert q4_stream.stream_launch(1024, 2048, 128, on, add=True) is None  # below min_rows
-    assert q4_stream.stream_launch(5128, 4096, 128, on) is None  # N not a multiple of RB
-    assert q4_stream.stream_launch(5120, 4096, 0, on) is None  # bf16 weights
-    assert q4_stream.stream_launch(5120, 4096, 128, TARGETS["sm_80"]) is None  # no bulk copies before sm_90
-    assert q4_stream.stream_launch(5120, 4096, 128, _on("sm_80")) is None
+    # the forms measured no faster keep the Triton matvec: the normed in_proj, the plain products
+    assert q4_stream.stream_launch(16480, 5120, 128, t, norm=True, partials=640) is None
+    assert q4_stream.stream_launch(16480, 5120, 128, t) is None
+    assert q4_stream.stream_launch(16480, 5120, 128, _on(), norm=True, partials=640) is not None
+    assert q4_stream.stream_launch(5120, 17408, 128, t, add=True) is None  # K above max_k: the matvec
+    assert q4_stream.stream_launch(12288, 4096, 128, t, pair=True, norm=True, partials=512) is None  # 9B: K < min_k
+    assert q4_stream.stream_launch(3584, 1024, 128, t, pair=True, norm=True, partials=128) is None  # 0.8B
+    assert q4_stream.stream_launch(5120, 6144, 128, dataclasses.replace(t, rules={**t.rules, "q4_stream": (
+        dataclasses.replace(r, enabled=False))}), add=True) is None  # off
+    assert q4_stream.stream_launch(5128, 5120, 128, _on()) is None  # N not a multiple of RB
+    assert q4_stream.stream_launch(5120, 5120, 0, _on()) is None  # bf16 weights
+    assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_80")) is None  # no bulk copies before sm_90
     # sm_120's 99 KB: the plain ring fits, the pair's at 16 rows a block (two weights a slot) does not
     assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_120")) is not None
     assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120", pair_rb=16), pair=True) is None
-    # the default forms: the pair and the add, not the plain or normed single products (measured no faster)
-    default = _on(forms=t.rules["q4_stream"].forms)
-    assert q4_stream.stream_launch(16480, 5120, 128, default, norm=True, partials=640) is None
-    assert q4_stream.stream_launch(17408, 5120, 128, default, pair=True, norm=True, partials=640) is not None
 
 
 @pytest.mark.parametrize("target", [t for t in GPU_TARGETS if TARGETS[t].cc >= q4_stream.BULK_MIN_CC])
