@@ -59,10 +59,13 @@ for p in "$@"; do
     next80-q4-decode) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode.plan ;;
     next80-q4-decode-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-gdnnopre.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
-    27b-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
-    27b4-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-stream.plan ;;
-    0.8b-q4-stream) python3 bench/build_variant.py q4_stream.enabled=True q4_stream.min_rows=1024 -- qwen3.5-0.8b $R --quant q4 --max-seq 256 -o bench/plans/qwen3.5-0.8b-sm90-q4-stream.plan ;;
-    27b-q4-spec3-stream) python3 bench/build_variant.py q4_stream.enabled=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-stream.plan ;;
+    27b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
+    27b4-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-stream.plan ;;
+    27b-q4-stream-pair) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream-pair.plan ;;
+    27b-q4-stream-add) python3 bench/build_variant.py q4_stream.pair=False q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream-add.plan ;;
+    27b-q4-nostream) python3 bench/build_variant.py q4_stream.pair=False q4_stream.add=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-nostream.plan ;;
+    0.8b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True q4_stream.min_rows=1024 q4_stream.min_k=0 -- qwen3.5-0.8b $R --quant q4 --max-seq 256 -o bench/plans/qwen3.5-0.8b-sm90-q4-stream.plan ;;
+    27b-q4-spec3-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-stream.plan ;;
     27b-bf16) kestrelc build qwen3.5-27b $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-bf16.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
   esac

@@ -749,8 +749,8 @@ def _matvec(op: Op, t: Target) -> dict:
                     **matvec.matvec_rows_launch(m, n, k, group, t, pair=swiglu)}
         return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
                 **gemm.gemm_launch(op.ins[0].type.shape[0], n, k, group, t, swiglu=swiglu)}
-    if (stream := q4_stream.stream_launch(n, k, group, t, pair=swiglu)) is not None:
-        return {"kernel": ("q4stream_swiglu_" if swiglu else "q4stream_") + w.type.dtype, **stream}
+    if not swiglu and (stream := q4_stream.stream_launch(n, k, group, t)) is not None:
+        return {"kernel": "q4stream_" + w.type.dtype, **stream}
     prefix = "matvec_swiglu_" if swiglu else "matvec_"
     return {"kernel": prefix + w.type.dtype, **matvec.matvec_launch(n, k, group, t, pair=swiglu)}
 
@@ -1231,8 +1231,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           Kernel(matvec.matvec_swiglu_kernel, _matvec, rows=gemm.gemm_swiglu_kernel,
                  variants=(("matvec_rows_swiglu_", matvec.matvec_rows_swiglu_kernel),
                            ("q4mma_rows_swiglu_", q4_mma.q4mma_rows_swiglu),
-                           ("bf16mma_rows_swiglu_", bf16_mma.bf16mma_rows_swiglu),
-                           ("q4stream_swiglu_", q4_stream.q4stream_swiglu))), _onnx_matmul_swiglu,
+                           ("bf16mma_rows_swiglu_", bf16_mma.bf16mma_rows_swiglu))), _onnx_matmul_swiglu,
           doc="silu(Wg @ x) * (Wu @ x)"),
     OpDef("matmul_add", "vwv", ("partial_rows",), _infer_matmul_add, matvec.matvec_add_ref,
           Kernel(matvec.matvec_add_kernel, _matvec_add,

@@ -22,9 +22,9 @@ flight, with no registers held for them.
   chunk's four words added in fp32 times its group's scale; the chunks summed in fp32 (lane order, then a
   shuffle tree) and times 64. Within 2e-7 of max |y| of the reference on the H200 (bench/results/stop31), like
   the Triton matvec (which sums its chunks in another order).
-* Forms (constexprs): SWIGLU (matmul_swiglu: gate and up blocks in one slot, y = silu(g) * u), ADD (matmul_add:
-  s = r + W x, and each consumer warp's RPW rows' sum of s^2: partial_rows = RPW, exposed as BLOCK_N), NORM
-  (rmsnorm_matmul, with SWIGLU rmsnorm_matmul_swiglu). Deterministic: every sum in a fixed order.
+* Forms (constexprs): NORM + SWIGLU (rmsnorm_matmul_swiglu: gate and up blocks in one slot, y = silu(g) * u),
+  ADD (matmul_add: s = r + W x, and each consumer warp's RPW rows' sum of s^2: partial_rows = RPW, exposed as
+  BLOCK_N), NORM (rmsnorm_matmul), none (matmul). Deterministic: every sum in a fixed order.
 
 Measured on the H200 (bench/results/stop31, ``bench/q4stream_probe.py``: each kernel in a chain of programmatic
 edges over weight copies that do not fit L2): see the launch rule's provenance in kernels/targets.py.
@@ -332,8 +332,6 @@ def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, 
 _CONSTS = ("N", "K", "GROUP", "RB", "STAGES", "NC", "XREG_MAX", "PDL")
 Q4STREAM = CudaKernel("q4stream", __name__, _second_weight(SOURCE, False), ("x_ptr", "w_ptr", "y_ptr"), _CONSTS,
                       shared_bytes, _emulate)
-Q4STREAM_SWIGLU = CudaKernel("q4stream_swiglu", __name__, _second_weight(SOURCE, True),
-                             ("x_ptr", "wg_ptr", "wu_ptr", "y_ptr"), _CONSTS + ("SWIGLU",), shared_bytes, _emulate)
 Q4STREAM_ADD = CudaKernel("q4stream_add", __name__, _second_weight(SOURCE, False),
                           ("x_ptr", "w_ptr", "r_ptr", "s_ptr", "ss_ptr", "partial_rows"), _CONSTS + ("ADD", "BLOCK_N"),
                           shared_bytes, _emulate)
@@ -345,7 +343,6 @@ Q4STREAM_NORM_SWIGLU = CudaKernel("q4stream_norm_swiglu", __name__, _second_weig
                                   _CONSTS + ("NORM", "NP", "SWIGLU"), shared_bytes, _emulate)
 # the kernel table names these through jit_name ("kestrel.kernels.q4_stream:q4stream")
 q4stream = Q4STREAM
-q4stream_swiglu = Q4STREAM_SWIGLU
 q4stream_add = Q4STREAM_ADD
 q4stream_norm = Q4STREAM_NORM
 q4stream_norm_swiglu = Q4STREAM_NORM_SWIGLU
@@ -372,15 +369,16 @@ def bulk_aligned(n: int, k: int, group: int, rb: int) -> bool:
 
 def stream_launch(n: int, k: int, group: int, target, pair: bool = False, add: bool = False, norm: bool = False,
                   partials: int = 0) -> dict | None:
-    """The launch of this kernel for a one-row q4 product [N, K] (``pair``: the gate / up pair; ``add``:
-    matmul_add; ``norm``: rstd from ``partials`` partial sums), or None where the target's ``q4_stream`` rule
-    does not run it: off, a target without the bulk copy engine, N below ``min_rows`` or not a multiple of RB,
-    K outside [``min_k``, ``max_k``], the form not in ``forms``, or a ring that does not fit the target's shared memory. The pair
-    takes the rule's ``pair_*`` split, the single products its ``rb`` / ``stages`` / ``nc``."""
+    """The launch of this kernel for a one-row q4 product [N, K] (``pair`` with ``norm``: rmsnorm + the gate / up
+    pair; ``add``: matmul_add; ``norm``: rmsnorm_matmul; neither: matmul), or None where the target's ``q4_stream``
+    rule does not run it: the form switched off (the unnormed pair has no form: fuse always folds its norm), a
+    target without the bulk copy engine, N below ``min_rows`` or not a multiple of the block, K outside [``min_k``,
+    ``max_k``], or a ring that does not fit the target's shared memory. The pair takes the rule's ``pair_*``
+    split, the single products its ``rb`` / ``stages`` / ``nc``."""
     r = target.rules.get("q4_stream")
-    form = ("norm_" if norm else "") + ("swiglu" if pair else "add" if add else "plain")
-    if (r is None or not r.enabled or not group or target.cc < BULK_MIN_CC or form not in r.forms or n < r.min_rows
-            or not r.min_k <= k <= r.max_k or k % group or k % 32):
+    on = r is not None and (r.pair if pair and norm else r.add if add else r.norm_plain if norm else r.plain and not pair)
+    if (not on or not group or target.cc < BULK_MIN_CC or n < r.min_rows or not r.min_k <= k <= r.max_k
+            or k % group or k % 32):
         return None
     rb, stages, nc = (r.pair_rb, r.pair_stages, r.pair_nc) if pair else (r.rb, r.stages, r.nc)
     if n % rb or rb % nc or not bulk_aligned(n, k, group, rb):

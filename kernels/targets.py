@@ -197,12 +197,15 @@ class GemmRule(Rule):
 
 @dataclass(frozen=True, kw_only=True)
 class StreamRule(Rule):
-    """The one-row q4 product fed by bulk copies (kernels/q4_stream.py): the q4 matmuls of one row whose form is in
-    ``forms`` ("plain", "swiglu", "add", "norm_plain", "norm_swiglu"), with N >= min_rows (a multiple of rb) and
-    K <= max_k, run it where ``enabled`` (else the Triton matvec). One CTA an SM: rb rows a block, a ring of
-    ``stages`` blocks, nc consumer warps and one producer warp."""
-    enabled: bool
-    forms: tuple[str, ...]
+    """The one-row q4 product fed by bulk copies (kernels/q4_stream.py): the q4 matmuls of one row whose form is
+    switched on (``pair``: rmsnorm + the gate / up pair, rmsnorm_matmul_swiglu; ``add``: matmul_add; ``plain``:
+    matmul; ``norm_plain``: rmsnorm_matmul), with N >= min_rows (a multiple of the block) and min_k <= K <= max_k
+    (else the Triton matvec). One CTA an SM: rb rows a block, a ring of ``stages`` blocks, nc consumer warps and one
+    producer warp (the pair: pair_rb, pair_stages, pair_nc)."""
+    pair: bool
+    add: bool
+    plain: bool
+    norm_plain: bool
     rb: int                     # the single products (plain, add, norm_plain)
     stages: int
     nc: int
@@ -343,19 +346,15 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # rule 1.08x slower (geometric mean; down 1.32x): ncu shows the same DRAM rate (3.3 TB/s) with 12% issue slots
     # busy against the few-rows matvec's 57%, so FMA issue was not what held the few-rows matvec there. Off above 32 MB a
     # weight, where the fold's saved add_rmsnorm launches (0.8 ms at 27B) would not pay for the slower products.
-    # bench/q4stream_probe.py, each kernel in a chain of programmatic edges at the 27B q4 shapes (stop 31 calls 1-3):
-    # against the Triton matvec 1.19x at 17408 x 5120, 1.29x at 5120 x 6144, 0.98x at 16480 x 5120 and 0.76x at
-    # 5120 x 17408 (its x from shared memory), slower at every 0.8B shape; RB 16, 2 stages, 4 consumer warps best at
-    # the first two. Off until the whole step measures it (the forms' fused prologue and epilogue included).
-    # The fused forms against the Triton kernels the step runs (call 6, chained): rmsnorm + gate / up 17408 x 5120
-    # 32.4 -> 27.1 us (RB 8, 2 stages, 8 consumer warps), matvec_add 5120 x 6144 10.5 -> 8.7 (RB 16, 2, 4), the
-    # normed in_proj 16480 x 5120 16.1 -> 16.4 (not taken). The whole 27B q4 step (call 7, A B B A): 5.471 / 5.469
-    # -> 5.415 / 5.412 ms/token; an RB 16 / 4-warp pair ran 6.95 (call 4). At the 0.8B shapes slower (0.606 ms/token
-    # against 0.508, call 8): min_rows / min_k keep it to the 27B-class shapes it was measured at.
-    "q4_stream": StreamRule(enabled=True, forms=("swiglu", "norm_swiglu", "add"), rb=16, stages=2, nc=4,
+    # bench/q4stream_probe.py (stop 31), each kernel in a chain of programmatic edges at the 27B q4 shapes against the
+    # Triton kernels the step runs: rmsnorm + gate / up 17408 x 5120 32.4 -> 27.1 us (RB 8, 2 stages, 8 consumer
+    # warps), matvec_add 5120 x 6144 10.5 -> 8.7 (RB 16, 2, 4), the normed in_proj 16480 x 5120 16.1 -> 16.4, the
+    # down projection and every 0.8B shape slower (calls 3, 6). The whole 27B q4 step, A B B A (call 9): none 5.483 /
+    # 5.488 ms/token, the pair 5.187 / 5.185, the pair and the adds 5.432 / 5.435, the adds alone 5.77: the pair only.
+    "q4_stream": StreamRule(pair=True, add=False, plain=False, norm_plain=False, rb=16, stages=2, nc=4,
                             pair_rb=8, pair_stages=2, pair_nc=8, min_rows=4096, min_k=5120, max_k=8192,
                             provenance=(_RESULTS + "stop31/call3/ws3.json", _RESULTS + "stop31/call6/forms.json",
-                                        _RESULTS + "stop31/call7/bench-qwen3.5-27b-sm90-q4-stream-1.json",
+                                        _RESULTS + "stop31/call9/bench-qwen3.5-27b-sm90-q4-stream-pair-1.json",
                                         _RESULTS + "stop31/call8/e2e-qwen3.5-0.8b-sm90-q4-stream.json")),
     "bf16_mma": MmaRule(max_rows=8, rb=1, ks=8, depth=2, stages=3, clusters=(1, 2, 4), ctas_per_sm=0.8,
                         swiglu_rb=2, swiglu_ks=4, swiglu_stages=3, max_weight_bytes=32 << 20,

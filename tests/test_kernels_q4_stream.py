@@ -14,13 +14,14 @@ from kestrel.kernels.matvec import (matvec_add_ref, matvec_ref, matvec_swiglu_re
                                     rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_ref)
 from kestrel.kernels.targets import GPU_TARGETS, TARGETS
 
-ALL_FORMS = ("plain", "swiglu", "add", "norm_plain", "norm_swiglu")
+ALL_FORMS = ("plain", "add", "norm_plain", "norm_swiglu")
 
 
 def _on(name: str = "sm_90", **fields):
     """``name``'s target with the kernel on for every form (and ``fields`` of its row replaced)."""
     t = TARGETS[name]
-    row = dataclasses.replace(t.rules["q4_stream"], **{"enabled": True, "forms": ALL_FORMS, **fields})
+    row = dataclasses.replace(t.rules["q4_stream"], **{"pair": True, "add": True, "plain": True, "norm_plain": True,
+                                                        **fields})
     return dataclasses.replace(t, rules={**t.rules, "q4_stream": row})
 
 
@@ -31,22 +32,22 @@ def _weight(n, k, group, seed):
 
 
 @pytest.mark.parametrize("group,rb,nc", [(128, 16, 4), (32, 8, 2), (64, 4, 4)])
-def test_emulated_plain_and_pair_write_the_references(group, rb, nc):
+def test_emulated_plain_writes_the_reference(group, rb, nc):
     n, k = 64, 512
-    (wg, dg), (wu, du) = _weight(n, k, group, 1), _weight(n, k, group, 2)
+    w, d = _weight(n, k, group, 1)
     x = torch.randn(k, generator=torch.Generator().manual_seed(3)) * 2
     plain = q4_stream.launch(n, k, group, rb, 2, nc, 132)
     assert plain["grid"] == [n // rb, 1, 1] and plain["num_warps"] == nc + 1
     y = torch.full((n + 5,), float("nan"))
-    q4_stream.q4stream[plain["grid"]](x, wg, y, **plain["constexprs"], PDL=True)
-    assert torch.equal(y[:n], matvec_ref(x, dg)) and y[n:].isnan().all()
-    pair = q4_stream.launch(n, k, group, rb, 2, nc, 3, pair=True)  # fewer CTAs than blocks: they loop
-    assert pair["grid"] == [3, 1, 1] and pair["constexprs"]["SWIGLU"] == 1
+    q4_stream.q4stream[plain["grid"]](x, w, y, **plain["constexprs"], PDL=True)
+    assert torch.equal(y[:n], matvec_ref(x, d)) and y[n:].isnan().all()
+    few = q4_stream.launch(n, k, group, rb, 2, nc, 3)  # fewer CTAs than blocks: they loop
+    assert few["grid"] == [min(3, n // rb), 1, 1]
     y2 = torch.full((n,), float("nan"))
-    q4_stream.q4stream_swiglu[pair["grid"]](x, wg, wu, y2, **pair["constexprs"], PDL=True)
-    assert torch.allclose(y2, matvec_swiglu_ref(x, dg, du), rtol=1e-6, atol=1e-7)
+    q4_stream.q4stream[few["grid"]](x, w, y2, **few["constexprs"], PDL=True)
+    assert torch.equal(y2, y[:n])
     with pytest.raises(AssertionError, match="grid"):  # more CTAs than blocks
-        q4_stream.q4stream[[n // rb + 1, 1, 1]](x, wg, y, **plain["constexprs"])
+        q4_stream.q4stream[[n // rb + 1, 1, 1]](x, w, y, **plain["constexprs"])
 
 
 @pytest.mark.parametrize("pair", [False, True])
@@ -88,33 +89,35 @@ def _normed(s, nw):
     return rmsnorm_ref(s, nw, 1e-6)
 
 
-def test_rule_takes_the_27b_class_projections_and_falls_back_elsewhere():
+def test_rule_takes_the_27b_class_normed_pair_and_falls_back_elsewhere():
     t = TARGETS["sm_90"]
     r = t.rules["q4_stream"]
-    assert r.enabled and set(r.forms) == {"swiglu", "norm_swiglu", "add"}
+    assert r.pair and not (r.add or r.plain or r.norm_plain)  # the forms the whole 27B step measured faster
     pair = q4_stream.stream_launch(17408, 5120, 128, t, pair=True, norm=True, partials=640)
     c = pair["constexprs"]
     assert (c["RB"], c["STAGES"], c["NC"], c["SWIGLU"], c["NORM"], c["NP"]) == (r.pair_rb, r.pair_stages, r.pair_nc,
                                                                                 1, 1, 640)
     assert pair["grid"] == [t.sms, 1, 1] and pair["num_warps"] == r.pair_nc + 1
-    add = q4_stream.stream_launch(5120, 6144, 128, t, add=True)
-    assert add["constexprs"]["ADD"] == 1 and add["constexprs"]["BLOCK_N"] == r.rb // r.nc
-    assert (add["constexprs"]["RB"], add["num_warps"]) == (r.rb, r.nc + 1)
-    # the forms measured no faster keep the Triton matvec: the normed in_proj, the plain products
+    assert q4_stream.stream_launch(17408, 5120, 128, t, pair=True) is None  # the unnormed pair: no form
+    # the forms switched off keep the Triton matvec: the add, the normed in_proj, the plain product
+    assert q4_stream.stream_launch(5120, 6144, 128, t, add=True) is None
     assert q4_stream.stream_launch(16480, 5120, 128, t, norm=True, partials=640) is None
     assert q4_stream.stream_launch(16480, 5120, 128, t) is None
-    assert q4_stream.stream_launch(16480, 5120, 128, _on(), norm=True, partials=640) is not None
-    assert q4_stream.stream_launch(5120, 17408, 128, t, add=True) is None  # K above max_k: the matvec
-    assert q4_stream.stream_launch(12288, 4096, 128, t, pair=True, norm=True, partials=512) is None  # 9B: K < min_k
-    assert q4_stream.stream_launch(3584, 1024, 128, t, pair=True, norm=True, partials=128) is None  # 0.8B
-    assert q4_stream.stream_launch(5120, 6144, 128, dataclasses.replace(t, rules={**t.rules, "q4_stream": (
-        dataclasses.replace(r, enabled=False))}), add=True) is None  # off
-    assert q4_stream.stream_launch(5128, 5120, 128, _on()) is None  # N not a multiple of RB
-    assert q4_stream.stream_launch(5120, 5120, 0, _on()) is None  # bf16 weights
+    on = _on()
+    add = q4_stream.stream_launch(5120, 6144, 128, on, add=True)
+    assert add["constexprs"]["ADD"] == 1 and add["constexprs"]["BLOCK_N"] == r.rb // r.nc
+    assert (add["constexprs"]["RB"], add["num_warps"]) == (r.rb, r.nc + 1)
+    assert q4_stream.stream_launch(16480, 5120, 128, on, norm=True, partials=640)["constexprs"]["NORM"] == 1
+    assert "NORM" not in q4_stream.stream_launch(16480, 5120, 128, on)["constexprs"]
+    assert q4_stream.stream_launch(5120, 17408, 128, on, add=True) is None  # K above max_k: the matvec
+    assert q4_stream.stream_launch(12288, 4096, 128, on, pair=True, norm=True, partials=512) is None  # 9B: K < min_k
+    assert q4_stream.stream_launch(3584, 1024, 128, on, pair=True, norm=True, partials=128) is None  # 0.8B
+    assert q4_stream.stream_launch(5128, 5120, 128, on) is None  # N not a multiple of RB
+    assert q4_stream.stream_launch(5120, 5120, 0, on) is None  # bf16 weights
     assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_80")) is None  # no bulk copies before sm_90
     # sm_120's 99 KB: the plain ring fits, the pair's at 16 rows a block (two weights a slot) does not
     assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_120")) is not None
-    assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120", pair_rb=16), pair=True) is None
+    assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120", pair_rb=16), pair=True, norm=True) is None
 
 
 @pytest.mark.parametrize("target", [t for t in GPU_TARGETS if TARGETS[t].cc >= q4_stream.BULK_MIN_CC])
@@ -122,15 +125,15 @@ def test_rule_takes_the_27b_class_projections_and_falls_back_elsewhere():
 def test_compiles_for_every_target_with_bulk_copies(target, form):
     pytest.importorskip("cuda.bindings.nvrtc")
     t = _on(target)
-    pair, norm, add = "swiglu" in form, form.startswith("norm"), form == "add"
+    pair, norm, add = form == "norm_swiglu", form.startswith("norm"), form == "add"
     n, k = (17408, 5120) if pair else (5120, 6144)
     if t.smem_optin < 100 * 1024:  # sm_120: a ring that fits its 99 KB
         n, k = 5120, 5120
     launch = q4_stream.stream_launch(n, k, 128, t, pair=pair, add=add, norm=norm, partials=640)
     assert launch is not None, (target, form)
-    kernel = {"plain": q4_stream.q4stream, "swiglu": q4_stream.q4stream_swiglu, "add": q4_stream.q4stream_add,
+    kernel = {"plain": q4_stream.q4stream, "add": q4_stream.q4stream_add,
               "norm_plain": q4_stream.q4stream_norm, "norm_swiglu": q4_stream.q4stream_norm_swiglu}[form]
-    types = {"plain": ["*fp32", "*u8", "*fp32"], "swiglu": ["*fp32", "*u8", "*u8", "*fp32"],
+    types = {"plain": ["*fp32", "*u8", "*fp32"],
              "add": ["*fp32", "*u8", "*fp32", "*fp32", "*fp32", "i32"],
              "norm_plain": ["*fp32", "*fp32", "*fp32", "*u8", "*fp32", "fp32"],
              "norm_swiglu": ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", "fp32"]}[form]

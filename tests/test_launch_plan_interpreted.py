@@ -114,15 +114,16 @@ def _close(what, g, c, bound):
 
 @pytest.mark.parametrize("quant", ["bf16", "q4", "q4-stream"])
 def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
-    """q4-stream: the bulk-copy q4 kernel (kernels/q4_stream.py, emulated; on the 27B-class shapes only) with
-    thresholds the mini model's shapes pass: its gate / up pair with the norm and its residual adds, whose
-    partials feed the next norm."""
+    """q4-stream: the bulk-copy q4 kernel (kernels/q4_stream.py, emulated; by default on the 27B-class normed
+    gate / up pair only) with its add form on and thresholds the mini model's shapes pass: the normed pair and the
+    residual adds, whose partials feed the next norm."""
     from conftest import run_cli
 
     stream = quant == "q4-stream"
     if stream:
         quant = "q4"
-        monkeypatch.setenv("KESTREL_RULES", "q4_stream.min_rows=16 q4_stream.min_k=32 q4_stream.rb=8 q4_stream.nc=2 "
+        monkeypatch.setenv("KESTREL_RULES", "q4_stream.add=True q4_stream.min_rows=16 q4_stream.min_k=32 q4_stream.rb=8 "
+                           "q4_stream.nc=2 "
                            "q4_stream.pair_rb=16 q4_stream.pair_nc=4")
     path = str(tmp_path / f"mini-{quant}{'-stream' if stream else ''}.plan")
     r = run_cli("kestrelc", "build", mini_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,

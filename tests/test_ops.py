@@ -92,13 +92,31 @@ def _without_bf16_fold(programs):
         TARGETS["sm_90"] = t
 
 
+def _with_q4_stream(programs):
+    """``programs()`` built with the bulk-copy q4 kernel (kernels/q4_stream.py) taking every form at the tiny
+    shapes (by default only the 27B-class normed gate / up pair)."""
+    import dataclasses
+
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    TARGETS["sm_90"] = dataclasses.replace(t, rules={**t.rules, "q4_stream": dataclasses.replace(
+        t.rules["q4_stream"], pair=True, add=True, plain=True, norm_plain=True, rb=8, nc=2, pair_rb=8, pair_nc=2,
+        min_rows=1, min_k=0)})
+    try:
+        return programs()
+    finally:
+        TARGETS["sm_90"] = t
+
+
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
     for prog in (_tiny_gpu_program(), _tiny_gpu_program(rows=8), _tiny_gpu_program(rows=32),
                  _tiny_gpu_program(rows=4, quant="bf16"), *_tiny_speculative_programs(), *_tiny_next_programs(),
                  *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs())),
-                 *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),))):
+                 *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),)),
+                 *_with_q4_stream(lambda: (_tiny_gpu_program(), *_tiny_speculative_programs()))):
         for op in prog.ops:
             if is_view(op):
                 continue
@@ -115,6 +133,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included ...
     variant_jits = {j for d in OPS.values() if isinstance(d.kernel, Kernel) for _, j in d.kernel.variants}
     assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec, q4_mma, bf16_mma)
+    # and the bulk-copy q4 kernel's forms at one row
 
 
 def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():
