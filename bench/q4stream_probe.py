@@ -55,6 +55,36 @@ KINDS = os.environ.get("KESTREL_PROBE_KINDS", "matvec,stream,ws").split(",")
 # v1's best per shape in call 1 (bench/results/stop31/call1), kept as the reference point when v1 is not swept
 V1_BEST = [(8, 3, 8, 2, 1), (2, 3, 8, 2, 1), (16, 6, 1, 2, 2)]
 
+from kestrel.kernels.q4_stream import DEVICE_HELPERS  # noqa: E402 - the product kernel's helpers
+
+# the product kernel's helpers, and the int8 forms' (x packed to match the nibble order: lo bytes 0 4 1 5, hi 2 6 3 7)
+_HELPERS = DEVICE_HELPERS + r"""
+__device__ __forceinline__ int dp4a_us(unsigned a, unsigned b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ unsigned pack4(int a, int b, int c, int d) {
+  return (unsigned)(a & 255) | ((unsigned)(b & 255) << 8) | ((unsigned)(c & 255) << 16) | ((unsigned)(d & 255) << 24);
+}
+
+__device__ __forceinline__ float word_f16(unsigned q, const uint4 xw) { return word_value(q, xw.x, xw.y, xw.z, xw.w); }
+
+__device__ __forceinline__ int chunk_dot(const uint4 v, const uint2 x0, const uint2 x1, const uint2 x2, const uint2 x3,
+                                         int d) {
+  d = dp4a_us(v.x & 0x0f0f0f0fu, x0.x, d);
+  d = dp4a_us((v.x >> 4) & 0x0f0f0f0fu, x0.y, d);
+  d = dp4a_us(v.y & 0x0f0f0f0fu, x1.x, d);
+  d = dp4a_us((v.y >> 4) & 0x0f0f0f0fu, x1.y, d);
+  d = dp4a_us(v.z & 0x0f0f0f0fu, x2.x, d);
+  d = dp4a_us((v.z >> 4) & 0x0f0f0f0fu, x2.y, d);
+  d = dp4a_us(v.w & 0x0f0f0f0fu, x3.x, d);
+  d = dp4a_us((v.w >> 4) & 0x0f0f0f0fu, x3.y, d);
+  return d;
+}
+"""
+
 SOURCE = r"""
 #define JC (K / 32)                      /* 32-input chunks a row (16 bytes of nibbles each) */
 #define NGR (K / GROUP)
@@ -75,31 +105,7 @@ SOURCE = r"""
 #define RED_AT (XZ_AT + 4 * JC)          /* two sets of RB x WK partial sums */
 #define BAR_AT ((RED_AT + 8 * RB * WK + 7) / 8 * 8)
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ float h2f(unsigned short h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-__device__ __forceinline__ int dp4a_us(unsigned a, unsigned b, int c) {
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ void bar_wait(unsigned bar, unsigned phase) {
-  unsigned ok = 0;
-  while (!ok)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(ok) : "r"(bar), "r"(phase) : "memory");
-}
-
-__device__ __forceinline__ unsigned pack4(int a, int b, int c, int d) {
-  return (unsigned)(a & 255) | ((unsigned)(b & 255) << 8) | ((unsigned)(c & 255) << 16) | ((unsigned)(d & 255) << 24);
-}
-
+""" + _HELPERS + r"""
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* __restrict__ y, void* scratch0,
       void* scratch1) {
@@ -254,72 +260,7 @@ SOURCE_WS = r"""
 #define XZ_AT (XS_AT + 4 * JC)
 #define BAR_AT ((XZ_AT + 4 * JC + 7) / 8 * 8)   /* full [STAGES], then empty [STAGES] */
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ float h2f(unsigned short h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-__device__ __forceinline__ int dp4a_us(unsigned a, unsigned b, int c) {
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ void bar_wait(unsigned bar, unsigned phase) {
-  unsigned ok = 0;
-  while (!ok)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(ok) : "r"(bar), "r"(phase) : "memory");
-}
-
-__device__ __forceinline__ unsigned pack4(int a, int b, int c, int d) {
-  return (unsigned)(a & 255) | ((unsigned)(b & 255) << 8) | ((unsigned)(c & 255) << 16) | ((unsigned)(d & 255) << 24);
-}
-
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-  return r;
-}
-
-/* MATH 1: one word's value as q4_matvec_ref defines it: the four f16x2 (q - 8) pairs (kernels/q4_mma.py's
-   conversion), the even / odd lanes' products summed in fp16 in input order, the two lanes added in fp32 */
-__device__ __forceinline__ float word_f16(unsigned q, const uint4 xw) {
-  unsigned p0, p1, p2, p3, a;
-  const unsigned t = q >> 8;
-  asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(p0) : "r"(q));
-  asm("lop3.b32 %0, %1, 0x00f000f0, 0x64006400, 0xea;" : "=r"(p1) : "r"(q));
-  asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(p2) : "r"(t));
-  asm("lop3.b32 %0, %1, 0x00f000f0, 0x64006400, 0xea;" : "=r"(p3) : "r"(t));
-  asm("sub.f16x2 %0, %0, %1;" : "+r"(p0) : "r"(0x64086408u));
-  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(p1) : "r"(0x2c002c00u), "r"(0xd480d480u));
-  asm("sub.f16x2 %0, %0, %1;" : "+r"(p2) : "r"(0x64086408u));
-  asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(p3) : "r"(0x2c002c00u), "r"(0xd480d480u));
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(a) : "r"(p0), "r"(xw.x));
-  asm("fma.rn.f16x2 %0, %1, %2, %0;" : "+r"(a) : "r"(p1), "r"(xw.y));
-  asm("fma.rn.f16x2 %0, %1, %2, %0;" : "+r"(a) : "r"(p2), "r"(xw.z));
-  asm("fma.rn.f16x2 %0, %1, %2, %0;" : "+r"(a) : "r"(p3), "r"(xw.w));
-  float lo, hi;
-  asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(a));
-  return lo + hi;
-}
-
-__device__ __forceinline__ int chunk_dot(const uint4 v, const uint2 x0, const uint2 x1, const uint2 x2, const uint2 x3,
-                                         int d) {
-  d = dp4a_us(v.x & 0x0f0f0f0fu, x0.x, d);
-  d = dp4a_us((v.x >> 4) & 0x0f0f0f0fu, x0.y, d);
-  d = dp4a_us(v.y & 0x0f0f0f0fu, x1.x, d);
-  d = dp4a_us((v.y >> 4) & 0x0f0f0f0fu, x1.y, d);
-  d = dp4a_us(v.z & 0x0f0f0f0fu, x2.x, d);
-  d = dp4a_us((v.z >> 4) & 0x0f0f0f0fu, x2.y, d);
-  d = dp4a_us(v.w & 0x0f0f0f0fu, x3.x, d);
-  d = dp4a_us((v.w >> 4) & 0x0f0f0f0fu, x3.y, d);
-  return d;
-}
-
+""" + _HELPERS + r"""
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* __restrict__ y, void* scratch0,
       void* scratch1) {

@@ -38,37 +38,8 @@ from kestrel.kernels.q4_mma import CTA_RESERVED_SMEM, CudaKernel
 
 BULK_MIN_CC = 90  # cp.async.bulk, mbarrier expect_tx and griddepcontrol: sm_90 on
 
-SOURCE = r"""
-#ifndef SWIGLU
-#define SWIGLU 0
-#endif
-#ifndef ADD
-#define ADD 0
-#endif
-#ifndef NORM
-#define NORM 0
-#define NP 1
-#endif
-#define JC (K / 32)                      /* 32-input chunks a row: 16 bytes of nibbles each */
-#define NGR (K / GROUP)
-#define ROWB (K / 2)
-#define SCB (NGR * 2)
-#define NWT (SWIGLU ? 2 : 1)
-#define BLK_W (RB * ROWB)
-#define BLK_S (RB * SCB)
-#define BLK (BLK_W + BLK_S)              /* one weight's block in a slot: its words, then its scales */
-#define STAGE_BYTES (NWT * BLK)
-#define RING_BYTES (STAGES * STAGE_BYTES)
-#define NB (N / RB)
-#define THREADS (32 * (NC + 1))
-#define RPW (RB / NC)
-#define CPT ((JC + 31) / 32)
-#define CPG (GROUP / 32)
-#define XREG (CPT <= XREG_MAX)
-#define X_AT RING_BYTES                  /* word j of x: the f16x2 of x / 64 at inputs (0,1) (2,3) (4,5) (6,7) */
-#define RSTD_AT (X_AT + 2 * K)
-#define BAR_AT (RSTD_AT + 16)            /* full [STAGES], then empty [STAGES] */
-
+# the shared-memory address, fp16 and mbarrier helpers and one q4 word's value (bench/q4stream_probe.py uses them too)
+DEVICE_HELPERS = r"""
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ float h2f(unsigned short h) {
@@ -111,6 +82,40 @@ __device__ __forceinline__ float word_value(unsigned q, unsigned x01, unsigned x
   return lo + hi;
 }
 
+"""
+
+SOURCE = r"""
+#ifndef SWIGLU
+#define SWIGLU 0
+#endif
+#ifndef ADD
+#define ADD 0
+#endif
+#ifndef NORM
+#define NORM 0
+#define NP 1
+#endif
+#define JC (K / 32)                      /* 32-input chunks a row: 16 bytes of nibbles each */
+#define NGR (K / GROUP)
+#define ROWB (K / 2)
+#define SCB (NGR * 2)
+#define NWT (SWIGLU ? 2 : 1)
+#define BLK_W (RB * ROWB)
+#define BLK_S (RB * SCB)
+#define BLK (BLK_W + BLK_S)              /* one weight's block in a slot: its words, then its scales */
+#define STAGE_BYTES (NWT * BLK)
+#define RING_BYTES (STAGES * STAGE_BYTES)
+#define NB (N / RB)
+#define THREADS (32 * (NC + 1))
+#define RPW (RB / NC)
+#define CPT ((JC + 31) / 32)
+#define CPG (GROUP / 32)
+#define XREG (CPT <= XREG_MAX)
+#define X_AT RING_BYTES                  /* word j of x: the f16x2 of x / 64 at inputs (0,1) (2,3) (4,5) (6,7) */
+#define RSTD_AT (X_AT + 2 * K)
+#define BAR_AT (RSTD_AT + 16)            /* full [STAGES], then empty [STAGES] */
+
+""" + DEVICE_HELPERS + r"""
 __device__ __forceinline__ float chunk_value(const uint4 v, const uint4 h0, const uint4 h1, const uint4 h2,
                                              const uint4 h3) {
   return ((word_value(v.x, h0.x, h0.y, h0.z, h0.w) + word_value(v.y, h1.x, h1.y, h1.z, h1.w))
