@@ -209,7 +209,7 @@ class StreamRule(Rule):
     rb: int                     # the single products (plain, add, norm_plain)
     stages: int
     nc: int
-    pair_rb: int                # the gate / up pair (swiglu, norm_swiglu): two weights a slot
+    pair_rb: int                # the normed gate / up pair (rmsnorm_matmul_swiglu): two weights a slot
     pair_stages: int
     pair_nc: int
     min_rows: int
