@@ -20,7 +20,7 @@ This kernel (CUDA C through NVRTC, the product's ABI: x fp32 [K], the q4 buffer 
 * a thread owns CPT chunks of x (in registers) and multiplies them into RB / WR rows of every block; the warps'
   sums meet in shared memory in a fixed order (deterministic).
 
-Checked on the device against a float64 emulation of exactly that arithmetic (``q8_ref``; MATH 1: q4_matvec_ref) and the
+Checked on the device against a float64 emulation of exactly that arithmetic (``q8_ref``; wsf16: q4_matvec_ref) and the
 exact product; timed alone and in a chain of programmatic edges (bench/graph_timing.py, rotating weight
 copies so each launch reads DRAM), beside the Triton matvec the launch rule picks, in the same call.
 
@@ -49,7 +49,7 @@ PARAMS = ("x", "w", "y")
 RBS, STAGES, WKS, WRS = (2, 4, 8, 16), (3, 4, 6), (1, 2, 4, 8), (1, 2)
 WS_RBS = (4, 8, 16, 32)
 CONSTS = ("N", "K", "GROUP", "RB", "STAGES", "WK", "WR", "CPS", "MINB", "PDL")
-CONSTS_WS = ("N", "K", "GROUP", "RB", "STAGES", "NC", "CPS", "MINB", "MATH", "PDL")
+CONSTS_WS = ("N", "K", "GROUP", "RB", "STAGES", "NC", "CPS", "MINB", "PDL")
 # KESTREL_PROBE_KINDS: which kernels the compile step sweeps (matvec: the Triton rule's; stream: v1; ws: v2)
 KINDS = os.environ.get("KESTREL_PROBE_KINDS", "matvec,stream,ws").split(",")
 # v1's best per shape in call 1 (bench/results/stop31/call1), kept as the reference point when v1 is not swept
@@ -69,7 +69,35 @@ __device__ __forceinline__ unsigned pack4(int a, int b, int c, int d) {
   return (unsigned)(a & 255) | ((unsigned)(b & 255) << 8) | ((unsigned)(c & 255) << 16) | ((unsigned)(d & 255) << 24);
 }
 
-__device__ __forceinline__ float word_f16(unsigned q, const uint4 xw) { return word_value(q, xw.x, xw.y, xw.z, xw.w); }
+/* x to int8 per 32-input chunk (scale max |x| / 127, nearest even), packed in the nibble order, with each chunk's
+   scale and -8 * sum(x8): chunks first, first + step, ... (JC: the source's chunks a row) */
+__device__ __forceinline__ void stage_x8(const float* __restrict__ x, unsigned* x8, float* xs, int* xz, int first,
+                                         int step) {
+  for (int ch = first; ch < JC; ch += step) {
+    float v[32];
+    const float4* src = (const float4*)(x + 32 * ch);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 f = __ldcg(src + i);
+      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) m = fmaxf(m, fabsf(v[i]));
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    int q[32], s = 0;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) { q[i] = __float2int_rn(v[i] * inv); s += q[i]; }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {                /* lo bytes: inputs 0 4 1 5; hi bytes: 2 6 3 7 (Q4_NIBBLE) */
+      const int* e = q + 8 * u;
+      x8[2 * (4 * ch + u)] = pack4(e[0], e[4], e[1], e[5]);
+      x8[2 * (4 * ch + u) + 1] = pack4(e[2], e[6], e[3], e[7]);
+    }
+    xs[ch] = m / 127.f;
+    xz[ch] = -8 * s;
+  }
+}
 
 __device__ __forceinline__ int chunk_dot(const uint4 v, const uint2 x0, const uint2 x1, const uint2 x2, const uint2 x3,
                                          int d) {
@@ -116,20 +144,16 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
   const unsigned bars = smem_u32(smem + BAR_AT);
   const unsigned ring = smem_u32(smem);
   if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s) : "memory");
+    for (int s = 0; s < STAGES; ++s) bar_init(bars + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   auto issue = [&](int i) {                      /* the CTA's i-th block into slot i % STAGES */
     const int b = c + i * G, slot = i % STAGES;
     const unsigned bar = bars + 8 * slot, dst = ring + slot * STAGE_BYTES;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(STAGE_BYTES) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(w + (size_t)b * STAGE_W), "r"(STAGE_W), "r"(bar) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst + STAGE_W), "l"(w + (size_t)N * ROWB + (size_t)b * STAGE_S), "r"(STAGE_S), "r"(bar)
-                 : "memory");
+    bar_expect(bar, STAGE_BYTES);
+    bulk_copy(dst, w + (size_t)b * STAGE_W, STAGE_W, bar);
+    bulk_copy(dst + STAGE_W, w + (size_t)N * ROWB + (size_t)b * STAGE_S, STAGE_S, bar);
   };
   if (tid == 0)
     for (int i = 0; i < STAGES && i < mine; ++i) issue(i);
@@ -141,30 +165,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
   unsigned* x8 = (unsigned*)(smem + X_AT);
   float* xs = (float*)(smem + XS_AT);
   int* xz = (int*)(smem + XZ_AT);
-  for (int ch = tid; ch < JC; ch += THREADS) {
-    float v[32];
-    const float4* src = (const float4*)(x + 32 * ch);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 f = __ldcg(src + i);
-      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-    }
-    float m = 0.f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) m = fmaxf(m, fabsf(v[i]));
-    const float inv = m > 0.f ? 127.f / m : 0.f;
-    int q[32], s = 0;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) { q[i] = __float2int_rn(v[i] * inv); s += q[i]; }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {                /* lo bytes: inputs 0 4 1 5; hi bytes: 2 6 3 7 (Q4_NIBBLE) */
-      const int* e = q + 8 * u;
-      x8[2 * (4 * ch + u)] = pack4(e[0], e[4], e[1], e[5]);
-      x8[2 * (4 * ch + u) + 1] = pack4(e[2], e[6], e[3], e[7]);
-    }
-    xs[ch] = m / 127.f;
-    xz[ch] = -8 * s;
-  }
+  stage_x8(x, x8, xs, xz, tid, THREADS);
   __syncthreads();
   uint2 xr[CPT][4];
   float xsr[CPT];
@@ -239,7 +240,9 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
 # (its NC consumer warps each arrive once they have read it) and refills it. Consumer warp w multiplies rows
 # w, w + NC, ... of every block over the whole K (lane l: chunks l, l + 32, ...), reduces them inside the warp and
 # stores them: no CTA-wide barrier after x is staged. x stays in registers when a lane has at most 6 chunks
-# (XREG), else it is read from shared memory per chunk (once for the warp's RB / NC rows).
+# (XREG), else it is read from shared memory per chunk (once for the warp's RB / NC rows). int8 x with DP4A; its
+# fp16-lane twin (kind "wsf16", q4_matvec_ref's arithmetic) is the product kernel, kernels/q4_stream.py, whose plain
+# form this probe times (call 3 ran an earlier copy of it here, at commit 4ee1296).
 SOURCE_WS = r"""
 #define JC (K / 32)
 #define NGR (K / GROUP)
@@ -254,9 +257,9 @@ SOURCE_WS = r"""
 #define RPW (RB / NC)
 #define CPT ((JC + 31) / 32)
 #define CPG (GROUP / 32)
-#define XREG (CPT <= (MATH ? 5 : 6))
+#define XREG (CPT <= 6)
 #define X_AT RING_BYTES
-#define XS_AT (X_AT + (MATH ? 2 * K : K))
+#define XS_AT (X_AT + K)
 #define XZ_AT (XS_AT + 4 * JC)
 #define BAR_AT ((XZ_AT + 4 * JC + 7) / 8 * 8)   /* full [STAGES], then empty [STAGES] */
 
@@ -272,8 +275,8 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
   const unsigned ring = smem_u32(smem);
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full + 8 * s) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty + 8 * s), "r"(NC) : "memory");
+      bar_init(full + 8 * s, 1);
+      bar_init(empty + 8 * s, NC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -281,12 +284,9 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
   auto issue = [&](int i) {
     const int b = c + i * G, slot = i % STAGES;
     const unsigned bar = full + 8 * slot, dst = ring + slot * STAGE_BYTES;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(STAGE_BYTES) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(w + (size_t)b * STAGE_W), "r"(STAGE_W), "r"(bar) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst + STAGE_W), "l"(w + (size_t)N * ROWB + (size_t)b * STAGE_S), "r"(STAGE_S), "r"(bar)
-                 : "memory");
+    bar_expect(bar, STAGE_BYTES);
+    bulk_copy(dst, w + (size_t)b * STAGE_W, STAGE_W, bar);
+    bulk_copy(dst + STAGE_W, w + (size_t)N * ROWB + (size_t)b * STAGE_S, STAGE_S, bar);
   };
   if (warp == NC && lane == 0)
     for (int i = 0; i < STAGES && i < mine; ++i) issue(i);
@@ -297,39 +297,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
   unsigned* x8 = (unsigned*)(smem + X_AT);
   float* xs = (float*)(smem + XS_AT);
   int* xz = (int*)(smem + XZ_AT);
-#if MATH
-  uint4* X16 = (uint4*)(smem + X_AT);           /* word j: the f16x2 of x / 64 at inputs (0,1) (2,3) (4,5) (6,7) */
-  for (int j = tid; j < K / 8; j += THREADS) {
-    const float4 a = __ldcg((const float4*)(x + 8 * j)), b = __ldcg((const float4*)(x + 8 * j + 4));
-    X16[j] = make_uint4(pack_half2(a.x * 0.015625f, a.y * 0.015625f), pack_half2(a.z * 0.015625f, a.w * 0.015625f),
-                        pack_half2(b.x * 0.015625f, b.y * 0.015625f), pack_half2(b.z * 0.015625f, b.w * 0.015625f));
-  }
-#else
-  for (int ch = tid; ch < JC; ch += THREADS) {
-    float v[32];
-    const float4* src = (const float4*)(x + 32 * ch);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 f = __ldcg(src + i);
-      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-    }
-    float m = 0.f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) m = fmaxf(m, fabsf(v[i]));
-    const float inv = m > 0.f ? 127.f / m : 0.f;
-    int q[32], s = 0;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) { q[i] = __float2int_rn(v[i] * inv); s += q[i]; }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int* e = q + 8 * u;
-      x8[2 * (4 * ch + u)] = pack4(e[0], e[4], e[1], e[5]);
-      x8[2 * (4 * ch + u) + 1] = pack4(e[2], e[6], e[3], e[7]);
-    }
-    xs[ch] = m / 127.f;
-    xz[ch] = -8 * s;
-  }
-#endif
+  stage_x8(x, x8, xs, xz, tid, THREADS);
   __syncthreads();
   if (warp == NC) {                              /* the producer */
     if (lane == 0)
@@ -342,15 +310,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
     return;
   }
   const uint2* X2 = (const uint2*)x8;
-#if MATH && XREG
-  uint4 xh[CPT][4];
-#pragma unroll
-  for (int k = 0; k < CPT; ++k) {
-    const int ch = lane + 32 * k;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) xh[k][u] = ch < JC ? X16[4 * ch + u] : make_uint4(0u, 0u, 0u, 0u);
-  }
-#elif XREG
+#if XREG
   uint2 xr[CPT][4];
   float xsr[CPT];
   int xzr[CPT];
@@ -377,20 +337,6 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
     for (int k = 0; k < CPT; ++k) {
       const int ch = lane + 32 * k;
       if (ch < JC) {
-#if MATH
-#if XREG
-        const uint4 h0 = xh[k][0], h1 = xh[k][1], h2 = xh[k][2], h3 = xh[k][3];
-#else
-        const uint4 h0 = X16[4 * ch], h1 = X16[4 * ch + 1], h2 = X16[4 * ch + 2], h3 = X16[4 * ch + 3];
-#endif
-#pragma unroll
-        for (int q = 0; q < RPW; ++q) {
-          const int r = warp + NC * q;
-          const uint4 v = W4[r * JC + ch];
-          const float cs = ((word_f16(v.x, h0) + word_f16(v.y, h1)) + word_f16(v.z, h2)) + word_f16(v.w, h3);
-          acc[q] = fmaf(cs, h2f(S[r * NGR + ch / CPG]), acc[q]);
-        }
-#else
 #if XREG
         const uint2 x0 = xr[k][0], x1 = xr[k][1], x2 = xr[k][2], x3 = xr[k][3];
         const float xsc = xsr[k];
@@ -406,11 +352,10 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
           const int d = chunk_dot(W4[r * JC + ch], x0, x1, x2, x3, z);
           acc[q] = fmaf((float)d, xsc * h2f(S[r * NGR + ch / CPG]), acc[q]);
         }
-#endif
       }
     }
     __syncwarp();
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * slot) : "memory");
+    if (lane == 0) bar_arrive(empty + 8 * slot);
 #pragma unroll
     for (int o = 16; o; o >>= 1) {
 #pragma unroll
@@ -420,7 +365,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
       float v = acc[0];
 #pragma unroll
       for (int q = 1; q < RPW; ++q) v = lane == q ? acc[q] : v;
-      y[(size_t)b * RB + warp + NC * lane] = MATH ? 64.f * v : v;
+      y[(size_t)b * RB + warp + NC * lane] = v;
     }
   }
 }
@@ -430,7 +375,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
 def shared_bytes_ws(c: dict) -> int:
     k, rb = c["K"], c["RB"]
     stage = rb * (k // 2 + k // c["GROUP"] * 2)
-    return (c["STAGES"] * stage + (2 if c.get("MATH") else 1) * k + 8 * (k // 32) + 7) // 8 * 8 + 16 * c["STAGES"]
+    return (c["STAGES"] * stage + k + 8 * (k // 32) + 7) // 8 * 8 + 16 * c["STAGES"]
 
 
 def shared_bytes(c: dict) -> int:
@@ -462,8 +407,8 @@ def _kernel(kind: str = "stream"):
     return CudaKernel("q4stream", "bench.q4stream_probe", SOURCE, PARAMS, CONSTS, shared_bytes, None)
 
 
-def ws_launch(n: int, k: int, rb: int, stages: int, nc: int, cps: int, minb: int, math: int = 0) -> dict | None:
-    c = dict(N=n, K=k, GROUP=GROUP, RB=rb, STAGES=stages, NC=nc, CPS=cps, MINB=minb, MATH=math)
+def ws_launch(n: int, k: int, rb: int, stages: int, nc: int, cps: int, minb: int) -> dict | None:
+    c = dict(N=n, K=k, GROUP=GROUP, RB=rb, STAGES=stages, NC=nc, CPS=cps, MINB=minb)
     if n % rb or rb % nc or (rb * k // GROUP * 2) % 16 or cps * (shared_bytes_ws(c) + 1024) > SMEM_PER_SM:
         return None
     if minb * (shared_bytes_ws(c) + 1024) > SMEM_PER_SM or 32 * (nc + 1) * minb > 2048:
@@ -472,6 +417,7 @@ def ws_launch(n: int, k: int, rb: int, stages: int, nc: int, cps: int, minb: int
 
 
 def _jobs():
+    from kestrel.kernels import q4_stream
     from kestrel.kernels.matvec import matvec_launch
     from kestrel.kernels.targets import TARGETS
 
@@ -490,11 +436,11 @@ def _jobs():
                 launch = ws_launch(n, k, rb, stages, nc, cps, minb)
                 if launch is not None:
                     yield name, n, k, "ws", launch
-        if "wsf16" in KINDS:  # MATH 1 (q4_matvec_ref's arithmetic) around call 2's best ws configurations
-            for rb, stages, nc, cps, minb in itertools.product((8, 16, 32), (2, 3, 4), (4, 8, 16), (1,), (1, 2)):
-                launch = ws_launch(n, k, rb, stages, nc, cps, minb, 1)
-                if launch is not None:
-                    yield name, n, k, "wsf16", launch
+        if "wsf16" in KINDS:  # q4_matvec_ref's arithmetic: the product kernel (kernels/q4_stream.py, plain form)
+            for rb, stages, nc in itertools.product((8, 16, 32), (2, 3, 4), (4, 8, 16)):
+                c = {"K": k, "RB": rb, "GROUP": GROUP, "STAGES": stages}
+                if n % rb == 0 and rb % nc == 0 and q4_stream.shared_bytes(c) + 1024 <= SMEM_PER_SM:
+                    yield name, n, k, "wsf16", q4_stream.launch(n, k, GROUP, rb, stages, nc, SMS)
 
 
 def _compile(job):
@@ -502,7 +448,9 @@ def _compile(job):
     from kestrel.kernels import matvec
 
     name, n, k, kind, launch = job
-    fn = matvec.matvec_kernel if kind == "matvec" else _kernel("ws" if kind.startswith("ws") else kind)
+    from kestrel.kernels import q4_stream
+
+    fn = {"matvec": matvec.matvec_kernel, "wsf16": q4_stream.q4stream}.get(kind) or _kernel(kind)
     types = ["*fp32", "*u8", "*fp32"]
     try:
         ck = compile_kernel(kind, fn, types, launch["constexprs"], launch["num_warps"], 90, [True] * 3)
@@ -515,7 +463,7 @@ def _describe(job, ck, launch) -> dict:
     name, n, k, kind, _ = job
     c = launch["constexprs"]
     return {"shape": name, "N": n, "K": k, "kind": kind,
-            "config": {x: c[x] for x in ("RB", "STAGES", "WK", "WR", "NC", "CPS", "MINB", "MATH", "BLOCK_N", "BLOCK_K")
+            "config": {x: c[x] for x in ("RB", "STAGES", "WK", "WR", "NC", "CPS", "MINB", "BLOCK_N", "BLOCK_K")
                        if x in c}}
 
 

@@ -38,7 +38,8 @@ from kestrel.kernels.q4_mma import CTA_RESERVED_SMEM, CudaKernel
 
 BULK_MIN_CC = 90  # cp.async.bulk, mbarrier expect_tx and griddepcontrol: sm_90 on
 
-# the shared-memory address, fp16 and mbarrier helpers and one q4 word's value (bench/q4stream_probe.py uses them too)
+# the shared-memory address, fp16, mbarrier and bulk-copy helpers and one q4 word's value (bench/q4stream_probe.py
+# uses them too)
 DEVICE_HELPERS = r"""
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -52,6 +53,25 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   unsigned r;
   asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
   return r;
+}
+
+__device__ __forceinline__ void bar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+/* the next phase of ``bar`` completes after ``bytes`` more bytes of bulk copies (and this arrival) */
+__device__ __forceinline__ void bar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+/* ``bytes`` (a multiple of 16, both addresses 16-byte aligned) from global ``src`` to shared ``dst``, counted on ``bar`` */
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 __device__ __forceinline__ void bar_wait(unsigned bar, unsigned phase) {
@@ -94,6 +114,11 @@ SOURCE = r"""
 #ifndef NORM
 #define NORM 0
 #define NP 1
+#endif
+#if SWIGLU
+#define WSECOND w1                       /* the up weight (the issue loop's second; without SWIGLU not reached) */
+#else
+#define WSECOND w0
 #endif
 #define JC (K / 32)                      /* 32-input chunks a row: 16 bytes of nibbles each */
 #define NGR (K / GROUP)
@@ -149,8 +174,8 @@ ENTRY(const float* __restrict__ x,
   const unsigned full = smem_u32(smem + BAR_AT), empty = full + 8 * STAGES, ring = smem_u32(smem);
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(full + 8 * s) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty + 8 * s), "r"(NC) : "memory");
+      bar_init(full + 8 * s, 1);
+      bar_init(empty + 8 * s, NC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -159,15 +184,12 @@ ENTRY(const float* __restrict__ x,
   auto issue = [&](int i) {
     const int b = c + i * G, slot = i % STAGES;
     const unsigned bar = full + 8 * slot, dst = ring + slot * STAGE_BYTES;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(STAGE_BYTES) : "memory");
+    bar_expect(bar, STAGE_BYTES);
 #pragma unroll
     for (int t = 0; t < NWT; ++t) {
       const unsigned char* wt = t ? WSECOND : w0;
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(dst + t * BLK), "l"(wt + (size_t)b * BLK_W), "r"(BLK_W), "r"(bar) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(dst + t * BLK + BLK_W), "l"(wt + (size_t)N * ROWB + (size_t)b * BLK_S), "r"(BLK_S), "r"(bar)
-                   : "memory");
+      bulk_copy(dst + t * BLK, wt + (size_t)b * BLK_W, BLK_W, bar);
+      bulk_copy(dst + t * BLK + BLK_W, wt + (size_t)N * ROWB + (size_t)b * BLK_S, BLK_S, bar);
     }
   };
   if (warp == NC && lane == 0)
@@ -250,7 +272,7 @@ ENTRY(const float* __restrict__ x,
       }
     }
     __syncwarp();
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty + 8 * slot) : "memory");
+    if (lane == 0) bar_arrive(empty + 8 * slot);
 #pragma unroll
     for (int o = 16; o; o >>= 1)
 #pragma unroll
@@ -298,10 +320,6 @@ def shared_bytes(c: dict) -> int:
     return c["STAGES"] * nwt * block + 2 * k + 16 + 16 * c["STAGES"]
 
 
-def _second_weight(source: str, swiglu: bool) -> str:
-    return source.replace("WSECOND", "w1" if swiglu else "w0")
-
-
 def _check_grid(grid, n: int, rb: int) -> None:
     assert 1 <= grid[0] <= n // rb and list(grid[1:]) == [1, 1] and n % rb == 0, f"grid {grid}"
 
@@ -335,15 +353,15 @@ def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, 
 
 
 _CONSTS = ("N", "K", "GROUP", "RB", "STAGES", "NC", "XREG_MAX", "PDL")
-Q4STREAM = CudaKernel("q4stream", __name__, _second_weight(SOURCE, False), ("x_ptr", "w_ptr", "y_ptr"), _CONSTS,
+Q4STREAM = CudaKernel("q4stream", __name__, SOURCE, ("x_ptr", "w_ptr", "y_ptr"), _CONSTS,
                       shared_bytes, _emulate)
-Q4STREAM_ADD = CudaKernel("q4stream_add", __name__, _second_weight(SOURCE, False),
+Q4STREAM_ADD = CudaKernel("q4stream_add", __name__, SOURCE,
                           ("x_ptr", "w_ptr", "r_ptr", "s_ptr", "ss_ptr", "partial_rows"), _CONSTS + ("ADD", "BLOCK_N"),
                           shared_bytes, _emulate)
-Q4STREAM_NORM = CudaKernel("q4stream_norm", __name__, _second_weight(SOURCE, False),
+Q4STREAM_NORM = CudaKernel("q4stream_norm", __name__, SOURCE,
                            ("x_ptr", "ss_ptr", "nw_ptr", "w_ptr", "y_ptr", "eps"), _CONSTS + ("NORM", "NP"),
                            shared_bytes, _emulate)
-Q4STREAM_NORM_SWIGLU = CudaKernel("q4stream_norm_swiglu", __name__, _second_weight(SOURCE, True),
+Q4STREAM_NORM_SWIGLU = CudaKernel("q4stream_norm_swiglu", __name__, SOURCE,
                                   ("x_ptr", "ss_ptr", "nw_ptr", "wg_ptr", "wu_ptr", "y_ptr", "eps"),
                                   _CONSTS + ("NORM", "NP", "SWIGLU"), shared_bytes, _emulate)
 # the kernel table names these through jit_name ("kestrel.kernels.q4_stream:q4stream")

@@ -41,7 +41,7 @@ def test_emulated_plain_writes_the_reference(group, rb, nc):
     y = torch.full((n + 5,), float("nan"))
     q4_stream.q4stream[plain["grid"]](x, w, y, **plain["constexprs"], PDL=True)
     assert torch.equal(y[:n], matvec_ref(x, d)) and y[n:].isnan().all()
-    few = q4_stream.launch(n, k, group, rb, 2, nc, 3)  # fewer CTAs than blocks: they loop
+    few = q4_stream.launch(n, k, group, rb, 2, nc, 3)  # fewer CTAs than blocks (they loop): a grid it accepts
     assert few["grid"] == [min(3, n // rb), 1, 1]
     y2 = torch.full((n,), float("nan"))
     q4_stream.q4stream[few["grid"]](x, w, y2, **few["constexprs"], PDL=True)
