@@ -9,6 +9,21 @@ import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The repository's top-level folders (kernels/, runtime/, ...) install as kestrel.*; on the import path
+# under their own names they shadow distributions of those names. transformers >= 5.25 imports the
+# Hugging Face `kernels` package when it is installed (it is a dependency), and `python -m pytest` and
+# pytest-xdist's workers put the working directory first on sys.path and PYTHONPATH. So the repository
+# root leaves both here, and PYTHONSAFEPATH keeps `python -c` children from adding their working directory.
+def _not_repo(entry: str) -> bool:
+    return os.path.abspath(entry or os.curdir) != REPO
+
+
+sys.path[:] = [p for p in sys.path if _not_repo(p)]
+_pythonpath = os.pathsep.join(p for p in os.environ.pop("PYTHONPATH", "").split(os.pathsep) if p and _not_repo(p))
+if _pythonpath:
+    os.environ["PYTHONPATH"] = _pythonpath
+os.environ["PYTHONSAFEPATH"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tiny_plan(tmp_path_factory):
