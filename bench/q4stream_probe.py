@@ -30,6 +30,9 @@ On the device:   cd bench && python3 q4stream_probe.py time q4stream-cubins $OUT
 The product's fused forms (kernels/q4_stream.py) against the Triton kernels the step runs:
                  python bench/q4stream_probe.py compile-forms bench/q4stream-forms
                  cd bench && python3 q4stream_probe.py time-forms q4stream-forms $OUT/forms.json
+The 27B GDN layer's four products chained in step order, each by Triton or q4_stream (registers for 1 or 2 CTAs):
+                 python bench/q4stream_probe.py compile-layer bench/q4stream-layer
+                 cd bench && python3 q4stream_probe.py time-layer q4stream-layer $OUT/layer.json
 """
 from __future__ import annotations
 
@@ -699,6 +702,147 @@ def time_forms(folder: str, out: str) -> None:
                       f"  {json.dumps(b['config'])}")
     json.dump({"rows": rows, "copy_GBps": bw}, open(out, "w"), indent=1)
 
+# The 27B GDN layer's four q4 products in step order, for the layer chains (time-layer): each form beside the
+# Triton kernel the step runs, chained as the step's graph chains them, so a kernel's start overlaps its
+# predecessor's end as it does in the step (not only a launch of its own kind).
+LAYER_FORMS = [("in_proj", 16480, 5120, "norm_plain"), ("out_proj", 5120, 6144, "add"),
+               ("gate_up", 17408, 5120, "norm_swiglu"), ("down", 5120, 17408, "add")]
+LAYER_SPLITS = {"in_proj": [(16, 2, 4), (8, 2, 8), (16, 2, 8), (8, 3, 8), (16, 3, 8)],
+                "out_proj": [(16, 2, 4), (32, 2, 8), (8, 2, 4), (8, 2, 8), (8, 3, 4), (16, 3, 8)],
+                "gate_up": [(8, 2, 8), (8, 3, 8), (16, 2, 8), (4, 3, 4), (4, 4, 4)],
+                "down": [(8, 2, 4), (8, 2, 8), (4, 2, 4), (4, 3, 4), (4, 4, 4), (8, 1, 8)]}
+LAYERS = 12  # layers a chain runs, each with its own weights (2.3 GB: every launch reads DRAM)
+
+
+def _layer_jobs():
+    from kestrel.kernels import q4_stream
+    from kestrel.kernels.matvec import matvec_launch, rmsnorm_matvec_launch
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    for name, n, k, form in LAYER_FORMS:
+        pair, norm = "swiglu" in form, form.startswith("norm")
+        tri = rmsnorm_matvec_launch(n, k, GROUP, FORM_NP, t, pair=pair) if norm else matvec_launch(n, k, GROUP, t)
+        yield name, n, k, form, "triton", tri
+        for (rb, stages, nc), minb in itertools.product(LAYER_SPLITS[name], (1, 2)):
+            la = q4_stream.launch(n, k, GROUP, rb, stages, nc, SMS, pair=pair, add=form == "add", norm=norm,
+                                  partials=FORM_NP, minb=minb)
+            if minb * (q4_stream.shared_bytes(la["constexprs"]) + 1024) <= SMEM_PER_SM:
+                yield name, n, k, form, "stream", la
+
+
+def compile_layer(folder: str) -> None:
+    from cubin_folder import compile_to_folder
+
+    compile_to_folder(folder, list(_layer_jobs()), _compile_form, _describe_form, prefix="l")
+
+
+def _form_operands(n, k, form, g, copies):
+    """x, the norm's weight and partials, the residual, and ``copies`` sets of the form's weights (fresh random)."""
+    import torch
+
+    from kestrel.kernels.matvec import q4_pack
+
+    pair, norm = "swiglu" in form, form.startswith("norm")
+    x = torch.randn(k, device="cuda", generator=g)
+    nw = torch.randn(k, device="cuda", generator=g) * 0.1
+    r = torch.randn(n, device="cuda", generator=g)
+    ss = (x.reshape(FORM_NP, -1) ** 2).sum(-1) if norm else None  # x's own partials: rstd = x's
+    one = [q4_pack(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5, GROUP) for _ in range(2 if pair else 1)]
+    return x, nw, r, ss, [one] + [[w.clone() for w in one] for _ in range(copies - 1)]
+
+
+def _form_args(e, form, x, nw, r, ss, ws, y, ss_out):
+    if form == "add":
+        return [x.data_ptr(), ws[0].data_ptr(), r.data_ptr(), y.data_ptr(), ss_out.data_ptr(),
+                e["constexprs"].get("BLOCK_N", 1)]
+    return [x.data_ptr(), ss.data_ptr(), nw.data_ptr(), *[w.data_ptr() for w in ws], y.data_ptr(), 1e-6]
+
+
+def time_layer(folder: str, out: str) -> None:
+    """Every kernel of the folder checked against the emulation and timed chained over the layers' weights; then
+    the layer chains: each form by the Triton kernel, or the best q4_stream split with registers for one / two
+    CTAs an SM, every combination, LAYERS layers a graph."""
+    import torch
+
+    from graph_timing import chain_times_us
+    from kestrel.kernels import q4_stream
+    from kestrel.runtime import cuda as kc
+    from kestrel.runtime.bench import copy_bandwidth
+
+    kc.init()
+    cu = kc.driver()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    index = json.load(open(os.path.join(folder, "index.json")))
+    ops = {name: _form_operands(n, k, form, g, LAYERS) for name, n, k, form in LAYER_FORMS}
+    forms = {name: (n, k, form) for name, n, k, form in LAYER_FORMS}
+    rows, packed, kernels = [], {}, {}
+    for i, e in enumerate(index):
+        name = e["shape"]
+        n, k, form = forms[name]
+        x, nw, r, ss, copies = ops[name]
+        y = torch.full((n,), float("nan"), device="cuda")
+        ss_out = torch.zeros(n + 1, device="cuda")
+        kern = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"], e["shared"])
+        attr = cu.CUfunction_attribute
+        regs = kc.check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kern.function), "regs")
+        local = kc.check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kern.function), "local")
+        kernels[i] = kern
+        packed[i] = [kc.PackedArgs(e["params"], _form_args(e, form, x, nw, r, ss, ws, y, ss_out)) for ws in copies]
+        kc.launch(kern, e["grid"], packed[i][0], 0)
+        torch.cuda.synchronize()
+        add, pair, norm = form == "add", "swiglu" in form, form.startswith("norm")
+        rc = dict(e["constexprs"]) if e["kind"] == "stream" else dict(
+            q4_stream.launch(n, k, GROUP, 16, 2, 2, SMS, pair=pair, add=add, norm=norm, partials=FORM_NP)["constexprs"])
+        ref = torch.full((n,), float("nan"), device="cuda")
+        ref_ss = torch.zeros(n + 1, device="cuda")
+        ref_args = ([x, copies[0][0], r, ref, ref_ss, rc.get("BLOCK_N", 1)] if add else [x, ss, nw, *copies[0], ref, 1e-6])
+        q4_stream._emulate([1, 1, 1], *ref_args, **rc)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        chained = statistics.median(chain_times_us(kern, e["grid"], packed[i], replays=7, launches=48))
+        nbytes = sum(w.numel() for w in copies[0])
+        minb = e["constexprs"].get("MINB", 1)
+        rows.append({**{a: b for a, b in e.items() if a != "constexprs"}, "i": i, "minb": minb, "regs": regs,
+                     "local_bytes": local, "us_chained": chained, "GBps_chained": nbytes / chained / 1e3,
+                     "err_vs_ref": err})
+        print(f"{name:<9} {e['kind']:<7} {json.dumps(e['config']):<44} minb {minb} regs {regs:3d} local {local:4d}  "
+              f"chained {chained:7.2f} us {nbytes / chained / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
+    bw = copy_bandwidth(torch.cuda.current_stream().cuda_stream) / 1e9
+    choices = {}
+    for name, *_ in LAYER_FORMS:
+        mine = [r for r in rows if r["shape"] == name and r["err_vs_ref"] < 1e-4]
+        picks = {"triton": min((r for r in mine if r["kind"] == "triton"), key=lambda r: r["us_chained"])}
+        for minb in (1, 2):
+            ok = [r for r in mine if r["kind"] == "stream" and r["minb"] == minb]
+            if ok:
+                picks[f"stream{minb}"] = min(ok, key=lambda r: r["us_chained"])
+        choices[name] = picks
+        print(f"{name}: " + ", ".join(f"{c} {r['us_chained']:.2f} us {json.dumps(r['config'])}" for c, r in picks.items()))
+    combos = []
+    for combo in itertools.product(*[list(choices[name].items()) for name, *_ in LAYER_FORMS]):
+        launches = [(kernels[r["i"]], r["grid"], packed[r["i"]][layer]) for layer in range(LAYERS) for _, r in combo]
+        _, graph_exec = kc.chain_graph(launches, True)
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            kc.check(cu.cuGraphLaunch(graph_exec, torch.cuda.current_stream().cuda_stream), "cuGraphLaunch")
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+        us = statistics.median(times)
+        combos.append({"forms": {name: c for (name, *_), (c, _) in zip(LAYER_FORMS, combo)},
+                       "configs": {name: r["config"] | {"minb": r["minb"]} for (name, *_), (_, r) in zip(LAYER_FORMS, combo)},
+                       "us_per_layer": us})
+    layer_bytes = sum(sum(w.numel() for w in ops[name][4][0]) for name, *_ in LAYER_FORMS)
+    print(f"\ncopy bandwidth {bw:.0f} GB/s; a layer's four products read {layer_bytes / 1e6:.1f} MB "
+          f"({layer_bytes / bw / 1e3:.2f} us at copy)")
+    for c in sorted(combos, key=lambda c: c["us_per_layer"]):
+        print(f"{c['us_per_layer']:8.2f} us/layer ({layer_bytes / c['us_per_layer'] / 1e3 / bw:4.0%})  "
+              + "  ".join(f"{n}={f}" for n, f in c["forms"].items()))
+    json.dump({"rows": rows, "combos": combos, "copy_GBps": bw, "layer_bytes": layer_bytes}, open(out, "w"), indent=1)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if sys.argv[1] == "compile":
@@ -707,5 +851,9 @@ if __name__ == "__main__":
         compile_forms(sys.argv[2])
     elif sys.argv[1] == "time-forms":
         time_forms(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "compile-layer":
+        compile_layer(sys.argv[2])
+    elif sys.argv[1] == "time-layer":
+        time_layer(sys.argv[2], sys.argv[3])
     else:
         time_all(sys.argv[2], sys.argv[3])

@@ -115,6 +115,9 @@ SOURCE = r"""
 #define NORM 0
 #define NP 1
 #endif
+#ifndef MINB
+#define MINB 1                           /* CTAs an SM the registers are capped for (2: the next launch's CTA fits) */
+#endif
 #if SWIGLU
 #define WSECOND w1                       /* the up weight (the issue loop's second; without SWIGLU not reached) */
 #else
@@ -147,7 +150,7 @@ __device__ __forceinline__ float chunk_value(const uint4 v, const uint4 h0, cons
           + word_value(v.z, h2.x, h2.y, h2.z, h2.w)) + word_value(v.w, h3.x, h3.y, h3.z, h3.w);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 ENTRY(const float* __restrict__ x,
 #if NORM
       const float* __restrict__ ss_in, const float* __restrict__ nw,
@@ -325,7 +328,7 @@ def _check_grid(grid, n: int, rb: int) -> None:
 
 
 def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, NP=0, BLOCK_N=0, XREG_MAX=XREG_MAX,
-             PDL=False):
+             MINB=1, PDL=False):
     """A launch on the CPU (the launch-plan tests): the operands in the op's order; the product
     ``q4_matvec_ref``'s, NORM's rstd from the NP partials, ADD's partials over BLOCK_N (= RB / NC) rows."""
     _check_grid(grid, N, RB)
@@ -372,10 +375,13 @@ q4stream_norm_swiglu = Q4STREAM_NORM_SWIGLU
 
 
 def launch(n: int, k: int, group: int, rb: int, stages: int, nc: int, sms: int, pair: bool = False, add: bool = False,
-           norm: bool = False, partials: int = 0) -> dict:
-    """The launch of one configuration (the rule's, or a sweep's): min(N / RB, ``sms``) CTAs of NC + 1 warps."""
+           norm: bool = False, partials: int = 0, minb: int = 1) -> dict:
+    """The launch of one configuration (the rule's, or a sweep's): min(N / RB, ``sms``) CTAs of NC + 1 warps, their
+    registers capped for ``minb`` CTAs an SM."""
     assert n % rb == 0 and rb % nc == 0 and k % 32 == 0 and k % group == 0, (n, k, group, rb, nc)
     c = {"N": n, "K": k, "GROUP": group, "RB": rb, "STAGES": stages, "NC": nc, "XREG_MAX": XREG_MAX}
+    if minb != 1:
+        c["MINB"] = minb
     if pair:
         c["SWIGLU"] = 1
     if add:
