@@ -627,7 +627,7 @@ def _describe_form(job, ck, launch) -> dict:
     name, n, k, form, kind, _ = job
     c = launch["constexprs"]
     return {"shape": name, "N": n, "K": k, "form": form, "kind": kind, "constexprs": c,
-            "config": {x: c[x] for x in ("RB", "STAGES", "NC", "BLOCK_N", "BLOCK_K") if x in c}}
+            "config": {x: c[x] for x in ("RB", "STAGES", "NC", "KS", "MINB", "BLOCK_N", "BLOCK_K") if x in c}}
 
 
 def compile_forms(folder: str) -> None:
@@ -707,10 +707,13 @@ def time_forms(folder: str, out: str) -> None:
 # predecessor's end as it does in the step (not only a launch of its own kind).
 LAYER_FORMS = [("in_proj", 16480, 5120, "norm_plain"), ("out_proj", 5120, 6144, "add"),
                ("gate_up", 17408, 5120, "norm_swiglu"), ("down", 5120, 17408, "add")]
-LAYER_SPLITS = {"in_proj": [(16, 2, 4), (8, 2, 8), (16, 2, 8), (8, 3, 8), (16, 3, 8)],
-                "out_proj": [(16, 2, 4), (32, 2, 8), (8, 2, 4), (8, 2, 8), (8, 3, 4), (16, 3, 8)],
-                "gate_up": [(8, 2, 8), (8, 3, 8), (16, 2, 8), (4, 3, 4), (4, 4, 4)],
-                "down": [(8, 2, 4), (8, 2, 8), (4, 2, 4), (4, 3, 4), (4, 4, 4), (8, 1, 8)]}
+LAYER_SPLITS = {  # (RB, STAGES, NC, KS): KS > 1 splits K over a row group's warps (KS = K / 1024: one chunk a lane)
+    "in_proj": [(16, 2, 4, 1), (8, 2, 8, 1), (16, 2, 8, 1), (8, 3, 8, 1), (8, 2, 10, 5), (16, 2, 10, 5), (8, 3, 10, 5)],
+    "out_proj": [(16, 2, 4, 1), (32, 2, 8, 1), (8, 2, 4, 1), (8, 2, 8, 1), (8, 3, 4, 1), (8, 2, 12, 6), (16, 2, 12, 6),
+                 (8, 2, 6, 3)],
+    "gate_up": [(8, 2, 8, 1), (8, 3, 8, 1), (16, 2, 8, 1), (4, 3, 4, 1), (8, 2, 10, 5), (4, 3, 10, 5)],
+    "down": [(8, 2, 4, 1), (8, 2, 8, 1), (4, 2, 4, 1), (4, 3, 4, 1), (8, 2, 17, 17), (4, 2, 17, 17), (4, 3, 17, 17),
+             (8, 2, 8, 8)]}
 LAYERS = 12  # layers a chain runs, each with its own weights (2.3 GB: every launch reads DRAM)
 
 
@@ -724,9 +727,9 @@ def _layer_jobs():
         pair, norm = "swiglu" in form, form.startswith("norm")
         tri = rmsnorm_matvec_launch(n, k, GROUP, FORM_NP, t, pair=pair) if norm else matvec_launch(n, k, GROUP, t)
         yield name, n, k, form, "triton", tri
-        for (rb, stages, nc), minb in itertools.product(LAYER_SPLITS[name], (1, 2)):
+        for (rb, stages, nc, ks), minb in itertools.product(LAYER_SPLITS[name], (1, 2)):
             la = q4_stream.launch(n, k, GROUP, rb, stages, nc, SMS, pair=pair, add=form == "add", norm=norm,
-                                  partials=FORM_NP, minb=minb)
+                                  partials=FORM_NP, minb=minb, ks=ks)
             if minb * (q4_stream.shared_bytes(la["constexprs"]) + 1024) <= SMEM_PER_SM:
                 yield name, n, k, form, "stream", la
 
@@ -761,8 +764,9 @@ def _form_args(e, form, x, nw, r, ss, ws, y, ss_out):
 
 def time_layer(folder: str, out: str) -> None:
     """Every kernel of the folder checked against the emulation and timed chained over the layers' weights; then
-    the layer chains: each form by the Triton kernel, or the best q4_stream split with registers for one / two
-    CTAs an SM, every combination, LAYERS layers a graph."""
+    the layer chains: each form by the Triton kernel or the best q4_stream split of three kinds (a warp's rows over
+    the whole K; K split over a row group's warps; registers for two CTAs an SM), every combination, LAYERS
+    layers a graph."""
     import torch
 
     from graph_timing import chain_times_us
@@ -796,7 +800,8 @@ def time_layer(folder: str, out: str) -> None:
             q4_stream.launch(n, k, GROUP, 16, 2, 2, SMS, pair=pair, add=add, norm=norm, partials=FORM_NP)["constexprs"])
         ref = torch.full((n,), float("nan"), device="cuda")
         ref_ss = torch.zeros(n + 1, device="cuda")
-        ref_args = ([x, copies[0][0], r, ref, ref_ss, rc.get("BLOCK_N", 1)] if add else [x, ss, nw, *copies[0], ref, 1e-6])
+        ref_args = ([x, copies[0][0], r, ref, ref_ss, rc.get("BLOCK_N", 1)] if add
+                    else [x, ss, nw, *copies[0], ref, 1e-6])
         q4_stream._emulate([1, 1, 1], *ref_args, **rc)
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         chained = statistics.median(chain_times_us(kern, e["grid"], packed[i], replays=7, launches=48))
@@ -812,12 +817,15 @@ def time_layer(folder: str, out: str) -> None:
     for name, *_ in LAYER_FORMS:
         mine = [r for r in rows if r["shape"] == name and r["err_vs_ref"] < 1e-4]
         picks = {"triton": min((r for r in mine if r["kind"] == "triton"), key=lambda r: r["us_chained"])}
-        for minb in (1, 2):
-            ok = [r for r in mine if r["kind"] == "stream" and r["minb"] == minb]
-            if ok:
-                picks[f"stream{minb}"] = min(ok, key=lambda r: r["us_chained"])
+        for pick, ok in (("stream", lambda r: r["minb"] == 1 and "KS" not in r["config"]),
+                         ("stream-ks", lambda r: r["minb"] == 1 and "KS" in r["config"]),
+                         ("stream-minb2", lambda r: r["minb"] == 2)):
+            these = [r for r in mine if r["kind"] == "stream" and ok(r)]
+            if these:
+                picks[pick] = min(these, key=lambda r: r["us_chained"])
         choices[name] = picks
-        print(f"{name}: " + ", ".join(f"{c} {r['us_chained']:.2f} us {json.dumps(r['config'])}" for c, r in picks.items()))
+        print(f"{name}: " + ", ".join(f"{c} {r['us_chained']:.2f} us {json.dumps(r['config'])}"
+                                      for c, r in picks.items()))
     combos = []
     for combo in itertools.product(*[list(choices[name].items()) for name, *_ in LAYER_FORMS]):
         launches = [(kernels[r["i"]], r["grid"], packed[r["i"]][layer]) for layer in range(LAYERS) for _, r in combo]
@@ -832,7 +840,7 @@ def time_layer(folder: str, out: str) -> None:
             times.append(start.elapsed_time(end) * 1e3 / LAYERS)
         us = statistics.median(times)
         combos.append({"forms": {name: c for (name, *_), (c, _) in zip(LAYER_FORMS, combo)},
-                       "configs": {name: r["config"] | {"minb": r["minb"]} for (name, *_), (_, r) in zip(LAYER_FORMS, combo)},
+                       "configs": {name: r["config"] for (name, *_), (_, r) in zip(LAYER_FORMS, combo)},
                        "us_per_layer": us})
     layer_bytes = sum(sum(w.numel() for w in ops[name][4][0]) for name, *_ in LAYER_FORMS)
     print(f"\ncopy bandwidth {bw:.0f} GB/s; a layer's four products read {layer_bytes / 1e6:.1f} MB "

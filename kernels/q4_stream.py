@@ -11,9 +11,13 @@ flight, with no registers held for them.
 
 * Warp specialisation: the last warp only moves blocks. It requests the first STAGES blocks before the PDL wait
   (weights are not step data: kernels/pdl.py), then refills a slot once its "empty" mbarrier says the NC
-  consumer warps have read it. Consumer warp w multiplies rows w RPW .. w RPW + RPW - 1 of every block
-  (RPW = RB / NC) over the whole K, lane l taking the 32-input chunks l, l + 32, ...; it reduces its rows inside
-  the warp and stores them. No CTA-wide barrier after x is staged.
+  consumer warps have read it. The consumers form NG = NC / KS row groups of KS warps: group g multiplies rows
+  g RPW .. g RPW + RPW - 1 of every block (RPW = RB / NG), its warp s the K slice s of KS (JS = K / 32 / KS
+  chunks), lane l taking the slice's 32-input chunks l, l + 32, ...; a warp reduces its rows inside the warp.
+  KS = 1: it stores them. KS > 1: the slices' sums meet in shared memory behind the group's named barrier and
+  slice 0 adds them in slice order and stores (a K slice of a wide K fits registers: the down projection). No
+  CTA-wide barrier after x is staged. MINB caps the registers so that MINB CTAs fit an SM (2: the next launch's
+  CTA is resident, its first blocks in flight, while this one finishes).
 * x is staged once per CTA after the wait, as f16x2 of x / 64 (NORM: x * rstd * (1 + nw) first, rstd from the
   producer's NP partial sums of squares, as kernels/q4_mma.py makes it); a lane keeps its chunks of x in
   registers when it has at most XREG_MAX of them, else reads them from shared memory once per block.
@@ -23,7 +27,7 @@ flight, with no registers held for them.
   shuffle tree) and times 64. Within 2e-7 of max |y| of the reference on the H200 (bench/results/stop31), like
   the Triton matvec (which sums its chunks in another order).
 * Forms (constexprs): NORM + SWIGLU (rmsnorm_matmul_swiglu: gate and up blocks in one slot, y = silu(g) * u),
-  ADD (matmul_add: s = r + W x, and each consumer warp's RPW rows' sum of s^2: partial_rows = RPW, exposed as
+  ADD (matmul_add: s = r + W x, and each row group's RPW rows' sum of s^2: partial_rows = RPW, exposed as
   BLOCK_N), NORM (rmsnorm_matmul), none (matmul). Deterministic: every sum in a fixed order.
 
 Measured on the H200 (bench/results/stop31, ``bench/q4stream_probe.py``: each kernel in a chain of programmatic
@@ -118,6 +122,9 @@ SOURCE = r"""
 #ifndef MINB
 #define MINB 1                           /* CTAs an SM the registers are capped for (2: the next launch's CTA fits) */
 #endif
+#ifndef KS
+#define KS 1                             /* consumer warps that split a row group's K between them */
+#endif
 #if SWIGLU
 #define WSECOND w1                       /* the up weight (the issue loop's second; without SWIGLU not reached) */
 #else
@@ -135,13 +142,16 @@ SOURCE = r"""
 #define RING_BYTES (STAGES * STAGE_BYTES)
 #define NB (N / RB)
 #define THREADS (32 * (NC + 1))
-#define RPW (RB / NC)
-#define CPT ((JC + 31) / 32)
+#define NG (NC / KS)                     /* row groups of a block */
+#define RPW (RB / NG)                    /* rows of a row group */
+#define JS (JC / KS)                     /* chunks of a warp's K slice */
+#define CPT ((JS + 31) / 32)
 #define CPG (GROUP / 32)
 #define XREG (CPT <= XREG_MAX)
 #define X_AT RING_BYTES                  /* word j of x: the f16x2 of x / 64 at inputs (0,1) (2,3) (4,5) (6,7) */
 #define RSTD_AT (X_AT + 2 * K)
 #define BAR_AT (RSTD_AT + 16)            /* full [STAGES], then empty [STAGES] */
+#define RED_AT (BAR_AT + 16 * STAGES)    /* KS > 1: the K slices' sums [2][NG][KS][NWT][RPW] fp32 */
 
 """ + DEVICE_HELPERS + r"""
 __device__ __forceinline__ float chunk_value(const uint4 v, const uint4 h0, const uint4 h1, const uint4 h2,
@@ -235,13 +245,14 @@ ENTRY(const float* __restrict__ x,
       }
     return;
   }
+  const int grp = warp / KS, sl = warp % KS, c0 = sl * JS;  /* this warp's row group and K slice */
 #if XREG
   uint4 xh[CPT][4];
 #pragma unroll
   for (int k = 0; k < CPT; ++k) {
-    const int ch = lane + 32 * k;
+    const int j = lane + 32 * k;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) xh[k][u] = ch < JC ? X16[4 * ch + u] : make_uint4(0u, 0u, 0u, 0u);
+    for (int u = 0; u < 4; ++u) xh[k][u] = j < JS ? X16[4 * (c0 + j) + u] : make_uint4(0u, 0u, 0u, 0u);
   }
 #endif
   for (int i = 0; i < mine; ++i) {
@@ -255,8 +266,8 @@ ENTRY(const float* __restrict__ x,
       for (int q = 0; q < RPW; ++q) acc[t][q] = 0.f;
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
-      const int ch = lane + 32 * k;
-      if (ch < JC) {
+      const int ch = c0 + lane + 32 * k;
+      if (lane + 32 * k < JS) {
 #if XREG
         const uint4 h0 = xh[k][0], h1 = xh[k][1], h2 = xh[k][2], h3 = xh[k][3];
 #else
@@ -268,7 +279,7 @@ ENTRY(const float* __restrict__ x,
           const unsigned short* S = (const unsigned short*)(st + t * BLK + BLK_W);
 #pragma unroll
           for (int q = 0; q < RPW; ++q) {
-            const int r = warp * RPW + q;
+            const int r = grp * RPW + q;
             acc[t][q] = fmaf(chunk_value(W4[r * JC + ch], h0, h1, h2, h3), h2f(S[r * NGR + ch / CPG]), acc[t][q]);
           }
         }
@@ -282,7 +293,29 @@ ENTRY(const float* __restrict__ x,
       for (int t = 0; t < NWT; ++t)
 #pragma unroll
         for (int q = 0; q < RPW; ++q) acc[t][q] += __shfl_xor_sync(0xffffffffu, acc[t][q], o);
-    const int row0 = b * RB + warp * RPW;
+#if KS > 1
+    {                                            /* the group's K slices meet in shared memory, summed in slice order */
+      float* red = (float*)(smem + RED_AT) + ((i & 1) * NG + grp) * KS * NWT * RPW;
+      if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < NWT; ++t)
+#pragma unroll
+          for (int q = 0; q < RPW; ++q) red[(sl * NWT + t) * RPW + q] = acc[t][q];
+      /* the group's warps only (barrier 1 + grp); two buffers by block parity: a slice writes block i + 2's sums
+         only after block i + 1's barrier, which slice 0 reaches after reading block i's */
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + grp), "r"(32 * KS) : "memory");
+      if (sl != 0) continue;
+#pragma unroll
+      for (int t = 0; t < NWT; ++t)
+#pragma unroll
+        for (int q = 0; q < RPW; ++q) {
+          float v = red[t * RPW + q];
+          for (int j = 1; j < KS; ++j) v += red[(j * NWT + t) * RPW + q];
+          acc[t][q] = v;
+        }
+    }
+#endif
+    const int row0 = b * RB + grp * RPW;
     float out[RPW];
 #pragma unroll
     for (int q = 0; q < RPW; ++q) {
@@ -301,7 +334,7 @@ ENTRY(const float* __restrict__ x,
     for (int q = 1; q < RPW; ++q) v = lane == q ? out[q] : v;
     if (lane < RPW) y[row0 + lane] = v;
 #if ADD
-    if (lane == 0) {                             /* the warp's RPW rows: one partial, in row order */
+    if (lane == 0) {                             /* the group's RPW rows: one partial, in row order */
       float sq = 0.f;
 #pragma unroll
       for (int q = 0; q < RPW; ++q) sq += out[q] * out[q];
@@ -316,11 +349,12 @@ XREG_MAX = 5  # chunks of x a lane keeps in registers (16 each); more: read from
 
 
 def shared_bytes(c: dict) -> int:
-    """The ring (STAGES slots of RB rows of each weight: words and scales), the staged x (2 K bytes), rstd, and
-    the 2 STAGES mbarriers."""
-    k, nwt = c["K"], 2 if c.get("SWIGLU") else 1
+    """The ring (STAGES slots of RB rows of each weight: words and scales), the staged x (2 K bytes), rstd, the
+    2 STAGES mbarriers, and with KS > 1 the K slices' sums (two blocks' worth)."""
+    k, nwt, ks = c["K"], 2 if c.get("SWIGLU") else 1, c.get("KS", 1)
     block = c["RB"] * (k // 2 + k // c["GROUP"] * 2)
-    return c["STAGES"] * nwt * block + 2 * k + 16 + 16 * c["STAGES"]
+    red = 2 * c["RB"] * ks * nwt * 4 if ks > 1 else 0  # 2 x NG x KS x NWT x RPW floats, RPW = RB / NG
+    return c["STAGES"] * nwt * block + 2 * k + 16 + 16 * c["STAGES"] + red
 
 
 def _check_grid(grid, n: int, rb: int) -> None:
@@ -328,7 +362,7 @@ def _check_grid(grid, n: int, rb: int) -> None:
 
 
 def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, NP=0, BLOCK_N=0, XREG_MAX=XREG_MAX,
-             MINB=1, PDL=False):
+             MINB=1, KS=1, PDL=False):
     """A launch on the CPU (the launch-plan tests): the operands in the op's order; the product
     ``q4_matvec_ref``'s, NORM's rstd from the NP partials, ADD's partials over BLOCK_N (= RB / NC) rows."""
     _check_grid(grid, N, RB)
@@ -342,7 +376,7 @@ def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, 
     xv = x[:K].float()
     if ADD:
         ss_out, partial_rows = a.pop(0), a.pop(0)
-        assert partial_rows == BLOCK_N == RB // NC
+        assert partial_rows == BLOCK_N == RB // (NC // KS)
     if NORM:
         eps = a.pop(0)
         rstd = torch.rsqrt(ss_in[:NP].double().sum() / K + eps).float()
@@ -355,7 +389,7 @@ def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, 
     y[:N] = v
 
 
-_CONSTS = ("N", "K", "GROUP", "RB", "STAGES", "NC", "XREG_MAX", "PDL")
+_CONSTS = ("N", "K", "GROUP", "RB", "STAGES", "NC", "XREG_MAX", "PDL")  # (MINB, KS: optional, 1 when absent)
 Q4STREAM = CudaKernel("q4stream", __name__, SOURCE, ("x_ptr", "w_ptr", "y_ptr"), _CONSTS,
                       shared_bytes, _emulate)
 Q4STREAM_ADD = CudaKernel("q4stream_add", __name__, SOURCE,
@@ -375,17 +409,20 @@ q4stream_norm_swiglu = Q4STREAM_NORM_SWIGLU
 
 
 def launch(n: int, k: int, group: int, rb: int, stages: int, nc: int, sms: int, pair: bool = False, add: bool = False,
-           norm: bool = False, partials: int = 0, minb: int = 1) -> dict:
-    """The launch of one configuration (the rule's, or a sweep's): min(N / RB, ``sms``) CTAs of NC + 1 warps, their
-    registers capped for ``minb`` CTAs an SM."""
-    assert n % rb == 0 and rb % nc == 0 and k % 32 == 0 and k % group == 0, (n, k, group, rb, nc)
+           norm: bool = False, partials: int = 0, minb: int = 1, ks: int = 1) -> dict:
+    """The launch of one configuration (the rule's, or a sweep's): min(N / RB, ``sms``) CTAs of NC + 1 warps (NC / KS
+    row groups of KS warps, each warp one K slice), their registers capped for ``minb`` CTAs an SM."""
+    assert (n % rb == 0 and nc % ks == 0 and rb % (nc // ks) == 0 and nc // ks < 16 and k % 32 == 0
+            and (k // 32) % ks == 0 and k % group == 0), (n, k, group, rb, nc, ks)
     c = {"N": n, "K": k, "GROUP": group, "RB": rb, "STAGES": stages, "NC": nc, "XREG_MAX": XREG_MAX}
     if minb != 1:
         c["MINB"] = minb
+    if ks != 1:
+        c["KS"] = ks
     if pair:
         c["SWIGLU"] = 1
     if add:
-        c |= {"ADD": 1, "BLOCK_N": rb // nc}
+        c |= {"ADD": 1, "BLOCK_N": rb // (nc // ks)}
     if norm:
         c |= {"NORM": 1, "NP": partials}
     return {"grid": [min(n // rb, sms), 1, 1], "num_warps": nc + 1, "constexprs": c}
@@ -402,17 +439,23 @@ def stream_launch(n: int, k: int, group: int, target, pair: bool = False, add: b
     pair; ``add``: matmul_add; ``norm``: rmsnorm_matmul; neither: matmul), or None where the target's ``q4_stream``
     rule does not run it: the form switched off (the unnormed pair has no form: fuse always folds its norm), a
     target without the bulk copy engine, N below ``min_rows`` or not a multiple of the block, K outside [``min_k``,
-    ``max_k``], or a ring that does not fit the target's shared memory. The pair takes the rule's ``pair_*``
-    split, the single products its ``rb`` / ``stages`` / ``nc``."""
+    ``max_k``] (``add`` above ``max_k``: the ``wide`` form, up to ``wide_max_k``), a split that does not divide the
+    shape, or a ring that does not fit the target's shared memory. The pair takes the rule's ``pair_*`` split, the
+    wide form its ``wide_*`` split, the others its ``rb`` / ``stages`` / ``nc`` / ``ks`` / ``minb``."""
     r = target.rules.get("q4_stream")
-    on = r is not None and (r.pair if pair and norm else r.add if add else r.norm_plain if norm else r.plain and not pair)
-    if (not on or not group or target.cc < BULK_MIN_CC or n < r.min_rows or not r.min_k <= k <= r.max_k
+    wide = r is not None and add and r.max_k < k
+    on = r is not None and (r.pair if pair and norm else (r.wide and k <= r.wide_max_k) if wide else r.add if add
+                            else r.norm_plain if norm else r.plain and not pair)
+    if (not on or not group or target.cc < BULK_MIN_CC or n < r.min_rows or not (r.min_k <= k <= r.max_k or wide)
             or k % group or k % 32):
         return None
-    rb, stages, nc = (r.pair_rb, r.pair_stages, r.pair_nc) if pair else (r.rb, r.stages, r.nc)
-    if n % rb or rb % nc or not bulk_aligned(n, k, group, rb):
+    rb, stages, nc, ks, minb = ((r.pair_rb, r.pair_stages, r.pair_nc, r.pair_ks, r.pair_minb) if pair else
+                                (r.wide_rb, r.wide_stages, r.wide_nc, r.wide_ks, r.wide_minb) if wide else
+                                (r.rb, r.stages, r.nc, r.ks, r.minb))
+    if (n % rb or nc % ks or rb % (nc // ks) or nc // ks >= 16 or (k // 32) % ks
+            or not bulk_aligned(n, k, group, rb)):
         return None
-    out = launch(n, k, group, rb, stages, nc, target.sms, pair, add, norm, partials)
+    out = launch(n, k, group, rb, stages, nc, target.sms, pair, add, norm, partials, minb, ks)
     if shared_bytes(out["constexprs"]) + CTA_RESERVED_SMEM > target.smem_optin:
         return None
     return out

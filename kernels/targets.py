@@ -200,8 +200,10 @@ class StreamRule(Rule):
     """The one-row q4 product fed by bulk copies (kernels/q4_stream.py): the q4 matmuls of one row whose form is
     switched on (``pair``: rmsnorm + the gate / up pair, rmsnorm_matmul_swiglu; ``add``: matmul_add; ``plain``:
     matmul; ``norm_plain``: rmsnorm_matmul), with N >= min_rows (a multiple of the block) and min_k <= K <= max_k
-    (else the Triton matvec). One CTA an SM: rb rows a block, a ring of ``stages`` blocks, nc consumer warps and one
-    producer warp (the pair: pair_rb, pair_stages, pair_nc)."""
+    (else the Triton matvec); ``wide``: matmul_add at max_k < K <= wide_max_k (the down projection), with the
+    ``wide_*`` split. One CTA an SM: rb rows a block, a ring of ``stages`` blocks, nc consumer warps in row
+    groups of ``ks`` warps that split K between them, one producer warp, registers capped for ``minb`` CTAs an SM
+    (the pair: the ``pair_*`` fields)."""
     pair: bool
     add: bool
     plain: bool
@@ -215,6 +217,17 @@ class StreamRule(Rule):
     min_rows: int
     min_k: int                  # K from min_k to max_k: the shapes it was measured at (the 27B's)
     max_k: int
+    ks: int = 1                 # K slices a row group (1: a warp takes its rows over the whole K)
+    minb: int = 1               # 2: the next launch's CTA fits beside this one (bench/q4stream_probe.py time-layer)
+    pair_ks: int = 1
+    pair_minb: int = 1
+    wide: bool = False          # matmul_add at max_k < K <= wide_max_k, with this split:
+    wide_max_k: int = 17408
+    wide_rb: int = 8
+    wide_stages: int = 2
+    wide_nc: int = 17
+    wide_ks: int = 17
+    wide_minb: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

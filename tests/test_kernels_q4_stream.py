@@ -61,10 +61,17 @@ def test_emulated_add_feeds_the_norm_forms(pair):
     add = q4_stream.launch(h, k, group, 16, 2, 4, 132, add=True)
     rows = add["constexprs"]["BLOCK_N"]
     assert rows == 4 and add["constexprs"]["ADD"] == 1
+    # K split between the warps of a row group: a partial per group (8 warps in groups of 2: 4 groups, 4 rows each)
+    split = q4_stream.launch(h, k, group, 16, 2, 8, 132, add=True, ks=2, minb=2)
+    assert (split["constexprs"]["BLOCK_N"], split["constexprs"]["KS"], split["constexprs"]["MINB"]) == (4, 2, 2)
+    assert q4_stream.shared_bytes(split["constexprs"]) == q4_stream.shared_bytes(add["constexprs"]) + 2 * 16 * 2 * 4
+    s2, ss2 = torch.full((h,), float("nan")), torch.full((h // rows,), float("nan"))
+    q4_stream.q4stream_add[split["grid"]](x, wo, r, s2, ss2, rows, **split["constexprs"], PDL=True)
     s, ss = torch.full((h,), float("nan")), torch.full((h // rows,), float("nan"))
     q4_stream.q4stream_add[add["grid"]](x, wo, r, s, ss, rows, **add["constexprs"], PDL=True)
     s_ref, ss_ref = matvec_add_ref(x, do, r, rows)
     assert torch.equal(s, s_ref) and torch.allclose(ss, ss_ref, rtol=1e-6)
+    assert torch.equal(s2, s) and torch.equal(ss2, ss)
 
     ws = [_weight(n, h, group, seed) for seed in (9, 10)[:2 if pair else 1]]
     norm = q4_stream.launch(n, h, group, 8, 3, 2, 132, pair=pair, norm=True, partials=h // rows)
@@ -92,7 +99,7 @@ def _normed(s, nw):
 def test_rule_takes_the_27b_class_normed_pair_and_falls_back_elsewhere():
     t = TARGETS["sm_90"]
     r = t.rules["q4_stream"]
-    assert r.pair and not (r.add or r.plain or r.norm_plain)  # the forms the whole 27B step measured faster
+    assert r.pair and not (r.add or r.plain or r.norm_plain or r.wide)  # the forms the whole 27B step measured faster
     pair = q4_stream.stream_launch(17408, 5120, 128, t, pair=True, norm=True, partials=640)
     c = pair["constexprs"]
     assert (c["RB"], c["STAGES"], c["NC"], c["SWIGLU"], c["NORM"], c["NP"]) == (r.pair_rb, r.pair_stages, r.pair_nc,
@@ -115,6 +122,19 @@ def test_rule_takes_the_27b_class_normed_pair_and_falls_back_elsewhere():
     assert q4_stream.stream_launch(5128, 5120, 128, on) is None  # N not a multiple of RB
     assert q4_stream.stream_launch(5120, 5120, 0, on) is None  # bf16 weights
     assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_80")) is None  # no bulk copies before sm_90
+    # the down projection's K (above max_k) only with a wide split, which splits K over a row group's warps
+    assert q4_stream.stream_launch(5120, 17408, 128, _on(add=True), add=True) is None  # the wide form off
+    wide = q4_stream.stream_launch(5120, 17408, 128, _on(wide=True, add=False), add=True)
+    c = wide["constexprs"]
+    assert (c["RB"], c["NC"], c["KS"]) == (r.wide_rb, r.wide_nc, r.wide_ks)
+    assert c["BLOCK_N"] == r.wide_rb // (r.wide_nc // r.wide_ks)  # a partial per row group
+    assert wide["num_warps"] == r.wide_nc + 1 and "MINB" not in c
+    assert q4_stream.stream_launch(17408, 17408, 128, _on(wide=True), pair=True, norm=True) is None  # no wide pair
+    assert q4_stream.stream_launch(5120, 17408, 128, _on(wide=True), norm=True, partials=640) is None  # nor norm
+    assert q4_stream.stream_launch(5120, 17408, 128, _on(wide=True, wide_ks=3), add=True) is None  # 544 chunks
+    assert q4_stream.stream_launch(5120, 17536, 128, _on(wide=True), add=True) is None  # above wide_max_k
+    split = q4_stream.stream_launch(16480, 5120, 128, _on(nc=10, ks=5, rb=8, minb=2), norm=True, partials=640)
+    assert (split["constexprs"]["KS"], split["constexprs"]["MINB"], split["num_warps"]) == (5, 2, 11)
     # sm_120's 99 KB: the plain ring fits, the pair's at 16 rows a block (two weights a slot) does not
     assert q4_stream.stream_launch(5120, 5120, 128, _on("sm_120")) is not None
     assert q4_stream.stream_launch(17408, 5120, 128, _on("sm_120", pair_rb=16), pair=True, norm=True) is None
@@ -140,3 +160,24 @@ def test_compiles_for_every_target_with_bulk_copies(target, form):
     ck = compile_kernel(f"q4stream_{form}", kernel, types, launch["constexprs"], launch["num_warps"], t.cc)
     assert ck.cubin[:4] == b"\x7fELF" and ck.arch == f"sm_{t.cc}" and ck.compiler.startswith("nvrtc")
     assert ck.shared == q4_stream.shared_bytes(launch["constexprs"]) <= t.smem_optin
+
+
+@pytest.mark.parametrize("target", [t for t in GPU_TARGETS if TARGETS[t].cc >= q4_stream.BULK_MIN_CC])
+def test_the_k_split_forms_compile(target):
+    """Row groups of warps that split K (their sums meet in shared memory behind a named barrier per group) and the
+    register cap for two CTAs an SM: the wide down projection, a split normed in_proj and a split pair."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    t = _on(target, wide=True, nc=10, ks=5, rb=8, minb=2, pair_nc=10, pair_ks=5, pair_minb=2)
+    cases = [("add", (5120, 17408), q4_stream.q4stream_add, ["*fp32", "*u8", "*fp32", "*fp32", "*fp32", "i32"]),
+             ("norm_plain", (16480, 5120), q4_stream.q4stream_norm,
+              ["*fp32", "*fp32", "*fp32", "*u8", "*fp32", "fp32"]),
+             ("norm_swiglu", (17408, 5120), q4_stream.q4stream_norm_swiglu,
+              ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", "fp32"])]
+    for form, (n, k), kernel, types in cases:
+        launch = q4_stream.stream_launch(n, k, 128, t, pair=form == "norm_swiglu", add=form == "add",
+                                         norm=form.startswith("norm"), partials=640)
+        if launch is None:  # sm_120: the down projection's x and ring do not fit 99 KB
+            assert t.smem_optin < 128 * 1024 and form != "norm_plain", (target, form)
+            continue
+        ck = compile_kernel(f"q4stream_{form}", kernel, types, launch["constexprs"], launch["num_warps"], t.cc)
+        assert ck.cubin[:4] == b"\x7fELF" and ck.shared == q4_stream.shared_bytes(launch["constexprs"])

@@ -4,6 +4,7 @@ interpreter over one byte arena, against the CPU reference path, step by step. T
 that catches ABI mistakes (argument order, offsets, dtypes) that per-kernel tests cannot see.
 """
 import os
+import re
 
 import numpy as np
 import pytest
@@ -112,26 +113,34 @@ def _close(what, g, c, bound):
     assert rel < bound, f"{what} differ by {rel:.2e}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-stream"])
+@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-stream", "q4-stream-wide"])
 def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
     """q4-stream: the bulk-copy q4 kernel (kernels/q4_stream.py, emulated; by default on the 27B-class normed
     gate / up pair only) with its add form on and thresholds the mini model's shapes pass: the normed pair and the
-    residual adds, whose partials feed the next norm."""
+    residual adds, whose partials feed the next norm. q4-stream-wide: the down projection (K 64) as the wide form,
+    its K split over two warps a row group (a partial per group of 4 rows), registers for 2 CTAs an SM."""
     from conftest import run_cli
 
-    stream = quant == "q4-stream"
+    stream = quant.startswith("q4-stream")
     if stream:
-        quant = "q4"
-        monkeypatch.setenv("KESTREL_RULES", "q4_stream.add=True q4_stream.min_rows=16 q4_stream.min_k=32 q4_stream.rb=8 "
-                           "q4_stream.nc=2 "
-                           "q4_stream.pair_rb=16 q4_stream.pair_nc=4")
-    path = str(tmp_path / f"mini-{quant}{'-stream' if stream else ''}.plan")
+        rules = ("q4_stream.add=True q4_stream.min_rows=16 q4_stream.min_k=32 q4_stream.rb=8 q4_stream.nc=2 "
+                 "q4_stream.pair_rb=16 q4_stream.pair_nc=4")
+        if quant == "q4-stream-wide":
+            rules += (" q4_stream.max_k=32 q4_stream.wide=True q4_stream.wide_max_k=64 q4_stream.wide_rb=8 "
+                      "q4_stream.wide_nc=4 q4_stream.wide_ks=2 q4_stream.wide_minb=2")
+        monkeypatch.setenv("KESTREL_RULES", rules)
+    path = str(tmp_path / f"mini-{quant}.plan")
+    wide = quant == "q4-stream-wide"
+    quant = "q4" if stream else quant
     r = run_cli("kestrelc", "build", mini_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
                 "--max-seq", "16")
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
     assert stream == ({"q4stream_norm_swiglu_q4g32", "q4stream_add_q4g32"} <= ids), sorted(ids)
+    if wide:  # the down projections took the wide split; the attention out projection (K 32) the single one
+        assert re.findall(r'kernel="q4stream_add_q4g64"[^\n]*K=64[^\n]*MINB=2, KS=2, ADD=1, BLOCK_N=4', plan.program_text)
+        assert re.findall(r'kernel="q4stream_add_q4g32"[^\n]*K=32[^\n]*NC=2, XREG_MAX=5, ADD=1', plan.program_text)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     prompt = [5, 9]
     tokens = _begin(gpu, cpu, prompt)
