@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stop 29: plan pairs A/B in one device call (kestrel-run --bench, 40-token prompt, 64 new tokens, 3 rounds, each
 # pair run A B B A), compute-sanitizer on plans, and plans against the CPU reference; everything in OUTDIR/ab.tar.
-#   PAIRS="A:B ..." SANITIZE="P ..." E2E="P ..." bash bench/device_preload_ab.sh OUTDIR
+#   PAIRS="A:B ..." SEQ="A B C ..." SANITIZE="P ..." E2E="P ..." bash bench/device_preload_ab.sh OUTDIR
+# (SEQ: the plans in order, then in reverse, each bench once a pass)
 # (kestrel installed; bench/plans carried; names without .plan). Call 3 (the matvec PRELOAD on every matrix against
 # none) ran this script's first form at commit a7fecc9; call 4 (the final rule):
 #   bash bench/build_stop_plans.sh 0.8b-bf16 0.8b-bf16-nopre tiny-mtp-bf16-spec3
@@ -26,6 +27,11 @@ for pair in ${PAIRS:-}; do
   a=${pair%%:*}; b=${pair##*:}
   bench "$a" "$a-1"; bench "$b" "$b-1"; bench "$b" "$b-2"; bench "$a" "$a-2"; say "$pair"
 done
+if [ -n "${SEQ:-}" ]; then  # several plans in one sequence, then back: A B C C B A
+  for p in $SEQ; do bench "$p" "$p-1"; done
+  for p in $(echo $SEQ | tr ' ' '\n' | tac); do bench "$p" "$p-2"; done
+  say "seq"
+fi
 for p in ${E2E:-}; do
   python3 bench/device_e2e.py "$w/e2e-$p.json" "bench/plans/$p.plan" > "$w/e2e-$p.txt" 2>&1
   python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(r['plan'], 'graph==stream', r['graph_equals_stream_tokens'], 'dump bytes identical', r['graph_vs_stream_dump_bytes_identical'], 'gpu vs cpu first divergence', r['gpu_vs_cpu_first_divergence'], 'max rel logits err', r['gpu_vs_cpu_max_rel_logits_err'], 'ms/token', r['ms_per_token_median'])" "$w/e2e-$p.json" || tail -5 "$w/e2e-$p.txt"

@@ -48,6 +48,7 @@ def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 Q4_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
 Q4_X_SCALE = 64.0
+Q4_REF_ROWS = 256  # q4_matvec_ref's row block
 Q4_SCALE_CANDIDATES = [-9.0 + 0.2 * i for i in range(11)]
 
 
@@ -107,17 +108,20 @@ def q4_matvec_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group:
     fused multiply-add computed in float64, where it is exact, then rounded to fp16 once)."""
     n, k = q.shape
     # (row, word, pair, lane) -> pair first: input 8j + 2 pair + lane; each pair's slice made contiguous
-    # as it is converted
     # as it is converted. The lane sums stay fp32 (fp16 values are exact there); the product and the
     # add run in float64 (mixed operands promote), where they are exact, and round to fp16 once
     xh = (x.float() / Q4_X_SCALE).half().double().reshape(k // 8, 4, 2).permute(1, 0, 2)
-    qp = q.reshape(n, k // 8, 4, 2).permute(2, 0, 1, 3)
-    s = (qp[0].double() * xh[0]).half().float()
-    for i in (1, 2, 3):
-        s = (qp[i].double() * xh[i] + s).half().float()
-    words = s.sum(-1)  # the two lanes, in fp32
-    chunks = words.reshape(n, k // 32, 4).sum(-1) * scales.repeat_interleave(group // 32, dim=1)
-    return chunks.sum(-1) * Q4_X_SCALE
+    chunk_scales = scales.repeat_interleave(group // 32, dim=1)
+    y = torch.empty(n, dtype=torch.float32, device=q.device)
+    for r0 in range(0, n, Q4_REF_ROWS):  # row blocks: the float64 temporaries stay in cache (3x at 27B widths)
+        qp = q[r0:r0 + Q4_REF_ROWS].reshape(-1, k // 8, 4, 2).permute(2, 0, 1, 3)
+        s = (qp[0].double() * xh[0]).half().float()
+        for i in (1, 2, 3):
+            s = (qp[i].double() * xh[i] + s).half().float()
+        words = s.sum(-1)  # the two lanes, in fp32
+        chunks = words.reshape(-1, k // 32, 4).sum(-1) * chunk_scales[r0:r0 + Q4_REF_ROWS]
+        y[r0:r0 + Q4_REF_ROWS] = chunks.sum(-1) * Q4_X_SCALE
+    return y
 
 
 def matvec_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
