@@ -234,6 +234,25 @@ class GpuStep:
         self._n_marks = 0
         return {"plain_ms": ms[0::2], "programmatic_ms": ms[1::2]}
 
+    def time_without(self, drop: set[int], rounds: int) -> dict:
+        """The step graph replayed alternately with the same chain without the launches at indices ``drop`` (its
+        edges programmatic as the step graph's), ``rounds`` times each: {"graph_ms": [..], "without_ms": [..]}.
+        Timing only: the launches kept read what the dropped ones would have written (states, outputs)."""
+        cu = kc.driver()
+        graph, without = kc.chain_graph([x for i, x in enumerate(self.launches) if i not in drop], self.pdl)
+        try:
+            marks: list = []
+            self._replay(1, self.graph_exec, None, marks)
+            for _ in range(rounds):
+                self._replay(1, without, None, marks)
+                self._replay(1, self.graph_exec, None, marks)
+            ms = self.mark_ms(marks)
+        finally:
+            kc.check(cu.cuGraphExecDestroy(without), "cuGraphExecDestroy")
+            kc.check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+            self._n_marks = 0
+        return {"without_ms": ms[0::2], "graph_ms": ms[1::2]}
+
     @property
     def mode(self) -> str:
         return "gpu-graph" if self.use_graph else "gpu-stream"

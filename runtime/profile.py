@@ -4,7 +4,8 @@ The prompt is prefilled as in a normal request (and the first token sampled); th
 steps are launched kernel by kernel, each launch between two events of its own, and as many steps
 are replayed as the CUDA graph, each timed alone (a plan with an M-row step: that program too, first,
 over as many full chunks of a longer prompt, under ``prefill`` in the report): the sum of the launches and the replay should
-agree within the per-launch overheads the graph saves. On the GPU the stream is held at a gate
+agree within the per-launch overheads the graph saves. Then each kernel's cost inside the graph (``in_graph``):
+the replay less the replay of the same chain without that kernel's launches (graph_knockout). On the GPU the stream is held at a gate
 while a window of launches is enqueued and released once they are all queued, so the host's launch
 latency never shows up as device time. On the CPU path (any plan, ``--device cpu``) every op of
 the reference step is timed with the host clock instead.
@@ -114,6 +115,14 @@ def format_report(r: dict) -> str:
         return "\n".join(lines)
 
     out = [table("kernel", r["by_kernel"]), "", table("layer kind", r["by_layer_kind"]), ""]
+    if r.get("in_graph"):  # graph_knockout
+        head = f"{'in the graph (replay less':<28} {'launches':>8} {'us/step':>10} {'share':>7} {'us/launch':>10}"
+        lines = [head, f"{'the replay without it)':<28}", "-" * len(head)]
+        replay = r["graph_replay_ms"]
+        for g in r["in_graph"]:
+            lines.append(f"{g['kernel']:<28} {g['launches']:>8} {g['in_graph_ms'] * 1e3:>10.1f} "
+                         f"{g['in_graph_ms'] / replay:>7.1%} {g['in_graph_ms'] * 1e3 / g['launches']:>10.2f}")
+        out += lines + [""]
     summary = (f"[{r['device']}] {r['launches_per_step']} launches/step over {r['decode_steps']} decode steps at "
                f"mean position {r['mean_position']:.0f}: sum of launches {r['sum_of_launches_ms']:.3f} ms")
     if "graph_replay_ms" in r:
@@ -277,7 +286,7 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
         for _ in range(steps):
             positions.append(int(step.dyn["pos"]))
             launch_ms.append(_timed_launches(step, step.launches, events, gate))
-        replay_ms = None
+        replay_ms, in_graph = None, None
         if step.graph_exec is not None:
             step.set_graph(True)
             marks: list = []
@@ -285,6 +294,7 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
             for _ in range(steps):
                 step.run(1, marks)
             replay_ms = step.mark_ms(marks)
+            in_graph = graph_knockout(step, launches, steps)
     finally:
         _release(gate, events)
         if step.graph_exec is not None:
@@ -292,7 +302,30 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
     report = summarize(launches, launch_ms, positions, bandwidth, replay_ms, "gpu")
     report["host_gaps_hidden"] = gate is not None
     report["graph_pdl"] = step.pdl  # the replay's nodes chained by programmatic edges (kernels/pdl.py)
+    if in_graph is not None:
+        report["in_graph"] = in_graph
     return report
+
+
+def graph_knockout(step, launches: list[dict], rounds: int) -> list[dict]:
+    """What each kernel costs inside the graph, overlaps and edges included (the launch-by-launch table
+    times each launch alone): the step graph's replay time less the replay time of the same chain without
+    that kernel's launches, ``rounds`` replays of each, alternating, from the same position for every
+    kernel. The launches kept read what the dropped ones would have written: timing only."""
+    names = [ln["kernel"] for ln in launches]
+    pos = int(step.dyn["pos"])
+    rows = []
+    for name in dict.fromkeys(names):
+        drop = {i for i, n in enumerate(names) if n == name}
+        if len(drop) == len(names):
+            continue
+        step.dyn["pos"] = pos
+        t = step.time_without(drop, rounds)
+        full, without = statistics.median(t["graph_ms"]), statistics.median(t["without_ms"])
+        rows.append({"kernel": name, "launches": len(drop), "graph_ms": full, "without_ms": without,
+                     "in_graph_ms": full - without})
+    step.dyn["pos"] = pos
+    return sorted(rows, key=lambda r: -r["in_graph_ms"])
 
 
 def profile_plan(plan, ids: list[int], steps: int, device: str, log=print, position: int | None = None) -> dict:

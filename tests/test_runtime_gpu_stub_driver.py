@@ -162,9 +162,20 @@ def test_pdl_is_compiled_in_from_sm_90_only(plan, tmp_path):
     assert with_pdl(matvec_kernel, {}, 80) == {"PDL": False} and with_pdl(matvec_kernel, {}, 90) == {"PDL": True}
 
 
+def _knockout_launches(lp, names, step, rounds):
+    """The launches graph_knockout replays: per kernel (first seen first) the step graph, then ``rounds`` times
+    the chain without that kernel's launches and the step graph."""
+    out = []
+    for kernel in dict.fromkeys(launch["kernel"] for launch in lp["launches"]):
+        without = [names[launch["kernel_index"]] for launch in lp["launches"] if launch["kernel"] != kernel]
+        out += step + (without + step) * rounds
+    return out
+
+
 def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
     """--profile: after the prefill, 6 decode steps launched one by one (each launch between its own
-    two events, windows of launches behind a stream gate), then 7 graph replays; the report charges
+    two events, windows of launches behind a stream gate), then 7 graph replays, then each kernel's cost inside
+    the graph (the replay less the replay without its launches, alternating); the report charges
     each launch its bytes and divides by the bandwidth measured with the plan's read-only probe."""
     from kestrel.runtime.profile import WINDOW
 
@@ -179,13 +190,23 @@ def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
     launched = [name for name, *_ in report["launches"]]
     reads = [(name, grid) for name, grid, *_ in report["launches"] if name == names[probe["kernel_index"]]]
     assert len(reads) == 11 and all(grid[0] == 8 * 132 for _, grid in reads)  # warm-up + 10 timed, 8 per SM
-    tail = launched[-13 * len(step):]
-    assert tail == step * 13  # 6 streamed steps, then 1 + 6 graph replays
+    knockout = _knockout_launches(lp, names, step, 6)
+    tail = launched[-13 * len(step) - len(knockout):]
+    assert tail == step * 13 + knockout  # 6 streamed steps, then 1 + 6 graph replays, then the knockout
     calls = report["calls"]
     windows = -(-len(step) // WINDOW)
     assert calls["cuStreamWaitValue32"] == 1 + 6 * windows  # the gate's check, then one per window
-    assert calls["cuGraphLaunch"] == 7 + 1 + 2 * (1 + PDL_TRIAL_STEPS)  # (+1: the prefill's M-row graph; the
-    # load-time PDL trial)
+    families = {launch["kernel"] for launch in lp["launches"]}
+    assert calls["cuGraphLaunch"] == 7 + 1 + 2 * (1 + PDL_TRIAL_STEPS) + 13 * len(families)  # (+1: the
+    # prefill's M-row graph; the load-time PDL trial; per kernel the full graph, then 6 times without it and with it)
+    assert calls["cuGraphDestroy"] == len(families) and sorted(g["kernel"] for g in rep["in_graph"]) == sorted(families)
+    assert all(g["launches"] == sum(launch["kernel"] == g["kernel"] for launch in lp["launches"])
+               and g["in_graph_ms"] == pytest.approx(g["graph_ms"] - g["without_ms"]) for g in rep["in_graph"])
+    from kestrel.runtime.profile import format_report
+
+    text = format_report(rep).splitlines()
+    at = text.index(next(line for line in text if line.startswith("in the graph")))
+    assert [line.split()[0] for line in text[at + 3:at + 3 + len(families)]] == [g["kernel"] for g in rep["in_graph"]]
     assert rep["launches_per_step"] == len(step) and rep["decode_steps"] == 6 and rep["host_gaps_hidden"]
     assert rep["bandwidth"]["read_GBps"] > 0 and rep["bandwidth"]["used_GBps"] == max(
         rep["bandwidth"]["read_GBps"], rep["bandwidth"]["copy_GBps"])
@@ -211,7 +232,8 @@ def test_profile_times_the_m_row_step_too(tmp_path):
     launched = [name for name, *_ in report["launches"]]
     start = next(i for i in range(len(launched)) if launched[i:i + len(rows)] == rows)
     assert launched[start:start + 6 * len(rows)] == rows * 6  # the 6 profiled chunks, one by one
-    assert launched[-13 * len(step):] == step * 13  # then the decode step's profile as before
+    knockout = _knockout_launches(lp, names, step, 6)
+    assert launched[-13 * len(step) - len(knockout):] == step * 13 + knockout  # then the decode step's profile
     p = rep["prefill"]
     assert p["rows"] == 4 and p["launches_per_step"] == len(rows) and p["decode_steps"] == 6
     assert [int(x["index"]) for x in p["launches"]] == list(range(len(rows)))
