@@ -106,6 +106,12 @@ __device__ __forceinline__ float word_value(unsigned q, unsigned x01, unsigned x
   return lo + hi;
 }
 
+/* a 32-input chunk's value: its four words summed in fp32 (h0..h3: the chunk's x, four f16x2 words each) */
+__device__ __forceinline__ float chunk_value(const uint4 v, const uint4 h0, const uint4 h1, const uint4 h2,
+                                             const uint4 h3) {
+  return ((word_value(v.x, h0.x, h0.y, h0.z, h0.w) + word_value(v.y, h1.x, h1.y, h1.z, h1.w))
+          + word_value(v.z, h2.x, h2.y, h2.z, h2.w)) + word_value(v.w, h3.x, h3.y, h3.z, h3.w);
+}
 """
 
 SOURCE = r"""
@@ -154,12 +160,6 @@ SOURCE = r"""
 #define RED_AT (BAR_AT + 16 * STAGES)    /* KS > 1: the K slices' sums [2][NG][KS][NWT][RPW] fp32 */
 
 """ + DEVICE_HELPERS + r"""
-__device__ __forceinline__ float chunk_value(const uint4 v, const uint4 h0, const uint4 h1, const uint4 h2,
-                                             const uint4 h3) {
-  return ((word_value(v.x, h0.x, h0.y, h0.z, h0.w) + word_value(v.y, h1.x, h1.y, h1.z, h1.w))
-          + word_value(v.z, h2.x, h2.y, h2.z, h2.w)) + word_value(v.w, h3.x, h3.y, h3.z, h3.w);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 ENTRY(const float* __restrict__ x,
 #if NORM
