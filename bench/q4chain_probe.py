@@ -226,13 +226,7 @@ q4chain_mlp(const float* __restrict__ x, const float* r, const float* __restrict
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = gridDim.x, c = blockIdx.x;
   const unsigned full = smem_u32(smem + BAR_AT), empty = full + 8 * STAGES, ring = smem_u32(smem);
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(full + 8 * s, 1);
-      bar_init(empty + 8 * s, NC);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring_init(full, empty, STAGES, NC);
   __syncthreads();
   if (warp == NC) {               /* the producer: weights only, so it never waits for the previous launch */
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -276,13 +276,7 @@ ENTRY(const float* __restrict__ x, const unsigned char* __restrict__ w, float* _
   const int mine = (NB - c + G - 1) / G;
   const unsigned full = smem_u32(smem + BAR_AT), empty = full + 8 * STAGES;
   const unsigned ring = smem_u32(smem);
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(full + 8 * s, 1);
-      bar_init(empty + 8 * s, NC);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring_init(full, empty, STAGES, NC);
   __syncthreads();
   auto issue = [&](int i) {
     const int b = c + i * G, slot = i % STAGES;
@@ -585,16 +579,23 @@ FORM_TYPES = {"norm_swiglu": ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", 
 FORM_NP = 640  # the producer's partials (the Triton matvec_add's 8-row programs over 5120 rows)
 
 
-def _form_jobs():
-    from kestrel.kernels import q4_stream
+def _triton_launch(n: int, k: int, form: str) -> dict:
+    """The launch of the Triton kernel the sm_90 rule picks for a form (the step's, where q4_stream is off)."""
     from kestrel.kernels.matvec import matvec_launch, rmsnorm_matvec_launch
     from kestrel.kernels.targets import TARGETS
 
     t = TARGETS["sm_90"]
+    if form.startswith("norm"):
+        return rmsnorm_matvec_launch(n, k, GROUP, FORM_NP, t, pair="swiglu" in form)
+    return matvec_launch(n, k, GROUP, t)
+
+
+def _form_jobs():
+    from kestrel.kernels import q4_stream
+
     for name, n, k, form in FORM_CASES:
         pair, norm = "swiglu" in form, form.startswith("norm")
-        tri = rmsnorm_matvec_launch(n, k, GROUP, FORM_NP, t, pair=pair) if norm else matvec_launch(n, k, GROUP, t)
-        yield name, n, k, form, "triton", tri
+        yield name, n, k, form, "triton", _triton_launch(n, k, form)
         for rb, stages, nc in itertools.product((8, 16, 32), (2, 3, 4), (4, 8, 16)):
             if n % rb or rb % nc:
                 continue
@@ -719,14 +720,10 @@ LAYERS = 12  # layers a chain runs, each with its own weights (2.3 GB: every lau
 
 def _layer_jobs():
     from kestrel.kernels import q4_stream
-    from kestrel.kernels.matvec import matvec_launch, rmsnorm_matvec_launch
-    from kestrel.kernels.targets import TARGETS
 
-    t = TARGETS["sm_90"]
     for name, n, k, form in LAYER_FORMS:
         pair, norm = "swiglu" in form, form.startswith("norm")
-        tri = rmsnorm_matvec_launch(n, k, GROUP, FORM_NP, t, pair=pair) if norm else matvec_launch(n, k, GROUP, t)
-        yield name, n, k, form, "triton", tri
+        yield name, n, k, form, "triton", _triton_launch(n, k, form)
         for (rb, stages, nc, ks), minb in itertools.product(LAYER_SPLITS[name], (1, 2)):
             la = q4_stream.launch(n, k, GROUP, rb, stages, nc, SMS, pair=pair, add=form == "add", norm=norm,
                                   partials=FORM_NP, minb=minb, ks=ks)

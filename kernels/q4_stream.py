@@ -67,6 +67,16 @@ __device__ __forceinline__ void bar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+/* a ring's ``stages`` slot pairs: "full" (the producer's one arrival and the copies' bytes), "empty" (``consumers``
+   arrivals); one thread, before a CTA barrier */
+__device__ __forceinline__ void ring_init(unsigned full, unsigned empty, int stages, unsigned consumers) {
+  for (int s = 0; s < stages; ++s) {
+    bar_init(full + 8 * s, 1);
+    bar_init(empty + 8 * s, consumers);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 /* the next phase of ``bar`` completes after ``bytes`` more bytes of bulk copies (and this arrival) */
 __device__ __forceinline__ void bar_expect(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
@@ -185,13 +195,7 @@ ENTRY(const float* __restrict__ x,
   const int G = gridDim.x, c = blockIdx.x;
   const int mine = (NB - c + G - 1) / G;         /* this CTA's blocks: c, c + G, ... */
   const unsigned full = smem_u32(smem + BAR_AT), empty = full + 8 * STAGES, ring = smem_u32(smem);
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(full + 8 * s, 1);
-      bar_init(empty + 8 * s, NC);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring_init(full, empty, STAGES, NC);
   __syncthreads();
   /* the CTA's i-th block into slot i % STAGES: per weight its words and its scales, one bulk copy each */
   auto issue = [&](int i) {
