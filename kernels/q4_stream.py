@@ -368,7 +368,7 @@ def _check_grid(grid, n: int, rb: int) -> None:
 def _emulate(grid, *args, N, K, GROUP, RB, STAGES, NC, SWIGLU=0, ADD=0, NORM=0, NP=0, BLOCK_N=0, XREG_MAX=XREG_MAX,
              MINB=1, KS=1, PDL=False):
     """A launch on the CPU (the launch-plan tests): the operands in the op's order; the product
-    ``q4_matvec_ref``'s, NORM's rstd from the NP partials, ADD's partials over BLOCK_N (= RB / NC) rows."""
+    ``q4_matvec_ref``'s, NORM's rstd from the NP partials, ADD's partials over BLOCK_N (= RB / (NC / KS)) rows."""
     _check_grid(grid, N, RB)
     a = list(args)
     x = a.pop(0)

@@ -3,11 +3,12 @@
 The prompt is prefilled as in a normal request (and the first token sampled); then ``steps`` decode
 steps are launched kernel by kernel, each launch between two events of its own, and as many steps
 are replayed as the CUDA graph, each timed alone (a plan with an M-row step: that program too, first,
-over as many full chunks of a longer prompt, under ``prefill`` in the report): the sum of the launches and the replay should
-agree within the per-launch overheads the graph saves. Then each kernel's cost inside the graph (``in_graph``):
-the replay less the replay of the same chain without that kernel's launches (graph_knockout). On the GPU the stream is held at a gate
-while a window of launches is enqueued and released once they are all queued, so the host's launch
-latency never shows up as device time. On the CPU path (any plan, ``--device cpu``) every op of
+over as many full chunks of a longer prompt, under ``prefill`` in the report): the sum of the launches
+and the replay should agree within the per-launch overheads the graph saves. Then each kernel's cost
+inside the graph (``in_graph``): the replay less the replay of the same chain without that kernel's
+launches (graph_knockout). On the GPU the stream is held at a gate while a window of launches is
+enqueued and released once they are all queued, so the host's launch latency never shows up as device
+time. On the CPU path (any plan, ``--device cpu``) every op of
 the reference step is timed with the host clock instead.
 
 Each launch is charged the bytes the launch plan gives it (``bytes``: weights, states, the KV rows
