@@ -60,10 +60,12 @@ __device__ __forceinline__ void consumers_sync() {
 /* every CTA's consumers past this point once all have reached it (the target-th arrival on the counter) */
 __device__ __forceinline__ void grid_sync(unsigned* cnt, unsigned target, int tid) {
   consumers_sync();
-  if (tid == 0) {
+  if (tid == 0) {                 /* (the fences as cooperative groups' grid sync has them) */
+    __threadfence();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(cnt) : "memory");
     unsigned v = 0;
     do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(cnt) : "memory"); while (v < target);
+    __threadfence();
   }
   consumers_sync();
 }
