@@ -33,7 +33,7 @@ case $2 in
     (cd bench && timeout 200 python3 q4chain_probe.py time q4chain-cubins "$out/chain.json" > "$out/chain.log" 2>&1)
     echo "chain probe: exit $?"; tail -12 "$out/chain.log"
     ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
-    for p in ${PROFILE:-"$P qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-q4 qwen3-next-80b-a3b-sm90-q4"}; do
+    for p in ${PROFILE:-$P qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-q4 qwen3-next-80b-a3b-sm90-q4}; do
       timeout 240 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
         > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt"
     done ;;

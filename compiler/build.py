@@ -27,7 +27,7 @@ from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREF
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
 from kestrel.compiler.frontend import (Checkpoint, mtp_layers_in, open_checkpoint, parse_config, read_chat_template,
                                       read_config)
-from kestrel.compiler.ir import Program
+from kestrel.compiler.ir import Program, q4_placements
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import launch_plan
 from kestrel.compiler.ops import verify
@@ -282,7 +282,8 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
     kernels, kernel_of_launch, cubins, fill, probes = None, None, {}, None, None
     weights_info = {"kind": "checkpoint"}
     if random_seed is not None:
-        weights_info = {"kind": "random", "seed": random_seed}
+        # q4_scales: each q4 weight's scales refilled to keep activations finite (kernels/fill.py)
+        weights_info = {"kind": "random", "seed": random_seed, "q4_scales": True}
         log(f"note: --weights random: the plan records seed {random_seed}; the runtime fills the weights "
             f"(benchmarking only, never the default)")
     rows_of_launch = None
@@ -294,7 +295,9 @@ def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress
         if spec is not None:
             spec_of_launch = (of_launch[2], of_launch[3])
         if random_seed is not None:
-            fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed)
+            placed = [w for p in progs for w in p.weights.values() if w.loc is not None and w.loc[0] == "weights"]
+            fill = codegen.fill_launches(kernels, cubins, target, program.arena["weights"], random_seed,
+                                         q4_placements(placed))
         probes = codegen.probe_kernels(kernels, cubins, target)
     extra = {"prefill_rows": prefill_rows, "prefill_logits": prefill_logits}
     if spec is not None:

@@ -311,18 +311,19 @@ def probe_kernels(kernels: list[dict], cubins: dict, target: str) -> dict:
                             "block": bandwidth.READ_BLOCK}}
 
 
-def fill_launches(kernels: list[dict], cubins: dict, target: str, weights_bytes: int, seed: int) -> list[dict]:
+def fill_launches(kernels: list[dict], cubins: dict, target: str, weights_bytes: int, seed: int,
+                  q4_weights: list[tuple[int, int, int, int]]) -> list[dict]:
     """The random-weights fill (``--weights random``) as launches the runtime makes once at load: the
-    fill kernel compiled into the kernel table, and one launch per chunk of the weights region, with
-    the chunk's seed computed here (kernels/fill.py), so the runtime needs nothing but the plan."""
+    fill kernel compiled into the kernel table, and one launch per run of kernels/fill.py's fill_runs
+    (the region chunk by chunk, then each q4 weight's scales), with its seed, mask and bits computed
+    here, so the runtime needs nothing but the plan."""
     block = fill.FILL_BLOCK
     k = compile_kernel("fill_random", fill.fill_random_kernel, fill.FILL_TYPES, {"BLOCK": block}, 4,
                        TARGETS[target].cc)
     part = f"__kestrel__/cubin/{len(kernels):03d}"
     cubins[part] = k.cubin
     kernels.append(_table_entry(k, part, {"BLOCK": block}))
-    n_words = weights_bytes // 4
     return [{"op": "fill_random", "kernel": k.kernel_id, "kernel_index": len(kernels) - 1,
              "grid": [-(-n // block), 1, 1], "args": [{"region": "weights", "offset": 4 * lo}],
-             "scalars": [fill.chunk_seed(seed, c), n]}
-            for c, lo, n in fill.chunks(n_words)]
+             "scalars": [s, n, fill.as_i32(mask), fill.as_i32(bits)]}
+            for lo, n, s, mask, bits in fill.fill_runs(weights_bytes // 4, seed, q4_weights)]

@@ -95,6 +95,12 @@ class Weight:
     loc: tuple[str, int] | None = None
 
 
+def q4_placements(weights) -> list[tuple[int, int, int, int]]:
+    """(byte offset, N, K, group) of each placed q4 weight: where a random-weights fill puts its scales
+    (kernels/fill.py fill_runs)."""
+    return sorted({(w.loc[1], *w.type.shape, q4_group(w.type.dtype)) for w in weights if is_q4(w.type.dtype)})
+
+
 @dataclass(eq=False)
 class State:
     name: str

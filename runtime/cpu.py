@@ -13,7 +13,8 @@ import torch
 
 from kestrel.artifacts.errors import DraftSourceError
 from kestrel.artifacts.plan import Plan
-from kestrel.compiler.ir import TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group
+from kestrel.compiler.ir import (TOKENS_STATE, Dyn, IRError, Program, State, Value, Weight, is_q4, q4_group,
+                                 q4_placements)
 from kestrel.compiler.ir_text import parse_program
 from kestrel.compiler.ops import OPS, is_view
 from kestrel.compiler.launch_plan import REPLAY_STATE as REPLAY
@@ -57,8 +58,10 @@ class CpuStep:
             every = dict(program.weights)  # the step's weights and the speculative programs' (the MTP head's)
             for p in spec_programs or ():
                 every.update({n: w for n, w in p.weights.items() if n not in every})
-            if plan.random_weights is not None:  # the same words the GPU's fill kernel writes
-                words = fill_random_ref(program.arena["weights"] // 4, plan.random_weights["seed"]).view(np.uint8)
+            if plan.random_weights is not None:  # the same words the GPU's fill launches write
+                rw = plan.random_weights  # q4_scales: since stop 33 (older plans: the scales as the chunks left them)
+                q4 = q4_placements(every.values()) if rw.get("q4_scales") else ()
+                words = fill_random_ref(program.arena["weights"] // 4, rw["seed"], q4).view(np.uint8)
                 weights = {name: weight_tensor(words[w.loc[1]:w.loc[1] + w.type.nbytes], w)
                            for name, w in every.items()}
             else:

@@ -1,5 +1,6 @@
 """Embedding, RMSNorm, add+RMSNorm, sampling and step-end kernels: Triton's interpreter against the
 torch references (fresh random inputs, bf16 paths included), and AOT compilation for every target."""
+import numpy as np
 import pytest
 import torch
 import triton
@@ -355,13 +356,47 @@ def test_aot_compiles_for_every_target(aot_results, cc):
 
 
 def test_fill_random_matches_numpy_twin():
-    from kestrel.kernels.fill import FILL_BLOCK, fill_random_kernel, fill_random_ref
+    from kestrel.kernels.fill import BITS, FILL_BLOCK, FILL_TYPES, MASK, as_i32, fill_random_kernel, fill_random_ref
 
     out = torch.zeros(3000, dtype=torch.int32)
-    interpret(fill_random_kernel)[(3,)](out, 12345, 2500, BLOCK=FILL_BLOCK)
+    interpret(fill_random_kernel)[(3,)](out, 12345, 2500, as_i32(MASK), as_i32(BITS), BLOCK=FILL_BLOCK)
     ref = fill_random_ref(2500, 12345)
     assert (out[:2500].numpy().view("u4") == ref).all() and (out[2500:] == 0).all()
     as_bf16 = torch.from_numpy(ref.copy()).view(torch.int32).view(torch.bfloat16).float()
     assert torch.isfinite(as_bf16).all() and as_bf16.abs().max() < 0.02 and as_bf16.abs().min() >= 2 ** -7
-    k = compile_kernel("fill_random", fill_random_kernel, ["*i32", "i32", "i32"], {"BLOCK": FILL_BLOCK}, 4, 90)
+    k = compile_kernel("fill_random", fill_random_kernel, FILL_TYPES, {"BLOCK": FILL_BLOCK}, 4, 90)
     assert k.cubin[:4] == b"\x7fELF"
+
+
+def test_fill_random_q4_scales_keep_a_product_near_its_input():
+    """The scale runs (kernels/fill.py): only each q4 weight's scales are rewritten, in the interpreter as in
+    the numpy twin, and a product of those weights has an output about as large as its input at every
+    width, where the chunks' f16 words alone (about +-1) make it 4.5 sqrt(K) times larger."""
+    from kestrel.kernels.fill import FILL_BLOCK, as_i32, fill_random_kernel, fill_random_ref, fill_runs
+    from kestrel.kernels.matvec import q4_codes, q4_matvec_ref
+
+    n, group = 64, 128
+    for k in (512, 5120, 17408):
+        off = 256  # the weight after 256 bytes of something else
+        nbytes = n * k // 2 + n * (k // group) * 2
+        words = (off + nbytes + 64) // 4
+        plain, refilled = fill_random_ref(words, 99), fill_random_ref(words, 99, [(off, n, k, group)])
+        scales = slice((off + n * k // 2) // 4, (off + nbytes) // 4)
+        changed = np.flatnonzero(plain != refilled)
+        assert changed.min() >= scales.start and changed.max() < scales.stop and changed.size > 0.99 * (
+            scales.stop - scales.start)
+        buf = torch.from_numpy(refilled.view(np.uint8)[off:off + nbytes].copy())
+        x = torch.randn(k, generator=torch.Generator().manual_seed(k))
+        gains = []
+        for words_ in (refilled, plain):
+            q, s = q4_codes(torch.from_numpy(words_.view(np.uint8)[off:off + nbytes].copy()), n, k, group)
+            y = q4_matvec_ref(x, q, s, group)
+            gains.append(float(y.pow(2).mean().sqrt() / x.pow(2).mean().sqrt()))
+        assert 0.5 < gains[0] < 2.0 and gains[1] > 4 * k ** 0.5, (k, gains)
+        if k == 512:  # the device's launches make the same words
+            out = torch.zeros(words, dtype=torch.int32)
+            for lo, m, seed, mask, bits in fill_runs(words, 99, [(off, n, k, group)]):
+                interpret(fill_random_kernel)[(-(-m // FILL_BLOCK),)](out[lo:], seed, m, as_i32(mask), as_i32(bits),
+                                                                      BLOCK=FILL_BLOCK)
+            assert (out.numpy().view("u4") == refilled).all()
+        assert buf.numel() == nbytes
