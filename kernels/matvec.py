@@ -685,7 +685,9 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
     rr = target.rules["matvec_rows"]
     r = target.rules["matvec"]
     wide = n >= 16 * r.q4_wide_ctas_per_sm * target.sms
-    if group and not wide:
+    if group and rr.q4_one_row_split:
+        pass
+    elif group and not wide:
         bn = r.q4_min_block_n
         while bn < r.max_block_n and n // (2 * bn) >= rr.q4_ctas_per_sm * target.sms:
             bn *= 2

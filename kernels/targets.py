@@ -67,6 +67,8 @@ class MatvecRowsRule(Rule):
     small_short_k: int          # small bf16 matrices: (BLOCK_N, BLOCK_K, warps) small_short up to this K,
     small_short: tuple[int, int, int]
     small_long: tuple[int, int, int]  # small_long past it
+    q4_one_row_split: bool = False  # q4: the one-row kernel's split at every shape (each row's result then the
+    #                                 one-token step's bit for bit, as 27B bf16's is; an experiment, stop 33)
 
 
 @dataclass(frozen=True, kw_only=True)
