@@ -62,7 +62,9 @@ for p in "$@"; do
     27b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
     27b4-q4) kestrelc build "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4.plan ;;
     27b-q4-spec3-tri) python3 bench/build_variant.py q4_mma.max_rows=0 q4_stream.pair=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-tri.plan ;;
-    27b-q4-spec3-exact) python3 bench/build_variant.py q4_mma.max_rows=0 q4_stream.pair=False matvec_rows.q4_one_row_split=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-exact.plan ;;
+    27b-q4-spec3-tri1row) python3 bench/build_variant.py q4_mma.max_rows=0 q4_stream.pair=False matvec_rows.one_row_split=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-tri1row.plan ;;
+    27b-q4-spec3-mma1row) python3 bench/build_variant.py q4_mma.one_row_as=4 bf16_mma.max_rows=0 q4_stream.pair=False matvec_rows.one_row_split=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-mma1row.plan ;;
+    27b4-q4-spec3-mma1row) python3 bench/build_variant.py q4_mma.one_row_as=4 bf16_mma.max_rows=0 q4_stream.pair=False matvec_rows.one_row_split=True -- "$(l27b4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-mma1row.plan ;;
     27b4-q4-spec3) kestrelc build "$(l27b4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-4l-sm90-q4-spec3.plan ;;
     27b4-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-stream.plan ;;
     27b-q4-stream-pair) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream-pair.plan ;;

@@ -1,5 +1,6 @@
 """compute-sanitizer on one speculative plan's sampled speculation (temperature 0.7, top-p 0.8, top-k 20),
-its launches streamed so that memcheck names the kernel: a short request, then a greedy one.
+its launches streamed so that memcheck names the kernel: a short request, then a greedy one, then plain greedy
+decoding (the one-token step: with --verify exact its q4 products on the tensor-core kernel at one row).
 
     compute-sanitizer --tool memcheck --print-limit 5 python3 bench/device_spec_sanitize.py PLAN
 """
@@ -20,3 +21,5 @@ if __name__ == "__main__":
     g = generate(step, IDS, 6, SAMPLED)
     print("sampled", g.tokens, "accepted", g.accepted_per_step, flush=True)
     print("greedy", generate(step, IDS, 6, SamplingParams()).tokens, flush=True)
+    step.spec_k = 0
+    print("plain", generate(step, IDS, 6, SamplingParams()).tokens, flush=True)

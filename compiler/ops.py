@@ -749,6 +749,8 @@ def _matvec(op: Op, t: Target) -> dict:
                     **matvec.matvec_rows_launch(m, n, k, group, t, pair=swiglu)}
         return {"kernel": ("gemm_swiglu_" if swiglu else "gemm_") + w.type.dtype,
                 **gemm.gemm_launch(op.ins[0].type.shape[0], n, k, group, t, swiglu=swiglu)}
+    if (mma := _one_row_mma(op, t, pair=swiglu)) is not None:
+        return {"kernel": "q4mma" + ("_rows_swiglu_" if swiglu else "_rows_") + w.type.dtype, **mma}
     if not swiglu and (stream := q4_stream.stream_launch(n, k, group, t)) is not None:
         return {"kernel": "q4stream_" + w.type.dtype, **stream}
     prefix = "matvec_swiglu_" if swiglu else "matvec_"
@@ -775,6 +777,20 @@ def _mma_launch(op: Op, t: Target, pair: bool = False, norm: bool = False, add: 
     return mma_launch(op.ins[0].type.shape, w.type.dtype, w.type.shape, t, pair, norm, add)
 
 
+def _one_row_mma(op: Op, t: Target, pair: bool = False, norm: bool = False, add: bool = False) -> dict | None:
+    """A q4 matmul at one row on the tensor-core kernel, split as at ``q4_mma.one_row_as`` rows with M = 1 (the
+    one-token step's products then the speculative verify's, row for row), or None (the rule's default 0, not q4,
+    or the kernel does not take the shape)."""
+    w = op.ins[3 if norm else 1]
+    r = t.rules.get("q4_mma")
+    if r is None or not r.one_row_as or not is_q4(w.type.dtype):
+        return None
+    c = mma_launch((r.one_row_as, op.ins[0].type.shape[-1]), w.type.dtype, w.type.shape, t, pair, norm, add)
+    if c is not None:
+        c["constexprs"]["M"] = 1
+    return c
+
+
 def _mma_kind(w: Weight) -> str:
     return "q4mma" if is_q4(w.type.dtype) else "bf16mma"
 
@@ -794,6 +810,8 @@ def _matvec_add(op: Op, t: Target) -> dict:
     w = op.ins[1]
     if len(op.ins[0].type.shape) == 2:
         return {"kernel": _mma_kind(w) + "_add_" + w.type.dtype, **_folded_at_rows(_mma_launch(op, t, add=True), op)}
+    if (mma := _one_row_mma(op, t, add=True)) is not None:
+        return {"kernel": "q4mma_add_" + w.type.dtype, **mma}
     if (stream := q4_stream.stream_launch(*_matrix(w), t, add=True)) is not None:
         return {"kernel": "q4stream_add_" + w.type.dtype, **stream}
     return {"kernel": "matvec_add_" + w.type.dtype, **matvec.matvec_launch(*_matrix(w), t)}
@@ -810,6 +828,9 @@ def _rmsnorm_matvec(op: Op, t: Target) -> dict:
             mma = None  # the partials are not one per 16 inputs (not made by the kernel with the add)
         kind = _mma_kind(w) + ("_norm_swiglu_" if swiglu else "_norm_")
         return {"kernel": kind + w.type.dtype, **_folded_at_rows(mma, op)}
+    mma = _one_row_mma(op, t, pair=swiglu, norm=True)
+    if mma is not None and mma["constexprs"]["NP"] == op.ins[1].type.shape[0]:  # partials one per 16 inputs
+        return {"kernel": "q4mma" + ("_norm_swiglu_" if swiglu else "_norm_") + w.type.dtype, **mma}
     if op.ins[2].type.dtype == "f32" and (stream := q4_stream.stream_launch(
             *_matrix(w), t, pair=swiglu, norm=True, partials=op.ins[1].type.shape[0])) is not None:
         return {"kernel": ("q4stream_norm_swiglu_" if swiglu else "q4stream_norm_") + w.type.dtype, **stream}

@@ -677,7 +677,8 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
     (27B gate + up 69.6 us against 79.5); small bf16 matrices: [8 x 256, 2 warps] up to K = [2048],
     [4 x 1024, 2 warps] past it (0.8B: 6.1-8.2 us against 9.1-10.7). The 27B bf16 splits are the
     one-row kernel's (within 1.07x of the best of 9): with them a row's result is the one-row kernel's,
-    bit for bit (the same tiles, products and reduction order)."""
+    bit for bit (the same tiles, products and reduction order); ``one_row_split`` takes them at every
+    shape (an experiment: bench/results/stop33)."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = dict(launch["constexprs"])
     del c["PDL_LATE"], c["PRELOAD"]
@@ -685,7 +686,7 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
     rr = target.rules["matvec_rows"]
     r = target.rules["matvec"]
     wide = n >= 16 * r.q4_wide_ctas_per_sm * target.sms
-    if group and rr.q4_one_row_split:
+    if rr.one_row_split:  # each row's products the one-row kernel's, bit for bit (an experiment)
         pass
     elif group and not wide:
         bn = r.q4_min_block_n

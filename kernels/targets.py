@@ -67,8 +67,8 @@ class MatvecRowsRule(Rule):
     small_short_k: int          # small bf16 matrices: (BLOCK_N, BLOCK_K, warps) small_short up to this K,
     small_short: tuple[int, int, int]
     small_long: tuple[int, int, int]  # small_long past it
-    q4_one_row_split: bool = False  # q4: the one-row kernel's split at every shape (each row's result then the
-    #                                 one-token step's bit for bit, as 27B bf16's is; an experiment, stop 33)
+    one_row_split: bool = False  # the one-row kernel's split at every shape, q4 and small bf16 too (each row's
+    #                              products then the one-token step's bit for bit; an experiment: bench/results/stop33)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +259,8 @@ class MmaRule(Rule):
     grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
     grouped_swiglu_stages: int = 0
     max_weight_bytes: int = 0   # matrices of more bytes than this (a pair: each weight) keep the Triton kernels (0: any)
+    one_row_as: int = 0         # > 0 (q4): matmuls at ONE row run this kernel too, split as at this many rows (M = 1),
+    #                             as a verify of that many rows runs them (an experiment: bench/results/stop33)
 
 
 _TUNING = "bench/results/tuning/"

@@ -88,6 +88,26 @@ def test_launch_rule():
     assert picks[6144, 1024, 0, False] == (8, 256, 2) and picks[1024, 3584, 0, False] == (4, 1024, 2)
 
 
+def test_one_row_split_takes_the_one_row_kernels_split_everywhere():
+    """``matvec_rows.one_row_split`` (an experiment, KESTREL_RULES): every shape, q4 and small bf16 included, runs
+    the one-row kernel's BLOCK_N, BLOCK_K and warps, where the default rule picks others for speed."""
+    import dataclasses
+
+    t = TARGETS["sm_90"]
+    exact = dataclasses.replace(t, rules={**t.rules,
+                                          "matvec_rows": dataclasses.replace(t.rules["matvec_rows"], one_row_split=True)})
+    differs = 0
+    for n, k, group, pair in [(5120, 6144, 128, False), (17408, 5120, 128, True), (16480, 5120, 128, False),
+                              (6144, 1024, 0, False), (1024, 3584, 0, False), (248320, 5120, 128, False)]:
+        one = matvec_launch(n, k, group, t, pair=pair)
+        split = (one["constexprs"]["BLOCK_N"], one["constexprs"]["BLOCK_K"], one["num_warps"])
+        c = matvec_rows_launch(4, n, k, group, exact, pair=pair)
+        assert (c["constexprs"]["BLOCK_N"], c["constexprs"]["BLOCK_K"], c["num_warps"]) == split, (n, k, group)
+        d = matvec_rows_launch(4, n, k, group, t, pair=pair)
+        differs += (d["constexprs"]["BLOCK_N"], d["constexprs"]["BLOCK_K"], d["num_warps"]) != split
+    assert differs >= 4  # the default rule's speed picks, which the experiment gives up
+
+
 def test_matmul_rows_pick_the_few_rows_matvec_up_to_the_rule():
     """compiler/ops.py: a matmul at M rows runs the few-rows matvec up to the gemm rule's few_rows_matvec
     rows (bf16 with the tensor-core bf16 kernel off; with it, and q4, the tensor-core products take those rows:

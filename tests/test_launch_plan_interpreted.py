@@ -113,14 +113,20 @@ def _close(what, g, c, bound):
     assert rel < bound, f"{what} differ by {rel:.2e}"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-stream", "q4-stream-wide"])
+@pytest.mark.parametrize("quant", ["bf16", "q4", "q4-stream", "q4-stream-wide", "q4-mma-one-row"])
 def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
     """q4-stream: the bulk-copy q4 kernel (kernels/q4_stream.py, emulated; by default on the 27B-class normed
     gate / up pair only) with its add form on and thresholds the mini model's shapes pass: the normed pair and the
     residual adds, whose partials feed the next norm. q4-stream-wide: the down projection (K 64) as the wide form,
-    its K split over two warps a row group (a partial per group of 4 rows), registers for 2 CTAs an SM."""
+    its K split over two warps a row group (a partial per group of 4 rows), registers for 2 CTAs an SM.
+    q4-mma-one-row: the one-token step's q4 products on the tensor-core kernel (emulated) at M = 1, split as at 4
+    rows (rule q4_mma.one_row_as, an experiment): the add form's 16-row partials feed the normed forms."""
     from conftest import run_cli
 
+    one_row = quant == "q4-mma-one-row"
+    if one_row:
+        monkeypatch.setenv("KESTREL_RULES", "q4_mma.one_row_as=4")
+        quant = "q4"
     stream = quant.startswith("q4-stream")
     if stream:
         rules = ("q4_stream.add=True q4_stream.min_rows=16 q4_stream.min_k=32 q4_stream.rb=8 q4_stream.nc=2 "
@@ -138,6 +144,9 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
     plan = load_plan(path)
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
     assert stream == ({"q4stream_norm_swiglu_q4g32", "q4stream_add_q4g32"} <= ids), sorted(ids)
+    assert one_row == ({"q4mma_add_q4g32", "q4mma_norm_q4g32", "q4mma_norm_swiglu_q4g32"} <= ids), sorted(ids)
+    if one_row:
+        assert re.findall(r'kernel="q4mma_add_q4g32"[^\n]*M=1, ', plan.program_text)
     if wide:  # the down projections took the wide split; the attention out projection (K 32) the single one
         assert re.findall(r'kernel="q4stream_add_q4g64"[^\n]*K=64[^\n]*MINB=2, KS=2, ADD=1, BLOCK_N=4', plan.program_text)
         assert re.findall(r'kernel="q4stream_add_q4g32"[^\n]*K=32[^\n]*NC=2, XREG_MAX=5, ADD=1', plan.program_text)
@@ -149,10 +158,12 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
         cpu.run()
         assert torch.equal(tokens, cpu.states["tokens"]), f"step {step}: token sequence"
         g, c = gpu.output("logits"), cpu.outputs["logits"]
+        # (the tensor-core form's arithmetic, q4_mma_ref, is not the CPU path's f16 lanes: ~7e-4 of max |logit|)
+        bound = 2e-3 if one_row else 1e-4
         rel = ((g - c).abs().max() / c.abs().max()).item()
-        assert rel < 1e-4, f"step {step}: logits differ by {rel:.2e}"
+        assert rel < bound, f"step {step}: logits differ by {rel:.2e}"
         h_rel = ((gpu.output("hidden") - cpu.outputs["hidden"]).abs().max() / cpu.outputs["hidden"].abs().max()).item()
-        assert h_rel < 1e-4, f"step {step}: hidden states differ by {h_rel:.2e}"
+        assert h_rel < bound, f"step {step}: hidden states differ by {h_rel:.2e}"
         for slot in ("pos", "token", "sampled"):
             assert gpu.dyn(slot) == cpu.dyn[slot], f"step {step}: dyn.{slot}"
 
