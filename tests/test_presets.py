@@ -34,5 +34,5 @@ def test_random_weights_build_records_a_seed(name, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "--weights random" in r.stderr
     info = json.loads(run_cli("kestrelc", "inspect", path, "--json").stdout)
-    assert info["weights"] == {"kind": "random", "seed": 5}
+    assert info["weights"] == {"kind": "random", "seed": 5, "q4_scales": True}  # (q4 scales: kernels/fill.py)
     assert info["bytes"] < 1 << 20 < info["program"]["weight_bytes"]  # a seed, not gigabytes of weights
