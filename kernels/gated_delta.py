@@ -481,13 +481,36 @@ def _rows_conv(xn, p1, p2, p3, w0, w1, w2, w3, KC: tl.constexpr):
 
 
 @triton.jit
+def _rows_conv_as_step(xn, p1, p2, p3, w, KC: tl.constexpr):
+    """``_rows_conv`` computed as the one-token step's ``_conv_apply`` computes it: the window of taps, oldest
+    first, times the weights [BLOCK, KCP] (``_conv_taps``' layout), summed in one reduction."""
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    i = tl.arange(0, KCP)[None, :]
+    window = tl.where(i == KC - 1, xn[:, None], tl.where(i == KC - 2, p1[:, None], tl.where(
+        i == KC - 3, p2[:, None], tl.where(i == KC - 4, p3[:, None], 0.0))))
+    acc = tl.sum(window * w, axis=1)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _rows_weights(conv_w_ptr, ch, m, KC: tl.constexpr):
+    """The conv weights of channels ``ch`` as ``_conv_taps`` loads them: [BLOCK, KCP], zero past KC."""
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    i = tl.arange(0, KCP)[None, :]
+    return tl.load(conv_w_ptr + ch[:, None] * KC + i, mask=m[:, None] & (i < KC), other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv, cols,
                     neg_a, dt_bias, qkv, b, a, l2_eps, scale, snap_ptr, tile_offs, tile_mask, M: tl.constexpr,
                     W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr,
                     SNAP: tl.constexpr, SNAP_STRIDE: tl.constexpr):
     """The row-by-row form (CHUNK = 0): returns the state tile after the valid rows. SNAP: the tile
     after each valid row r < M - 1 is also stored at snap_ptr + r * SNAP_STRIDE + tile_offs (the
-    verify's per-row snapshots, ``gdn_rows_delta_snap_kernel``)."""
+    verify's per-row snapshots, ``gdn_rows_delta_snap_kernel``), and each row is computed as the one-token
+    step's ``gdn_delta_kernel`` computes it (the conv as one sum over the window of taps, o = S^T q from the
+    updated state), so a verified row is the one-token step's bit for bit; without SNAP (prefill) the conv is
+    unrolled and o = S_old^T q + (k . q) delta, which shortens the row's dependency chain."""
     tl.static_assert(KC >= 2 and KC <= 4)
     # conv weights by distance back (0: the row itself), constant over the rows
     wq0 = _rows_tap(conv_w_ptr, ch_q, mk, 0, KC)
@@ -518,10 +541,19 @@ def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, c
     xv = tl.load(x_ptr + qkv + ch_v, mask=mv, other=0.0).to(tl.float32)
     xa = tl.load(x_ptr + a + j).to(tl.float32)
     xb = tl.load(x_ptr + b + j).to(tl.float32)
+    if SNAP:  # (the weights as the one-token step's conv takes them)
+        wq = _rows_weights(conv_w_ptr, ch_q, mk, KC)
+        wk = _rows_weights(conv_w_ptr, ch_k, mk, KC)
+        wv = _rows_weights(conv_w_ptr, ch_v, mv, KC)
     for r in range(0, valid):
-        q = _rows_conv(xq, q1, q2, q3, wq0, wq1, wq2, wq3, KC)
-        k = _rows_conv(xk, k1, k2, k3, wk0, wk1, wk2, wk3, KC)
-        v = _rows_conv(xv, v1, v2, v3, wv0, wv1, wv2, wv3, KC)
+        if SNAP:
+            q = _rows_conv_as_step(xq, q1, q2, q3, wq, KC)
+            k = _rows_conv_as_step(xk, k1, k2, k3, wk, KC)
+            v = _rows_conv_as_step(xv, v1, v2, v3, wv, KC)
+        else:
+            q = _rows_conv(xq, q1, q2, q3, wq0, wq1, wq2, wq3, KC)
+            k = _rows_conv(xk, k1, k2, k3, wk0, wk1, wk2, wk3, KC)
+            v = _rows_conv(xv, v1, v2, v3, wv0, wv1, wv2, wv3, KC)
         q3, q2, q1 = q2, q1, xq
         k3, k2, k1 = k2, k1, xk
         v3, v2, v1 = v2, v1, xv
@@ -541,10 +573,14 @@ def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, c
         g = neg_a * tl.where(gx > 20.0, gx, tl.log(1.0 + tl.exp(tl.minimum(gx, 20.0))))
         s = s * tl.exp(g)
         kv_mem = tl.sum(s * k[:, None], axis=0)
-        o_old = tl.sum(s * q[:, None], axis=0)
         delta = (v - kv_mem) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = o_old + tl.sum(k * q, axis=0) * delta
+        if SNAP:
+            s = s + k[:, None] * delta[None, :]
+            o = tl.sum(s * q[:, None], axis=0)
+        else:
+            o_old = tl.sum(s * q[:, None], axis=0)
+            s = s + k[:, None] * delta[None, :]
+            o = o_old + tl.sum(k * q, axis=0) * delta
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, o, mask=mv)
         if SNAP:
             tl.store(snap_ptr + r * SNAP_STRIDE + tile_offs, s, mask=tile_mask & (r < M - 1))

@@ -196,6 +196,45 @@ def test_gdn_rows_snap_kernels_and_rollback(dims, valid):
         assert_close(rb["rec_state"], only["rec_state"], 1e-6, 0.0, f"rollback to {kept} kept rows")
 
 
+@pytest.mark.parametrize("dims", SNAP_SHAPES)
+def test_gdn_rows_snap_row_by_row_is_the_one_token_step_bit_for_bit(dims):
+    """The verify's Gated DeltaNet kernel (gdn_rows_delta_snap) computes each row as the one-token step's
+    gdn_delta does: the same conv sum over the window of taps and the output o = S^T q from the updated state,
+    so its rows' outputs (raw and normed) and snapshots equal K + 1 one-token steps bit for bit (here in the interpreter; on the
+    H200, bench/device_row_diff.py found the two ~1 ulp apart before this, bench/results/stop33 call 11)."""
+    from kestrel.kernels.gated_delta import gdn_delta_kernel, gdn_delta_launch, gdn_norm_kernel, gdn_norm_launch
+
+    hk, hv, dk, dv, kc = dims
+    rows, pos, scale = 4, 6, dk ** -0.5
+    layer, x, (width, z, qkv, b, a, c) = _gdn_case(dims, rows, seed=3 + hv)
+    step = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
+    rec_snap = torch.full((rows - 1, hv, dk, dv), float("nan"))
+    dl = gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, kc, SM90, chunk=0)
+    o_rows = torch.full((rows, hv * dv), float("nan"))
+    interpret(gdn_rows_delta_snap_kernel)[tuple(dl["grid"])](
+        x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], i32(pos),
+        i32(pos + rows), rec_snap, o_rows, qkv, b, a, 1e-6, scale, **dl["constexprs"])
+    rl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90)
+    out_rows = torch.full((rows, hv * dv), float("nan"))
+    interpret(gdn_rows_norm_snap_kernel)[tuple(rl["grid"])](
+        o_rows, x, layer["norm_w"], layer["conv_state"], i32(pos), i32(pos + rows),
+        torch.full((rows - 1, c, kc - 1), float("nan")), out_rows, z, qkv, 1e-6, **rl["constexprs"])
+    sl, nl = gdn_delta_launch(hk, hv, dk, dv, kc, SM90), gdn_norm_launch(hv, dv, c, kc, SM90)
+    for r in range(rows):
+        o, out = torch.full((hv * dv,), float("nan")), torch.full((hv * dv,), float("nan"))
+        xr = x[r].clone()
+        interpret(gdn_delta_kernel)[tuple(sl["grid"])](
+            xr[qkv:qkv + c], xr[b:b + hv], xr[a:a + hv], step["conv_state"], layer["conv_w"], layer["a_log"],
+            layer["dt_bias"], step["rec_state"], o, 1e-6, scale, **sl["constexprs"])
+        interpret(gdn_norm_kernel)[tuple(nl["grid"])](  # (shifts the conv state for the next row)
+            o, xr[z:z + hv * dv], xr[qkv:qkv + c], layer["norm_w"], step["conv_state"], out, 1e-6,
+            **nl["constexprs"])
+        assert torch.equal(o_rows[r], o), f"row {r}: o_raw differs from the one-token step's"
+        assert torch.equal(out_rows[r], out), f"row {r}: the normed output differs from the one-token step's"
+        state = rec_snap[r] if r < rows - 1 else layer["rec_state"]
+        assert torch.equal(state, step["rec_state"]), f"row {r}: the state differs from the one-token step's"
+
+
 # --- AOT: every new kernel for every GPU target, in one clean process --------------------------------
 
 def aot_jobs():
