@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The next device call after stop 33 (issue 12's exactness, issue 13's figures on finite random weights), one part a
 # call (each under the 10-minute limit; the machine is released after 30 s idle, so call the next part at once):
-#   rowdiff  the verify's row 0 against the one-token step, op by op (bench/device_row_diff.py), on the 27B q4 plan
-#            whose one-token products are the verify's (mma1row): is the Gated DeltaNet rows kernel now the
-#            one-token step's bit for bit (stop 33 changed gdn_rows_delta_snap; call 11 found it ~1 ulp apart),
-#            and what differs next (attention: 2e-3 at call 11)? Then how long greedy speculation stays on plain
-#            decoding's tokens (bench/device_spec_exactness.py) for the default plan and mma1row;
+#   rowdiff  the verify's row 0 against the one-token step, op by op (bench/device_row_diff.py), on the 27B q4 plans
+#            whose one-token products are the verify's (mma1row), and with the attention rows in step order too
+#            (rowexact: attn_rows.step_order_rows=4): is the Gated DeltaNet rows kernel now the one-token step's
+#            bit for bit (stop 33 changed gdn_rows_delta_snap; call 11 found it ~1 ulp apart), is the step-order
+#            attention, and what differs next? Then how long greedy speculation stays on plain decoding's tokens
+#            (bench/device_spec_exactness.py) for the default plan, mma1row and rowexact, and rowexact's sanitizer;
 #   spec     the default 27B q4 K = 3 plan's controlled-acceptance table and verify cost (the GDN snapshot kernel's
 #            extra reduction a row), compute-sanitizer on 4 layers of the 27B shape with the head;
 #   models   27B q4 / 0.8B bf16 / 0.8B q4 / 80B-A3B q4 greedy and sampled ms/token on finite weights (A B B A),
 #            and --profile's in-graph tables (issue 13's report, llama.cpp aside).
-# Here:  bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-mma1row 27b4-q4-spec3 27b-q4 0.8b-bf16 0.8b-q4 \
-#          next80-q4
+# Here:  bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-mma1row 27b-q4-spec3-rowexact 27b4-q4-spec3 \
+#          27b4-q4-spec3-rowexact 27b-q4 0.8b-bf16 0.8b-q4 next80-q4
 # There: run(carry=["bench/plans"]): bash bench/device_stop34.sh $OUT rowdiff; ... spec; ... models
 set -u
 out=$1
@@ -19,8 +20,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 P=bench/plans/qwen3.5-27b-sm90-q4-spec3
 case $2 in
   rowdiff)
-    timeout 200 python3 bench/device_row_diff.py "$out/row-diff.json" "$P-mma1row.plan" "$P.plan" 2>&1 | tail -30
-    timeout 300 python3 bench/device_spec_exactness.py "$out/exactness.json" "$P.plan" "$P-mma1row.plan" 2>&1 | tail -8 ;;
+    timeout 150 python3 bench/device_row_diff.py "$out/row-diff.json" "$P-rowexact.plan" "$P-mma1row.plan" 2>&1 | tail -30
+    timeout 200 python3 bench/device_spec_exactness.py "$out/exactness.json" "$P-rowexact.plan" "$P-mma1row.plan" \
+      "$P.plan" 2>&1 | tail -10
+    timeout 200 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 1 python3 bench/device_spec_sanitize.py \
+      bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-rowexact.plan > "$out/sanitize-rowexact.txt" 2>&1
+    echo "sanitizer (rowexact): exit $?"; tail -4 "$out/sanitize-rowexact.txt" ;;
   spec)
     timeout 300 python3 bench/device_spec.py "$out/spec-27b-q4.json" "$P.plan" > "$out/spec-27b-q4.txt" 2>&1
     echo "spec: exit $?"; grep -E "spec==plain|verify at|as graphs|^ +[01]\.[0-9]  " "$out/spec-27b-q4.txt"

@@ -915,12 +915,12 @@ def _attn_rows_kv(op: Op, t: Target) -> dict:
 def _attn_rows_q(op: Op, t: Target) -> dict:
     rows, width = op.ins[0].type.shape
     s, hkv, d = op.ins[2].type.shape
-    launch = attention.attn_rows_q_launch(rows, width, op.attrs["heads"], hkv, d, s, t)
+    prefix, launch = attention.attn_rows_launch(rows, width, op.attrs["heads"], hkv, d, s, op.ins[2].type.dtype, t)
     part, tickets = attention.attn_rows_scratch(launch, d)
     if (op.ins[6].type.shape, op.ins[7].type.shape) != (part, tickets):
         raise IRError(f"attn_rows_q: its scratch is {op.ins[6].type.shape} / {op.ins[7].type.shape}, the launch "
                       f"needs {part} / {tickets} (select_kernels sizes it)")
-    return {"kernel": f"attn_rows_q_{op.ins[2].type.dtype}", **launch}
+    return {"kernel": f"{prefix}{op.ins[2].type.dtype}", **launch}
 
 
 def _sample(op: Op, t: Target) -> dict:
@@ -1309,7 +1309,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           attention.attn_rows_kv_ref, Kernel(attention.attn_rows_kv_kernel, _attn_rows_kv), _ROWS_ONNX, inout=(2, 3),
           doc="the valid rows' k (rmsnorm, rope at pos + r) and v appended to the caches"),
     OpDef("attn_rows_q", "vwssddss", ("q", "heads", "eps", "theta", "rotary_dim", "scale"), _infer_attn_rows_q,
-          _attn_rows_q_ref, Kernel(attention.attn_rows_q_kernel, _attn_rows_q), _ROWS_ONNX, inout=(6, 7),
+          _attn_rows_q_ref, Kernel(attention.attn_rows_q_kernel, _attn_rows_q,
+                                   variants=(("attn_rows_step_", attention.attn_rows_step_kernel),)),
+          _ROWS_ONNX, inout=(6, 7),
           doc="after attn_rows_kv: each valid row's q (rmsnorm, rope) over cache rows 0..pos + r, sigmoid gate "
               "(split over the sequence where the rows are few: partials and tickets in scratch states)"),
     OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, Kernel(sample.last_row_kernel, _last_row),

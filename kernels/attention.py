@@ -229,6 +229,9 @@ def attn_rows_q_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: i
 def attn_rows_scratch(launch: dict, head_dim: int) -> tuple[tuple[int, int], tuple[int]]:
     """(partials, tickets) shapes for an attn_rows_q launch: f32 [tile groups x SPLITS x BLOCK_R, D + 2] and
     i32 [tile groups]; [1, D + 2] and [1] where it does not split (the kernel then never touches them)."""
+    c = launch["constexprs"]
+    if "BLOCK_S" in c:  # attn_rows_step_kernel: attn_step_kernel's partials and tickets, a set per row
+        return (c["M"] * c["NH"] * c["SPLITS"], head_dim + 2), (c["M"] * c["NKV"],)
     nkv, blocks, splits = launch["grid"]
     if splits == 1:
         return (1, head_dim + 2), (1,)
@@ -405,70 +408,151 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
         tl.store(k_cache_ptr + row + d, kr.to(k_cache_ptr.dtype.element_ty), mask=dmask & writer)
         tl.store(v_cache_ptr + row + d, vr.to(v_cache_ptr.dtype.element_ty), mask=dmask & writer)
 
-        # Online softmax state per head (log2 domain: q pre-scaled by scale * log2(e)): max m, sum l
-        # kept per tile column (reduced after the loop), accumulator acc; split 0 starts from row p
-        # (m = its score, l = 1, acc = v), the others empty (finite m: an empty split's weight is 0).
-        s_off = tl.arange(0, BLOCK_S)
-        qs = q * (scale * 1.4426950408889634)
-        s_p = tl.sum(qs * kr[None, :], axis=1)
-        m_i = tl.where(writer, s_p, -1.0e30)
-        l_j = tl.where((s_off == 0)[None, :] & writer, 1.0, 0.0) + tl.zeros([BLOCK_H, BLOCK_S], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + tl.where(writer, vr, 0.0)[None, :]
+        _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp,
+                  active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES,
+                  DOT_FP32, REP, BF16)
 
-        # This split's rows of 0..p-1, in [BLOCK_S, BLOCK_D] tiles: K/V tiles in flight as many as
-        # PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
-        chunk = tl.cdiv(tl.cdiv(pos, active), BLOCK_S) * BLOCK_S
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, pos)
-        ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-        NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
-        STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
-        MASK_D: tl.constexpr = BLOCK_D != D
-        if BF16:
-            q_hi, q_mid, q_lo = _bf16_parts(qs, DOT_FP32)
-        for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
-            rows = start + s_off
-            rmask = rows < hi
-            # rows past hi (in the last tile) re-read row hi - 1 (< p: written, finite) and get weight 0
-            offs = (tl.minimum(rows, hi - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
-            if MASK_D:
-                kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-                vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-            else:
-                kt = tl.load(k_cache_ptr + offs)
-                vt = tl.load(v_cache_ptr + offs)
-            if BF16:  # S = Q K^T from the exact bf16 parts of Q (three short mma chains)
-                if DOT_FP32:
-                    kt = kt.to(tl.float32)
-                    vt = vt.to(tl.float32)
-                ktt = tl.trans(kt)
-                s = tl.dot(q_hi, ktt, input_precision="ieee") + (tl.dot(q_mid, ktt, input_precision="ieee")
-                                                                 + tl.dot(q_lo, ktt, input_precision="ieee"))
-            else:
-                s = tl.dot(qs, tl.trans(kt), input_precision="ieee")
-            s = tl.where(rmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_j = l_j * alpha[:, None] + p
-            acc = acc * alpha[:, None]
-            if BF16:  # acc += P V from the exact bf16 parts of P, smallest first
-                p_hi, p_mid, p_lo = _bf16_parts(p, DOT_FP32)
-                acc = tl.dot(p_lo, vt, acc, input_precision="ieee")
-                acc = tl.dot(p_mid, vt, acc, input_precision="ieee")
-                acc = tl.dot(p_hi, vt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p, vt, acc, input_precision="ieee")
-            m_i = m_new
 
-        if active == 1:  # one split (a short context): its own result, no partials, ticket or merge
-            gate = tl.load(qg_ptr + heads[:, None] * (2 * D) + D + d[None, :], mask=dmask[None, :], other=0.0)
-            o = acc / tl.sum(l_j, axis=1)[:, None]
-            tl.store(out_ptr + heads[:, None] * D + d[None, :], o * tl.sigmoid(gate.to(tl.float32)),
-                     mask=hmask[:, None] & dmask[None, :])
+@triton.jit
+def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp, active,
+              heads, hmask, d, dmask, scale, NKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr,
+              DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr):
+    """attn_step_kernel's attention of one position ``pos`` for split ``sp`` of kv head g (its docstring), from
+    the roped queries q [BLOCK_H, BLOCK_D] and row pos's key and value kr, vr (cache-rounded; ``writer``: this
+    split seeds the softmax with them): the tiles of the split's rows < pos, then the stored output (one active
+    split) or the partials and the merge. attn_rows_step_kernel runs it once per verified row."""
+    # Online softmax state per head (log2 domain: q pre-scaled by scale * log2(e)): max m, sum l
+    # kept per tile column (reduced after the loop), accumulator acc; split 0 starts from row p
+    # (m = its score, l = 1, acc = v), the others empty (finite m: an empty split's weight is 0).
+    s_off = tl.arange(0, BLOCK_S)
+    qs = q * (scale * 1.4426950408889634)
+    s_p = tl.sum(qs * kr[None, :], axis=1)
+    m_i = tl.where(writer, s_p, -1.0e30)
+    l_j = tl.where((s_off == 0)[None, :] & writer, 1.0, 0.0) + tl.zeros([BLOCK_H, BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32) + tl.where(writer, vr, 0.0)[None, :]
+
+    # This split's rows of 0..p-1, in [BLOCK_S, BLOCK_D] tiles: K/V tiles in flight as many as
+    # PIPE_BYTES of shared memory hold, at most 4 (cp.async pipeline).
+    chunk = tl.cdiv(tl.cdiv(pos, active), BLOCK_S) * BLOCK_S
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, pos)
+    ELEM_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+    NBUF: tl.constexpr = PIPE_BYTES // (2 * BLOCK_S * BLOCK_D * ELEM_BYTES)
+    STAGES: tl.constexpr = 1 + (NBUF if NBUF < 4 else 4)
+    MASK_D: tl.constexpr = BLOCK_D != D
+    if BF16:
+        q_hi, q_mid, q_lo = _bf16_parts(qs, DOT_FP32)
+    for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
+        rows = start + s_off
+        rmask = rows < hi
+        # rows past hi (in the last tile) re-read row hi - 1 (< p: written, finite) and get weight 0
+        offs = (tl.minimum(rows, hi - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
+        if MASK_D:
+            kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
+            vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
         else:
-            _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d,
-                              dmask, REP, D, SPLITS)
+            kt = tl.load(k_cache_ptr + offs)
+            vt = tl.load(v_cache_ptr + offs)
+        if BF16:  # S = Q K^T from the exact bf16 parts of Q (three short mma chains)
+            if DOT_FP32:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            ktt = tl.trans(kt)
+            s = tl.dot(q_hi, ktt, input_precision="ieee") + (tl.dot(q_mid, ktt, input_precision="ieee")
+                                                             + tl.dot(q_lo, ktt, input_precision="ieee"))
+        else:
+            s = tl.dot(qs, tl.trans(kt), input_precision="ieee")
+        s = tl.where(rmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_j = l_j * alpha[:, None] + p
+        acc = acc * alpha[:, None]
+        if BF16:  # acc += P V from the exact bf16 parts of P, smallest first
+            p_hi, p_mid, p_lo = _bf16_parts(p, DOT_FP32)
+            acc = tl.dot(p_lo, vt, acc, input_precision="ieee")
+            acc = tl.dot(p_mid, vt, acc, input_precision="ieee")
+            acc = tl.dot(p_hi, vt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, vt, acc, input_precision="ieee")
+        m_i = m_new
+
+    if active == 1:  # one split (a short context): its own result, no partials, ticket or merge
+        gate = tl.load(qg_ptr + heads[:, None] * (2 * D) + D + d[None, :], mask=dmask[None, :], other=0.0)
+        o = acc / tl.sum(l_j, axis=1)[:, None]
+        tl.store(out_ptr + heads[:, None] * D + d[None, :], o * tl.sigmoid(gate.to(tl.float32)),
+                 mask=hmask[:, None] & dmask[None, :])
+    else:
+        _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d,
+                          dmask, REP, D, SPLITS)
+
+
+@triton.jit
+def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, part_ptr, ticket_ptr,
+                          out_ptr, q, heads_unused, eps, theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr,
+                          NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                          SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """``attn_rows_q_ref`` (attn_rows_q_kernel's operands; kernel ids attn_rows_step_bf16 / _f32) computed row by
+    row as attn_step_kernel computes one position, so that a speculative verify's rows are the one-token step's
+    bit for bit: grid [NKV, SPLITS, M], program (g, j, r) is attn_step_kernel's program (g, j) at position
+    pos + r (its splits, tiles and merge, ``_attn_row``), the queries from row r of x, row pos + r's key and value
+    read back from the cache (attn_rows_kv_kernel wrote them: the cache-rounded values attn_step_kernel seeds
+    with), no cache write. Partials and tickets a row: part [M * NH * SPLITS, D + 2], ticket [M * NKV]. Invalid
+    rows of out are written as 0 (split 0)."""
+    pdl_wait(PDL)
+    g = tl.program_id(0)
+    sp = tl.program_id(1)
+    rr = tl.program_id(2)
+    REP: tl.constexpr = NH // NKV
+    BF16: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.bfloat16
+    pos0, valid = _chunk_rows(pos_ptr, n_prompt_ptr, M, S)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    r = tl.arange(0, BLOCK_H)
+    hmask = r < REP
+    heads = g * REP + tl.minimum(r, REP - 1)
+    qg_ptr = x_ptr + rr * W + q
+    out_row = out_ptr + rr * (NH * D)
+    if rr >= valid:
+        tl.store(out_row + heads[:, None] * D + d[None, :], tl.zeros([BLOCK_H, BLOCK_D], tl.float32),
+                 mask=hmask[:, None] & dmask[None, :] & (sp == 0))
+    else:
+        pos = pos0 + rr
+        active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
+        if sp < active:
+            angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
+            cos = tl.cos(angle)
+            sin = tl.sin(angle)
+            qr = _norm_rope_rows(qg_ptr + heads * (2 * D), q_norm_ptr, d, dmask, eps, cos[None, :], sin[None, :],
+                                 rotary_dim, D)
+            row = pos * (NKV * D) + g * D
+            kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
+            vr = tl.load(v_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
+            _attn_row(qr, kr, vr, sp == 0, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr + rr * (NH * SPLITS * (D + 2)),
+                      ticket_ptr + rr * NKV, out_row, pos, g, sp, active, heads, hmask, d, dmask, scale, NKV, D,
+                      SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES, DOT_FP32, REP, BF16)
+
+
+def attn_rows_step_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int,
+                          cache_dtype: str, target) -> dict:
+    """attn_rows_step_kernel's launch: attn_step_launch's split, tiles and warps at this max_seq (so each row is
+    attn_step_kernel's work), grid [NKV, SPLITS, rows]."""
+    c = attn_step_launch(heads, n_kv, head_dim, max_seq, attn_splits(n_kv, max_seq, target), cache_dtype, target)
+    return {"grid": [n_kv, c["grid"][1], rows], "num_warps": c["num_warps"],
+            "constexprs": {"M": rows, "W": width, **c["constexprs"]}}
+
+
+def attn_rows_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int, cache_dtype: str,
+                     target) -> tuple[str, dict]:
+    """(kernel id prefix, launch) of an attn_rows_q op: attn_rows_step_kernel at up to the ``attn_rows`` rule's
+    step_order_rows rows (0: never; each row as the one-token step computes it), else attn_rows_q_kernel."""
+    if rows <= target.rules["attn_rows"].step_order_rows:
+        return "attn_rows_step_", attn_rows_step_launch(rows, width, heads, n_kv, head_dim, max_seq, cache_dtype,
+                                                        target)
+    return "attn_rows_q_", attn_rows_q_launch(rows, width, heads, n_kv, head_dim, max_seq, target)
 
 
 @triton.jit

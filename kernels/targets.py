@@ -106,6 +106,8 @@ class AttnRowsRule(Rule):
     split_programs: int         # attn_rows_q's sequence splits: about this many programs in all, ...
     max_splits: int             # ... at most this many splits (a power of two), ...
     split_tiles: int            # ... each at least this many BLOCK_N tiles of max_seq (and of the context)
+    step_order_rows: int = 0    # attn_rows_q at up to this many rows: attn_rows_step_kernel, each row as attn_step
+    #                             computes it (a speculative verify's rows the one-token step's; 0: never; stop 33)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ import copy
 from kestrel.compiler.ir import IRError, Program
 from kestrel.compiler.ops import OPS, NotApplicable, attn_heads, is_view, moe_grouped_rows, routing_logits
 from kestrel.kernels import matvec
-from kestrel.kernels.attention import attn_rows_q_launch, attn_rows_scratch, attn_splits
+from kestrel.kernels.attention import attn_rows_launch, attn_rows_scratch, attn_splits
 from kestrel.kernels.moe import grouped_chunks
 from kestrel.kernels.sample import sample_scratch_shape
 from kestrel.kernels.speculative import spec_scratch_shape
@@ -45,7 +45,7 @@ def _size_attention_scratch(p: Program, target) -> None:
             part.type = type(part.type)("f32", (nh, attn_splits(nkv, op.ins[5].type.shape[0], target), d + 2))
         elif op.kind == "attn_rows_q":
             (rows, width), (s, nkv, d) = op.ins[0].type.shape, op.ins[2].type.shape
-            launch = attn_rows_q_launch(rows, width, op.attrs["heads"], nkv, d, s, target)
+            _, launch = attn_rows_launch(rows, width, op.attrs["heads"], nkv, d, s, op.ins[2].type.dtype, target)
             shapes = attn_rows_scratch(launch, d)
             for st, dtype, shape in zip(op.ins[6:8], ("f32", "i32"), shapes):
                 st.type = type(st.type)(dtype, shape)

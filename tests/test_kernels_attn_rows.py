@@ -28,7 +28,9 @@ import torch
 
 from kernel_harness import assert_close, interpret
 from kestrel.kernels.attention import (attn_rows_kv_kernel, attn_rows_kv_launch, attn_rows_kv_ref, attn_rows_q_kernel,
-                                       attn_rows_q_launch, attn_rows_q_ref, attn_rows_ref, attn_rows_scratch, rope_ref)
+                                       attn_rows_q_launch, attn_rows_q_ref, attn_rows_ref, attn_rows_scratch,
+                                       attn_rows_step_kernel, attn_rows_step_launch, attn_splits, attn_step_kernel,
+                                       attn_step_launch, rope_ref)
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import GPU_TARGETS, TARGETS
 
@@ -314,6 +316,9 @@ def aot_jobs(dt):
         assert v["constexprs"]["SPLITS"] > 1
         jobs.append((f"attn_rows_q_{dt}_split", "kestrel.kernels.attention:attn_rows_q_kernel", q_types,
                      v["constexprs"], v["num_warps"], t.cc))
+        st = attn_rows_step_launch(4, W, NH, NKV, D, S, dt, t)  # the step-order form at a verify's 4 rows
+        jobs.append((f"attn_rows_step_{dt}", "kestrel.kernels.attention:attn_rows_step_kernel", q_types,
+                     st["constexprs"], st["num_warps"], t.cc))
     return jobs
 
 
@@ -354,9 +359,42 @@ def test_aot_compiles_for_every_target(aot_results, dt):
     assert rc == 0, f"AOT compile of attn_rows_*_{dt} failed:\n{err[-3000:]}"
     res = json.loads(out.strip().splitlines()[-1])
     jobs = aot_jobs(dt)
-    assert len(res) == len(jobs) == 3 * len(GPU_TARGETS)
+    assert len(res) == len(jobs) == 4 * len(GPU_TARGETS)
     for (kid, _, _, consts, nw, cc), r in zip(jobs, res):
         assert r["elf"] and r["name"] and r["num_warps"] == nw, (kid, cc)
         assert r["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}"
         smem = next(t.smem_optin for t in TARGETS.values() if t.cc == cc)
         assert r["shared"] <= smem, f"{kid} sm_{cc}: {r['shared']} B of shared memory > {smem}"
+
+
+@DTYPES
+@pytest.mark.parametrize("nh,nkv,d,s,pos,split_rows", [(4, 2, 32, 64, 9, None), (6, 2, 16, 64, 40, 16)])
+def test_step_order_rows_are_the_one_token_steps_bit_for_bit(nh, nkv, d, s, pos, split_rows, dtype):
+    """attn_rows_step_kernel (``attn_rows.step_order_rows``): after attn_rows_kv_kernel wrote the chunk's rows, each
+    valid row equals attn_step_kernel run at that position, one step after another, bit for bit (the same splits,
+    tiles, seeding and merge; split_rows 16: several splits merge); the invalid rows are zero; tickets reset."""
+    m, n_valid, rd = 4, 3, d // 2
+    x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, dtype, seed=nh + pos)
+    qo, ko, vo, w = layout(nh, nkv, d)
+    kc1, vc1 = kc.clone(), vc.clone()
+    run_kv(x, kn, kc, vc, pos, pos + n_valid, nh, rd)
+    c = attn_rows_step_launch(m, w, nh, nkv, d, s, "bf16" if dtype == torch.bfloat16 else "f32", SM90)
+    consts = dict(c["constexprs"], DOT_FP32=True, **({"SPLIT_ROWS": split_rows} if split_rows else {}))
+    part_shape, ticket_shape = attn_rows_scratch({"grid": c["grid"], "constexprs": consts}, d)
+    part, tickets = torch.full(part_shape, float("nan")), torch.zeros(ticket_shape, dtype=torch.int32)
+    out = torch.full((m, nh * d), float("nan"))
+    interpret(attn_rows_step_kernel)[tuple(c["grid"])](x, qn, kc, vc, dyn(pos), dyn(pos + n_valid), part, tickets,
+                                                       out, qo, nh, EPS, THETA, rd, d ** -0.5, **consts)
+    assert (tickets == 0).all() and torch.equal(out[n_valid:], torch.zeros_like(out[n_valid:]))
+    sl = attn_step_launch(nh, nkv, d, s, attn_splits(nkv, s, SM90), "bf16" if dtype == torch.bfloat16 else "f32",
+                          SM90)
+    sc = dict(sl["constexprs"], DOT_FP32=True, **({"SPLIT_ROWS": split_rows} if split_rows else {}))
+    for r in range(n_valid):
+        one = torch.full((nh * d,), float("nan"))
+        interpret(attn_step_kernel)[tuple(sl["grid"])](
+            x[r, qo:qo + nh * 2 * d].clone(), x[r, ko:ko + nkv * d].clone(), x[r, vo:vo + nkv * d].clone(), qn, kn,
+            kc1, vc1, dyn(pos + r), torch.full((nh, sc["SPLITS"], d + 2), float("nan")),
+            torch.zeros(nh, dtype=torch.int32), one, EPS, THETA, rd, d ** -0.5, **sc)
+        assert torch.equal(bits(kc1[pos + r]), bits(kc[pos + r])), f"row {r}: the cached key differs"
+        assert torch.equal(out[r], one), f"row {r}: differs from the one-token step ({(out[r] - one).abs().max()})"
+

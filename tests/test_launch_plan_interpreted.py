@@ -201,7 +201,7 @@ def test_sm90_random_weights_plan_in_interpreter_matches_cpu_reference(tmp_path)
         _close(f"step {step}: logits", g, c, 1e-4)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "bf16-triton", "q4", "q4-triton", "bf16-attn-split"])
+@pytest.mark.parametrize("quant", ["bf16", "bf16-triton", "q4", "q4-triton", "bf16-attn-split", "bf16-attn-step"])
 def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, tmp_path, monkeypatch):
     """The M-row step's launch list (4 rows) over a 6-token prompt: a full chunk, then a partial one;
     then the one-token step takes over from the states it left. The GPU GEMM feeds the tensor cores
@@ -209,7 +209,9 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     tensor-core q4 kernel (emulated here, kernels/q4_mma.py); q4-triton: with it turned off (KESTREL_RULES),
     the few-rows matvec. bf16: the tensor-core bf16 kernel (kernels/bf16_mma.py, emulated), bf16-triton: the
     few-rows matvec. bf16-attn-split: the attention split over the sequence in 16-row splits (KESTREL_RULES;
-    max_seq 64: 4 splits) over a 22-token prompt, so the later chunks merge two splits' partials."""
+    max_seq 64: 4 splits) over a 22-token prompt, so the later chunks merge two splits' partials. bf16-attn-step: the
+    chunk's attention row by row as the one-token step computes it (attn_rows.step_order_rows, kernels/attention.py
+    attn_rows_step_kernel; its splits of 16 rows over the 22-token prompt: the later rows merge two)."""
     from conftest import run_cli
 
     mma = quant in ("q4", "bf16", "bf16-attn-split")
@@ -220,6 +222,11 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     elif quant == "bf16-attn-split":
         monkeypatch.setenv("KESTREL_RULES", "attn_rows.split_tiles=1 attn_rows.max_block_n=16")
         quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
+    elif quant == "bf16-attn-step":
+        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=4 attention.split_tiles=1 "
+                                            "attention.min_rows_per_split=16 attention.max_block_s=16")
+        quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
+        mma = True
 
     path = str(tmp_path / f"mini-rows-{quant}.plan")
     r = run_cli("kestrelc", "build", mini_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
@@ -234,6 +241,9 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
         sorted(ids)
     splits = {x["constexprs"]["SPLITS"] for x in plan.launch_plan["prefill"]["launches"] if x["op"] == "attn_rows_q"}
     assert splits == ({4} if max_seq == 64 else {1}), splits
+    kernels = {x["kernel"] for x in plan.launch_plan["prefill"]["launches"] if x["op"] == "attn_rows_q"}
+    step_order = "step_order" in os.environ.get("KESTREL_RULES", "")
+    assert kernels == {"attn_rows_step_bf16" if step_order else "attn_rows_q_bf16"}, kernels
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     tokens = _begin(gpu, cpu, prompt)
 
