@@ -302,13 +302,15 @@ def _speculate(gpu, cpu, tokens, iterations: int, state) -> list[int]:
     return accepted
 
 
-def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_checkpoint, tmp_path):
+@pytest.mark.parametrize("attn", ["flash", "step-order"])
+def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(attn, mini_checkpoint, tmp_path, monkeypatch):
     """--speculative mtp (K = 2, bf16): the speculative prefill's and iteration's launch lists (the MTP
     head over rows and one row, the verify with snapshots, acceptance, rollback, drafts) in the
     interpreter against the CPU path: the same drafts, acceptances, positions and token sequence,
     states within the GEMM's bf16 rounding; then the one-token step takes over from the states the
     iterations left. (A prompt of one partial chunk and two iterations: the interpreter is slow; the
-    CPU path's tests cover many chunks and iterations.)"""
+    CPU path's tests cover many chunks and iterations.) step-order: the verify's attention by attn_rows_step_kernel
+    (rule attn_rows.step_order_rows), each row as the one-token step computes it."""
     import shutil
 
     from conftest import run_cli
@@ -318,10 +320,16 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(mini_check
     shutil.copytree(mini_checkpoint, ckpt)
     add_mtp_head(ckpt, seed=14)  # (a head whose drafts have no near-tie the GEMM's bf16 rounding could flip)
     path = str(tmp_path / "mini-spec.plan")
+    if attn == "step-order":
+        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=3")
     r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "bf16", "--max-seq", "24",
                 "--prefill-rows", "4", "--speculative", "mtp", "--draft-tokens", "2")
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)
+    lp = plan.launch_plan
+    ids = [k["id"] for k in lp["kernels"]]
+    kinds = {ids[x["kernel_index"]] for x in lp["speculative"]["iteration"]["launches"] if x["op"] == "attn_rows_q"}
+    assert kinds == {"attn_rows_step_bf16" if attn == "step-order" else "attn_rows_q_bf16"}, kinds
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     assert gpu.b.draft_tokens == cpu.spec_k == 2
     prompt = [5, 9, 3]
