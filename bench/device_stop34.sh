@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device call after stop 33 (issue 12's exactness, issue 13's figures on finite random weights), one part a
+# The next device calls after stop 33 (issue 12's exactness, issue 13's figures on finite random weights), one part a
 # call (each under the 10-minute limit; the machine is released after 30 s idle, so call the next part at once):
 #   rowdiff  the verify's row 0 against the one-token step, op by op (bench/device_row_diff.py), on the 27B q4 plans
 #            whose one-token products are the verify's (mma1row), and with the attention rows in step order too
@@ -10,10 +10,16 @@
 #   spec     the default 27B q4 K = 3 plan's controlled-acceptance table and verify cost (the GDN snapshot kernel's
 #            extra reduction a row), compute-sanitizer on 4 layers of the 27B shape with the head;
 #   models   27B q4 / 0.8B bf16 / 0.8B q4 / 80B-A3B q4 greedy and sampled ms/token on finite weights (A B B A),
-#            and --profile's in-graph tables (issue 13's report, llama.cpp aside).
+#            and --profile's in-graph tables, while llama.cpp builds in the background (lowest priority); then
+#            llama-bench on 0.8B bf16 and Q4_0 (issue 13's report: the peer in the same call);
+#   peer27   on the still-warm machine: llama.cpp's 27B Q4_0 (its GGUF written there, ~7 min) and Kestrel's 27B q4
+#            bench right after it.
 # Here:  bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-mma1row 27b-q4-spec3-rowexact 27b4-q4-spec3 \
 #          27b4-q4-spec3-rowexact 27b-q4 0.8b-bf16 0.8b-q4 next80-q4
-# There: run(carry=["bench/plans"]): bash bench/device_stop34.sh $OUT rowdiff; ... spec; ... models
+#        bash ../shared/peers/llamacpp/fetch.sh .peers && mkdir -p .peers/llamacpp-scripts && \
+#          cp ../shared/peers/llamacpp/* .peers/llamacpp-scripts/
+# There: run(carry=["bench/plans"]): bash bench/device_stop34.sh $OUT rowdiff; ... spec;
+#        run(carry=["bench/plans", ".peers"]): ... models; ... peer27 (at once, while the machine is warm)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
@@ -33,11 +39,22 @@ case $2 in
       bench/plans/qwen3.5-27b-4l-sm90-q4-spec3.plan > "$out/sanitize-27b4-q4-spec3.txt" 2>&1
     echo "sanitizer: exit $?"; tail -4 "$out/sanitize-27b4-q4-spec3.txt" ;;
   models)
+    here=../shared/peers/llamacpp; [ -f "$here/device.sh" ] || here=.peers/llamacpp-scripts
+    nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz /tmp/peer > /tmp/llamacpp-build.txt 2>&1 &
+    build=$!
     STEP_TIMEOUT=120 SEQ="qwen3.5-27b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
       bash bench/device_preload_ab.sh "$out"
     ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
     for p in qwen3.5-27b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-q4 qwen3-next-80b-a3b-sm90-q4; do
       timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
         > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt"
-    done ;;
+    done
+    wait $build; tail -2 /tmp/llamacpp-build.txt
+    PP=512 TG=128 REPS=3 bash "$here/device.sh" .peers/llamacpp.tar.xz "$out" qwen3.5-0.8b:bf16 qwen3.5-0.8b:q4_0 ;;
+  peer27)
+    here=../shared/peers/llamacpp; [ -f "$here/device.sh" ] || here=.peers/llamacpp-scripts
+    PP=512 TG=128 REPS=3 timeout 540 bash "$here/device.sh" .peers/llamacpp.tar.xz "$out" qwen3.5-27b:q4_0
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    kestrel-run bench/plans/qwen3.5-27b-sm90-q4.plan --prompt-ids "$ids" --max-new-tokens 128 \
+      --bench "$out/bench-27b-q4-tg128.json" 2>&1 | tail -3 ;;
 esac
