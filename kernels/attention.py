@@ -389,13 +389,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     # few ticket atomics); the others exit at once. Every program derives the same count from pos.
     active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
     if sp < active:
-        # RoPE angles for lane d (pairs share the frequency of index d mod rotary_dim/2).
-        angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-
-        q = _norm_rope_rows(qg_ptr + heads * (2 * D), q_norm_ptr, d, dmask, eps, cos[None, :], sin[None, :],
-                            rotary_dim, D)
+        q, cos, sin = _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_dim, BLOCK_D, D)
         kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
         vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
 
@@ -411,6 +405,18 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
         _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp,
                   active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES,
                   DOT_FP32, REP, BF16)
+
+
+@triton.jit
+def _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_dim, BLOCK_D: tl.constexpr,
+                  D: tl.constexpr):
+    """attn_step_kernel's queries at position ``pos``: (the group's heads normed and roped [BLOCK_H, BLOCK_D],
+    and the RoPE cos and sin of lane d; pairs share the frequency of index d mod rotary_dim / 2)."""
+    angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    q = _norm_rope_rows(qg_ptr + heads * (2 * D), q_norm_ptr, d, dmask, eps, cos[None, :], sin[None, :], rotary_dim, D)
+    return q, cos, sin
 
 
 @triton.jit
@@ -523,11 +529,7 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
         pos = pos0 + rr
         active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
         if sp < active:
-            angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
-            cos = tl.cos(angle)
-            sin = tl.sin(angle)
-            qr = _norm_rope_rows(qg_ptr + heads * (2 * D), q_norm_ptr, d, dmask, eps, cos[None, :], sin[None, :],
-                                 rotary_dim, D)
+            qr, _, _ = _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_dim, BLOCK_D, D)
             row = pos * (NKV * D) + g * D
             kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
             vr = tl.load(v_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
