@@ -109,6 +109,22 @@ def _with_q4_stream(programs):
         TARGETS["sm_90"] = t
 
 
+def _with_step_order_attention(programs):
+    """``programs()`` built with the speculative verify's attention rows in step order (attn_rows_step_kernel,
+    rule attn_rows.step_order_rows, off by default)."""
+    import dataclasses
+
+    from kestrel.kernels.targets import TARGETS
+
+    t = TARGETS["sm_90"]
+    TARGETS["sm_90"] = dataclasses.replace(t, rules={**t.rules, "attn_rows": dataclasses.replace(
+        t.rules["attn_rows"], step_order_rows=4)})
+    try:
+        return programs()
+    finally:
+        TARGETS["sm_90"] = t
+
+
 def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     """The ABI (compiler/codegen.py): one pointer per operand and result, one scalar per attribute."""
     seen, jits = set(), set()
@@ -116,7 +132,8 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
                  _tiny_gpu_program(rows=4, quant="bf16"), *_tiny_speculative_programs(), *_tiny_next_programs(),
                  *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs())),
                  *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),)),
-                 *_with_q4_stream(lambda: (_tiny_gpu_program(), *_tiny_speculative_programs()))):
+                 *_with_q4_stream(lambda: (_tiny_gpu_program(), *_tiny_speculative_programs())),
+                 *_with_step_order_attention(_tiny_speculative_programs)):
         for op in prog.ops:
             if is_view(op):
                 continue
@@ -133,7 +150,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
     assert rows_jits and rows_jits <= jits  # ... the M-row variants (GEMM) included ...
     variant_jits = {j for d in OPS.values() if isinstance(d.kernel, Kernel) for _, j in d.kernel.variants}
     assert variant_jits and variant_jits <= jits  # ... and those at a few rows (the few-rows matvec, q4_mma, bf16_mma)
-    # and the bulk-copy q4 kernel's forms at one row
+    # and the bulk-copy q4 kernel's forms at one row, and the verify's step-order attention rows
 
 
 def test_ops_without_a_kernel_are_refused_on_gpu_targets_with_the_reason():
