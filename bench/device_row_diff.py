@@ -51,9 +51,7 @@ def _capture(step: GpuStep, launches, program) -> dict:
         for v in op.outs:
             if v.loc is None or v.type.dtype not in NP_DTYPE:
                 continue
-            n = v.type.shape[-1] if len(v.type.shape) >= 1 else 1
-            if len(v.type.shape) == 1:
-                n = v.type.shape[0]
+            n = v.type.shape[-1] if v.type.shape else 1  # (a [rows, N] output: row 0)
             host = np.empty(n, dtype=NP_DTYPE[v.type.dtype])
             step.copy_from_device(host, step.binding.regions[v.loc[0]] + v.loc[1])
             vals.append(host)
