@@ -1,7 +1,8 @@
 """On the GPU: how long greedy speculative decoding stays on plain decoding's tokens (issue 12's exactness), per
 plan, over several prompts: the first token where they differ (None: all equal) out of NEW.
 
-    python3 bench/device_spec_exactness.py OUT.json PLAN [PLAN ...]      (KESTREL_EXACT_NEW: tokens, 256)
+    python3 bench/device_spec_exactness.py OUT.json PLAN [PLAN ...]
+    (KESTREL_EXACT_NEW: tokens, 256; KESTREL_EXACT_PROMPTS: prompts, 3)
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from kestrel.runtime.generate import SamplingParams, generate
 from kestrel.runtime.gpu import GpuStep
 
 NEW = int(os.environ.get("KESTREL_EXACT_NEW", "256"))
-PROMPTS = [[(i * 7919 + 13 * p) % 5000 + 3 for i in range(40 + 7 * p)] for p in range(3)]
+PROMPTS = [[(i * 7919 + 13 * p) % 5000 + 3 for i in range(40 + 7 * p)]
+           for p in range(int(os.environ.get("KESTREL_EXACT_PROMPTS", "3")))]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

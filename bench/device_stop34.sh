@@ -14,6 +14,13 @@
 #            llama-bench on 0.8B bf16 and Q4_0 (issue 13's report: the peer in the same call);
 #   peer27   on the still-warm machine: llama.cpp's 27B Q4_0 (its GGUF written there, ~7 min) and Kestrel's 27B q4
 #            bench right after it.
+#   exact    (written in stop 34, after rowdiff) the row diff and 256-token exactness (3 prompts) of the 27B q4 K = 3
+#            plan whose twin kernels are compiled without FMA contraction (gdn_delta / gdn_rows_delta_snap, gdn_norm /
+#            gdn_rows_norm_snap, attn_step / attn_rows_step: the rules' fp_fusion=False) on top of rowexact;
+#            compute-sanitizer on its 4-layer twin; with AB=1 what no contraction costs plain decoding (27B q4 and 0.8B
+#            q4 against the same plans with it, A B B A); the exact plan's controlled-acceptance table and verify
+#            cost. Built with: bash bench/build_stop_plans.sh 27b-q4-spec3-exact 27b4-q4-spec3-exact 27b-q4 \
+#            27b-q4-nofuse 0.8b-q4 0.8b-q4-nofuse
 # Here:  bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-mma1row 27b-q4-spec3-rowexact 27b4-q4-spec3 \
 #          27b4-q4-spec3-rowexact 27b-q4 0.8b-bf16 0.8b-q4 next80-q4
 #        bash ../shared/peers/llamacpp/fetch.sh .peers && mkdir -p .peers/llamacpp-scripts && \
@@ -57,4 +64,15 @@ case $2 in
     ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
     kestrel-run bench/plans/qwen3.5-27b-sm90-q4.plan --prompt-ids "$ids" --max-new-tokens 128 \
       --bench "$out/bench-27b-q4-tg128.json" 2>&1 | tail -3 ;;
+  exact)
+    timeout 120 python3 bench/device_row_diff.py "$out/row-diff.json" "$P-exact.plan" 2>&1 | tail -14
+    KESTREL_EXACT_PROMPTS=${PROMPTS:-3} timeout 200 python3 bench/device_spec_exactness.py "$out/exactness.json" \
+      "$P-exact.plan" 2>&1 | tail -8
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 1 python3 bench/device_spec_sanitize.py \
+      bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-exact.plan > "$out/sanitize-exact.txt" 2>&1
+    echo "sanitizer (exact): exit $?"; tail -2 "$out/sanitize-exact.txt"
+    [ -n "${AB:-}" ] && PAIRS="qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4-nofuse qwen3.5-0.8b-sm90-q4:qwen3.5-0.8b-sm90-q4-nofuse" \
+      STEP_TIMEOUT=60 bash bench/device_preload_ab.sh "$out"
+    timeout 150 python3 bench/device_spec.py "$out/spec-27b-q4-exact.json" "$P-exact.plan" > "$out/spec-27b-q4-exact.txt" 2>&1
+    echo "spec: exit $?"; grep -E "spec==plain|verify at|as graphs|^ +[01]\.[0-9]  " "$out/spec-27b-q4-exact.txt" ;;
 esac

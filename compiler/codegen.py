@@ -105,16 +105,19 @@ class CompiledKernel:
 
 
 def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warps: int, cc: int,
-                   aligned: list[bool] | None = None) -> CompiledKernel:
+                   aligned: list[bool] | None = None, fp_fusion: bool = True) -> CompiledKernel:
     """Compile the Triton kernel ``jit`` (a function or its ``jit_name``) as ``kernel_id``.
     ``aligned[i]``: runtime parameter i is a pointer known to be 16-byte aligned (lets Triton
-    vectorise its loads); the arena base is 256-byte aligned, so this follows from placements."""
+    vectorise its loads); the arena base is 256-byte aligned, so this follows from placements.
+    ``fp_fusion``: Triton's ``enable_fp_fusion`` (products contracted into adds; a launch's ``fp_fusion`` key)."""
     fn = jit_function(jit) if isinstance(jit, str) else jit
     consts = with_pdl(fn, consts, cc)
     if isinstance(fn, CudaKernel):
+        if not fp_fusion:
+            raise ValueError(f"{kernel_id}: a CUDA C kernel takes no fp_fusion option")
         return compile_cuda(kernel_id, fn, types, consts, num_warps, cc)
     if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 (the test suite): compile in a clean process
-        return _compile_in_subprocess(kernel_id, jit_name(fn), types, consts, num_warps, cc, aligned)
+        return _compile_in_subprocess(kernel_id, jit_name(fn), types, consts, num_warps, cc, aligned, fp_fusion)
     names = [n for n in fn.arg_names if n not in consts]
     if len(names) != len(types):
         raise ValueError(f"{kernel_id}: kernel takes {len(names)} runtime parameters {names}, the op passes "
@@ -127,7 +130,8 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
              for n, ok in zip(names, aligned or []) if ok}
     src = ASTSource(fn=fn, signature=signature, constexprs=dict(consts), attrs=attrs)
     with _no_line_info():
-        c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+        c = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                           options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
     md = c.metadata
     return CompiledKernel(kernel_id, jit_name(fn), md.name, c.asm["cubin"], list(zip(names, types)), md.num_warps,
                           md.shared, md.global_scratch_size, md.global_scratch_align, md.profile_scratch_size,
@@ -209,7 +213,8 @@ def pointer_alignment(op: Op) -> list[bool]:
 
 def compile_op(op: Op, cc: int) -> CompiledKernel:
     return compile_kernel(op.launch["kernel"], OPS[op.kind].kernel.jit_for(op), param_types(op),
-                          op_constexprs(op, cc), op.launch["num_warps"], cc, pointer_alignment(op))
+                          op_constexprs(op, cc), op.launch["num_warps"], cc, pointer_alignment(op),
+                          op.launch.get("fp_fusion", True))
 
 
 _REPLY = "kestrel-compiled "
@@ -241,8 +246,8 @@ class _CompileServer:
                 return json.loads(line[len(_REPLY):])
 
 
-def _compile_in_subprocess(kernel_id, jit, types, consts, num_warps, cc, aligned) -> CompiledKernel:
-    d = _CompileServer.compile([kernel_id, jit, types, consts, num_warps, cc, aligned])
+def _compile_in_subprocess(kernel_id, jit, types, consts, num_warps, cc, aligned, fp_fusion) -> CompiledKernel:
+    d = _CompileServer.compile([kernel_id, jit, types, consts, num_warps, cc, aligned, fp_fusion])
     if "error" in d:
         raise RuntimeError(f"AOT compile of {kernel_id} for cc {cc} failed:\n{d['error'][-3000:]}")
     d["cubin"] = base64.b64decode(d["cubin"])
@@ -263,8 +268,8 @@ def _compile_main() -> None:
         sys.stdout.flush()
 
 
-def _table_entry(k: CompiledKernel, part: str, consts: dict) -> dict:
-    return {"id": k.kernel_id, "jit": k.jit, "part": part, "name": k.name, "params": [list(p) for p in k.params],
+def _table_entry(k: CompiledKernel, part: str, consts: dict, fp_fusion: bool = True) -> dict:
+    return {**({} if fp_fusion else {"fp_fusion": False}), "id": k.kernel_id, "jit": k.jit, "part": part, "name": k.name, "params": [list(p) for p in k.params],
             "num_warps": k.num_warps, "block": 32 * k.num_warps, "shared": k.shared,
             "global_scratch_size": k.global_scratch_size, "global_scratch_align": k.global_scratch_align,
             "profile_scratch_size": k.profile_scratch_size, "arch": k.arch, "compiler": k.compiler,
@@ -284,13 +289,13 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
                 continue
             consts = op_constexprs(op, cc)
             key = (op.launch["kernel"], json.dumps(consts, sort_keys=True), op.launch["num_warps"],
-                   tuple(param_types(op)), tuple(pointer_alignment(op)))
+                   tuple(param_types(op)), tuple(pointer_alignment(op)), op.launch.get("fp_fusion", True))
             if key not in index:
                 k = compile_op(op, cc)
                 part = f"__kestrel__/cubin/{len(table):03d}"
                 cubins[part] = k.cubin
                 index[key] = len(table)
-                table.append(_table_entry(k, part, consts))
+                table.append(_table_entry(k, part, consts, key[-1]))
             of_launch[-1].append(index[key])
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
         f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches")

@@ -67,7 +67,7 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
             "kernel": launch.get("kernel"),
             "grid": launch.get("grid"),
             "num_warps": launch.get("num_warps"),
-            "constexprs": {k: v for k, v in launch.items() if k not in ("kernel", "grid", "num_warps")},
+            "constexprs": {k: v for k, v in launch.items() if k not in ("kernel", "grid", "num_warps", "fp_fusion")},
             "args": [_arg(x, names, state) for x in list(op.ins) + list(op.outs)],
             "scalars": list(op.attrs.values()),  # the kernel's scalar parameters, in ABI order
             "attrs": dict(op.attrs),  # the same by name, for reading (JSON objects carry no order)

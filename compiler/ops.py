@@ -897,19 +897,19 @@ def _gdn_rows_delta(op: Op, t: Target, **chunk) -> dict:
             **gated_delta.gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, conv_w.type.shape[1], t, **chunk)}
 
 
-def _gdn_rows_norm(op: Op, t: Target) -> dict:
+def _gdn_rows_norm(op: Op, t: Target, snap: bool = False) -> dict:
     rows, width = op.ins[1].type.shape
     dv = op.ins[2].type.shape[0]
     c, kc1 = op.ins[3].type.shape
     return {"kernel": "gdn_rows_norm",
-            **gated_delta.gdn_rows_norm_launch(rows, width, op.ins[0].type.shape[1] // dv, dv, c, kc1 + 1, t)}
+            **gated_delta.gdn_rows_norm_launch(rows, width, op.ins[0].type.shape[1] // dv, dv, c, kc1 + 1, t, snap)}
 
 
 def _attn_rows_kv(op: Op, t: Target) -> dict:
     rows, width = op.ins[0].type.shape
     s, hkv, d = op.ins[2].type.shape
     return {"kernel": f"attn_rows_kv_{op.ins[2].type.dtype}",
-            **attention.attn_rows_kv_launch(rows, width, hkv, d, s, t)}
+            **attention.attn_rows_kv_launch(rows, width, hkv, d, s, op.ins[2].type.dtype, t)}
 
 
 def _attn_rows_q(op: Op, t: Target) -> dict:
@@ -986,11 +986,11 @@ def _spec_sample_rows_ref(logits, greedy, q, tokens, replay, pos, temperature, t
 
 def _gdn_rows_delta_snap(op: Op, t: Target) -> dict:
     """gdn_rows_delta's launch, row by row (chunk 0: the snapshot after each row is in registers)."""
-    return {**_gdn_rows_delta(op, t, chunk=0), "kernel": "gdn_rows_delta_snap"}
+    return {**_gdn_rows_delta(op, t, chunk=0, snap=True), "kernel": "gdn_rows_delta_snap"}
 
 
 def _gdn_rows_norm_snap(op: Op, t: Target) -> dict:
-    return {**_gdn_rows_norm(op, t), "kernel": "gdn_rows_norm_snap"}
+    return {**_gdn_rows_norm(op, t, snap=True), "kernel": "gdn_rows_norm_snap"}
 
 
 def _gdn_rollback(op: Op, t: Target) -> dict:

@@ -17,7 +17,7 @@ import triton.language as tl
 from kestrel.kernels.elementwise import sigmoid_gate_ref
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
-from kestrel.kernels.targets import TARGETS, pow2_at_least
+from kestrel.kernels.targets import TARGETS, fp_fusion, pow2_at_least
 
 
 def rope_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
@@ -172,18 +172,28 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
     while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
         block_s //= 2
-    return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps,
+    return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps, **fp_fusion(r.fp_fusion),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
                            "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
                            "DOT_FP32": False}}
 
 
-def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq: int, target) -> dict:
+def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq: int, cache_dtype: str,
+                        target) -> dict:
     """Grid [rows, n_kv]: one program per (chunk row, kv head), a [BLOCK_D] vector of lanes;
-    num_warps ``target.rules["attn_rows"].kv_num_warps`` (2 on sm_90)."""
+    num_warps ``target.rules["attn_rows"].kv_num_warps`` (2 on sm_90), except at up to the rule's
+    step_order_rows rows (a speculative verify's: attn_rows_launch), where it takes attn_step's warps and FMA
+    contraction, so that its keys are attn_step's bit for bit: the key's RMS norm sums over a [BLOCK_D] vector
+    whose layout, and so the order of the sum, follows the warps (2 against attn_step's 4 differed by an ulp,
+    which the bf16 cache mostly, but not always, rounds away; stop 34)."""
     r = target.rules["attn_rows"]
-    return {"grid": [rows, n_kv, 1], "num_warps": r.kv_num_warps,
+    if rows <= r.step_order_rows:
+        step = attn_step_launch(n_kv, n_kv, head_dim, max_seq, 1, cache_dtype, target)
+        warps = {"num_warps": step["num_warps"], **fp_fusion(step.get("fp_fusion", True))}
+    else:
+        warps = {"num_warps": r.kv_num_warps}
+    return {"grid": [rows, n_kv, 1], **warps,
             "constexprs": {"M": rows, "W": width, "NKV": n_kv, "D": head_dim, "S": max_seq,
                            "BLOCK_D": pow2_at_least(head_dim)}}
 
@@ -541,9 +551,9 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
 def attn_rows_step_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int,
                           cache_dtype: str, target) -> dict:
     """attn_rows_step_kernel's launch: attn_step_launch's split, tiles and warps at this max_seq (so each row is
-    attn_step_kernel's work), grid [NKV, SPLITS, rows]."""
+    attn_step_kernel's work, compiled with or without FMA contraction as attn_step is), grid [NKV, SPLITS, rows]."""
     c = attn_step_launch(heads, n_kv, head_dim, max_seq, attn_splits(n_kv, max_seq, target), cache_dtype, target)
-    return {"grid": [n_kv, c["grid"][1], rows], "num_warps": c["num_warps"],
+    return {"grid": [n_kv, c["grid"][1], rows], "num_warps": c["num_warps"], **fp_fusion(c.get("fp_fusion", True)),
             "constexprs": {"M": rows, "W": width, **c["constexprs"]}}
 
 

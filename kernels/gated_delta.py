@@ -38,7 +38,7 @@ import triton.language as tl
 from kestrel.kernels.elementwise import l2norm_ref
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import gated_rmsnorm_ref
-from kestrel.kernels.targets import pow2_at_least
+from kestrel.kernels.targets import fp_fusion, pow2_at_least
 
 
 def gdn_key_heads(channels: int, hv: int, dk: int, dv: int) -> int:
@@ -229,7 +229,7 @@ def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dic
     r = target.rules["gdn_delta"]
     bdk = pow2_at_least(dk)
     block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
-    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": r.num_warps,
+    return {"grid": [hv, -(-dv // block_v), 1], "num_warps": r.num_warps, **fp_fusion(r.fp_fusion),
             "constexprs": {"HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "BLOCK_DK": bdk, "BLOCK_V": block_v,
                            "PRELOAD": r.preload}}
 
@@ -237,16 +237,18 @@ def gdn_delta_launch(hk: int, hv: int, dk: int, dv: int, kc: int, target) -> dic
 def gdn_norm_launch(hv: int, dv: int, channels: int, kc: int, target) -> dict:
     """Grid [Hv]: program j normalises value head j and shifts conv-state channels
     [j * CH_PER_PROG, (j + 1) * CH_PER_PROG) of all ``channels`` (q, k and v alike).
-    num_warps: ``target.rules["gdn_norm"]`` (4 on sm_90)."""
+    num_warps: ``target.rules["gdn_norm"]`` (4 on sm_90); compiled with or without FMA contraction as gdn_delta
+    (``target.rules["gdn_delta"].fp_fusion``), its twin at a verify's rows being ``gdn_rows_norm_snap_kernel``."""
 
     per = -(-channels // hv)
     return {"grid": [hv, 1, 1], "num_warps": target.rules["gdn_norm"].num_warps,
+            **fp_fusion(target.rules["gdn_delta"].fp_fusion),
             "constexprs": {"HV": hv, "DV": dv, "C": channels, "KC": kc, "BLOCK_DV": pow2_at_least(dv),
                            "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 
 
 def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: int, kc: int, target,
-                          chunk: int | None = None) -> dict:
+                          chunk: int | None = None, snap: bool = False) -> dict:
     """``gdn_rows_delta_kernel`` over a chunk of ``rows`` projection rows of ``width`` columns: grid
     [Hv, Dv / BLOCK_V], one program per (value head, block of BLOCK_V state columns), each looping
     over the valid rows with its state tile in registers. ``chunk``: 0 for the row-by-row form
@@ -261,8 +263,12 @@ def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: 
     0.8B; stop 24's sweep, bench/gdn_sweep.sh: Qwen3-Next 0.49 against 1.05 ms a 256-row run for 3
     layers with 16 columns and 4 warps; 0.8B 2.96 ms row by row against 3.12 in chunks). The chunked form's tensor-core
     products need BLOCK_V >= 16 (sm_90: 16 columns, 8 warps; at Dk = 128 its 16-row chunks compile
-    with almost no register spills, 32- and 64-row chunks spill kilobytes)."""
+    with almost no register spills, 32- and 64-row chunks spill kilobytes). ``snap``: the launch of
+    ``gdn_rows_delta_snap_kernel`` (row by row), compiled with or without FMA contraction as ``gdn_delta`` is
+    (``target.rules["gdn_delta"].fp_fusion``), its rows being the one-token step's."""
     r = target.rules["gdn_rows"]
+    if snap and chunk != 0:
+        raise ValueError("gdn_rows_delta_snap: its snapshots are taken row by row (chunk 0)")
     row_block_v = min(r.max_block_v, max(r.min_block_v, pow2_at_least(dv) // r.block_v_div))
     if chunk is None:  # row by row needs many programs to hide its per-row latency; chunks of rows otherwise
         chunk = r.chunk if hv * -(-dv // row_block_v) < r.row_min_programs else 0
@@ -275,20 +281,24 @@ def gdn_rows_delta_launch(rows: int, width: int, hk: int, hv: int, dk: int, dv: 
             raise ValueError(f"gdn_rows_delta: a conv of {kc} taps (the row-by-row form takes 2 to 4)")
         block_v, num_warps = row_block_v, r.num_warps
     return {"grid": [hv, -(-dv // block_v), 1], "num_warps": num_warps,
+            **(fp_fusion(target.rules["gdn_delta"].fp_fusion) if snap else {}),
             "constexprs": {"M": rows, "W": width, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc,
                            "BLOCK_DK": max(16, pow2_at_least(dk)), "BLOCK_V": block_v, "CHUNK": chunk}}
 
 
-def gdn_rows_norm_launch(rows: int, width: int, hv: int, dv: int, channels: int, kc: int, target) -> dict:
+def gdn_rows_norm_launch(rows: int, width: int, hv: int, dv: int, channels: int, kc: int, target,
+                         snap: bool = False) -> dict:
     """``gdn_rows_norm_kernel``: grid [Hv, M / BLOCK_M]; program (j, m) normalises head j of rows
     m * BLOCK_M .. + BLOCK_M and shifts the conv state of channels [p * CH_PER_PROG, (p + 1) *
     CH_PER_PROG), p = m * Hv + j (each channel one owner). ``target.rules["gdn_rows"]`` (sm_90: 16
-    rows, 4 warps: 1536 programs at 27B, M = 512)."""
+    rows, 4 warps: 1536 programs at 27B, M = 512). ``snap``: ``gdn_rows_norm_snap_kernel``'s launch, which
+    normalises each row as ``gdn_norm_kernel`` does: gdn_norm's warps and FMA contraction."""
     r = target.rules["gdn_rows"]
     block_m = min(r.norm_block_m, pow2_at_least(rows))
     grid_m = -(-rows // block_m)
     per = -(-channels // (hv * grid_m))
-    return {"grid": [hv, grid_m, 1], "num_warps": r.norm_num_warps,
+    step = {"num_warps": target.rules["gdn_norm"].num_warps, **fp_fusion(target.rules["gdn_delta"].fp_fusion)}
+    return {"grid": [hv, grid_m, 1], **(step if snap else {"num_warps": r.norm_num_warps}),
             "constexprs": {"M": rows, "W": width, "HV": hv, "DV": dv, "C": channels, "KC": kc, "BLOCK_M": block_m,
                            "BLOCK_DV": pow2_at_least(dv), "CH_PER_PROG": per, "BLOCK_CH": pow2_at_least(per)}}
 
@@ -412,6 +422,14 @@ def gdn_delta_kernel(qkv_ptr, b_ptr, a_ptr, conv_state_ptr, conv_w_ptr, a_log_pt
 
 
 @triton.jit
+def _gated_norm(o, zz, norm_w, eps, DV: tl.constexpr):
+    """norm_w * o * rsqrt(mean(o^2) + eps) * silu(z) of one head's row [BLOCK_DV] (gdn_norm_kernel's, and
+    gdn_rows_norm_snap_kernel's a row at a time: the same code, so that their rows agree bit for bit)."""
+    y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps))
+    return norm_w * y * (zz * tl.sigmoid(zz))
+
+
+@triton.jit
 def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_ptr, eps,
                     HV: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, BLOCK_DV: tl.constexpr,
                     CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr, PDL: tl.constexpr = False):
@@ -432,8 +450,7 @@ def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_p
     o = tl.load(o_raw_ptr + j * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     zz = tl.load(z_ptr + j * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
-    y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps))
-    tl.store(out_ptr + j * DV + offs_v, norm_w * y * (zz * tl.sigmoid(zz)), mask=mv)
+    tl.store(out_ptr + j * DV + offs_v, _gated_norm(o, zz, norm_w, eps, DV), mask=mv)
 
     # conv state of this program's channels: window [state | x], stored shifted left by one
     ch = j * CH_PER_PROG + tl.arange(0, BLOCK_CH)
@@ -806,7 +823,8 @@ def gdn_rows_norm_snap_kernel(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_
                               PDL: tl.constexpr = False):
     """``gdn_rows_norm_snap_ref``: ``gdn_rows_norm_kernel`` that also writes, for its own channels, the
     conv window after every valid row r < M - 1 into conv_snap[r] ([M - 1, C, KC - 1]; the verify's
-    rollback points, made from the same inputs before the in-place update)."""
+    rollback points, made from the same inputs before the in-place update), and normalises each row as
+    ``gdn_norm_kernel`` normalises the one-token step's (``_gated_norm``, with its launch's warps)."""
     _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prompt_ptr, out_ptr, conv_snap_ptr, z,
                    qkv, eps, M, W, HV, DV, C, KC, BLOCK_M, BLOCK_DV, CH_PER_PROG, BLOCK_CH, True, PDL)
 
@@ -830,11 +848,19 @@ def _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prom
     mv = offs_v < DV
     m2 = mr[:, None] & mv[None, :]
     col = j * DV + offs_v[None, :]
-    o = tl.load(o_raw_ptr + rows[:, None] * (HV * DV) + col, mask=m2, other=0.0).to(tl.float32)
-    zz = tl.load(x_ptr + rows[:, None] * W + z + col, mask=m2, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
-    y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=1) / DV + eps))[:, None]
-    tl.store(out_ptr + rows[:, None] * (HV * DV) + col, norm_w[None, :] * y * (zz * tl.sigmoid(zz)), mask=m2)
+    if SNAP:  # a verify's rows: each as gdn_norm_kernel computes the one-token step's (one row, one reduction)
+        for i in tl.static_range(BLOCK_M):
+            row = mb * BLOCK_M + i
+            m1 = mv & (row < M)
+            o1 = tl.load(o_raw_ptr + row * (HV * DV) + j * DV + offs_v, mask=m1, other=0.0).to(tl.float32)
+            z1 = tl.load(x_ptr + row * W + z + j * DV + offs_v, mask=m1, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * (HV * DV) + j * DV + offs_v, _gated_norm(o1, z1, norm_w, eps, DV), mask=m1)
+    else:
+        o = tl.load(o_raw_ptr + rows[:, None] * (HV * DV) + col, mask=m2, other=0.0).to(tl.float32)
+        zz = tl.load(x_ptr + rows[:, None] * W + z + col, mask=m2, other=0.0).to(tl.float32)
+        y = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=1) / DV + eps))[:, None]
+        tl.store(out_ptr + rows[:, None] * (HV * DV) + col, norm_w[None, :] * y * (zz * tl.sigmoid(zz)), mask=m2)
 
     # this program's conv-state channels: new column i <- input of chunk row valid - (KC - 1) + i
     valid = tl.minimum(tl.maximum(tl.load(n_prompt_ptr) - tl.load(pos_ptr), 0), M)

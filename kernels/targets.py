@@ -86,6 +86,8 @@ class AttentionRule(Rule):
     split_tiles: int            # SPLIT_ROWS = split_tiles * BLOCK_S: cache rows per active split, at least
     num_warps: int              # bf16 caches (tensor-core dots)
     fma_num_warps: int          # fp32 caches (fp32 FMA dots)
+    fp_fusion: bool = True      # attn_step and the verify's step-order rows kernel (attn_rows_step) alike: see
+    #                             GdnDeltaRule.fp_fusion
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +119,10 @@ class GdnDeltaRule(Rule):
     block_v_div: int            # BLOCK_V = pow2(Dv) / block_v_div, within the bounds
     num_warps: int
     preload: bool = True        # PRELOAD: the state tile, conv state and weights loaded before the PDL wait
+    fp_fusion: bool = True      # products contracted into adds (FMA) by the compiler, in gdn_delta and in the
+    #                             speculative verify's rows kernel (gdn_rows_delta_snap) alike: False compiles both
+    #                             without, so that a verified row is the one-token step's bit for bit (where ptxas
+    #                             contracts depends on the code around a product: one pair differed; stop 34)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -465,3 +471,9 @@ def pow2_at_least(n: int) -> int:
     while p < n:
         p *= 2
     return p
+
+
+def fp_fusion(enabled: bool) -> dict:
+    """A launch's compile option ``fp_fusion`` (Triton's ``enable_fp_fusion``: products contracted into adds):
+    the key only where it is off, the default being on (so launches, and their text, that keep it are unchanged)."""
+    return {} if enabled else {"fp_fusion": False}

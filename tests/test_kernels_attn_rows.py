@@ -74,7 +74,7 @@ def run_kv(x, kn, kc, vc, pos, n_prompt, nh, rd):
     m, w = x.shape
     s, nkv, d = kc.shape
     _, ko, vo, _ = layout(nh, nkv, d)
-    c = attn_rows_kv_launch(m, w, nkv, d, s, SM90)
+    c = attn_rows_kv_launch(m, w, nkv, d, s, "bf16" if kc.dtype == torch.bfloat16 else "f32", SM90)
     interpret(attn_rows_kv_kernel)[tuple(c["grid"])](x, kn, kc, vc, dyn(pos), dyn(n_prompt), ko, vo, EPS, THETA, rd,
                                                      **c["constexprs"])
 
@@ -249,7 +249,7 @@ def test_launch_rules_give_sane_grids(target):
     for nh, nkv in ((24, 4), (8, 2)):  # 27B, 0.8B (D = 256)
         w = nh * 512 + 2 * nkv * 256
         for m in (64, 128, 256, 512):
-            kv = attn_rows_kv_launch(m, w, nkv, 256, 32768, t)
+            kv = attn_rows_kv_launch(m, w, nkv, 256, 32768, "bf16", t)
             assert kv["grid"] == [m, nkv, 1] and kv["constexprs"]["BLOCK_D"] == 256
             c = attn_rows_q_launch(m, w, nh, nkv, 256, 32768, t)
             k = c["constexprs"]
@@ -278,7 +278,18 @@ def test_launch_rules_read_the_table():
     rules["attn_rows"] = dataclasses.replace(rules["attn_rows"], max_block_r=64, kv_num_warps=4)
     t = dataclasses.replace(SM90, rules=rules)
     assert attn_rows_q_launch(512, 14336, 24, 4, 256, 4096, t)["constexprs"]["BLOCK_R"] == 64
-    assert attn_rows_kv_launch(512, 13312, 4, 256, 4096, t)["num_warps"] == 4
+    assert attn_rows_kv_launch(512, 13312, 4, 256, 4096, "bf16", t)["num_warps"] == 4
+    # a verify's rows (step_order_rows): the keys computed with attn_step's warps and FMA contraction
+    rules["attn_rows"] = dataclasses.replace(rules["attn_rows"], kv_num_warps=2, step_order_rows=4)
+    rules["attention"] = dataclasses.replace(rules["attention"], num_warps=8, fma_num_warps=16, fp_fusion=False)
+    t = dataclasses.replace(SM90, rules=rules)
+    assert {k: v for k, v in attn_rows_kv_launch(4, 13312, 4, 256, 4096, "bf16", t).items()
+            if k in ("num_warps", "fp_fusion")} == {"num_warps": 8, "fp_fusion": False}
+    assert attn_rows_kv_launch(4, 13312, 4, 256, 4096, "f32", t)["num_warps"] == 16
+    assert attn_rows_kv_launch(5, 13312, 4, 256, 4096, "bf16", t)["num_warps"] == 2
+    assert attn_step_launch(24, 4, 256, 4096, 32, "bf16", t)["fp_fusion"] is False
+    assert attn_rows_step_launch(4, 14336, 24, 4, 256, 4096, "bf16", t)["fp_fusion"] is False
+    assert "fp_fusion" not in attn_step_launch(24, 4, 256, 4096, 32, "bf16", SM90)
 
 
 # --- AOT compilation at the 27B head shape, M = 128, max_seq 4096, for every GPU target: one clean
@@ -306,7 +317,7 @@ def aot_jobs(dt):
     jobs = []
     for name in GPU_TARGETS:
         t = TARGETS[name]
-        kv = attn_rows_kv_launch(M, W, NKV, D, S, t)
+        kv = attn_rows_kv_launch(M, W, NKV, D, S, dt, t)
         q = attn_rows_q_launch(M, W, NH, NKV, D, S, t)
         jobs.append((f"attn_rows_kv_{dt}", "kestrel.kernels.attention:attn_rows_kv_kernel", kv_types,
                      kv["constexprs"], kv["num_warps"], t.cc))

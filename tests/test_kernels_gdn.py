@@ -1,6 +1,8 @@
 """Fused Gated DeltaNet decode step: gdn_delta_kernel then gdn_norm_kernel (what fuse emits), in the
 interpreter against gdn_step_ref over several consecutive steps (state carried in place), each op
 against its own reference, and AOT compilation of both for every GPU target."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,6 +101,8 @@ def test_launch_grids_at_27b():
 
 SHAPES = {"tiny": (2, 4, 16, 16, 4), "qwen3.5-27b": (16, 48, 128, 128, 4)}
 KERNELS = ("gdn_delta", "gdn_norm")
+NOFUSE = dataclasses.replace(TARGETS["sm_90"], rules={**TARGETS["sm_90"].rules, "gdn_delta": dataclasses.replace(
+    TARGETS["sm_90"].rules["gdn_delta"], fp_fusion=False)})
 
 
 def launch_of(kernel, dims, t):
@@ -115,11 +119,12 @@ _COMPILE_ALL = """
 import json, sys
 from kestrel.compiler.codegen import compile_kernel
 res = {}
-for key, kernel, (n_ptr, n_scalar), consts, num_warps, cc in json.loads(sys.stdin.read()):
+import hashlib
+for key, kernel, (n_ptr, n_scalar), consts, num_warps, cc, fusion in json.loads(sys.stdin.read()):
     try:
         ck = compile_kernel(kernel, "kestrel.kernels.gated_delta:" + kernel + "_kernel", ["*fp32"] * n_ptr + ["fp32"] * n_scalar, consts, num_warps, cc,
-                            [True] * n_ptr + [False] * n_scalar)
-        res[key] = [len(ck.cubin), ck.num_warps, ck.arch]
+                            [True] * n_ptr + [False] * n_scalar, fusion)
+        res[key] = [len(ck.cubin), ck.num_warps, ck.arch, hashlib.sha256(ck.cubin).hexdigest()]
     except Exception as e:  # reported per (kernel, shape, target) by the test
         res[key] = repr(e)[-2000:]
 print(json.dumps(res))
@@ -133,7 +138,10 @@ def aot_jobs():
             for name, t in TARGETS.items():
                 launch = launch_of(kernel, dims, t)
                 jobs.append([f"{kernel}/{shape}/{name}", kernel, PARAMS[kernel], launch["constexprs"],
-                             launch["num_warps"], t.cc])
+                             launch["num_warps"], t.cc, True])
+        launch = launch_of(kernel, SHAPES["qwen3.5-27b"], NOFUSE)  # the rule gdn_delta.fp_fusion=False
+        jobs.append([f"{kernel}/qwen3.5-27b/sm_90/nofuse", kernel, PARAMS[kernel], launch["constexprs"],
+                     launch["num_warps"], NOFUSE.cc, launch["fp_fusion"]])
     return jobs
 
 
@@ -154,6 +162,16 @@ def compiled(_aot):
 def test_gdn_kernels_aot_compile(compiled, kernel, shape, target):
     res = compiled[f"{kernel}/{shape}/{target}"]
     assert isinstance(res, list), f"{kernel} {shape} for {target}: {res}"
-    size, num_warps, arch = res
+    size, num_warps, arch, _ = res
     assert size > 0 and num_warps == launch_of(kernel, SHAPES[shape], TARGETS[target])["num_warps"]
     assert arch.startswith(f"sm_{TARGETS[target].cc}")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gdn_kernels_compile_without_fp_fusion_when_the_rule_says(compiled, kernel):
+    """gdn_delta.fp_fusion=False: the one-token GDN kernels (and their twins at a verify's rows, in
+    test_kernels_speculative) carry fp_fusion=False, and the compiler is told: another cubin than the fused one."""
+    assert "fp_fusion" not in launch_of(kernel, SHAPES["qwen3.5-27b"], TARGETS["sm_90"])
+    off = compiled[f"{kernel}/qwen3.5-27b/sm_90/nofuse"]
+    assert isinstance(off, list), off
+    assert off[0] > 0 and off[3] != compiled[f"{kernel}/qwen3.5-27b/sm_90"][3]

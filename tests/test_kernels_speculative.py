@@ -3,6 +3,8 @@ references: the MTP head's join (concat), its input tokens (embedding_next_rows)
 decisions (spec_begin, argmax_rows, accept, draft_end, spec_end), the verify's Gated DeltaNet with
 per-row snapshots (gdn_rows_delta_snap, gdn_rows_norm_snap) and the rollback (gdn_rollback); and every
 one AOT-compiled for every GPU target (clean subprocesses: kernel_harness.SplitCompile)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -238,18 +240,19 @@ def test_gdn_rows_snap_row_by_row_is_the_one_token_step_bit_for_bit(dims):
 # --- AOT: every new kernel for every GPU target, in one clean process --------------------------------
 
 def aot_jobs():
-    """(key, module:function, param types, constexprs, num_warps, cc) at the 27B shapes, K = 3."""
+    """(key, module:function, param types, constexprs, num_warps, cc, fp_fusion) at the 27B shapes, K = 3; on
+    sm_90 the verify's Gated DeltaNet kernels also as the rule ``gdn_delta.fp_fusion=False`` launches them."""
     jobs = []
-    for name in ALL_TARGETS:
-        if name == "cpu":
-            continue
-        t = TARGETS[name]
+    nofuse = dataclasses.replace(TARGETS["sm_90"], rules={**TARGETS["sm_90"].rules, "gdn_delta": dataclasses.replace(
+        TARGETS["sm_90"].rules["gdn_delta"], fp_fusion=False)})
+    for name in [n for n in ALL_TARGETS if n != "cpu"] + ["sm_90/nofuse"]:
+        t = nofuse if name == "sm_90/nofuse" else TARGETS[name]
         cat = concat_launch(1, 5120, 5120, t)
         nxt = embedding_rows_launch(4, 5120, 4096, t)
         am = argmax_rows_launch(4, 248320, t)
         hk, hv, dk, dv, kc, c, width = 16, 48, 128, 128, 4, 10240, 10240 + 48 * 128 + 96
-        dl = gdn_rows_delta_launch(4, width, hk, hv, dk, dv, kc, t, chunk=0)
-        nl = gdn_rows_norm_launch(4, width, hv, dv, c, kc, t)
+        dl = gdn_rows_delta_launch(4, width, hk, hv, dk, dv, kc, t, chunk=0, snap=True)
+        nl = gdn_rows_norm_launch(4, width, hv, dv, c, kc, t, snap=True)
         rl = gdn_rollback_launch(hv, dk, dv, c, kc, 3, t)
         sr = spec_rows_launch(4, 248320, t)
         ds = spec_rows_launch(1, 248320, t)
@@ -283,7 +286,9 @@ def aot_jobs():
             ("replay_drafts", "speculative:replay_drafts_kernel",
              ["*i32", "*i32", "*fp32", "*i32", "*i32", "*i32", "i32", "i32"], {"S": 4096, "BLOCK_R": 4}, one),
         ]:
-            jobs.append([f"{key}/{name}", mod + fn, types, consts, warps, t.cc])
+            launch = {"gdn_rows_delta_snap": dl, "gdn_rows_norm_snap": nl}.get(key, {})
+            if name != "sm_90/nofuse" or launch:
+                jobs.append([f"{key}/{name}", mod + fn, types, consts, warps, t.cc, launch.get("fp_fusion", True)])
     return jobs
 
 
@@ -291,9 +296,10 @@ _COMPILE_ALL = """
 import json, sys
 from kestrel.compiler.codegen import compile_kernel
 res = {}
-for key, fn, types, consts, num_warps, cc in json.loads(sys.stdin.read()):
+for key, fn, types, consts, num_warps, cc, fusion in json.loads(sys.stdin.read()):
     try:
-        ck = compile_kernel(key.split("/")[0], fn, types, consts, num_warps, cc, [t.startswith("*") for t in types])
+        ck = compile_kernel(key.split("/")[0], fn, types, consts, num_warps, cc, [t.startswith("*") for t in types],
+                            fusion)
         res[key] = [len(ck.cubin), ck.num_warps, ck.arch, ck.shared, ck.cubin[:4].hex()]
     except Exception as e:  # reported per (kernel, target) by the test
         res[key] = repr(e)[-2000:]
@@ -312,8 +318,10 @@ def compiled(_aot):
 
 def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
     jobs = aot_jobs()
-    assert len(jobs) == 14 * (len(ALL_TARGETS) - 1)
-    for key, fn, types, consts, warps, cc in jobs:
+    assert len(jobs) == 14 * (len(ALL_TARGETS) - 1) + 2
+    assert [(j[0], j[-1]) for j in jobs if j[-1] is False] == [("gdn_rows_delta_snap/sm_90/nofuse", False),
+                                                             ("gdn_rows_norm_snap/sm_90/nofuse", False)]
+    for key, fn, types, consts, warps, cc, _ in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, shared, magic = res
