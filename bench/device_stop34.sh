@@ -21,6 +21,10 @@
 #            q4 against the same plans with it, A B B A); the exact plan's controlled-acceptance table and verify
 #            cost. Built with: bash bench/build_stop_plans.sh 27b-q4-spec3-exact 27b4-q4-spec3-exact 27b-q4 \
 #            27b-q4-nofuse 0.8b-q4 0.8b-q4-nofuse
+#   default  (stop 34, once speculative plans were built with exact_verify_rules by default) greedy exactness of the
+#            default 27B q4 and bf16 K = 3 plans, the sanitizer on 4 layers of the bf16 one, and the bf16 plan's
+#            controlled-acceptance table and verify cost (its verify's products now on the few-rows matvec at the
+#            one-row split). Built with: bash bench/build_stop_plans.sh 27b-q4-spec3 27b-bf16-spec3 27b4-bf16-spec3
 # Here:  bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-mma1row 27b-q4-spec3-rowexact 27b4-q4-spec3 \
 #          27b4-q4-spec3-rowexact 27b-q4 0.8b-bf16 0.8b-q4 next80-q4
 #        bash ../shared/peers/llamacpp/fetch.sh .peers && mkdir -p .peers/llamacpp-scripts && \
@@ -75,4 +79,13 @@ case $2 in
       STEP_TIMEOUT=60 bash bench/device_preload_ab.sh "$out"
     timeout 150 python3 bench/device_spec.py "$out/spec-27b-q4-exact.json" "$P-exact.plan" > "$out/spec-27b-q4-exact.txt" 2>&1
     echo "spec: exit $?"; grep -E "spec==plain|verify at|as graphs|^ +[01]\.[0-9]  " "$out/spec-27b-q4-exact.txt" ;;
+  default)
+    KESTREL_EXACT_PROMPTS=${PROMPTS:-3} timeout 240 python3 bench/device_spec_exactness.py "$out/exactness.json" \
+      "$P.plan" bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan 2>&1 | tail -8
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 1 python3 bench/device_spec_sanitize.py \
+      bench/plans/qwen3.5-27b-4l-sm90-bf16-spec3.plan > "$out/sanitize-27b4-bf16-spec3.txt" 2>&1
+    echo "sanitizer (27b4 bf16): exit $?"; tail -2 "$out/sanitize-27b4-bf16-spec3.txt"
+    timeout 200 python3 bench/device_spec.py "$out/spec-27b-bf16.json" bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan \
+      > "$out/spec-27b-bf16.txt" 2>&1
+    echo "spec: exit $?"; grep -E "spec==plain|verify at|as graphs|^ +[01]\.[0-9]  " "$out/spec-27b-bf16.txt" ;;
 esac

@@ -34,7 +34,8 @@ from kestrel.compiler.ops import verify
 from kestrel.compiler.presets import PRESETS, SHAPES, byte_level_tokenizer_json, synthesize
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.compiler.weights import storage, weight_bytes
-from kestrel.kernels.targets import ALL_TARGETS, RULES_ENV, TARGETS, override_rules, untuned_note
+from kestrel.kernels.targets import (ALL_TARGETS, RULES_ENV, TARGETS, exact_verify_rules, override_rules,
+                                     overridden_rules, untuned_note)
 from kestrel.passes.hoist_dynamic import check_dyn_invariance, check_routing
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.passes.plan_memory import memory_report
@@ -218,9 +219,15 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
         if speculative is not None and m.max_seq < 2 * draft_tokens + 3:
             raise InputError(f"--max-seq {m.max_seq}: a speculative iteration of {draft_tokens} drafts needs at least "
                              f"{2 * draft_tokens + 3} rows")
-        return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
-                      seed if weights == "random" else None, prefill_rows, prefill_logits,
-                      draft_tokens if speculative is not None else 0, draft_quant)
+        exact = speculative is not None and target != "cpu"
+        with overridden_rules(target, exact_verify_rules(draft_tokens + 1)) if exact else contextlib.nullcontext() as done:
+            if done:
+                log(f"note: speculative plan: its one-token step and verify are built so that each verified row is "
+                    f"the one-token step's bit for bit (greedy speculation emits plain decoding's tokens): "
+                    f"{' '.join(done)}")
+            return _build(m, out, real, target, quant, log, progress, q4_group, ir_dumper(dump_ir_after, dump),
+                          seed if weights == "random" else None, prefill_rows, prefill_logits,
+                          draft_tokens if speculative is not None else 0, draft_quant)
 
 
 def _build(m: Model, out: str, real: str, target: str, quant: str, log, progress: bool, q4_group: int, on_pass,

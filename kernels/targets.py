@@ -11,6 +11,7 @@ The sm_90 rows were tuned on the H200; every other target reuses them with ``tun
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -477,3 +478,29 @@ def fp_fusion(enabled: bool) -> dict:
     """A launch's compile option ``fp_fusion`` (Triton's ``enable_fp_fusion``: products contracted into adds):
     the key only where it is off, the default being on (so launches, and their text, that keep it are unchanged)."""
     return {} if enabled else {"fp_fusion": False}
+
+
+def exact_verify_rules(rows: int) -> str:
+    """The rule fields (``override_rules``' form) a speculative plan whose verify takes ``rows`` rows is built with,
+    so that the verify computes each row as the one-token step computes it, bit for bit, and greedy speculation
+    emits plain decoding's tokens on the GPU too (issue 12; bench/results/stop34: 27B q4, K = 3, 8 prompts x 256
+    tokens equal, against a first difference at tokens 14-220 without). Each field names the kernel pair it makes
+    twins of: the q4 products at one row on the verify's tensor-core kernel and split (q4_mma.one_row_as; q4_stream
+    has no rows form), bf16 and small products on the few-rows matvec at the one-row split (bf16_mma.max_rows,
+    matvec_rows.one_row_split), attention rows in the one-token kernel's order (attn_rows.step_order_rows, which
+    also gives the verify's key rows attn_step's warps), and no FMA contraction in the Gated DeltaNet and attention
+    twins (fp_fusion). Its cost falls on the one-token step of such a plan (27B q4 5.9 against 5.2 ms); the
+    iteration costs what it did (2.40 against 2.39 ms/token projected at 2.5 accepted)."""
+    return (f"q4_mma.one_row_as={rows} q4_stream.pair=False bf16_mma.max_rows=0 matvec_rows.one_row_split=True "
+            f"attn_rows.step_order_rows={rows} gdn_delta.fp_fusion=False attention.fp_fusion=False")
+
+
+@contextlib.contextmanager
+def overridden_rules(target: str, spec: str):
+    """``override_rules(target, spec)`` for the ``with`` block (it yields the assignments); the target's rows as
+    they were afterwards, whatever else changed them inside."""
+    saved = TARGETS[target]
+    try:
+        yield override_rules(target, spec)
+    finally:
+        TARGETS[target] = saved

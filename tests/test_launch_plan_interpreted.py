@@ -309,8 +309,9 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(attn, mini
     interpreter against the CPU path: the same drafts, acceptances, positions and token sequence,
     states within the GEMM's bf16 rounding; then the one-token step takes over from the states the
     iterations left. (A prompt of one partial chunk and two iterations: the interpreter is slow; the
-    CPU path's tests cover many chunks and iterations.) step-order: the verify's attention by attn_rows_step_kernel
-    (rule attn_rows.step_order_rows), each row as the one-token step computes it."""
+    CPU path's tests cover many chunks and iterations.) step-order: the verify's attention by attn_rows_step_kernel,
+    each row as the one-token step computes it (a speculative plan's default: exact_verify_rules); flash: by
+    attn_rows_q_kernel (the rule attn_rows.step_order_rows=0 given on top)."""
     import shutil
 
     from conftest import run_cli
@@ -320,8 +321,8 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(attn, mini
     shutil.copytree(mini_checkpoint, ckpt)
     add_mtp_head(ckpt, seed=14)  # (a head whose drafts have no near-tie the GEMM's bf16 rounding could flip)
     path = str(tmp_path / "mini-spec.plan")
-    if attn == "step-order":
-        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=3")
+    if attn == "flash":
+        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=0")
     r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "bf16", "--max-seq", "24",
                 "--prefill-rows", "4", "--speculative", "mtp", "--draft-tokens", "2")
     assert r.returncode == 0, r.stderr

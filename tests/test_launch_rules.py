@@ -230,3 +230,18 @@ def test_launch_functions_read_the_table(fn, args, family, field, value):
     rules = dict(t.rules)
     rules[family] = dataclasses.replace(rules[family], **{field: value})
     assert fn(*args, dataclasses.replace(t, rules=rules)) != fn(*args, t)
+
+
+def test_overridden_rules_hold_for_the_block_only():
+    """overridden_rules: the rows changed inside the block (and whatever else changed them there) come back after
+    it, on an error too; exact_verify_rules names fields every GPU target has."""
+    from kestrel.kernels.targets import exact_verify_rules, overridden_rules
+
+    for name in [n for n in TARGETS if n != "cpu"]:
+        before = TARGETS[name]
+        with pytest.raises(RuntimeError):
+            with overridden_rules(name, exact_verify_rules(4)) as done:
+                assert len(done) == 7 and TARGETS[name].rules["gdn_delta"].fp_fusion is False
+                assert TARGETS[name].rules["attn_rows"].step_order_rows == 4
+                raise RuntimeError("inside")
+        assert TARGETS[name] is before and before.rules["gdn_delta"].fp_fusion is True

@@ -254,6 +254,30 @@ def test_multimodal_layout_with_a_head(tmp_path):
     assert generate(spec, PROMPT, 12, SamplingParams()).tokens == hf_tokens
 
 
+def test_sm90_speculative_plan_is_built_with_the_exact_verify_rules(tmp_path):
+    """A speculative GPU plan is built with exact_verify_rules (each verified row the one-token step's bit for bit),
+    for that build only: the twin kernels without FMA contraction, the verify's attention in step order; a plain
+    plan built after it keeps the target's own rules."""
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.kernels.targets import TARGETS
+
+    before = TARGETS["sm_90"]
+    lines = []
+    build("tiny-mtp", str(tmp_path / "s.plan"), log=lines.append, progress=False, speculative="mtp", draft_tokens=3,
+          target="sm_90", quant="q4")
+    assert TARGETS["sm_90"] is before
+    assert any("attn_rows.step_order_rows=4" in x and "gdn_delta.fp_fusion=False" in x for x in lines), lines
+    lp = load_plan(str(tmp_path / "s.plan")).launch_plan
+    ids = [k["id"] for k in lp["kernels"]]
+    assert {k["id"] for k in lp["kernels"] if k.get("fp_fusion") is False} == {
+        "gdn_delta", "gdn_norm", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "attn_step_bf16", "attn_rows_step_bf16",
+        "attn_rows_kv_bf16"}
+    assert {ids[x["kernel_index"]] for x in lp["speculative"]["iteration"]["launches"] if x["op"] == "attn_rows_q"} \
+        == {"attn_rows_step_bf16"}
+    build("tiny-mtp", str(tmp_path / "p.plan"), log=lambda m: None, progress=False, target="sm_90", quant="q4")
+    assert not any("fp_fusion" in k for k in load_plan(str(tmp_path / "p.plan")).launch_plan["kernels"])
+
+
 def test_build_errors(tmp_path):
     with pytest.raises(NoDraftHeadError, match="no mtp.* tensors"):
         build("tiny", str(tmp_path / "a.plan"), log=lambda m: None, progress=False, speculative="mtp")
