@@ -25,6 +25,9 @@
 #            default 27B q4 and bf16 K = 3 plans, the sanitizer on 4 layers of the bf16 one, and the bf16 plan's
 #            controlled-acceptance table and verify cost (its verify's products now on the few-rows matvec at the
 #            one-row split). Built with: bash bench/build_stop_plans.sh 27b-q4-spec3 27b-bf16-spec3 27b4-bf16-spec3
+#   bf16     (stop 34, once such plans also unfold the one-token step's norms from its floating-point products:
+#            matvec_rows.fold_one_row=False) the 27B bf16 K = 3 plan's row diff, greedy exactness and controlled-
+#            acceptance table. Built with: bash bench/build_stop_plans.sh 27b-bf16-spec3
 # Here:  bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-mma1row 27b-q4-spec3-rowexact 27b4-q4-spec3 \
 #          27b4-q4-spec3-rowexact 27b-q4 0.8b-bf16 0.8b-q4 next80-q4
 #        bash ../shared/peers/llamacpp/fetch.sh .peers && mkdir -p .peers/llamacpp-scripts && \
@@ -85,6 +88,14 @@ case $2 in
     timeout 150 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 1 python3 bench/device_spec_sanitize.py \
       bench/plans/qwen3.5-27b-4l-sm90-bf16-spec3.plan > "$out/sanitize-27b4-bf16-spec3.txt" 2>&1
     echo "sanitizer (27b4 bf16): exit $?"; tail -2 "$out/sanitize-27b4-bf16-spec3.txt"
+    timeout 200 python3 bench/device_spec.py "$out/spec-27b-bf16.json" bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan \
+      > "$out/spec-27b-bf16.txt" 2>&1
+    echo "spec: exit $?"; grep -E "spec==plain|verify at|as graphs|^ +[01]\.[0-9]  " "$out/spec-27b-bf16.txt" ;;
+  bf16)
+    timeout 100 python3 bench/device_row_diff.py "$out/row-diff-bf16.json" bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan \
+      2>&1 | tail -6
+    KESTREL_EXACT_PROMPTS=${PROMPTS:-3} timeout 200 python3 bench/device_spec_exactness.py "$out/exactness-bf16.json" \
+      bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan 2>&1 | tail -8
     timeout 200 python3 bench/device_spec.py "$out/spec-27b-bf16.json" bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan \
       > "$out/spec-27b-bf16.txt" 2>&1
     echo "spec: exit $?"; grep -E "spec==plain|verify at|as graphs|^ +[01]\.[0-9]  " "$out/spec-27b-bf16.txt" ;;

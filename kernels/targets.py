@@ -70,6 +70,8 @@ class MatvecRowsRule(Rule):
     small_long: tuple[int, int, int]  # small_long past it
     one_row_split: bool = False  # the one-row kernel's split at every shape, q4 and small bf16 too (each row's
     #                              products then the one-token step's bit for bit; an experiment: bench/results/stop33)
+    fold_one_row: bool = True   # fuse's norm folded into one-row products of floating-point matrices stays; False:
+    #                             unfolded (passes/fold_row_norms.py), as the few-rows matvec runs a verify's rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -487,12 +489,14 @@ def exact_verify_rules(rows: int) -> str:
     tokens equal, against a first difference at tokens 14-220 without). Each field names the kernel pair it makes
     twins of: the q4 products at one row on the verify's tensor-core kernel and split (q4_mma.one_row_as; q4_stream
     has no rows form), bf16 and small products on the few-rows matvec at the one-row split (bf16_mma.max_rows,
-    matvec_rows.one_row_split), attention rows in the one-token kernel's order (attn_rows.step_order_rows, which
+    matvec_rows.one_row_split) with the norms between them unfolded at one row as they are at the verify's rows
+    (matvec_rows.fold_one_row), attention rows in the one-token kernel's order (attn_rows.step_order_rows, which
     also gives the verify's key rows attn_step's warps), and no FMA contraction in the Gated DeltaNet and attention
     twins (fp_fusion). Its cost falls on the one-token step of such a plan (27B q4 5.9 against 5.2 ms); the
     iteration costs what it did (2.40 against 2.39 ms/token projected at 2.5 accepted)."""
     return (f"q4_mma.one_row_as={rows} q4_stream.pair=False bf16_mma.max_rows=0 matvec_rows.one_row_split=True "
-            f"attn_rows.step_order_rows={rows} gdn_delta.fp_fusion=False attention.fp_fusion=False")
+            f"matvec_rows.fold_one_row=False attn_rows.step_order_rows={rows} gdn_delta.fp_fusion=False "
+            f"attention.fp_fusion=False")
 
 
 @contextlib.contextmanager

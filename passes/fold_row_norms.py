@@ -11,6 +11,12 @@ each in the verify) goes away; the products read the same bytes. Elsewhere (fp32
 few-rows and GEMM kernels, targets without the kernel, the CPU path, ``KESTREL_RULES="q4_mma.fold_norms=False"``
 or ``bf16_mma.fold_norms=False``) nothing changes: the norm stays its own launch.
 
+And at one row, where the target's rule ``matvec_rows.fold_one_row`` is False (a speculative plan's
+``exact_verify_rules``): no ``matmul_add`` of a floating-point matrix is left feeding only ``rmsnorm_matmul`` /
+``rmsnorm_matmul_swiglu`` of floating-point matrices: fuse's rule 7 is undone there (``matmul``, ``add_rmsnorm``,
+``matmul`` / ``matmul_swiglu`` of the norm), as a verify's few-rows matvec computes those rows, which has no
+folded form (the folded one-row kernels apply the norm's factor after the product: another rounding).
+
 After quantize (it needs the matrices' precision) and with the build's target; select_kernels then gives
 the folded ops the kernel's ``q4mma_add`` / ``q4mma_norm(_swiglu)`` (``bf16mma_...``) launches and sizes the
 partials.
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import copy
 
-from kestrel.compiler.ir import IRError, Op, Program, is_q4
+from kestrel.compiler.ir import IRError, Op, Program, TensorType, Value, Weight, is_q4
 from kestrel.compiler.ops import mma_launch
 from kestrel.kernels.targets import TARGETS
 from kestrel.passes.fuse import fold_norms_into_matmuls
@@ -50,10 +56,53 @@ def _accept(target):
     return accept
 
 
+UNFOLD_CONSUMERS = {"rmsnorm_matmul": "matmul", "rmsnorm_matmul_swiglu": "matmul_swiglu"}
+
+
+def _fp(op: Op) -> bool:
+    """The op's matrices (its ins past the first) are floating point, not q4."""
+    return all(not is_q4(w.type.dtype) for w in op.ins if isinstance(w, Weight))
+
+
+def unfold_one_row_norms(p: Program) -> int:
+    """Fuse's rule 7 undone at one row for floating-point matrices: ``matmul_add`` (s, ss) -> ``matmul`` then
+    ``add_rmsnorm``, its ``rmsnorm_matmul(_swiglu)`` consumers -> ``matmul(_swiglu)`` of the norm, as the few-rows
+    matvec runs a verify's rows (it has no folded form). Returns the chains unfolded."""
+    users: dict[int, list[Op]] = {}
+    for op in p.ops:
+        for v in op.ins:
+            users.setdefault(id(v), []).append(op)
+    n = 0
+    for op in list(p.ops):
+        if op.kind != "matmul_add" or len(op.ins[0].type.shape) != 1 or not _fp(op):
+            continue
+        s, ss = op.outs
+        x, w, r = op.ins
+        consumers = users.get(id(ss), [])
+        if not consumers or any(u.kind not in UNFOLD_CONSUMERS or u.ins[0] is not s or u.ins[1] is not ss or not _fp(u)
+                                for u in consumers) or len({(id(u.ins[2]), u.attrs["eps"]) for u in consumers}) != 1:
+            continue
+        nw, eps = consumers[0].ins[2], consumers[0].attrs["eps"]
+        y, normed = Value(TensorType("f32", s.type.shape)), Value(TensorType("f32", s.type.shape))
+        i = p.ops.index(op)
+        p.ops[i:i + 1] = [Op("matmul", [y], [x, w], {}), Op("add_rmsnorm", [s, normed], [r, y, nw], {"eps": eps})]
+        for u in consumers:
+            p.ops[p.ops.index(u)] = Op(UNFOLD_CONSUMERS[u.kind], u.outs, [normed, *u.ins[3:]],
+                                       {k: v for k, v in u.attrs.items() if k != "eps"})
+        n += 1
+    return n
+
+
+def _unfolds(target: str) -> bool:
+    return target in TARGETS and not TARGETS[target].rules["matvec_rows"].fold_one_row
+
+
 def fold_row_norms(program: Program, target: str) -> Program:
     p = copy.deepcopy(program)
     if _folds(target):
         fold_norms_into_matmuls(p, rows=True, accept=_accept(TARGETS[target]))
+    if _unfolds(target):
+        unfold_one_row_norms(p)
     return p
 
 
@@ -62,3 +111,5 @@ def check(program: Program, target: str) -> None:
     p = copy.deepcopy(program)
     if _folds(target) and (n := fold_norms_into_matmuls(p, rows=True, accept=_accept(TARGETS[target]))):
         raise IRError(f"fold_row_norms: {n} add_rmsnorm chains at M rows left after the pass")
+    if _unfolds(target) and (n := unfold_one_row_norms(p)):
+        raise IRError(f"fold_row_norms: {n} folded norms of floating-point matrices at one row left after the pass")

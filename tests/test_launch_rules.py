@@ -241,7 +241,7 @@ def test_overridden_rules_hold_for_the_block_only():
         before = TARGETS[name]
         with pytest.raises(RuntimeError):
             with overridden_rules(name, exact_verify_rules(4)) as done:
-                assert len(done) == 7 and TARGETS[name].rules["gdn_delta"].fp_fusion is False
+                assert len(done) == 8 and TARGETS[name].rules["gdn_delta"].fp_fusion is False
                 assert TARGETS[name].rules["attn_rows"].step_order_rows == 4
                 raise RuntimeError("inside")
         assert TARGETS[name] is before and before.rules["gdn_delta"].fp_fusion is True

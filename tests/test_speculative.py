@@ -276,6 +276,17 @@ def test_sm90_speculative_plan_is_built_with_the_exact_verify_rules(tmp_path):
         == {"attn_rows_step_bf16"}
     build("tiny-mtp", str(tmp_path / "p.plan"), log=lambda m: None, progress=False, target="sm_90", quant="q4")
     assert not any("fp_fusion" in k for k in load_plan(str(tmp_path / "p.plan")).launch_plan["kernels"])
+    # bf16: the one-token step's norms unfolded from its products, as the verify's few-rows matvec runs its rows
+    # (fuse folds them: a plain plan keeps them folded)
+    from kestrel.compiler.ir_text import parse_program
+
+    def kinds(name, **kw):
+        build("tiny-mtp", str(tmp_path / name), log=lambda m: None, progress=False, target="sm_90", quant="bf16", **kw)
+        return [op.kind for op in parse_program(load_plan(str(tmp_path / name)).program_text).ops]
+    spec, plain = kinds("sb.plan", speculative="mtp", draft_tokens=2), kinds("pb.plan")
+    assert "matmul_add" in plain and "rmsnorm_matmul_swiglu" in plain
+    assert not {"matmul_add", "rmsnorm_matmul", "rmsnorm_matmul_swiglu"} & set(spec)
+    assert spec.count("add_rmsnorm") == plain.count("matmul_add") + plain.count("add_rmsnorm")
 
 
 def test_build_errors(tmp_path):
