@@ -219,8 +219,9 @@ def build(model: str, out: str, target: str = "cpu", quant: str | None = None, m
         if speculative is not None and m.max_seq < 2 * draft_tokens + 3:
             raise InputError(f"--max-seq {m.max_seq}: a speculative iteration of {draft_tokens} drafts needs at least "
                              f"{2 * draft_tokens + 3} rows")
-        exact = speculative is not None and target != "cpu"
-        with overridden_rules(target, exact_verify_rules(draft_tokens + 1)) if exact else contextlib.nullcontext() as done:
+        exact = speculative is not None and target != "cpu"  # (the verify's rows the one-token step's, bit for bit)
+        rules = overridden_rules(target, exact_verify_rules(draft_tokens + 1)) if exact else contextlib.nullcontext()
+        with rules as done:
             if done:
                 log(f"note: speculative plan: its one-token step and verify are built so that each verified row is "
                     f"the one-token step's bit for bit (greedy speculation emits plain decoding's tokens): "

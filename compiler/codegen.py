@@ -269,7 +269,8 @@ def _compile_main() -> None:
 
 
 def _table_entry(k: CompiledKernel, part: str, consts: dict, fp_fusion: bool = True) -> dict:
-    return {**({} if fp_fusion else {"fp_fusion": False}), "id": k.kernel_id, "jit": k.jit, "part": part, "name": k.name, "params": [list(p) for p in k.params],
+    return {**({} if fp_fusion else {"fp_fusion": False}), "id": k.kernel_id, "jit": k.jit, "part": part,
+            "name": k.name, "params": [list(p) for p in k.params],
             "num_warps": k.num_warps, "block": 32 * k.num_warps, "shared": k.shared,
             "global_scratch_size": k.global_scratch_size, "global_scratch_align": k.global_scratch_align,
             "profile_scratch_size": k.profile_scratch_size, "arch": k.arch, "compiler": k.compiler,

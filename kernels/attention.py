@@ -172,7 +172,8 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
     while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
         block_s //= 2
-    return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps, **fp_fusion(r.fp_fusion),
+    return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps,
+            **fp_fusion(r.fp_fusion),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
                            "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,

@@ -69,7 +69,8 @@ class MatvecRowsRule(Rule):
     small_short: tuple[int, int, int]
     small_long: tuple[int, int, int]  # small_long past it
     one_row_split: bool = False  # the one-row kernel's split at every shape, q4 and small bf16 too (each row's
-    #                              products then the one-token step's bit for bit; an experiment: bench/results/stop33)
+    #                              products then the one-token step's bit for bit; speculative plans:
+    #                              exact_verify_rules)
     fold_one_row: bool = True   # fuse's norm folded into one-row products of floating-point matrices stays; False:
     #                             unfolded (passes/fold_row_norms.py), as the few-rows matvec runs a verify's rows
 
@@ -112,7 +113,8 @@ class AttnRowsRule(Rule):
     max_splits: int             # ... at most this many splits (a power of two), ...
     split_tiles: int            # ... each at least this many BLOCK_N tiles of max_seq (and of the context)
     step_order_rows: int = 0    # attn_rows_q at up to this many rows: attn_rows_step_kernel, each row as attn_step
-    #                             computes it (a speculative verify's rows the one-token step's; 0: never; stop 33)
+    #                             computes it, and attn_rows_kv with attn_step's warps (a speculative verify's rows the
+    #                             one-token step's; 0: never; speculative plans: exact_verify_rules)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,8 +272,9 @@ class MmaRule(Rule):
     grouped_swiglu_ks: int = 0      # gate / up grouped: KS (0: grouped_ks) and the cp.async ring's stages
     grouped_swiglu_stages: int = 0
     max_weight_bytes: int = 0   # matrices of more bytes than this (a pair: each weight) keep the Triton kernels (0: any)
-    one_row_as: int = 0         # > 0 (q4): matmuls at ONE row run this kernel too, split as at this many rows (M = 1),
-    #                             as a verify of that many rows runs them (an experiment: bench/results/stop33)
+    one_row_as: int = 0         # > 0 (q4): matmuls at ONE row run this kernel too, split as at this many rows
+    #                             (M = 1), as a verify of that many rows runs them (speculative plans:
+    #                             exact_verify_rules)
 
 
 _TUNING = "bench/results/tuning/"
