@@ -172,12 +172,18 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
     while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
         block_s //= 2
-    return {"grid": [n_kv, splits, 1], "num_warps": r.num_warps if mma else r.fma_num_warps,
-            **fp_fusion(r.fp_fusion),
+    return {"grid": [n_kv, splits, 1], **attn_step_warps(cache_dtype, target),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
                            "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
                            "DOT_FP32": False}}
+
+
+def attn_step_warps(cache_dtype: str, target) -> dict:
+    """attn_step_kernel's warps (``target.rules["attention"]``: num_warps with bf16 caches, fma_num_warps with fp32)
+    and its ``fp_fusion`` key: what a kernel computing its keys or rows the same way must be compiled with."""
+    r = target.rules["attention"]
+    return {"num_warps": r.num_warps if cache_dtype == "bf16" else r.fma_num_warps, **fp_fusion(r.fp_fusion)}
 
 
 def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq: int, cache_dtype: str,
@@ -189,11 +195,7 @@ def attn_rows_kv_launch(rows: int, width: int, n_kv: int, head_dim: int, max_seq
     whose layout, and so the order of the sum, follows the warps (2 against attn_step's 4 differed by an ulp,
     which the bf16 cache mostly, but not always, rounds away; stop 34)."""
     r = target.rules["attn_rows"]
-    if rows <= r.step_order_rows:
-        step = attn_step_launch(n_kv, n_kv, head_dim, max_seq, 1, cache_dtype, target)
-        warps = {"num_warps": step["num_warps"], **fp_fusion(step.get("fp_fusion", True))}
-    else:
-        warps = {"num_warps": r.kv_num_warps}
+    warps = attn_step_warps(cache_dtype, target) if rows <= r.step_order_rows else {"num_warps": r.kv_num_warps}
     return {"grid": [rows, n_kv, 1], **warps,
             "constexprs": {"M": rows, "W": width, "NKV": n_kv, "D": head_dim, "S": max_seq,
                            "BLOCK_D": pow2_at_least(head_dim)}}
