@@ -32,4 +32,21 @@ case $2 in
       timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
         > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt"
     done ;;
+  attn)  # the one-token attention kernel: variants timed chained, then ncu's source counters on the 0.8B rule at 44
+    cd bench
+    timeout 240 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1
+    echo "probe: exit $?"
+    KESTREL_SWEEP_QUICK=1 KESTREL_ATTN_POS=44 KESTREL_ATTN_ONLY=0.8b:rule timeout 200 ncu --clock-control none \
+      --kernel-name regex:attn_step --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats \
+      --section SpeedOfLight --section LaunchStats --import-source no -o /tmp/attn python3 attn_step_probe.py time \
+      attn-step-probe /tmp/quick.json > /tmp/ncu.log 2>&1
+    echo "ncu: exit $?"; tail -3 /tmp/ncu.log
+    ncu -i /tmp/attn.ncu-rep --page source --csv --print-source sass > /tmp/source.csv 2> /tmp/source.err
+    echo "source page: exit $?"; head -c 300 /tmp/source.err
+    gzip -c /tmp/source.csv > "$out/attn-source.csv.gz"
+    ncu -i /tmp/attn.ncu-rep --page details > "$out/attn-ncu-details.txt" 2>&1
+    python3 attn_step_probe.py ncu-summary /tmp/source.csv > "$out/attn-ncu-source.txt" 2>&1
+    echo "summary: exit $?"; head -60 "$out/attn-ncu-source.txt"; grep -E "Duration|Warp Cycles Per Issued|Issued Ipc" \
+      "$out/attn-ncu-details.txt"
+    tail -24 "$out/attn-step.txt" ;;
 esac

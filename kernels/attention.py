@@ -176,6 +176,8 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
                            "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
+                           "MERGE_CH": min(splits, r.merge_splits), "MERGE_STAGES": r.merge_stages,
+                           "MERGE_SMALL": min(splits, r.merge_small), "MERGE_SMALL_STAGES": r.merge_small_stages,
                            "DOT_FP32": False}}
 
 
@@ -314,7 +316,8 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
                      ticket_ptr, out_ptr, eps, theta, rotary_dim, scale,
                      NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, SPLITS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-                     PIPE_BYTES: tl.constexpr,
+                     PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr,
+                     MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
                      DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
@@ -369,10 +372,12 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     them, an active program takes a ticket from ``ticket[g]`` (an integer atomic, acquire-release
     at GPU scope, after a CTA barrier; only the first NKV of the NH tickets are used); the program
     that draws ticket A - 1 merges, head by head of the group in order, the A partials of that head
-    in split order (read back from L2; the next head's are copied in while one is merged), applies
-    the output gate, stores out[h], and resets the ticket to 0 for the next launch. Which program
-    combines varies; what it computes does not (every partial is read from memory, in a fixed
-    order), so runs repeat bit for bit. With one active split (p <= SPLIT_ROWS) its program stores the
+    in split order (read back from L2): each head's max over its A partials first, then its sums in
+    chunks of MERGE_SMALL splits (A <= MERGE_SMALL) or MERGE_CH, the next chunk's copied in while one
+    is summed (a [SPLITS, D] tile a head made an 80B-A3B layer's step 46 us at 4,000 rows, 23 in
+    chunks of 32; bench/results/stop35); it applies the output gate, stores out[h], and resets the
+    ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
+    partial is read from memory, in a fixed order), so runs repeat bit for bit. With one active split (p <= SPLIT_ROWS) its program stores the
     outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
     ticket or serial merge, which made a short context's step 6-12 us slower per attention layer
     than the per-query-head kernel this replaced (H200, bench/results/stop20 call 3).
@@ -417,7 +422,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
 
         _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp,
                   active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES,
-                  DOT_FP32, REP, BF16)
+                  MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES, DOT_FP32, REP, BF16)
 
 
 @triton.jit
@@ -436,7 +441,8 @@ def _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_d
 def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp, active,
               heads, hmask, d, dmask, scale, NKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr,
-              DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr):
+              MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
+              MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr):
     """attn_step_kernel's attention of one position ``pos`` for split ``sp`` of kv head g (its docstring), from
     the roped queries q [BLOCK_H, BLOCK_D] and row pos's key and value kr, vr (cache-rounded; ``writer``: this
     split seeds the softmax with them): the tiles of the split's rows < pos, then the stored output (one active
@@ -504,7 +510,8 @@ def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, tic
                  mask=hmask[:, None] & dmask[None, :])
     else:
         _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d,
-                          dmask, REP, D, SPLITS)
+                          dmask, REP, D, SPLITS, BLOCK_H, BLOCK_D, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
+                          MERGE_SMALL_STAGES)
 
 
 @triton.jit
@@ -512,8 +519,9 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                           out_ptr, q, heads_unused, eps, theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr,
                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
                           SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                          SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
+                          MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
+                          DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """``attn_rows_q_ref`` (attn_rows_q_kernel's operands; kernel ids attn_rows_step_bf16 / _f32) computed row by
     row as attn_step_kernel computes one position, so that a speculative verify's rows are the one-token step's
     bit for bit: grid [NKV, SPLITS, M], program (g, j, r) is attn_step_kernel's program (g, j) at position
@@ -548,7 +556,8 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
             vr = tl.load(v_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
             _attn_row(qr, kr, vr, sp == 0, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr + rr * (NH * SPLITS * (D + 2)),
                       ticket_ptr + rr * NKV, out_row, pos, g, sp, active, heads, hmask, d, dmask, scale, NKV, D,
-                      SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES, DOT_FP32, REP, BF16)
+                      SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
+                      MERGE_SMALL_STAGES, DOT_FP32, REP, BF16)
 
 
 def attn_rows_step_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int,
@@ -572,7 +581,9 @@ def attn_rows_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int
 
 @triton.jit
 def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d, dmask,
-                      REP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+                      REP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_D: tl.constexpr, MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr,
+                      MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr):
     """attn_step_kernel's combine over the active splits of kv head g (its docstring)."""
     # The split's partial (m, l, acc) of each real head of the group.
     prow = part_ptr + (heads * SPLITS + sp) * (D + 2)
@@ -582,21 +593,51 @@ def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, s
     tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
     ticket = tl.atomic_add(ticket_ptr + g, 1, sem="acq_rel", scope="gpu")
     if ticket == active - 1:  # the last active split of kv head g merges, head by head, in split order
+        # Every head's max over the active splits first (one [BLOCK_H, SPLITS] load), then the heads' sums in
+        # chunks of the active splits: few splits in small chunks with more of them in flight, more in large ones
+        # (the launch rule's MERGE_* constants; bench/attn_step_probe.py).
         j = tl.arange(0, SPLITS)
-        jm = j < active
-        for i in tl.range(0, REP, num_stages=2):  # the next head's partials copied in while one is merged
-            h = g * REP + i
-            rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
-            m_all = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
-            l_all = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
-            acc_all = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
-                              cache_modifier=".cg")
-            m = tl.max(m_all, axis=0)  # finite: split 0 holds row p
-            w = tl.exp2(m_all - m)
-            o = tl.sum(acc_all * w[:, None], axis=0) / tl.sum(l_all * w, axis=0)
-            gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
+        m_heads = tl.max(tl.load(part_ptr + ((heads * SPLITS)[:, None] + j[None, :]) * (D + 2) + D,
+                                 mask=hmask[:, None] & (j < active)[None, :], other=-1.0e30, cache_modifier=".cg"),
+                         axis=1)  # finite for the real heads: split 0 holds row p
+        if active <= MERGE_SMALL:
+            _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP, D, SPLITS, BLOCK_H, BLOCK_D,
+                         MERGE_SMALL, MERGE_SMALL_STAGES)
+        else:
+            _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP, D, SPLITS, BLOCK_H, BLOCK_D,
+                         MERGE_CH, MERGE_STAGES)
         tl.atomic_xchg(ticket_ptr + g, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP: tl.constexpr, D: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """The combine's sums for the REP heads of kv head g, given each head's max over the active splits (m_heads):
+    one flat loop over (head, chunk of CH splits), STAGES iterations' partials in flight, the chunks in split
+    order and each chunk's rows summed as one tile; the gated output stored after a head's last chunk."""
+    jc = tl.arange(0, CH)
+    chunks = tl.cdiv(active, CH)
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den = 0.0
+    for t in tl.range(0, REP * chunks, num_stages=STAGES):
+        i = t // chunks
+        c = t - i * chunks
+        h = g * REP + i
+        m = tl.sum(tl.where(tl.arange(0, BLOCK_H) == i, m_heads, 0.0), axis=0)
+        jj = c * CH + jc
+        jm = jj < active
+        rows_p = part_ptr + (h * SPLITS + jj) * (D + 2)
+        m_c = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
+        l_c = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+        acc_c = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
+                        cache_modifier=".cg")
+        gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
+        w = tl.exp2(m_c - m)
+        first = c == 0
+        num = tl.where(first, 0.0, num) + tl.sum(acc_c * w[:, None], axis=0)
+        den = tl.where(first, 0.0, den) + tl.sum(l_c * w, axis=0)
+        tl.store(out_ptr + h * D + d, num / den * tl.sigmoid(gate), mask=dmask & (c == chunks - 1))
 
 
 @triton.jit

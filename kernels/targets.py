@@ -90,6 +90,10 @@ class AttentionRule(Rule):
     split_tiles: int            # SPLIT_ROWS = split_tiles * BLOCK_S: cache rows per active split, at least
     num_warps: int              # bf16 caches (tensor-core dots)
     fma_num_warps: int          # fp32 caches (fp32 FMA dots)
+    merge_splits: int = 32      # the combine sums this many splits' partials a head at a time (MERGE_CH) ...
+    merge_stages: int = 2       # ... with this many chunks' loads in flight (MERGE_STAGES); ...
+    merge_small: int = 8        # ... at up to this many active splits, this many at a time (MERGE_SMALL) ...
+    merge_small_stages: int = 4  # ... with this many in flight
     fp_fusion: bool = True      # attn_step and the verify's step-order rows kernel (attn_rows_step) alike: see
     #                             GdnDeltaRule.fp_fusion
 

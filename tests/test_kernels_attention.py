@@ -52,14 +52,15 @@ def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):
     return out
 
 
-def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None):
+def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None):
     inputs = make_inputs(nh, nkv, d, s, pos, dtype, seed)
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
     c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, TARGETS["sm_90"]), CACHE[dtype],
                          TARGETS["sm_90"])
-    consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s, "SPLIT_ROWS": block_s} if block_s else {}))
+    consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s, "SPLIT_ROWS": block_s} if block_s else {}),
+                  **(extra or {}))
     before_k, before_v = kc.clone(), vc.clone()
     out = run_kernel(*inputs, pos, rotary_dim, consts, c["grid"])
     what = f"attn_step {dtype} NH={nh} NKV={nkv} D={d} S={s} pos={pos} rotary_dim={rotary_dim}"
@@ -91,6 +92,11 @@ def test_attn_step_many_tiles(dtype):
             check_step(8, 2, 64, 130, pos, 32, dtype, seed=pos, block_s=16, splits=splits)
     # 8 splits of 2 tiles at pos 520: the last split has no rows left (its partial is empty)
     check_step(2, 1, 16, 600, 520, 8, dtype, seed=3, splits=8)
+    # the merge past MERGE_SMALL active splits: 19 and 32, in the rule's one chunk of 32 and in chunks of 16 (a
+    # chunk of 3 after a full one; two full chunks), three heads a group
+    for pos in (300, 520):
+        for extra in (None, {"MERGE_CH": 16}):
+            check_step(6, 2, 16, 600, pos, 8, dtype, seed=pos + 1, block_s=16, splits=32, extra=extra)
 
 
 def split_rows(pos, block_s, splits):

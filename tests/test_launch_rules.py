@@ -46,19 +46,19 @@ EXPECTED_SM_90 = [
     (attn_splits, (1, 16), 1),
     (attn_step_launch, (8, 2, 256, 4096, 32, "bf16"),
      L([2, 32, 1], 4, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=64, SPLIT_ROWS=128, PIPE_BYTES=131072,
-       DOT_FP32=False)),
+       MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=8, MERGE_SMALL_STAGES=4, DOT_FP32=False)),
     (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"),
      L([4, 32, 1], 4, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=64, SPLIT_ROWS=128, PIPE_BYTES=131072,
-       DOT_FP32=False)),
+       MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=8, MERGE_SMALL_STAGES=4, DOT_FP32=False)),
     (attn_step_launch, (24, 4, 256, 4096, 32, "f32"),
      L([4, 32, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=8, BLOCK_D=256, BLOCK_S=32, SPLIT_ROWS=64, PIPE_BYTES=131072,
-       DOT_FP32=False)),
+       MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=8, MERGE_SMALL_STAGES=4, DOT_FP32=False)),
     (attn_step_launch, (4, 2, 64, 256, 2, "bf16"),
      L([2, 2, 1], 4, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, SPLIT_ROWS=128, PIPE_BYTES=131072,
-       DOT_FP32=False)),
+       MERGE_CH=2, MERGE_STAGES=2, MERGE_SMALL=2, MERGE_SMALL_STAGES=4, DOT_FP32=False)),
     (attn_step_launch, (2, 1, 16, 16, 1, "f32"),
      L([1, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_H=2, BLOCK_D=16, BLOCK_S=64, SPLIT_ROWS=128, PIPE_BYTES=131072,
-       DOT_FP32=False)),
+       MERGE_CH=1, MERGE_STAGES=2, MERGE_SMALL=1, MERGE_SMALL_STAGES=4, DOT_FP32=False)),
     (gdn_delta_launch, (16, 48, 128, 128, 4),
      L([48, 16, 1], 1, HK=16, HV=48, DK=128, DV=128, KC=4, BLOCK_DK=128, BLOCK_V=8, PRELOAD=True)),
     (gdn_delta_launch, (2, 4, 16, 16, 4), L([4, 2, 1], 1, HK=2, HV=4, DK=16, DV=16, KC=4, BLOCK_DK=16, BLOCK_V=8, PRELOAD=True)),
@@ -84,19 +84,19 @@ SM_120_DIFFERS = {
     (matvec_launch, (5120, 17408, 0)): L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512, PDL_LATE=True, PRELOAD=False),
     (attn_step_launch, (8, 2, 256, 4096, 32, "bf16")):
         L([2, 32, 1], 4, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=32, SPLIT_ROWS=64, PIPE_BYTES=68608,
-          DOT_FP32=False),
+          MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=8, MERGE_SMALL_STAGES=4, DOT_FP32=False),
     (attn_step_launch, (24, 4, 256, 4096, 32, "bf16")):
         L([4, 32, 1], 4, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_D=256, BLOCK_S=32, SPLIT_ROWS=64,
-          PIPE_BYTES=68608, DOT_FP32=False),
+          PIPE_BYTES=68608, MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=8, MERGE_SMALL_STAGES=4, DOT_FP32=False),
     (attn_step_launch, (24, 4, 256, 4096, 32, "f32")):
         L([4, 32, 1], 8, NH=24, NKV=4, D=256, S=4096, SPLITS=32, BLOCK_H=8, BLOCK_D=256, BLOCK_S=16, SPLIT_ROWS=32, PIPE_BYTES=84992,
-          DOT_FP32=False),
+          MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=8, MERGE_SMALL_STAGES=4, DOT_FP32=False),
     (attn_step_launch, (4, 2, 64, 256, 2, "bf16")):
         L([2, 2, 1], 4, NH=4, NKV=2, D=64, S=256, SPLITS=2, BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, SPLIT_ROWS=128, PIPE_BYTES=87040,
-          DOT_FP32=False),
+          MERGE_CH=2, MERGE_STAGES=2, MERGE_SMALL=2, MERGE_SMALL_STAGES=4, DOT_FP32=False),
     (attn_step_launch, (2, 1, 16, 16, 1, "f32")):
         L([1, 1, 1], 8, NH=2, NKV=1, D=16, S=16, SPLITS=1, BLOCK_H=2, BLOCK_D=16, BLOCK_S=64, SPLIT_ROWS=128, PIPE_BYTES=93056,
-          DOT_FP32=False),
+          MERGE_CH=1, MERGE_STAGES=2, MERGE_SMALL=1, MERGE_SMALL_STAGES=4, DOT_FP32=False),
 }
 EXPECTED_SM_120 = [(fn, args, SM_120_DIFFERS.get((fn, args), want)) for fn, args, want in EXPECTED_SM_90]
 
