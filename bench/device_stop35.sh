@@ -32,6 +32,24 @@ case $2 in
       timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
         > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt"
     done ;;
+  ab)  # the combine in chunks: the probe at the committed rule, then plans built before (bench/ab/old) and after
+    # (bench/ab/new) it, decode at positions 1000 and 3000 (carry bench/ab and bench/attn-step-probe)
+    (cd bench && KESTREL_ATTN_POS="44 300 1000 2500 4000 8000" timeout 200 python3 attn_step_probe.py time \
+      attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1; echo "probe: exit $?"; tail -7 "$out/attn-step.txt")
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    ab() {  # plan, then the versions in order
+      p=$1; shift
+      for v in "$@"; do
+        timeout 150 kestrel-run "bench/ab/$v/$p.plan" --prompt-ids "$ids" --max-new-tokens 32 --rounds 3 \
+          --positions 1000,3000 --bench "$w/bench-$p-$v.json" > "$w/bench-$p-$v.txt" 2>&1
+        echo "$p $v: exit $? $(grep -E "^position|ms/token" "$w/bench-$p-$v.txt" | tr '\n' ' ' | cut -c1-400)"
+        tar -C "$w" -cf "$out/ab.tar" .
+      done
+    }
+    w=$(mktemp -d)
+    ab qwen3.5-0.8b-sm90-bf16 old new
+    ab qwen3-next-80b-a3b-sm90-q4 old new
+    ab qwen3.5-27b-sm90-q4 old new ;;
   attn)  # the one-token attention kernel: variants timed chained, then ncu's source counters on the 0.8B rule at 44
     cd bench
     timeout 240 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1
