@@ -20,7 +20,7 @@ import statistics
 import sys
 
 SHAPES = {"0.8b": (8, 2), "27b": (24, 4), "80b-a3b": (16, 2)}  # query / kv heads, head_dim 256
-D, S = 256, 8192
+D, S = 256, int(os.environ.get("KESTREL_ATTN_S", "8192"))
 POSITIONS = tuple(int(p) for p in os.environ.get("KESTREL_ATTN_POS", "44 1000 4000").split())
 EPS, THETA, ROTARY = 1e-6, 1e7, 64
 # the rule's launch with these changed: (name, constexprs, warps)

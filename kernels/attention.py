@@ -372,10 +372,10 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     them, an active program takes a ticket from ``ticket[g]`` (an integer atomic, acquire-release
     at GPU scope, after a CTA barrier; only the first NKV of the NH tickets are used); the program
     that draws ticket A - 1 merges, head by head of the group in order, the A partials of that head
-    in split order (read back from L2): each head's max over its A partials first, then its sums in
-    chunks of MERGE_SMALL splits (A <= MERGE_SMALL) or MERGE_CH, the next chunk's copied in while one
-    is summed (a [SPLITS, D] tile a head made an 80B-A3B layer's step 46 us at 4,000 rows, 23 in
-    chunks of 32; bench/results/stop35); it applies the output gate, stores out[h], and resets the
+    in split order (read back from L2), in chunks of MERGE_SMALL splits (A <= MERGE_SMALL) or MERGE_CH,
+    the next chunk's copied in while one is summed, rescaled to the running max (a [SPLITS, D] tile a
+    head made an 80B-A3B layer's step 46 us at 4,000 rows of 8,192, 23 in chunks of 32;
+    bench/results/stop35); it applies the output gate, stores out[h], and resets the
     ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
     partial is read from memory, in a fixed order), so runs repeat bit for bit. With one active split (p <= SPLIT_ROWS) its program stores the
     outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
@@ -510,8 +510,7 @@ def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, tic
                  mask=hmask[:, None] & dmask[None, :])
     else:
         _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d,
-                          dmask, REP, D, SPLITS, BLOCK_H, BLOCK_D, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
-                          MERGE_SMALL_STAGES)
+                          dmask, REP, D, SPLITS, BLOCK_D, MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES)
 
 
 @triton.jit
@@ -581,9 +580,9 @@ def attn_rows_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int
 
 @triton.jit
 def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d, dmask,
-                      REP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_D: tl.constexpr, MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr,
-                      MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr):
+                      REP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                      MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
+                      MERGE_SMALL_STAGES: tl.constexpr):
     """attn_step_kernel's combine over the active splits of kv head g (its docstring)."""
     # The split's partial (m, l, acc) of each real head of the group.
     prow = part_ptr + (heads * SPLITS + sp) * (D + 2)
@@ -593,38 +592,33 @@ def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, s
     tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
     ticket = tl.atomic_add(ticket_ptr + g, 1, sem="acq_rel", scope="gpu")
     if ticket == active - 1:  # the last active split of kv head g merges, head by head, in split order
-        # Every head's max over the active splits first (one [BLOCK_H, SPLITS] load), then the heads' sums in
-        # chunks of the active splits: few splits in small chunks with more of them in flight, more in large ones
-        # (the launch rule's MERGE_* constants; bench/attn_step_probe.py).
-        j = tl.arange(0, SPLITS)
-        m_heads = tl.max(tl.load(part_ptr + ((heads * SPLITS)[:, None] + j[None, :]) * (D + 2) + D,
-                                 mask=hmask[:, None] & (j < active)[None, :], other=-1.0e30, cache_modifier=".cg"),
-                         axis=1)  # finite for the real heads: split 0 holds row p
+        # the heads' sums in chunks of the active splits: few splits in small chunks with more of them in flight,
+        # more in large ones (the launch rule's MERGE_* constants; bench/attn_step_probe.py)
         if active <= MERGE_SMALL:
-            _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP, D, SPLITS, BLOCK_H, BLOCK_D,
-                         MERGE_SMALL, MERGE_SMALL_STAGES)
+            _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP, D, SPLITS, BLOCK_D, MERGE_SMALL,
+                         MERGE_SMALL_STAGES)
         else:
-            _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP, D, SPLITS, BLOCK_H, BLOCK_D,
-                         MERGE_CH, MERGE_STAGES)
+            _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP, D, SPLITS, BLOCK_D, MERGE_CH,
+                         MERGE_STAGES)
         tl.atomic_xchg(ticket_ptr + g, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP: tl.constexpr, D: tl.constexpr,
-                 SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
-                 STAGES: tl.constexpr):
-    """The combine's sums for the REP heads of kv head g, given each head's max over the active splits (m_heads):
-    one flat loop over (head, chunk of CH splits), STAGES iterations' partials in flight, the chunks in split
-    order and each chunk's rows summed as one tile; the gated output stored after a head's last chunk."""
+def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP: tl.constexpr, D: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr):
+    """The combine's sums for the REP heads of kv head g: one flat loop over (head, chunk of CH active splits),
+    STAGES iterations' partials in flight, the chunks in split order and each chunk's rows summed as one tile,
+    rescaled to the running max as a chunk raises it (one chunk: sum_j acc_j 2^(m_j - m) / sum_j l_j 2^(m_j - m),
+    m the max of the m_j); the gated output stored after a head's last chunk."""
     jc = tl.arange(0, CH)
     chunks = tl.cdiv(active, CH)
     num = tl.zeros([BLOCK_D], tl.float32)
     den = 0.0
+    m_run = -1.0e30
     for t in tl.range(0, REP * chunks, num_stages=STAGES):
         i = t // chunks
         c = t - i * chunks
         h = g * REP + i
-        m = tl.sum(tl.where(tl.arange(0, BLOCK_H) == i, m_heads, 0.0), axis=0)
         jj = c * CH + jc
         jm = jj < active
         rows_p = part_ptr + (h * SPLITS + jj) * (D + 2)
@@ -633,10 +627,13 @@ def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, m_heads, d, dmask, REP: t
         acc_c = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
                         cache_modifier=".cg")
         gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
-        w = tl.exp2(m_c - m)
         first = c == 0
-        num = tl.where(first, 0.0, num) + tl.sum(acc_c * w[:, None], axis=0)
-        den = tl.where(first, 0.0, den) + tl.sum(l_c * w, axis=0)
+        m_new = tl.maximum(tl.where(first, -1.0e30, m_run), tl.max(m_c, axis=0))  # finite: split 0 holds row p
+        alpha = tl.where(first, 0.0, tl.exp2(m_run - m_new))
+        w = tl.exp2(m_c - m_new)
+        num = num * alpha + tl.sum(acc_c * w[:, None], axis=0)
+        den = den * alpha + tl.sum(l_c * w, axis=0)
+        m_run = m_new
         tl.store(out_ptr + h * D + d, num / den * tl.sigmoid(gate), mask=dmask & (c == chunks - 1))
 
 
