@@ -41,7 +41,8 @@ def _jobs():
         for name, consts, warps in VARIANTS:
             c = attn_step_launch(nh, nkv, D, S, attn_splits(nkv, S, t), "bf16", t)
             c["constexprs"] = {**c["constexprs"], **consts}
-            c["constexprs"]["MERGE_SMALL"] = min(c["constexprs"]["MERGE_SMALL"], c["constexprs"]["MERGE_CH"])
+            if "MERGE_SMALL" in c["constexprs"]:  # (a tree before the chunked combine: no MERGE_*)
+                c["constexprs"]["MERGE_SMALL"] = min(c["constexprs"]["MERGE_SMALL"], c["constexprs"]["MERGE_CH"])
             c["num_warps"] = warps or c["num_warps"]
             yield model, name, c
 

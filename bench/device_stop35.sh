@@ -32,6 +32,13 @@ case $2 in
       timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
         > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt"
     done ;;
+  oldnew)  # attn_step at max_seq 4096 before the chunked combine (bench/attn-step-old, compiled from 334f51f)
+    # and at this tree (bench/attn-step-probe), positions 1000-4000
+    cd bench
+    for f in attn-step-old attn-step-probe; do
+      KESTREL_ATTN_S=4096 KESTREL_ATTN_POS="44 1000 2000 3000 4000" timeout 200 python3 attn_step_probe.py time $f \
+        "$out/$f.json" > "$out/$f.txt" 2>&1; echo "$f: exit $?"; sed -n '/model variant/,$p' "$out/$f.txt"
+    done ;;
   ab)  # the combine in chunks: the probe at the committed rule, then plans built before (bench/ab/old) and after
     # (bench/ab/new) it, decode at positions 1000 and 3000 (carry bench/ab and bench/attn-step-probe)
     (cd bench && KESTREL_ATTN_POS="44 300 1000 2500 4000 8000" timeout 200 python3 attn_step_probe.py time \
