@@ -39,6 +39,15 @@ case $2 in
       KESTREL_ATTN_S=4096 KESTREL_ATTN_POS="44 1000 2000 3000 4000" timeout 200 python3 attn_step_probe.py time $f \
         "$out/$f.json" > "$out/$f.txt" 2>&1; echo "$f: exit $?"; sed -n '/model variant/,$p' "$out/$f.txt"
     done ;;
+  sanitize)  # compute-sanitizer memcheck on attn_step at max_seq 4096, both combine paths (1000: 8 active splits,
+    # MERGE_SMALL; 3000: 24, MERGE_CH), the 0.8B and 80B-A3B shapes
+    cd bench
+    for m in 0.8b 80b-a3b; do
+      KESTREL_SWEEP_QUICK=1 KESTREL_ATTN_S=4096 KESTREL_ATTN_POS="1000 3000" KESTREL_ATTN_ONLY=$m:rule timeout 200 \
+        compute-sanitizer --tool memcheck --error-exitcode 1 python3 attn_step_probe.py time attn-step-probe /tmp/q.json \
+        > "$out/sanitizer-attn-$m.txt" 2>&1
+      echo "$m: exit $?"; grep -E "ERROR SUMMARY|err " "$out/sanitizer-attn-$m.txt"
+    done ;;
   ab)  # the combine in chunks: the probe at the committed rule, then plans built before (bench/ab/old) and after
     # (bench/ab/new) it, decode at positions 1000 and 3000 (carry bench/ab and bench/attn-step-probe)
     (cd bench && KESTREL_ATTN_POS="44 300 1000 2500 4000 8000" timeout 200 python3 attn_step_probe.py time \
