@@ -13,6 +13,9 @@
 # Here:  bash bench/build_stop_plans.sh 0.8b-bf16-spec3 0.8b-q4-spec3 next80-q4-spec3 next80-q4 next80-q4-stream \
 #          next4-q4 next4-q4-stream 27b-q4
 # There: run(carry=["bench/plans"]): bash bench/device_stop35.sh $OUT spec; ... next80
+# Stop 35 added the attention parts (results/stop35/README.md): attn, ab, oldnew, sanitize, each described at its case;
+# they read bench/attn-step-probe (python bench/attn_step_probe.py compile bench/attn-step-probe), bench/attn-step-old
+# (the same compiled from a checkout of 334f51f) and bench/ab/{old,new} (plans built before / after), carried.
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1

@@ -151,6 +151,9 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
       tile, the partials, the ticket and the serial merge cost a short context's step 6-12 us per
       attention layer more than the per-query-head kernel this replaced (27B q4 5.67 against 5.52
       ms/token at positions 40-104, H200, bench/results/stop20 call 5);
+    * MERGE_CH = min(SPLITS, merge_splits [32]) splits' partials a head summed at a time by the combine, with
+      merge_stages [2] chunks in flight; MERGE_SMALL = merge_small [8] (with merge_small_stages [4] in flight)
+      where SPLITS > MERGE_CH, else 0: at up to that many active splits the combine takes chunks of that many;
     * DOT_FP32: False (True only in interpreter tests, where Triton computes bf16 dots wrongly: the
       same bf16 parts then go through fp32 dots).
 
@@ -177,7 +180,8 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
                            "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
                            "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
                            "MERGE_CH": min(splits, r.merge_splits), "MERGE_STAGES": r.merge_stages,
-                           "MERGE_SMALL": min(splits, r.merge_small), "MERGE_SMALL_STAGES": r.merge_small_stages,
+                           "MERGE_SMALL": r.merge_small if splits > r.merge_splits else 0,
+                           "MERGE_SMALL_STAGES": r.merge_small_stages,
                            "DOT_FP32": False}}
 
 
@@ -372,13 +376,16 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     them, an active program takes a ticket from ``ticket[g]`` (an integer atomic, acquire-release
     at GPU scope, after a CTA barrier; only the first NKV of the NH tickets are used); the program
     that draws ticket A - 1 merges, head by head of the group in order, the A partials of that head
-    in split order (read back from L2), in chunks of MERGE_SMALL splits (A <= MERGE_SMALL) or MERGE_CH,
-    the next chunk's copied in while one is summed, rescaled to the running max (a [SPLITS, D] tile a
-    head made an 80B-A3B layer's step 46 us at 4,000 rows of 8,192, 23 in chunks of 32;
-    bench/results/stop35); it applies the output gate, stores out[h], and resets the
+    in split order (read back from L2), the next head's (or chunk's) copied in while one is summed:
+    with SPLITS <= MERGE_CH a head's A partials as one tile; with more splits in chunks of MERGE_CH
+    rescaled to the running max, or of MERGE_SMALL at A <= MERGE_SMALL. (A [SPLITS, D] tile a head made
+    an 80B-A3B layer 46 us at 4,000 rows of 8,192, chunks of 32 23 us, chained; at max_seq 8192 the 0.8B
+    step 0.752 against 0.842 ms/token at position 1000, 0.818 / 0.849 at 3000. At max_seq 4096 (32
+    splits) the small chunks made position 1000 faster but 2000-4000 slower in the whole step, so they
+    are off there; bench/results/stop35.) It applies the output gate, stores out[h], and resets the
     ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
-    partial is read from memory, in a fixed order), so runs repeat bit for bit. With one active split (p <= SPLIT_ROWS) its program stores the
-    outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
+    partial is read from memory, in a fixed order), so runs repeat bit for bit. With one active split
+    (p <= SPLIT_ROWS) its program stores the outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
     ticket or serial merge, which made a short context's step 6-12 us slower per attention layer
     than the per-query-head kernel this replaced (H200, bench/results/stop20 call 3).
 
@@ -594,7 +601,7 @@ def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, s
     if ticket == active - 1:  # the last active split of kv head g merges, head by head, in split order
         # the heads' sums in chunks of the active splits: few splits in small chunks with more of them in flight,
         # more in large ones (the launch rule's MERGE_* constants; bench/attn_step_probe.py)
-        if active <= MERGE_SMALL:
+        if MERGE_SMALL > 0 and active <= MERGE_SMALL:
             _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP, D, SPLITS, BLOCK_D, MERGE_SMALL,
                          MERGE_SMALL_STAGES)
         else:
@@ -611,6 +618,21 @@ def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP: tl.constex
     rescaled to the running max as a chunk raises it (one chunk: sum_j acc_j 2^(m_j - m) / sum_j l_j 2^(m_j - m),
     m the max of the m_j); the gated output stored after a head's last chunk."""
     jc = tl.arange(0, CH)
+    if CH >= SPLITS:  # one chunk a head, whatever the active splits: a loop over the heads alone
+        for i in tl.range(0, REP, num_stages=STAGES):
+            h = g * REP + i
+            jm = jc < active
+            rows_p = part_ptr + (h * SPLITS + jc) * (D + 2)
+            m_c = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
+            l_c = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+            acc_c = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
+                            cache_modifier=".cg")
+            m = tl.max(m_c, axis=0)  # finite: split 0 holds row p
+            w = tl.exp2(m_c - m)
+            o = tl.sum(acc_c * w[:, None], axis=0) / tl.sum(l_c * w, axis=0)
+            gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + h * D + d, o * tl.sigmoid(gate), mask=dmask)
+        return
     chunks = tl.cdiv(active, CH)
     num = tl.zeros([BLOCK_D], tl.float32)
     den = 0.0

@@ -92,10 +92,11 @@ def test_attn_step_many_tiles(dtype):
             check_step(8, 2, 64, 130, pos, 32, dtype, seed=pos, block_s=16, splits=splits)
     # 8 splits of 2 tiles at pos 520: the last split has no rows left (its partial is empty)
     check_step(2, 1, 16, 600, 520, 8, dtype, seed=3, splits=8)
-    # the merge past MERGE_SMALL active splits: 19 and 32, in the rule's one chunk of 32 and in chunks of 16 (a
-    # chunk of 3 after a full one; two full chunks), three heads a group
-    for pos in (300, 520):
-        for extra in (None, {"MERGE_CH": 16}):
+    # the combine at 7, 19 and 32 active splits of 32, three heads a group: the rule's one chunk a head (MERGE_CH =
+    # SPLITS, no small path), and chunks of 16 with the small path at up to 8 (7: the small path; 19: a chunk of 3
+    # after a full one; 32: two full chunks, rescaled to the running max)
+    for pos in (100, 300, 520):
+        for extra in (None, {"MERGE_CH": 16, "MERGE_SMALL": 8}):
             check_step(6, 2, 16, 600, pos, 8, dtype, seed=pos + 1, block_s=16, splits=32, extra=extra)
 
 

@@ -1,0 +1,116 @@
+"""The normed q4 matvec (kernels/matvec.py rmsnorm_matvec_kernel) at the 27B q4 step's shapes, where the step's
+profile puts it at 64% of the read bandwidth against matvec_add's 89% (bench/results/stop35 call 6: 63 launches,
+992 us in the graph): the launch rule's split (the many-rows regime: 16 rows x 512 inputs, one warp) against other
+splits, and the plain matvec_kernel at the same splits (what the norm costs), each checked against
+rmsnorm_matvec_ref on the device and timed chained with programmatic edges over weight copies larger than L2.
+
+Here:            python bench/norm_matvec_probe.py compile bench/norm-matvec-probe
+On the device:   cd bench && python3 norm_matvec_probe.py time norm-matvec-probe $OUT/norm-matvec.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+
+SHAPES = {"in_proj": (16480, 5120), "attn_qkv": (14336, 5120)}  # the 27B GDN in_proj, attention q|gate|k|v
+GROUP, P, EPS = 128, 640, 1e-6  # P: the producer's partial sums of squares (matvec_add's programs at 5120 rows)
+SPLITS = [(16, 512, 1), (16, 512, 2), (16, 1024, 2), (16, 1024, 4), (8, 1024, 4), (8, 512, 2), (32, 512, 2),
+          (32, 1024, 4), (4, 1024, 4)]  # (BLOCK_N, BLOCK_K, warps)
+
+
+def _jobs():
+    for shape, (n, k) in SHAPES.items():
+        for kind in ("rmsnorm_matvec", "matvec"):
+            for bn, bk, nw in SPLITS:
+                yield shape, n, k, kind, bn, bk, nw
+
+
+def _compile(job):
+    from kestrel.compiler.codegen import compile_kernel
+    from kestrel.kernels.matvec import matvec_kernel, matvec_launch, norm_mode, rmsnorm_matvec_kernel
+    from kestrel.kernels.targets import TARGETS, pow2_at_least
+
+    shape, n, k, kind, bn, bk, nw = job
+    rule = matvec_launch(n, k, GROUP, TARGETS["sm_90"])["constexprs"]  # (its PDL_LATE and PRELOAD)
+    consts = {"N": n, "K": k, "GROUP": GROUP, "BLOCK_N": bn, "BLOCK_K": bk, "PDL_LATE": rule["PDL_LATE"],
+              "PRELOAD": rule["PRELOAD"]}
+    if kind == "matvec":
+        fn, types = matvec_kernel, ["*fp32", "*u8", "*fp32"]
+    else:
+        fn, types = rmsnorm_matvec_kernel, ["*fp32", "*fp32", "*fp32", "*u8", "*fp32", "fp32"]
+        consts |= {"P": P, "BLOCK_P": pow2_at_least(P), "NORM": norm_mode(k, bk, GROUP)}
+    try:
+        ck = compile_kernel(f"{kind}_q4g{GROUP}", fn, types, consts, nw, 90, [t.startswith("*") for t in types])
+    except Exception as e:  # noqa: BLE001
+        return None, f"skip {job}: {type(e).__name__} {str(e)[:200]}"
+    return (ck, {"grid": [-(-n // bn), 1, 1]}), None
+
+
+def _describe(job, ck, launch) -> dict:
+    from kestrel.kernels.matvec import matvec_launch
+    from kestrel.kernels.targets import TARGETS
+
+    shape, n, k, kind, bn, bk, nw = job
+    r = matvec_launch(n, k, GROUP, TARGETS["sm_90"])
+    return {"shape": shape, "N": n, "K": k, "kind": kind, "BLOCK_N": bn, "BLOCK_K": bk, "warps": nw,
+            "rule": (r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"]) == (bn, bk, nw)}
+
+
+def compile_all(folder: str) -> None:
+    from cubin_folder import compile_to_folder
+
+    compile_to_folder(folder, list(_jobs()), _compile, _describe, prefix="m")
+
+
+def time_all(folder: str, out: str) -> None:
+    import os
+
+    import torch
+
+    from graph_timing import chain_times_us, rotating_copies
+    from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack, rmsnorm_matvec_ref
+    from kestrel.runtime import cuda as kc
+
+    index = json.load(open(os.path.join(folder, "index.json")))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    rows = []
+    for shape, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)
+        buf = q4_pack(w, GROUP)
+        deq = q4_unpack(buf, n, k, GROUP)
+        copies = [buf] + [buf.clone() for _ in range(rotating_copies(buf.numel()) - 1)]
+        x = torch.randn(k, generator=gen, device="cuda")
+        nw = 0.1 * torch.randn(k, generator=gen, device="cuda")
+        ss = torch.zeros(P, device="cuda")
+        ss[0] = (x.double() ** 2).sum().float()  # the mean square in one partial, the rest zero
+        refs = {"rmsnorm_matvec": rmsnorm_matvec_ref(x, ss, nw, deq, EPS), "matvec": matvec_ref(x, deq)}
+        for e in (e for e in index if e["shape"] == shape):
+            kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"],
+                               e["shared"])
+            outs = [torch.full((n,), float("nan"), device="cuda") for _ in copies]
+            if e["kind"] == "matvec":
+                sets = [kc.PackedArgs(e["params"], [x.data_ptr(), b.data_ptr(), o.data_ptr()])
+                        for b, o in zip(copies, outs)]
+            else:
+                sets = [kc.PackedArgs(e["params"], [x.data_ptr(), ss.data_ptr(), nw.data_ptr(), b.data_ptr(),
+                                                    o.data_ptr(), EPS]) for b, o in zip(copies, outs)]
+            kc.launch(kernel, e["grid"], sets[0], stream)
+            torch.cuda.synchronize()
+            ref = refs[e["kind"]]
+            err = ((outs[0] - ref).abs().max() / ref.abs().max()).item()
+            us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=7, launches=64))
+            gbps = buf.numel() / us / 1e3
+            rows.append({**e, "us": us, "GBps": gbps, "rel_err": err})
+            print(f"{shape:>8} {e['kind']:<15} {e['BLOCK_N']:>3} x {e['BLOCK_K']:>5} {e['warps']} warps "
+                  f"{us:8.2f} us {gbps:7.0f} GB/s err {err:.1e}{'  (rule)' if e['rule'] else ''}", flush=True)
+    json.dump({"rows": rows}, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "compile":
+        compile_all(sys.argv[2])
+    else:
+        time_all(sys.argv[2], sys.argv[3])
