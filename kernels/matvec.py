@@ -534,9 +534,16 @@ def rmsnorm_matvec_swiglu_ref(s, ss, nw, w_gate, w_up, eps: float):
 def rmsnorm_matvec_launch(n: int, k: int, group: int, partials: int, target, pair: bool = False) -> dict:
     """rmsnorm_matvec_kernel's (``pair``: rmsnorm_matvec_swiglu_kernel's) launch: matvec_launch's,
     plus P (the producer's ``partials``), BLOCK_P (P rounded up to a power of two: one vector) and
-    NORM (``norm_mode``)."""
+    NORM (``norm_mode``). A single q4 product with many rows takes the rule's q4_wide_norm_block_n rows
+    and q4_wide_norm_warps warps a CTA (each program normalises its x slice once for all its rows)."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = launch["constexprs"]
+    r = target.rules["matvec"]
+    if group and not pair and c["BLOCK_N"] == 16 and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:
+        bn = r.q4_wide_norm_block_n
+        launch = {**launch, "grid": [(n + bn - 1) // bn, 1, 1],
+                  "num_warps": max(1, min(r.q4_wide_norm_warps, bn * c["BLOCK_K"] // 32 // 32))}
+        c = {**c, "BLOCK_N": bn}
     return {**launch, "constexprs": {**c, "P": partials, "BLOCK_P": pow2_at_least(partials),
                                      "NORM": norm_mode(k, c["BLOCK_K"], group)}}
 
