@@ -611,6 +611,17 @@ def _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, s
 
 
 @triton.jit
+def _partials(part_ptr, h, j, active, d, dmask, D: tl.constexpr, SPLITS: tl.constexpr):
+    """Head h's partials (m, l, acc) of splits j (those >= active masked: m -1e30, l and acc 0), read past L1."""
+    jm = j < active
+    rows_p = part_ptr + (h * SPLITS + j) * (D + 2)
+    m_c = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
+    l_c = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+    acc_c = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+    return m_c, l_c, acc_c
+
+
+@triton.jit
 def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP: tl.constexpr, D: tl.constexpr,
                  SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr):
     """The combine's sums for the REP heads of kv head g: one flat loop over (head, chunk of CH active splits),
@@ -621,12 +632,7 @@ def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP: tl.constex
     if CH >= SPLITS:  # one chunk a head, whatever the active splits: a loop over the heads alone
         for i in tl.range(0, REP, num_stages=STAGES):
             h = g * REP + i
-            jm = jc < active
-            rows_p = part_ptr + (h * SPLITS + jc) * (D + 2)
-            m_c = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
-            l_c = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
-            acc_c = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
-                            cache_modifier=".cg")
+            m_c, l_c, acc_c = _partials(part_ptr, h, jc, active, d, dmask, D, SPLITS)
             m = tl.max(m_c, axis=0)  # finite: split 0 holds row p
             w = tl.exp2(m_c - m)
             o = tl.sum(acc_c * w[:, None], axis=0) / tl.sum(l_c * w, axis=0)
@@ -641,13 +647,7 @@ def _merge_heads(part_ptr, qg_ptr, out_ptr, g, active, d, dmask, REP: tl.constex
         i = t // chunks
         c = t - i * chunks
         h = g * REP + i
-        jj = c * CH + jc
-        jm = jj < active
-        rows_p = part_ptr + (h * SPLITS + jj) * (D + 2)
-        m_c = tl.load(rows_p + D, mask=jm, other=-1.0e30, cache_modifier=".cg")
-        l_c = tl.load(rows_p + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
-        acc_c = tl.load(rows_p[:, None] + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
-                        cache_modifier=".cg")
+        m_c, l_c, acc_c = _partials(part_ptr, h, c * CH + jc, active, d, dmask, D, SPLITS)
         gate = tl.load(qg_ptr + h * 2 * D + D + d, mask=dmask, other=0.0).to(tl.float32)
         first = c == 0
         m_new = tl.maximum(tl.where(first, -1.0e30, m_run), tl.max(m_c, axis=0))  # finite: split 0 holds row p
