@@ -385,9 +385,10 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     are off there; bench/results/stop35.) It applies the output gate, stores out[h], and resets the
     ticket to 0 for the next launch. Which program combines varies; what it computes does not (every
     partial is read from memory, in a fixed order), so runs repeat bit for bit. With one active split
-    (p <= SPLIT_ROWS) its program stores the outputs itself, acc / l (what the merge of one partial computes, bit for bit): no partials,
-    ticket or serial merge, which made a short context's step 6-12 us slower per attention layer
-    than the per-query-head kernel this replaced (H200, bench/results/stop20 call 3).
+    (p <= SPLIT_ROWS) its program stores the outputs itself, acc / l (what the merge of one partial
+    computes, bit for bit): no partials, ticket or serial merge, which made a short context's step
+    6-12 us slower per attention layer than the per-query-head kernel this replaced (H200,
+    bench/results/stop20 call 3).
 
     Ordering (race-free under any CTA schedule): row p is never read from memory. Every program
     computes its kv head's roped k and v in registers and rounds them to the cache dtype (what the

@@ -539,7 +539,7 @@ def rmsnorm_matvec_launch(n: int, k: int, group: int, partials: int, target, pai
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = launch["constexprs"]
     r = target.rules["matvec"]
-    if group and not pair and c["BLOCK_N"] == 16 and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:
+    if group and not pair and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:  # (matvec_launch's many rows)
         bn = r.q4_wide_norm_block_n
         launch = {**launch, "grid": [(n + bn - 1) // bn, 1, 1],
                   "num_warps": max(1, min(r.q4_wide_norm_warps, bn * c["BLOCK_K"] // 32 // 32))}
