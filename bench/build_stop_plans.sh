@@ -6,7 +6,7 @@
 #     27b-q4-spec3-nosplit 27b-q4-spec3-persist 27b4-q4-m4-persist 27b4-q4-spec3-persist wide4-q4-m4
 #     tiny-mtp-bf16-spec3 0.8b-bf16-m4 wide4-bf16-m4 27b-bf16-spec3-nomma 27b4-bf16-spec3
 #     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma 0.8b-bf16-nopre 27b-q4 27b-bf16 0.8b-bf16-gdnnopre 0.8b-q4-gdnnopre
-#     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32
+#     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32 next4-q4-spec3
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -36,6 +36,7 @@ for p in "$@"; do
     0.8b-bf16) kestrelc build qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16.plan ;;
     0.8b-q4) kestrelc build qwen3.5-0.8b $R --quant q4 -o bench/plans/qwen3.5-0.8b-sm90-q4.plan ;;
     0.8b-q4-m8) kestrelc build qwen3.5-0.8b $R --quant q4 --prefill-rows 8 -o bench/plans/qwen3.5-0.8b-sm90-q4-m8.plan ;;
+    next4-q4-spec3) kestrelc build "$(next4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-q4-spec3.plan ;;
     next4-bf16-spec3) kestrelc build "$(next4)" $R --quant bf16 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-bf16-spec3.plan ;;
     27b-q4-norm32) python3 bench/build_variant.py matvec.q4_wide_norm_block_n=32 matvec.q4_wide_norm_warps=2 -- qwen3.5-27b $R --quant q4 -o bench/plans/qwen3.5-27b-sm90-q4-norm32.plan ;;
     next80-q4-spec3) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-spec3.plan ;;

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kestrel.kernels.pdl import pdl_launch, pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
-from kestrel.kernels.targets import pow2_at_least
+from kestrel.kernels.targets import fp_fusion, pow2_at_least
 
 
 def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -197,10 +197,16 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
             block_k //= 2
         # no more warps than 16-byte chunks in a tile row band (32 inputs each per row)
         num_warps = max(1, min(num_warps, block_n * block_k // 32 // 32))
-    return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps,
+    return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps, **_fp_fusion(group, target),
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
                            "PRELOAD": not group and n * k * 2 < r.preload_bytes}}
+
+
+def _fp_fusion(group: int, target) -> dict:
+    """The launch's ``fp_fusion`` key: off for floating-point weights where ``target.rules["matvec_rows"].fp_fusion``
+    is (a speculative plan: the one-row and few-rows kernels then sum each chunk's products in one order)."""
+    return {} if group else fp_fusion(target.rules["matvec_rows"].fp_fusion)
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -706,7 +712,7 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
         bn, bk, num_warps = rr.small_short if k <= rr.small_short_k else rr.small_long
         c["BLOCK_N"], c["BLOCK_K"] = bn, min(bk, pow2_at_least(k))
     rows = few_rows_per_program(m)
-    return {"grid": [-(-n // c["BLOCK_N"]), -(-m // rows), 1], "num_warps": num_warps,
+    return {"grid": [-(-n // c["BLOCK_N"]), -(-m // rows), 1], "num_warps": num_warps, **_fp_fusion(group, target),
             "constexprs": {"M": m, **c, "R": rows}}
 
 

@@ -36,9 +36,10 @@ class MatvecRule(Rule):
     max_block_n: int            # ... up to this many rows per CTA
     q4_wide_ctas_per_sm: int    # q4, many rows (N >= 16 * q4_wide_ctas_per_sm * SMs): 16-row CTAs, ...
     q4_wide_block_k: int        # ... BLOCK_K q4_wide_block_k, one warp (two for the swiglu pair); the normed
-    q4_wide_norm_block_n: int = 16  # product (rmsnorm_matvec) this many rows a CTA and ...
-    q4_wide_norm_warps: int = 1     # ... warps (bench/norm_matvec_probe.py, stop 35 call 11: 32 x 2 was 7% faster
-    #                                 alone at the 27B shapes; not yet measured in a step)
+    q4_wide_norm_block_n: int = 32  # product (rmsnorm_matvec) this many rows a CTA and ...
+    q4_wide_norm_warps: int = 2     # ... warps (bench/norm_matvec_probe.py, stop 35 call 11: 32 x 2 7% faster than
+    #                                 16 x 1 alone at the 27B shapes; 27B q4 step 5.092 against 5.159 ms/token, A B B A,
+    #                                 bench/results/stop36 call 1)
     q4_min_block_n: int         # q4, fewer rows: q4_min_block_n rows per CTA, doubled (to q4_max_block_n) ...
     q4_max_block_n: int
     q4_ctas_per_sm: int         # ... while the grid keeps this many CTAs per SM;
@@ -74,8 +75,14 @@ class MatvecRowsRule(Rule):
     one_row_split: bool = False  # the one-row kernel's split at every shape, q4 and small bf16 too (each row's
     #                              products then the one-token step's bit for bit; speculative plans:
     #                              exact_verify_rules)
-    fold_one_row: bool = True   # fuse's norm folded into one-row products of floating-point matrices stays; False:
-    #                             unfolded (passes/fold_row_norms.py), as the few-rows matvec runs a verify's rows
+    fold_one_row: bool = True   # fuse's norm folded into one-row products stays; False: unfolded where a
+    #                             floating-point matrix or a MoE block is in the chain (passes/fold_row_norms.py),
+    #                             as the few-rows matvec and the MoE kernels run a verify's rows
+    fp_fusion: bool = True      # floating-point matvecs (one row and few rows alike) with products contracted
+    #                             into adds (FMA); False: not, so the one-row kernel and the few-rows kernel sum
+    #                             a chunk's products in one rounding order (with contraction the compiler picks
+    #                             which product of a chunk stays unfused, and picked differently for the two at
+    #                             Qwen3-Next's router, bench/results/stop36 call 2; speculative plans)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,13 +507,15 @@ def exact_verify_rules(rows: int) -> str:
     twins of: the q4 products at one row on the verify's tensor-core kernel and split (q4_mma.one_row_as; q4_stream
     has no rows form), bf16 and small products on the few-rows matvec at the one-row split (bf16_mma.max_rows,
     matvec_rows.one_row_split) with the norms between them unfolded at one row as they are at the verify's rows
-    (matvec_rows.fold_one_row), attention rows in the one-token kernel's order (attn_rows.step_order_rows, which
-    also gives the verify's key rows attn_step's warps), and no FMA contraction in the Gated DeltaNet and attention
-    twins (fp_fusion). Its cost falls on the one-token step of such a plan (27B q4 5.9 against 5.2 ms); the
-    iteration costs what it did (2.40 against 2.39 ms/token projected at 2.5 accepted)."""
+    (matvec_rows.fold_one_row), the floating-point products of both without FMA contraction (matvec_rows.fp_fusion:
+    the compiler contracts a chunk's products differently in the two kernels at some shapes), attention rows in
+    the one-token kernel's order (attn_rows.step_order_rows, which also gives the verify's key rows attn_step's
+    warps), and no FMA contraction in the Gated DeltaNet and attention twins (fp_fusion). Its cost falls on the
+    one-token step of such a plan (27B q4 5.9 against 5.2 ms); the iteration costs what it did (2.40 against 2.39
+    ms/token projected at 2.5 accepted)."""
     return (f"q4_mma.one_row_as={rows} q4_stream.pair=False bf16_mma.max_rows=0 matvec_rows.one_row_split=True "
-            f"matvec_rows.fold_one_row=False attn_rows.step_order_rows={rows} gdn_delta.fp_fusion=False "
-            f"attention.fp_fusion=False")
+            f"matvec_rows.fold_one_row=False matvec_rows.fp_fusion=False attn_rows.step_order_rows={rows} "
+            f"gdn_delta.fp_fusion=False attention.fp_fusion=False")
 
 
 @contextlib.contextmanager

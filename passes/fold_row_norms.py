@@ -12,10 +12,12 @@ few-rows and GEMM kernels, targets without the kernel, the CPU path, ``KESTREL_R
 or ``bf16_mma.fold_norms=False``) nothing changes: the norm stays its own launch.
 
 And at one row, where the target's rule ``matvec_rows.fold_one_row`` is False (a speculative plan's
-``exact_verify_rules``): no ``matmul_add`` of a floating-point matrix is left feeding only ``rmsnorm_matmul`` /
-``rmsnorm_matmul_swiglu`` of floating-point matrices: fuse's rule 7 is undone there (``matmul``, ``add_rmsnorm``,
-``matmul`` / ``matmul_swiglu`` of the norm), as a verify's few-rows matvec computes those rows, which has no
-folded form (the folded one-row kernels apply the norm's factor after the product: another rounding).
+``exact_verify_rules``): no one-row chain is left folded that the verify's rows run unfolded. Fuse's rule 7 is
+undone (``matmul`` / ``moe_down``, ``add_rmsnorm``, then ``matmul`` / ``matmul_swiglu`` / ``moe_gate_up`` of the
+norm) wherever a floating-point matrix or a MoE block is in the chain, as a verify's few-rows matvec and MoE
+kernels compute those rows, which have no folded form (the folded one-row kernels take the norm's mean square
+from the producer's partial sums, or apply its factor after the product: other roundings). Only the q4 chains
+the tensor-core kernel folds at the verify's rows stay folded.
 
 After quantize (it needs the matrices' precision) and with the build's target; select_kernels then gives
 the folded ops the kernel's ``q4mma_add`` / ``q4mma_norm(_swiglu)`` (``bf16mma_...``) launches and sizes the
@@ -56,7 +58,9 @@ def _accept(target):
     return accept
 
 
-UNFOLD_CONSUMERS = {"rmsnorm_matmul": "matmul", "rmsnorm_matmul_swiglu": "matmul_swiglu"}
+UNFOLD_PRODUCERS = {"matmul_add": "matmul", "moe_down_add": "moe_down"}
+UNFOLD_CONSUMERS = {"rmsnorm_matmul": "matmul", "rmsnorm_matmul_swiglu": "matmul_swiglu",
+                    "rmsnorm_moe_gate_up": "moe_gate_up"}
 
 
 def _fp(op: Op) -> bool:
@@ -64,28 +68,42 @@ def _fp(op: Op) -> bool:
     return all(not is_q4(w.type.dtype) for w in op.ins if isinstance(w, Weight))
 
 
+def _rows_fold(producer: Op, consumers: list[Op]) -> bool:
+    """A one-row chain whose form at the verify's rows is folded too: a q4 product and q4 ``rmsnorm_matmul(_swiglu)``
+    consumers (the tensor-core few-rows kernel's pair). Any floating-point matrix, or a MoE block on either side
+    (its rows kernels have no folded form), and the verify runs the chain unfolded."""
+    return (producer.kind == "matmul_add" and not _fp(producer)
+            and all(u.kind != "rmsnorm_moe_gate_up" and not _fp(u) for u in consumers))
+
+
 def unfold_one_row_norms(p: Program) -> int:
-    """Fuse's rule 7 undone at one row for floating-point matrices: ``matmul_add`` (s, ss) -> ``matmul`` then
-    ``add_rmsnorm``, its ``rmsnorm_matmul(_swiglu)`` consumers -> ``matmul(_swiglu)`` of the norm, as the few-rows
-    matvec runs a verify's rows (it has no folded form). Returns the chains unfolded."""
+    """Fuse's rule 7 undone at one row where the verify's rows run the chain unfolded (``_rows_fold``):
+    ``matmul_add`` / ``moe_down_add`` (s, ss) -> ``matmul`` / ``moe_down`` then ``add_rmsnorm``, its
+    ``rmsnorm_matmul(_swiglu)`` / ``rmsnorm_moe_gate_up`` consumers -> ``matmul(_swiglu)`` / ``moe_gate_up`` of the
+    norm, as the few-rows matvec and the MoE kernels run a verify's rows (the folded one-row kernels apply the norm
+    by tile from the producer's partial sums: another order of the sum of squares, so other bits). Returns the
+    chains unfolded."""
     users: dict[int, list[Op]] = {}
     for op in p.ops:
         for v in op.ins:
             users.setdefault(id(v), []).append(op)
     n = 0
     for op in list(p.ops):
-        if op.kind != "matmul_add" or len(op.ins[0].type.shape) != 1 or not _fp(op):
+        if op.kind not in UNFOLD_PRODUCERS or len(op.ins[0].type.shape) != 1:
             continue
         s, ss = op.outs
-        x, w, r = op.ins
+        *mm_ins, r = op.ins
         consumers = users.get(id(ss), [])
-        if not consumers or any(u.kind not in UNFOLD_CONSUMERS or u.ins[0] is not s or u.ins[1] is not ss or not _fp(u)
+        if not consumers or any(u.kind not in UNFOLD_CONSUMERS or u.ins[0] is not s or u.ins[1] is not ss
                                 for u in consumers) or len({(id(u.ins[2]), u.attrs["eps"]) for u in consumers}) != 1:
+            continue
+        if _rows_fold(op, consumers):
             continue
         nw, eps = consumers[0].ins[2], consumers[0].attrs["eps"]
         y, normed = Value(TensorType("f32", s.type.shape)), Value(TensorType("f32", s.type.shape))
         i = p.ops.index(op)
-        p.ops[i:i + 1] = [Op("matmul", [y], [x, w], {}), Op("add_rmsnorm", [s, normed], [r, y, nw], {"eps": eps})]
+        p.ops[i:i + 1] = [Op(UNFOLD_PRODUCERS[op.kind], [y], mm_ins, {}),
+                          Op("add_rmsnorm", [s, normed], [r, y, nw], {"eps": eps})]
         for u in consumers:
             p.ops[p.ops.index(u)] = Op(UNFOLD_CONSUMERS[u.kind], u.outs, [normed, *u.ins[3:]],
                                        {k: v for k, v in u.attrs.items() if k != "eps"})
@@ -112,4 +130,5 @@ def check(program: Program, target: str) -> None:
     if _folds(target) and (n := fold_norms_into_matmuls(p, rows=True, accept=_accept(TARGETS[target]))):
         raise IRError(f"fold_row_norms: {n} add_rmsnorm chains at M rows left after the pass")
     if _unfolds(target) and (n := unfold_one_row_norms(p)):
-        raise IRError(f"fold_row_norms: {n} folded norms of floating-point matrices at one row left after the pass")
+        raise IRError(f"fold_row_norms: {n} folded norms at one row that the verify's rows run unfolded left after "
+                      "the pass")

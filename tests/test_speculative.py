@@ -287,6 +287,50 @@ def test_sm90_speculative_plan_is_built_with_the_exact_verify_rules(tmp_path):
     assert "matmul_add" in plain and "rmsnorm_matmul_swiglu" in plain
     assert not {"matmul_add", "rmsnorm_matmul", "rmsnorm_matmul_swiglu"} & set(spec)
     assert spec.count("add_rmsnorm") == plain.count("matmul_add") + plain.count("add_rmsnorm")
+    # and its bf16 products, one row and few rows, without FMA contraction (matvec_rows.fp_fusion)
+    off = [k["id"] for k in load_plan(str(tmp_path / "sb.plan")).launch_plan["kernels"] if k.get("fp_fusion") is False]
+    assert {"matvec_bf16", "matvec_rows_bf16"} <= set(off), off
+    assert not any("fp_fusion" in k for k in load_plan(str(tmp_path / "pb.plan")).launch_plan["kernels"])
+
+
+def test_sm90_speculative_qwen3_next_step_runs_the_verify_rows_moe_chains(tmp_path):
+    """Qwen3-Next (q4, sm_90): the verify's rows run the residual add, the norm, the router and the MoE block
+    unfolded (the MoE kernels have no folded rows form), so a speculative plan's one-token step runs them so too
+    (exact_verify_rules: each verified row the step's bit for bit): per weight, the ops that read the layers'
+    norms, routers and experts are of the same kinds in both programs, where a plain plan folds them into the
+    products (matmul_add, moe_down_add, rmsnorm_matmul, rmsnorm_moe_gate_up). The q4 chains the tensor-core
+    kernel folds at the verify's rows (the attention layer's dense MLP) stay folded in both."""
+    from kestrel.compiler.ir import Weight
+    from kestrel.compiler.ir_text import parse_program
+
+    def ops(name, **kw):
+        build("tiny-next-mtp", str(tmp_path / name), log=lambda m: None, progress=False, target="sm_90", quant="q4",
+              **kw)
+        plan = load_plan(str(tmp_path / name))
+        return plan, [op for op in parse_program(plan.program_text).ops]
+
+    def by_weight(program_ops, rows: int):
+        """{weight name: [kinds of the ops at ``rows`` rows reading it]} for the model's layers (not the head's)."""
+        out = {}
+        for op in program_ops:
+            shape = op.ins[0].type.shape if op.ins and hasattr(op.ins[0], "type") else ()
+            if len(shape) != (1 if rows == 1 else 2) or (rows > 1 and shape[0] != rows):
+                continue
+            for w in op.ins:
+                if isinstance(w, Weight) and w.name.startswith("layers.") and (".mlp." in w.name or "layernorm" in w.name):
+                    out.setdefault(w.name, []).append(op.kind)
+        return out
+
+    spec_plan, spec = ops("s.plan", speculative="mtp", draft_tokens=3)
+    _, plain = ops("p.plan")
+    verify = parse_program(spec_plan.spec_programs[1]).ops
+    folded = {"matmul_add", "moe_down_add", "rmsnorm_moe_gate_up"}
+    assert folded <= {op.kind for op in plain}
+    step_kinds, verify_kinds = by_weight(spec, 1), by_weight(verify, 4)
+    assert step_kinds and step_kinds == verify_kinds, (step_kinds, verify_kinds)
+    assert not {"moe_down_add", "rmsnorm_moe_gate_up"} & {k for ks in step_kinds.values() for k in ks}
+    assert any(k in ("matmul_add", "rmsnorm_matmul_swiglu") for ks in step_kinds.values() for k in ks) == any(
+        k in ("matmul_add", "rmsnorm_matmul_swiglu") for ks in verify_kinds.values() for k in ks)
 
 
 def test_build_errors(tmp_path):
