@@ -7,6 +7,8 @@
 #     tiny-mtp-bf16-spec3 0.8b-bf16-m4 wide4-bf16-m4 27b-bf16-spec3-nomma 27b4-bf16-spec3
 #     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma 0.8b-bf16-nopre 27b-q4 27b-bf16 0.8b-bf16-gdnnopre 0.8b-q4-gdnnopre
 #     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32 next4-q4-spec3
+#     27b-q4-pf24 27b-q4-pf64 0.8b-q4-pf24 27b4-q4-pf64 0.8b-bf16-pf24 2b-q4 4b-q4 9b-q4 2b-q4-pfN 4b-q4-pfN 9b-q4-pfN
+#     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -60,6 +62,14 @@ for p in "$@"; do
     27b-q4-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-gdnnopre.plan ;;
     next80-q4-decode) kestrelc build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode.plan ;;
     next80-q4-decode-gdnnopre) python3 bench/build_variant.py gdn_delta.preload=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-gdnnopre.plan ;;
+    27b-q4-pf24) python3 bench/build_variant.py matvec.l2_prefetch_bytes=25165824 -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-pf24.plan ;;
+    27b-q4-pf64) python3 bench/build_variant.py matvec.l2_prefetch_bytes=67108864 -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-pf64.plan ;;
+    27b4-q4-pf64) python3 bench/build_variant.py matvec.l2_prefetch_bytes=67108864 -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-pf64.plan ;;
+    0.8b-bf16-pf24) python3 bench/build_variant.py matvec.l2_prefetch_bytes=25165824 -- qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16-pf24.plan ;;
+    2b-q4|4b-q4|9b-q4) kestrelc build qwen3.5-${p%-q4} $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-${p%-q4}-sm90-q4.plan ;;
+    0.8b-q4-pf*|2b-q4-pf*|4b-q4-pf*|9b-q4-pf*) m=qwen3.5-${p%-q4-pf*}
+      python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pf${p##*-pf}.plan ;;
+    next80-q4-decode-pf*) python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-pf${p##*-pf}.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
     27b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
     27b4-q4) kestrelc build "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4.plan ;;

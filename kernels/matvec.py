@@ -161,6 +161,15 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     0.8B q4 lost (its programmatic graph 0.528 -> 0.578 ms, so the load-time trial kept plain edges: 0.622), so
     q4 never preloads.
 
+    L2_PREFETCH (sm_90 and later): q4 matrices of at most l2_prefetch_bytes [4.5 MiB: the 0.8B ones] ask the L2
+    for their program's weight rows and scales before the PDL wait (``_l2_prefetch_rows``: bulk prefetches by one
+    thread), so a small matrix streams in while the kernel before it still runs and its K loop reads the L2.
+    H200, kestrel-run --bench, A B B A (bench/results/stop36 calls 4-5): 0.8B q4 0.509 -> 0.474 ms/token; every
+    other plan lost with it, more the more matrices took it: 27B q4 at 24 MiB 5.086 -> 5.122, at 64 MiB 5.514;
+    2B q4 at 8 / 16 MiB 0.861 -> 0.906 / 0.922, 4B 1.605 -> 1.613 / 1.713, 9B at 8 / 24 MiB 1.935 -> 1.956 / 2.241
+    (those three on plain graph edges, where nothing runs before the wait); bf16 (0.8B, 24 MiB) 0.725 -> 0.745,
+    so bf16 keeps PRELOAD alone; 80B-A3B q4 at 16 MiB 2.011 -> 2.022.
+
     PDL_LATE (programmatic dependent launch, kernels/pdl.py): from pdl_late_bytes [32 MiB] of weight the
     kernel lets the next one launch after its K loop, not at its start: on the H200 the 27B q4 step's
     programmatic graph took 6.01 ms with every matvec triggering at its start (the next kernel's
@@ -200,7 +209,8 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps, **_fp_fusion(group, target),
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
-                           "PRELOAD": not group and n * k * 2 < r.preload_bytes}}
+                           "PRELOAD": not group and n * k * 2 < r.preload_bytes,
+                           "L2_PREFETCH": bool(group) and target.cc >= 90 and n * k // 2 <= r.l2_prefetch_bytes}}
 
 
 def _fp_fusion(group: int, target) -> dict:
@@ -408,6 +418,38 @@ def _first_tile(w_ptr, rows, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def _l2_prefetch(ptr, nbytes):
+    """One thread of the program asks the L2 for [ptr, ptr + nbytes): ``cp.async.bulk.prefetch.L2`` (sm_90; ptr
+    and nbytes multiples of 16). A hint: nothing waits for it, and it reads what a load would."""
+    if not _INTERPRET:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_prefetch_rows(w_ptr, r0, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                      L2_PREFETCH: tl.constexpr):
+    """With L2_PREFETCH (q4 weights), the rows [r0, r0 + BLOCK_N) (clipped to N) of w: their packed codes
+    (contiguous, K / 2 bytes a row) and their f16 scales (after all N rows' codes, K / GROUP of them a row), each
+    range rounded inwards to 16 bytes. (matvec_launch.)"""
+    if L2_PREFETCH:
+        tl.static_assert(GROUP > 0)
+        n = tl.minimum(N - r0, BLOCK_N).to(tl.int64)
+        base = w_ptr.to(tl.pointer_type(tl.int8))
+        _l2_prefetch_range(base, r0.to(tl.int64) * (K // 2), n * (K // 2))
+        _l2_prefetch_range(base, N * (K // 2) + r0.to(tl.int64) * (K // GROUP * 2), n * (K // GROUP * 2))
+
+
+@triton.jit
+def _l2_prefetch_range(base, lo, nbytes):
+    """``_l2_prefetch`` of bytes [lo, lo + nbytes) past ``base`` (16-byte aligned), rounded inwards to 16 bytes."""
+    lo16 = (lo + 15) // 16 * 16
+    _l2_prefetch(base + lo16, tl.maximum((lo + nbytes) // 16 * 16 - lo16, 0))
+
+
+@triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, eps=0.0,
                  NORM: tl.constexpr = 0, w0=None):
@@ -461,13 +503,15 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
 @triton.jit
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                  PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                  PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                  L2_PREFETCH: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
     programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. PRELOAD: the first weight tile
     is loaded before the PDL wait (``matvec_launch``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
@@ -479,7 +523,8 @@ def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: 
 def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False,
-                         PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                         PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                         L2_PREFETCH: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
     the same split: each program computes BLOCK_N rows of both products, gate then up. (One K loop
     streaming both weights' tiles together was measured for q4 and lost: 27B q4 5.56 ms/token against
@@ -487,6 +532,8 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, PRELOAD)
+    _l2_prefetch_rows(wg_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
+    _l2_prefetch_rows(wu_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
     g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
     u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
@@ -576,12 +623,14 @@ def _partials_rstd(ss_ptr, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.co
 @triton.jit
 def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.constexpr, K: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                      PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                      PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                      L2_PREFETCH: tl.constexpr = False):
     """s = r + W @ x (matvec_kernel's product, the same split) and ss[program] = the sum of s^2 over
     the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read). PRELOAD as
     matvec_kernel's."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
@@ -596,11 +645,13 @@ def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.co
 def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.constexpr, K: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
                           BLOCK_P: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
-                          PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                          PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                          L2_PREFETCH: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
     (matvec_add_kernel's); matvec_kernel's split and PRELOAD."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
     rstd = 1.0
     if NORM == NORM_PARTIALS:
@@ -617,12 +668,15 @@ def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, e
                                  K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
                                  PDL: tl.constexpr = False,
-                                 PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                                 PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                                 L2_PREFETCH: tl.constexpr = False):
     """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split and
     PRELOAD of matvec_swiglu_kernel."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, PRELOAD)
+    _l2_prefetch_rows(wg_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
+    _l2_prefetch_rows(wu_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
     rstd = 1.0
     if NORM == NORM_PARTIALS:
@@ -694,7 +748,7 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
     shape (an experiment: bench/results/stop33)."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = dict(launch["constexprs"])
-    del c["PDL_LATE"], c["PRELOAD"]
+    del c["PDL_LATE"], c["PRELOAD"], c["L2_PREFETCH"]
     num_warps = launch["num_warps"]
     rr = target.rules["matvec_rows"]
     r = target.rules["matvec"]

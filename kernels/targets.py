@@ -36,6 +36,9 @@ class MatvecRule(Rule):
     max_block_n: int            # ... up to this many rows per CTA
     q4_wide_ctas_per_sm: int    # q4, many rows (N >= 16 * q4_wide_ctas_per_sm * SMs): 16-row CTAs, ...
     q4_wide_block_k: int        # ... BLOCK_K q4_wide_block_k, one warp (two for the swiglu pair); the normed
+    l2_prefetch_bytes: int = 9 << 19  # q4 matrices of at most this many bytes (4.5 MiB: the 0.8B ones) prefetch
+    #                                   their rows into the L2 before the PDL wait (matvec_launch's L2_PREFETCH;
+    #                                   sm_90 and later; bench/results/stop36 calls 4-5)
     q4_wide_norm_block_n: int = 32  # product (rmsnorm_matvec) this many rows a CTA and ...
     q4_wide_norm_warps: int = 2     # ... warps (bench/norm_matvec_probe.py, stop 35 call 11: 32 x 2 7% faster than
     #                                 16 x 1 alone at the 27B shapes; 27B q4 step 5.092 against 5.159 ms/token, A B B A,

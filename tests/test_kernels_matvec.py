@@ -2,6 +2,7 @@
 f32, bf16 and q4 weights (groups 32, 64, 128), with shapes that are not multiples of the blocks; the
 launch rule at the real Qwen3.5-27B shapes; AOT compilation for every target (one subprocess, since the
 suite runs with TRITON_INTERPRET=1), and a PTX check that aligned weights are read with 16-byte loads."""
+import dataclasses
 import json
 import math
 import os
@@ -111,7 +112,8 @@ def test_launch_rule_real_shapes(target, group):
     for name, (n, k) in REAL_SHAPES.items():
         c = matvec_launch(n, k, group, t)
         e = c["constexprs"]
-        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PDL_LATE", "PRELOAD"}
+        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PDL_LATE", "PRELOAD", "L2_PREFETCH"}
+        assert not e["L2_PREFETCH"]  # (27B matrices: larger than the rule's l2_prefetch_bytes)
         assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
         assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]
         assert c["grid"][0] >= 2 * t.sms, f"{name}: {c['grid'][0]} CTAs for {t.sms} SMs"
@@ -139,6 +141,22 @@ def test_launch_rule_small_and_odd_shapes():
     assert matvec_launch(1024, 3584, 128, t)["constexprs"]["BLOCK_K"] == 1024  # (3 tiles + masked tail)
     assert matvec_launch(248320, 4480, 128, t)["constexprs"]["BLOCK_K"] == 128  # q4, many rows: divides K
     assert matvec_launch(17408, 5120, 128, t, pair=True)["num_warps"] == 2  # the swiglu pair: 2 warps
+
+
+def test_l2_prefetch_rule():
+    """L2_PREFETCH: q4 matrices up to matvec.l2_prefetch_bytes (4.5 MiB: every 0.8B matrix, the 2B / 80B-A3B
+    output projections) on sm_90 and later; never bf16, never before sm_90, none with the field at 0."""
+    t = TARGETS["sm_90"]
+
+    def pf(n, k, group, target=t):
+        return matvec_launch(n, k, group, target)["constexprs"]["L2_PREFETCH"]
+    assert pf(8224, 1024, 128) and pf(1024, 3584, 128) and pf(2048, 4096, 128)  # 4 MiB
+    assert not pf(6144, 2048, 128) and not pf(5120, 6144, 128)  # 6 MiB; the 27B output projection
+    assert not pf(1024, 2048, 0)
+    assert not pf(1024, 2048, 128, TARGETS["sm_80"]) and pf(1024, 2048, 128, TARGETS["sm_120"])
+    rules = dict(t.rules)
+    rules["matvec"] = dataclasses.replace(rules["matvec"], l2_prefetch_bytes=0)
+    assert not pf(1024, 2048, 128, dataclasses.replace(t, rules=rules))
 
 
 # --- AOT compilation -----------------------------------------------------------------------------
@@ -187,8 +205,8 @@ def _ptx_job(job):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    group, aligned = job
-    n, k = REAL_SHAPES["lm_head"]
+    group, aligned, *shape = job
+    n, k = SMALL_Q4 if shape else REAL_SHAPES["lm_head"]
     c = matvec_launch(n, k, group, TARGETS["sm_90"])
     c["constexprs"]["PDL"] = True  # as codegen compiles it for sm_90
     names = ["x_ptr", "w_ptr", "y_ptr"]
@@ -204,7 +222,7 @@ def _aot_main():
     """Subprocess entry (TRITON_INTERPRET unset): run every job on a small process pool, print JSON."""
     import multiprocessing
 
-    compiles, ptx = _aot_jobs(), [(0, True), (128, True), (0, False)]
+    compiles, ptx = _aot_jobs(), [(0, True), (128, True), (0, False), (128, True, "small")]
     with multiprocessing.get_context("fork").Pool(max(1, min(4, len(os.sched_getaffinity(0))))) as pool:
         a = pool.map_async(_compile_job, compiles, chunksize=1)
         b = pool.map_async(_ptx_job, ptx, chunksize=1)
@@ -252,6 +270,19 @@ def test_aligned_pointers_give_16_byte_loads(aot, group):
 def test_unaligned_pointers_give_narrow_loads(aot):
     """The check above is not vacuous: without the 16-byte alignment hint Triton cannot vectorise."""
     assert _wide_loads(aot[1][(0, False)]) == 0
+
+
+SMALL_Q4 = (1024, 2048)  # the 0.8B output projection: under matvec.l2_prefetch_bytes
+
+
+def test_small_q4_matrix_asks_the_l2_for_its_rows_before_its_wait(aot):
+    """L2_PREFETCH in the sm_90 PTX: two bulk L2 prefetches (the program's codes, then its scales) before the PDL
+    wait; none at the lm_head shape (above the rule's bytes)."""
+    lines = aot[1][(128, True, "small")].splitlines()
+    pf = [i for i, ln in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in ln]
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    assert len(pf) == 2 and max(pf) < wait
+    assert "cp.async.bulk.prefetch" not in aot[1][(128, True)]
 
 
 def test_q4_product_range():
