@@ -8,7 +8,7 @@
 #     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma 0.8b-bf16-nopre 27b-q4 27b-bf16 0.8b-bf16-gdnnopre 0.8b-q4-gdnnopre
 #     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32 next4-q4-spec3
 #     27b-q4-pf24 27b-q4-pf64 0.8b-q4-pf24 27b4-q4-pf64 0.8b-bf16-pf24 2b-q4 4b-q4 9b-q4 2b-q4-pfN 4b-q4-pfN 9b-q4-pfN
-#     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB)
+#     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB) small4-q4
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -25,6 +25,11 @@ l27b4() {  # 4 layers of the 27B shape (3 Gated DeltaNet + 1 attention, and its 
 wide4() {  # 4 layers of the 0.8B shape with the 27B's MLP width (17,408: the pair runs persistent at 4 rows) and a
   # 4,096-token vocabulary: the CPU reference's e2e fits a device call (4 layers of 27B did not in 5 minutes)
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-0.8b']); c['num_hidden_layers'] = 4; c['intermediate_size'] = 17408; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+  echo "$d"
+}
+small4() {  # 4 layers of the 0.8B shape and a 4,096-token vocabulary: every q4 matrix under matvec.l2_prefetch_bytes,
+  # the CPU reference's e2e within a device call
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-0.8b']); c['num_hidden_layers'] = 4; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
 for p in "$@"; do
@@ -70,6 +75,7 @@ for p in "$@"; do
     0.8b-q4-pf*|2b-q4-pf*|4b-q4-pf*|9b-q4-pf*) m=qwen3.5-${p%-q4-pf*}
       python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pf${p##*-pf}.plan ;;
     next80-q4-decode-pf*) python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-pf${p##*-pf}.plan ;;
+    small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
     27b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
     27b4-q4) kestrelc build "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4.plan ;;

@@ -17,6 +17,10 @@
 #             4b-q4-pf16 9b-q4 9b-q4-pf8 9b-q4-pf24 next80-q4-decode next80-q4-decode-pf16)
 #   prefetch3 the rule (4.5 MiB, q4) against none on 0.8B / 2B / 80B-A3B q4; 0.8B q4 against the CPU reference
 #            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-pf0 2b-q4 2b-q4-pf0 next80-q4-decode next80-q4-decode-pf0)
+#   check    small4 q4 (4 layers of 0.8B, every q4 matrix prefetching) against the CPU reference and under
+#            compute-sanitizer; 27B q4 and 0.8B q4 profiles (bash bench/build_stop_plans.sh small4-q4 27b-q4 0.8b-q4)
+#   models   27B q4, 0.8B bf16 / q4, 80B-A3B q4 at this stop's rules, and llama.cpp at 0.8B in the same call
+#            (bash bench/build_stop_plans.sh 27b-q4 0.8b-bf16 0.8b-q4 next80-q4; run(carry=["bench/plans", ".peers"]))
 # Here:  bash bench/build_stop_plans.sh 27b-q4 27b-q4-norm32
 # There: run(carry=["bench/plans"]): bash bench/device_stop36.sh $OUT norm
 set -u
@@ -40,6 +44,22 @@ case $2 in
   prefetch3)  # the rule's 4.5 MiB (q4 only) against none, and the 0.8B q4 plan against the CPU reference
     STEP_TIMEOUT=150 PAIRS="qwen3.5-0.8b-sm90-q4-pf0:qwen3.5-0.8b-sm90-q4 qwen3.5-2b-sm90-q4-pf0:qwen3.5-2b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-decode-pf0:qwen3-next-80b-a3b-sm90-q4-decode" \
       E2E="qwen3.5-0.8b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
+  check)  # the L2 prefetch's plan shape (small4: every q4 matrix prefetching) against the CPU reference and under
+    # compute-sanitizer; the 27B q4 and 0.8B q4 profiles at this stop's rules
+    STEP_TIMEOUT=300 SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-small4-sm90-q4" bash bench/device_preload_ab.sh "$out"
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    for p in qwen3.5-27b-sm90-q4 qwen3.5-0.8b-sm90-q4; do
+      timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+        > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt"; grep "^\[gpu\]" "$out/profile-$p.txt"
+    done ;;
+  models)  # this stop's rules: each plan's ms/token (A B C D D C B A), llama.cpp at 0.8B in the same call
+    here=../shared/peers/llamacpp; [ -f "$here/device.sh" ] || here=.peers/llamacpp-scripts
+    nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz /tmp/peer > /tmp/llamacpp-build.txt 2>&1 &
+    build=$!
+    STEP_TIMEOUT=120 SEQ="qwen3.5-27b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out"
+    wait $build; tail -2 /tmp/llamacpp-build.txt
+    PP=512 TG=128 REPS=3 timeout 300 bash "$here/device.sh" .peers/llamacpp.tar.xz "$out" qwen3.5-0.8b:bf16 qwen3.5-0.8b:q4_0 ;;
   spec80)  # after the MoE chains' unfold (passes/fold_row_norms.py): row diff, 80B-A3B q4 K = 3 exactness and speed
     python3 bench/device_row_diff.py "$out/row-diff-next4.json" bench/plans/qwen3-next-4l-sm90-q4-spec3.plan \
       bench/plans/qwen3-next-4l-sm90-bf16-spec3.plan 2>&1 | tail -30
