@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Prepared in stop 35 for the next device call (under the 10-minute limit):
+# Stop 36's device calls (bench/results/stop36/README.md gives each call's figures), one part per call:
 #   diff     which ops of the 80B-A3B shape's speculative verify compute row 0 differently from the one-token step
 #            (stop 35: the 80B-A3B q4 K = 3 plan is not exact): bench/device_row_diff.py on the 4-layer q4 and bf16
 #            K = 3 plans (bash bench/build_stop_plans.sh next4-q4-spec3 next4-bf16-spec3)
-#   norm     the normed q4 matvec's many-rows split (matvec.q4_wide_norm_block_n / _warps): stop 35 call 11 measured
-#            32 rows x 2 warps 7% faster than the rule's 16 x 1 alone at the 27B in_proj and attention shapes; here
-#            the whole 27B q4 step, the rule's plan against `27b-q4-norm32`, A B B A (kestrel-run --bench).
+#   norm     the normed q4 matvec's many-rows split (matvec.q4_wide_norm_block_n / _warps): the whole 27B q4 step, the
+#            rule's 16 x 1 then against `27b-q4-norm32` (32 x 2, the default since), A B B A (kestrel-run --bench)
+#            (bash bench/build_stop_plans.sh 27b-q4 27b-q4-norm32)
 #   spec80   the same diff after this stop's unfold of the MoE chains at one row (passes/fold_row_norms.py), then
 #            bench/device_spec_exactness.py and device_spec.py on the 80B-A3B q4 and 0.8B bf16 K = 3 plans
 #            (bash bench/build_stop_plans.sh next4-q4-spec3 next4-bf16-spec3 next80-q4-spec3 0.8b-bf16-spec3)
@@ -15,21 +15,22 @@
 #   prefetch2 the same at 0 / 8 / 16 MiB on 2B / 4B q4, 0 / 8 / 24 on 9B q4, 0 / 24 on 0.8B bf16, 0 / 16 on 80B-A3B q4
 #            (bash bench/build_stop_plans.sh 0.8b-bf16 0.8b-bf16-pf24 2b-q4 2b-q4-pf8 2b-q4-pf16 4b-q4 4b-q4-pf8
 #             4b-q4-pf16 9b-q4 9b-q4-pf8 9b-q4-pf24 next80-q4-decode next80-q4-decode-pf16)
+#            (calls 4-5 ran with the field's default at 0, so the unsuffixed plans were the "none" column, and with
+#            bf16 matrices prefetching too; since, the default is 4.5 MiB and bf16 never prefetches: use pf0 plans)
 #   prefetch3 the rule (4.5 MiB, q4) against none on 0.8B / 2B / 80B-A3B q4; 0.8B q4 against the CPU reference
 #            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-pf0 2b-q4 2b-q4-pf0 next80-q4-decode next80-q4-decode-pf0)
 #   check    small4 q4 (4 layers of 0.8B, every q4 matrix prefetching) against the CPU reference and under
 #            compute-sanitizer; 27B q4 and 0.8B q4 profiles (bash bench/build_stop_plans.sh small4-q4 27b-q4 0.8b-q4)
 #   models   27B q4, 0.8B bf16 / q4, 80B-A3B q4 at this stop's rules, and llama.cpp at 0.8B in the same call
 #            (bash bench/build_stop_plans.sh 27b-q4 0.8b-bf16 0.8b-q4 next80-q4; run(carry=["bench/plans", ".peers"]))
-# Here:  bash bench/build_stop_plans.sh 27b-q4 27b-q4-norm32
-# There: run(carry=["bench/plans"]): bash bench/device_stop36.sh $OUT norm
+# There: run(carry=["bench/plans"]): bash bench/device_stop36.sh $OUT PART
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 case $2 in
   norm)
     STEP_TIMEOUT=150 PAIRS="qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4-norm32" bash bench/device_preload_ab.sh "$out" ;;
-  prefetch)  # matvec.l2_prefetch_bytes: the rule (0) against 24 MiB and 64 MiB; sanitizer on 4 layers at 64 MiB
+  prefetch)  # matvec.l2_prefetch_bytes: none against 24 MiB and 64 MiB; sanitizer on 4 layers at 64 MiB
     STEP_TIMEOUT=150 SEQ="qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-q4-pf24 qwen3.5-27b-sm90-q4-pf64" \
       PAIRS="qwen3.5-0.8b-sm90-q4:qwen3.5-0.8b-sm90-q4-pf24" SANITIZE="qwen3.5-27b-4l-sm90-q4-pf64" \
       bash bench/device_preload_ab.sh "$out" ;;
