@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Prepared in stop 36 for the next device calls (each under the 10-minute limit):
+#   moedown  moe_down's routed and shared experts' rows asked of the L2 before its PDL wait (moe.down_prefetch,
+#            written in stop 36, untimed; stop 35's 80B-A3B profile: moe_down_add 7.95 us a layer in the graph for
+#            ~5.6 MB): 80B-A3B q4, rule against `-dpf`, A B B A; 4 layers with it against the CPU reference and
+#            under compute-sanitizer
+#            (bash bench/build_stop_plans.sh next80-q4 next80-q4-dpf next4-q4-dpf)
+#   pdl      why programmatic edges lose at 2B q4 (the load-time trial: 0.91 against 0.80 ms plain, stop 36 call 6)
+#            while they win at 0.8B: each kernel's cost in the graph (kestrel-run --profile) with KESTREL_PDL=1 and 0
+#            (bash bench/build_stop_plans.sh 2b-q4 0.8b-q4)
+# There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART
+set -u
+out=$1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+case $2 in
+  moedown)
+    STEP_TIMEOUT=200 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-dpf" \
+      SANITIZE="qwen3-next-4l-sm90-q4-dpf" E2E="qwen3-next-4l-sm90-q4-dpf" bash bench/device_preload_ab.sh "$out"
+    p=qwen3-next-80b-a3b-sm90-q4-dpf
+    timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+      > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A16 "^in the graph" "$out/profile-$p.txt" ;;
+  pdl)
+    for p in qwen3.5-2b-sm90-q4 qwen3.5-0.8b-sm90-q4; do
+      for e in 1 0; do
+        KESTREL_PDL=$e timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 \
+          --profile "$out/profile-$p-pdl$e.json" > "$out/profile-$p-pdl$e.txt" 2>&1
+        echo "$p KESTREL_PDL=$e: exit $?"; grep -A14 "^in the graph" "$out/profile-$p-pdl$e.txt"; grep "^\[gpu\]" "$out/profile-$p-pdl$e.txt" | head -1
+      done
+    done ;;
+esac
