@@ -8,6 +8,10 @@
 #   pdl      why programmatic edges lose at 2B q4 (the load-time trial: 0.91 against 0.80 ms plain, stop 36 call 6)
 #            while they win at 0.8B: each kernel's cost in the graph (kestrel-run --profile) with KESTREL_PDL=1 and 0
 #            (bash bench/build_stop_plans.sh 2b-q4 0.8b-q4)
+#   specpdl  the speculative iteration's graph with programmatic edges against plain ones (device_spec.py's SPEC_PDL;
+#            stop 22: -1.2% at 27B q4, -2.2% at 0.8B bf16, so the runtime keeps plain edges; the iteration's kernels
+#            have changed since, and issue 12's verify / step ratio as graphs is 1.22x against 1.15x kernel by kernel)
+#            (bash bench/build_stop_plans.sh 27b-q4-spec3 0.8b-bf16-spec3)
 # There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART
 set -u
 out=$1
@@ -20,6 +24,12 @@ case $2 in
     p=qwen3-next-80b-a3b-sm90-q4-dpf
     timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
       > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A16 "^in the graph" "$out/profile-$p.txt" ;;
+  specpdl)
+    for p in qwen3.5-27b-sm90-q4-spec3 qwen3.5-0.8b-sm90-bf16-spec3; do
+      SPEC_PDL=1 timeout 250 python3 bench/device_spec.py "$out/spec-pdl-$p.json" "bench/plans/$p.plan" > "$out/spec-pdl-$p.txt" 2>&1
+      echo "$p: exit $?"; grep -E "spec==plain|verify at|as graphs" "$out/spec-pdl-$p.txt"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print('iteration ms plain', r['rounds']['iteration'], 'programmatic', r['rounds'].get('iteration_pdl'), 'same tokens', r.get('pdl_equals_plain'))" "$out/spec-pdl-$p.json"
+    done ;;
   pdl)
     for p in qwen3.5-2b-sm90-q4 qwen3.5-0.8b-sm90-q4; do
       for e in 1 0; do
