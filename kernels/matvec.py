@@ -420,11 +420,12 @@ def _first_tile(w_ptr, rows, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.c
 @triton.jit
 def _l2_prefetch(ptr, nbytes):
     """One thread of the program asks the L2 for [ptr, ptr + nbytes): ``cp.async.bulk.prefetch.L2`` (sm_90; ptr
-    and nbytes multiples of 16). A hint: nothing waits for it, and it reads what a load would."""
+    and nbytes multiples of 16; nothing asked when nbytes is 0). A hint: nothing waits for it, and it reads what a
+    load would."""
     if not _INTERPRET:
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; "
+            "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
