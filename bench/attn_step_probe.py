@@ -23,12 +23,13 @@ SHAPES = {"0.8b": (8, 2), "27b": (24, 4), "80b-a3b": (16, 2)}  # query / kv head
 D, S = 256, int(os.environ.get("KESTREL_ATTN_S", "8192"))
 POSITIONS = tuple(int(p) for p in os.environ.get("KESTREL_ATTN_POS", "44 1000 4000").split())
 EPS, THETA, ROTARY = 1e-6, 1e7, 64
-# the rule's launch with these changed: (name, constexprs, warps)
-VARIANTS = [("rule", {}, None), ("merge 16", {"MERGE_CH": 16, "MERGE_SMALL": 16, "MERGE_SMALL_STAGES": 2}, None),
-            ("merge 32", {"MERGE_CH": 32, "MERGE_SMALL": 32, "MERGE_SMALL_STAGES": 2}, None),
-            ("merge 8, 4 stages", {"MERGE_CH": 8, "MERGE_STAGES": 4}, None),
-            ("split per tile", {"SPLIT_ROWS": 64}, None),
-            ("BLOCK_S 32", {"BLOCK_S": 32, "SPLIT_ROWS": 64}, None)]
+# the rule's launch with these changed: (name, constexprs, warps); "BLOCK_H" as a value: the launch's BLOCK_H
+VARIANTS = [("rule", {}, None),
+            ("before stop 37", {"BLOCK_Q": "BLOCK_H", "EARLY": False, "PREFETCH_ROWS": 0}, None),
+            ("narrow only", {"EARLY": False, "PREFETCH_ROWS": 0}, None),
+            ("early, no prefetch", {"PREFETCH_ROWS": 0}, None),
+            ("prefetch 64", {"PREFETCH_ROWS": 64}, None),
+            ("prefetch 256", {"PREFETCH_ROWS": 256}, None)]
 TYPES = ["*fp32"] * 5 + ["*bf16"] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
 
 
@@ -40,7 +41,8 @@ def _jobs():
     for model, (nh, nkv) in SHAPES.items():
         for name, consts, warps in VARIANTS:
             c = attn_step_launch(nh, nkv, D, S, attn_splits(nkv, S, t), "bf16", t)
-            c["constexprs"] = {**c["constexprs"], **consts}
+            c["constexprs"] = {**c["constexprs"], **{k: c["constexprs"][v] if v == "BLOCK_H" else v
+                                                     for k, v in consts.items()}}
             if "MERGE_SMALL" in c["constexprs"]:  # (a tree before the chunked combine: no MERGE_*)
                 c["constexprs"]["MERGE_SMALL"] = min(c["constexprs"]["MERGE_SMALL"], c["constexprs"]["MERGE_CH"])
             c["num_warps"] = warps or c["num_warps"]

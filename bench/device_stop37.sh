@@ -12,12 +12,26 @@
 #            stop 22: -1.2% at 27B q4, -2.2% at 0.8B bf16, so the runtime keeps plain edges; the iteration's kernels
 #            have changed since, and issue 12's verify / step ratio as graphs is 1.22x against 1.15x kernel by kernel)
 #            (bash bench/build_stop_plans.sh 27b-q4-spec3 0.8b-bf16-spec3)
-# There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART
+#   attn     attn_step's short-context latency (stop 37: the queries normed and roped as REP rows, not 16; pos, its RoPE
+#            angles and the split's K / V rows in the L2 before the PDL wait): the kernel alone at the three head
+#            shapes (bench/attn_step_probe.py, its variants), then 0.8B and 27B q4 whole steps against `-attnold`,
+#            A B B A; small4 q4 against the CPU reference and under compute-sanitizer; the 0.8B q4 profile
+#            (python3 bench/attn_step_probe.py compile bench/attn-step-probe;
+#             bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-attnold 27b-q4 27b-q4-attnold small4-q4)
+# There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART (attn: carry bench/attn-step-probe too)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
 case $2 in
+  attn)
+    (cd bench && timeout 150 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1)
+    echo "probe: exit $?"; tail -4 "$out/attn-step.txt"; grep -A20 "^   model" "$out/attn-step.txt"
+    STEP_TIMEOUT=200 PAIRS="qwen3.5-0.8b-sm90-q4:qwen3.5-0.8b-sm90-q4-attnold qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4-attnold" \
+      SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-small4-sm90-q4" bash bench/device_preload_ab.sh "$out"
+    p=qwen3.5-0.8b-sm90-q4
+    timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+      > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt" ;;
   moedown)
     STEP_TIMEOUT=200 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-dpf" \
       SANITIZE="qwen3-next-4l-sm90-q4-dpf" E2E="qwen3-next-4l-sm90-q4-dpf" bash bench/device_preload_ab.sh "$out"

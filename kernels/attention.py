@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.elementwise import sigmoid_gate_ref
-from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.pdl import PDL_MIN_CC, l2_prefetch_each, pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import TARGETS, fp_fusion, pow2_at_least
 
@@ -175,9 +175,12 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
     while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
         block_s //= 2
+    early = r.early_rope and target.cc >= PDL_MIN_CC
     return {"grid": [n_kv, splits, 1], **attn_step_warps(cache_dtype, target),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
-                           "BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_S": block_s,
+                           "BLOCK_H": block_h, "BLOCK_Q": pow2_at_least(n_heads // n_kv) if r.narrow_queries else block_h,
+                           "BLOCK_D": block_d, "BLOCK_S": block_s,
+                           "EARLY": early, "PREFETCH_ROWS": r.prefetch_rows if early and (head_dim * elem) % 16 == 0 else 0,
                            "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
                            "MERGE_CH": min(splits, r.merge_splits), "MERGE_STAGES": r.merge_stages,
                            "MERGE_SMALL": r.merge_small if splits > r.merge_splits else 0,
@@ -319,10 +322,11 @@ def _bf16_parts(x, DOT_FP32: tl.constexpr):
 def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_ptr,
                      ticket_ptr, out_ptr, eps, theta, rotary_dim, scale,
                      NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-                     PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr,
-                     MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
-                     DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                     SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
+                     MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
+                     DOT_FP32: tl.constexpr, EARLY: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0,
+                     PDL: tl.constexpr = False):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
     For query head h (kv head g = h // REP, REP = NH / NKV) at position p = clamp(*pos_ptr, 0, S - 1):
@@ -396,12 +400,9 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     score, l = 1, acc = v); the tiles cover rows < p only, which no program of this launch writes.
     Row p of kv head g is stored by exactly one program, split 0 of group g.
     """
-    pdl_wait(PDL)
     g = tl.program_id(0)
     sp = tl.program_id(1)
     REP: tl.constexpr = NH // NKV
-    pos = tl.minimum(tl.maximum(tl.load(pos_ptr), 0), S - 1)
-
     BF16: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.bfloat16  # tensor-core dots (else fp32 FMA dots)
     tl.static_assert(v_cache_ptr.dtype.element_ty == k_cache_ptr.dtype.element_ty)
 
@@ -409,13 +410,33 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     dmask = d < D
     r = tl.arange(0, BLOCK_H)
     hmask = r < REP
-    heads = g * REP + tl.minimum(r, REP - 1)  # the group's query heads; padded rows repeat the last (never stored)
+    heads = _step_heads(g, REP, BLOCK_Q, BLOCK_H)
+
+    # EARLY: before the wait, while the kernel before still runs, what depends on pos alone. pos was last written
+    # two or more launches back (the step's end, or a draft's), and the kernel before lets this one launch only
+    # after its own wait (kernels/pdl.py), so it is final here; read past the L1 (.cg), and checked after the wait
+    # all the same (the angles are recomputed if it moved: never under the chain's order).
+    if EARLY:
+        pos_e = tl.minimum(tl.maximum(tl.load(pos_ptr, cache_modifier=".cg"), 0), S - 1)
+        cos, sin = _rope_cos_sin(pos_e, d, theta, rotary_dim, BLOCK_D)
+        if PREFETCH_ROWS > 0:
+            active_e = tl.maximum(tl.minimum(tl.cdiv(pos_e, SPLIT_ROWS), SPLITS), 1)
+            if sp < active_e:
+                _step_kv_prefetch(k_cache_ptr, v_cache_ptr, pos_e, active_e, g, sp, NKV, D, BLOCK_S, PREFETCH_ROWS)
+    pdl_wait(PDL)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr), 0), S - 1)
+    if EARLY:
+        if pos != pos_e:
+            cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
+    else:
+        cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
 
     # Splits with work: at least SPLIT_ROWS rows each, so a short context runs on few programs (and
     # few ticket atomics); the others exit at once. Every program derives the same count from pos.
     active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
     if sp < active:
-        q, cos, sin = _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_dim, BLOCK_D, D)
+        q = _step_queries(qg_ptr, q_norm_ptr, g, cos, sin, d, dmask, eps, rotary_dim, REP, BLOCK_Q, BLOCK_H,
+                          BLOCK_D, D)
         kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
         vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
 
@@ -430,19 +451,67 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
 
         _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp,
                   active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES,
-                  MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES, DOT_FP32, REP, BF16)
+                  MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES, DOT_FP32, REP, BF16, BLOCK_Q)
 
 
 @triton.jit
-def _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_dim, BLOCK_D: tl.constexpr,
-                  D: tl.constexpr):
-    """attn_step_kernel's queries at position ``pos``: (the group's heads normed and roped [BLOCK_H, BLOCK_D],
-    and the RoPE cos and sin of lane d; pairs share the frequency of index d mod rotary_dim / 2)."""
+def _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D: tl.constexpr):
+    """RoPE's cos and sin at position ``pos`` for lane d (pairs share the frequency of index d mod rotary_dim / 2)."""
     angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
-    q = _norm_rope_rows(qg_ptr + heads * (2 * D), q_norm_ptr, d, dmask, eps, cos[None, :], sin[None, :], rotary_dim, D)
-    return q, cos, sin
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _step_queries(qg_ptr, q_norm_ptr, g, cos, sin, d, dmask, eps, rotary_dim, REP: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """attn_step_kernel's queries for kv head g, normed and roped with the lanes' cos and sin: [BLOCK_H, BLOCK_D],
+    row i holding query head g * REP + min(i mod BLOCK_Q, REP - 1) (``_step_heads``). They are computed as
+    BLOCK_Q rows (the group's REP heads, a power of two), and repeated to fill the BLOCK_H rows of the tensor cores'
+    tile: at the 0.8B shape 4 rows of work, not 16."""
+    q = _norm_rope_rows(qg_ptr + _step_heads(g, REP, BLOCK_Q, BLOCK_Q) * (2 * D), q_norm_ptr, d, dmask, eps,
+                        cos[None, :], sin[None, :], rotary_dim, D)
+    if BLOCK_Q < BLOCK_H:
+        q = tl.reshape(tl.broadcast_to(q[None, :, :], [BLOCK_H // BLOCK_Q, BLOCK_Q, BLOCK_D]), [BLOCK_H, BLOCK_D])
+    return q
+
+
+@triton.jit
+def _step_heads(g, REP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The query head of each of attn_step_kernel's BLOCK_H tile rows: row i holds g * REP + min(i mod BLOCK_Q,
+    REP - 1); the first REP rows are the group's heads in order, the rest (padding, computed and never stored)
+    repeat them."""
+    return g * REP + tl.minimum(tl.arange(0, BLOCK_H) % BLOCK_Q, REP - 1)
+
+
+@triton.jit
+def _step_out(acc, l_h, qg_ptr, out_ptr, heads, hmask, d, dmask, D: tl.constexpr):
+    """out[heads] = acc / l_h * sigmoid(gate) (the output gate: qg[heads, D:]), the rows of hmask stored."""
+    gate = tl.load(qg_ptr + heads[:, None] * (2 * D) + D + d[None, :], mask=dmask[None, :], other=0.0)
+    o = acc / l_h[:, None]
+    tl.store(out_ptr + heads[:, None] * D + d[None, :], o * tl.sigmoid(gate.to(tl.float32)),
+             mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _first_rows(x, T: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr):
+    """Rows 0 .. BLOCK_Q - 1 of x [T * BLOCK_Q, N], as [BLOCK_Q, N] (the other rows added in as zeros)."""
+    first = (tl.arange(0, T) == 0)[:, None, None]
+    return tl.sum(tl.where(first, tl.reshape(x, [T, BLOCK_Q, N]), 0.0), axis=0)
+
+
+@triton.jit
+def _step_kv_prefetch(k_cache_ptr, v_cache_ptr, pos, active, g, sp, NKV: tl.constexpr, D: tl.constexpr,
+                      BLOCK_S: tl.constexpr, PREFETCH_ROWS: tl.constexpr):
+    """The L2 asked for the first PREFETCH_ROWS K and V cache rows of split ``sp`` of kv head g (``_attn_row``'s
+    rows, from the same pos and active), one bulk prefetch a row slice."""
+    chunk = tl.cdiv(tl.cdiv(pos, active), BLOCK_S) * BLOCK_S
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, pos)
+    rows = lo + tl.arange(0, PREFETCH_ROWS)
+    offs = rows * (NKV * D) + g * D
+    nbytes = tl.where(rows < hi, D * (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8), 0)
+    l2_prefetch_each(k_cache_ptr + offs, nbytes)
+    l2_prefetch_each(v_cache_ptr + offs, nbytes)
 
 
 @triton.jit
@@ -450,7 +519,8 @@ def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, tic
               heads, hmask, d, dmask, scale, NKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr,
               MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
-              MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr):
+              MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr,
+              BLOCK_Q: tl.constexpr):
     """attn_step_kernel's attention of one position ``pos`` for split ``sp`` of kv head g (its docstring), from
     the roped queries q [BLOCK_H, BLOCK_D] and row pos's key and value kr, vr (cache-rounded; ``writer``: this
     split seeds the softmax with them): the tiles of the split's rows < pos, then the stored output (one active
@@ -512,10 +582,12 @@ def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, tic
         m_i = m_new
 
     if active == 1:  # one split (a short context): its own result, no partials, ticket or merge
-        gate = tl.load(qg_ptr + heads[:, None] * (2 * D) + D + d[None, :], mask=dmask[None, :], other=0.0)
-        o = acc / tl.sum(l_j, axis=1)[:, None]
-        tl.store(out_ptr + heads[:, None] * D + d[None, :], o * tl.sigmoid(gate.to(tl.float32)),
-                 mask=hmask[:, None] & dmask[None, :])
+        if BLOCK_Q < BLOCK_H:  # the first BLOCK_Q rows (the others repeat them: _step_queries), BLOCK_Q rows of work
+            _step_out(_first_rows(acc, BLOCK_H // BLOCK_Q, BLOCK_Q, BLOCK_D),
+                      _first_rows(tl.sum(l_j, axis=1)[:, None], BLOCK_H // BLOCK_Q, BLOCK_Q, 1).reshape([BLOCK_Q]),
+                      qg_ptr, out_ptr, _step_heads(g, REP, BLOCK_Q, BLOCK_Q), tl.arange(0, BLOCK_Q) < REP, d, dmask, D)
+        else:
+            _step_out(acc, tl.sum(l_j, axis=1), qg_ptr, out_ptr, heads, hmask, d, dmask, D)
     else:
         _attn_merge_group(acc, m_i, l_j, qg_ptr, part_ptr, ticket_ptr, out_ptr, g, sp, active, heads, hmask, d,
                           dmask, REP, D, SPLITS, BLOCK_D, MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES)
@@ -525,10 +597,11 @@ def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, tic
 def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, part_ptr, ticket_ptr,
                           out_ptr, q, heads_unused, eps, theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr,
                           NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-                          SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                          SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
-                          MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
-                          DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
+                          SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr,
+                          MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
+                          MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, EARLY: tl.constexpr = False,
+                          PREFETCH_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """``attn_rows_q_ref`` (attn_rows_q_kernel's operands; kernel ids attn_rows_step_bf16 / _f32) computed row by
     row as attn_step_kernel computes one position, so that a speculative verify's rows are the one-token step's
     bit for bit: grid [NKV, SPLITS, M], program (g, j, r) is attn_step_kernel's program (g, j) at position
@@ -547,7 +620,7 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
     dmask = d < D
     r = tl.arange(0, BLOCK_H)
     hmask = r < REP
-    heads = g * REP + tl.minimum(r, REP - 1)
+    heads = _step_heads(g, REP, BLOCK_Q, BLOCK_H)
     qg_ptr = x_ptr + rr * W + q
     out_row = out_ptr + rr * (NH * D)
     if rr >= valid:
@@ -557,14 +630,16 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
         pos = pos0 + rr
         active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
         if sp < active:
-            qr, _, _ = _step_queries(qg_ptr, q_norm_ptr, heads, pos, d, dmask, eps, theta, rotary_dim, BLOCK_D, D)
+            cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
+            qr = _step_queries(qg_ptr, q_norm_ptr, g, cos, sin, d, dmask, eps, rotary_dim, REP, BLOCK_Q, BLOCK_H,
+                               BLOCK_D, D)
             row = pos * (NKV * D) + g * D
             kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
             vr = tl.load(v_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
             _attn_row(qr, kr, vr, sp == 0, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr + rr * (NH * SPLITS * (D + 2)),
                       ticket_ptr + rr * NKV, out_row, pos, g, sp, active, heads, hmask, d, dmask, scale, NKV, D,
                       SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
-                      MERGE_SMALL_STAGES, DOT_FP32, REP, BF16)
+                      MERGE_SMALL_STAGES, DOT_FP32, REP, BF16, BLOCK_Q)
 
 
 def attn_rows_step_launch(rows: int, width: int, heads: int, n_kv: int, head_dim: int, max_seq: int,
