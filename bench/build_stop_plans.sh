@@ -10,7 +10,9 @@
 #     27b-q4-pf24 27b-q4-pf64 0.8b-q4-pf24 27b4-q4-pf64 0.8b-bf16-pf24 2b-q4 4b-q4 9b-q4 2b-q4-pfN 4b-q4-pfN 9b-q4-pfN
 #     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB) small4-q4
 #     next80-q4-dpf next4-q4-dpf (moe.down_prefetch) 0.8b-q4-attnold 0.8b-bf16-attnold 27b-q4-attnold
-#     next80-q4-attnold (attn_step as before stop 37: attention.narrow_queries / early_rope off)
+#     next80-q4-attnold (attn_step's queries as 16 rows: attention.narrow_queries=False)
+#     0.8b-q4-base 27b-q4-base 0.8b-bf16-base next80-q4-base (built by commit badb274's compiler: the kernels before
+#     stop 37; needs a worktree of it at /tmp/base: git worktree add /tmp/base badb274)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -80,9 +82,14 @@ for p in "$@"; do
     next80-q4-dpf) python3 bench/build_variant.py moe.down_prefetch=True -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-dpf.plan ;;
     next4-q4-dpf) python3 bench/build_variant.py moe.down_prefetch=True -- "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-dpf.plan ;;
     0.8b-q4-attnold|0.8b-bf16-attnold) q=${p#0.8b-}; q=${q%-attnold}
-      python3 bench/build_variant.py attention.narrow_queries=False attention.early_rope=False -- qwen3.5-0.8b $R --quant $q -o bench/plans/qwen3.5-0.8b-sm90-$q-attnold.plan ;;
-    27b-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False attention.early_rope=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-attnold.plan ;;
-    next80-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False attention.early_rope=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-attnold.plan ;;
+      python3 bench/build_variant.py attention.narrow_queries=False -- qwen3.5-0.8b $R --quant $q -o bench/plans/qwen3.5-0.8b-sm90-$q-attnold.plan ;;
+    27b-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-attnold.plan ;;
+    next80-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-attnold.plan ;;
+    0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
+      x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
+      rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
+      for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
+      (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build $m $R --quant $q --max-seq 4096 $x -o "$OLDPWD/bench/plans/$m-sm90-$q-base.plan") ;;
     small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
     27b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;

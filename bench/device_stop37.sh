@@ -18,12 +18,39 @@
 #            A B B A; small4 q4 against the CPU reference and under compute-sanitizer; the 0.8B q4 profile
 #            (python3 bench/attn_step_probe.py compile bench/attn-step-probe;
 #             bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-attnold 27b-q4 27b-q4-attnold small4-q4)
+#   attn2    (call 2) the same after call 1, with the loads issued together after the wait instead of pos before it:
+#            0.8B q4 base (badb274's kernels) / rule / no prefetch / 16 query rows, A B C D D C B A; 27B q4 base
+#            against the rule (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-attnold 0.8b-q4-attnpf0 0.8b-q4-base
+#            27b-q4 27b-q4-base small4-q4)
+#   attn3    (call 3) the final attn_step (no K / V prefetch) against badb274's kernels: 0.8B q4 and bf16 (A B C D D C
+#            B A), 27B q4 (A B B A), 80B-A3B q4 with moe.down_prefetch too (base, rule, -dpf, and back); small4 q4 and
+#            4 layers of 80B-A3B (-dpf) against the CPU reference and under compute-sanitizer; the probe
+#            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-base 0.8b-bf16 0.8b-bf16-base 27b-q4 27b-q4-base next80-q4
+#             next80-q4-base next80-q4-dpf next4-q4-dpf small4-q4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART (attn: carry bench/attn-step-probe too)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
 case $2 in
+  attn3)
+    (cd bench && timeout 100 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1)
+    echo "probe: exit $?"; grep -A8 "^   model" "$out/attn-step.txt"
+    mkdir -p "$out/a" "$out/b"
+    STEP_TIMEOUT=200 SEQ="qwen3.5-0.8b-sm90-q4-base qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16-base qwen3.5-0.8b-sm90-bf16" \
+      PAIRS="qwen3.5-27b-sm90-q4-base:qwen3.5-27b-sm90-q4" SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-small4-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out/a"
+    STEP_TIMEOUT=200 SEQ="qwen3-next-80b-a3b-sm90-q4-base qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-dpf" \
+      SANITIZE="qwen3-next-4l-sm90-q4-dpf" E2E="qwen3-next-4l-sm90-q4-dpf" bash bench/device_preload_ab.sh "$out/b" ;;
+  attn2)
+    (cd bench && timeout 150 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1)
+    echo "probe: exit $?"; grep -A20 "^   model" "$out/attn-step.txt"
+    STEP_TIMEOUT=200 SEQ="qwen3.5-0.8b-sm90-q4-base qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-attnpf0 qwen3.5-0.8b-sm90-q4-attnold" \
+      PAIRS="qwen3.5-27b-sm90-q4-base:qwen3.5-27b-sm90-q4" SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-small4-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out"
+    p=qwen3.5-0.8b-sm90-q4
+    timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+      > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A14 "^in the graph" "$out/profile-$p.txt" ;;
   attn)
     (cd bench && timeout 150 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1)
     echo "probe: exit $?"; tail -4 "$out/attn-step.txt"; grep -A20 "^   model" "$out/attn-step.txt"

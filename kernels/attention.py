@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.elementwise import sigmoid_gate_ref
-from kestrel.kernels.pdl import PDL_MIN_CC, l2_prefetch_each, pdl_wait
+from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import TARGETS, fp_fusion, pow2_at_least
 
@@ -134,6 +134,10 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
 
     * BLOCK_H: REP rounded up to a power of two, with bf16 caches at least mma_min_heads [16] (the
       mma tile height: smaller tiles are padded by Triton anyway, at a cost in instructions);
+    * BLOCK_Q: the query rows normed and roped (and, with one active split, divided and gated at the end): REP
+      rounded up to a power of two with narrow_queries [True], repeated to BLOCK_H rows for the products (else
+      BLOCK_H). H200, 0.8B q4, A B B A (bench/results/stop37 call 2): 0.4765 -> 0.468 ms/token with it and the
+      kernel's loads issued together after the wait; a 16-row query tile had 0.4736;
     * BLOCK_S = tile_bytes [32 KiB] / (BLOCK_D * element size) within [min_block_s, max_block_s]
       [16, 64] (16: a dot's smallest K): 64 rows at D = 256 with bf16 caches, 32 with fp32; halved
       (down to min_block_s) until PIPE_BYTES holds min_tiles_in_flight [2] K/V tile pairs (with one,
@@ -175,13 +179,10 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
     while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
         block_s //= 2
-    early = r.early_rope and target.cc >= PDL_MIN_CC
     return {"grid": [n_kv, splits, 1], **attn_step_warps(cache_dtype, target),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_H": block_h, "BLOCK_Q": pow2_at_least(n_heads // n_kv) if r.narrow_queries else block_h,
-                           "BLOCK_D": block_d, "BLOCK_S": block_s,
-                           "EARLY": early, "PREFETCH_ROWS": r.prefetch_rows if early and (head_dim * elem) % 16 == 0 else 0,
-                           "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
+                           "BLOCK_D": block_d, "BLOCK_S": block_s, "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
                            "MERGE_CH": min(splits, r.merge_splits), "MERGE_STAGES": r.merge_stages,
                            "MERGE_SMALL": r.merge_small if splits > r.merge_splits else 0,
                            "MERGE_SMALL_STAGES": r.merge_small_stages,
@@ -290,17 +291,40 @@ def _norm_rope(x_ptr, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexp
     NeoX RoPE pairs element i with i +- rotary_dim/2, which lives in another lane; rather than move
     values between lanes, each lane re-loads its partner from the (read-only) input and normalises it
     with the same per-head factor, so no lane ever depends on another one."""
-    x = tl.load(x_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = x * r * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32))
+    partner = _rope_partner(d, rotary_dim)
+    x, xp, w, wp = _norm_rope_loads(x_ptr + d, x_ptr + partner, w_ptr, d, dmask, rotary_dim)
+    return _norm_rope_apply(x, xp, w, wp, d, eps, cos, sin, rotary_dim, D)
+
+
+@triton.jit
+def _rope_partner(d, rotary_dim):
+    """The lane NeoX RoPE pairs lane d with (d +- rotary_dim / 2; meaningless past rotary_dim)."""
     half = rotary_dim // 2
+    return tl.where(d < half, d + half, d - half)
+
+
+@triton.jit
+def _norm_rope_loads(x_ptrs, xp_ptrs, w_ptr, d, dmask, rotary_dim):
+    """``_norm_rope``'s loads, issued apart from its arithmetic (so a kernel can issue them with others): the
+    head's elements at x_ptrs (lane d's; [BLOCK_D] or [rows, BLOCK_D]), their RoPE partners at xp_ptrs, the norm
+    weight w[d] and w[partner], in fp32."""
     rot = d < rotary_dim
-    lo = d < half
-    partner = tl.where(lo, d + half, d - half)
-    xp = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-    yp = xp * r * (1.0 + tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32))
-    yp = tl.where(lo, -yp, yp)  # rotate_half: [-x2, x1]
-    return tl.where(rot, y * cos + yp * sin, y)
+    partner = _rope_partner(d, rotary_dim)
+    x = tl.load(x_ptrs, mask=dmask, other=0.0).to(tl.float32)
+    xp = tl.load(xp_ptrs, mask=rot, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    return x, xp, w, wp
+
+
+@triton.jit
+def _norm_rope_apply(x, xp, w, wp, d, eps, cos, sin, rotary_dim, D: tl.constexpr):
+    """``_norm_rope``'s arithmetic on its loads (a head [BLOCK_D], or heads [rows, BLOCK_D] normed row by row)."""
+    r = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+    y = x * r * (1.0 + w)
+    yp = xp * r * (1.0 + wp)
+    yp = tl.where(d < rotary_dim // 2, -yp, yp)  # rotate_half: [-x2, x1]
+    return tl.where(d < rotary_dim, y * cos + yp * sin, y)
 
 
 @triton.jit
@@ -325,8 +349,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
                      BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                      SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
                      MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
-                     DOT_FP32: tl.constexpr, EARLY: tl.constexpr = False, PREFETCH_ROWS: tl.constexpr = 0,
-                     PDL: tl.constexpr = False):
+                     DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
     For query head h (kv head g = h // REP, REP = NH / NKV) at position p = clamp(*pos_ptr, 0, S - 1):
@@ -346,9 +369,11 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     split j < A taking rows [j * C, min((j + 1) * C, p))
     with C = ceil(ceil(p / A) / BLOCK_S) * BLOCK_S; all fixed by p alone. Split 0 also holds row p.
 
-    Tiles: the group's queries are one [BLOCK_H, BLOCK_D] tile, row i holding head g * REP + i
-    (BLOCK_H = REP rounded up to a power of two, at least 16 with bf16 caches, the tensor cores' tile
-    height; padded rows repeat the group's last head, are computed and never stored), column d head
+    Tiles: the group's queries are one [BLOCK_H, BLOCK_D] tile, row i holding head g * REP + min(i mod
+    BLOCK_Q, REP - 1) (BLOCK_H = REP rounded up to a power of two, at least 16 with bf16 caches, the tensor cores'
+    tile height; the queries are normed and roped as BLOCK_Q rows, REP rounded up to a power of two, and
+    repeated; padded rows are computed and never stored; with one active split only the first BLOCK_Q rows are
+    divided, gated and stored), column d head
     element d (BLOCK_D = D rounded up to a power of two), pre-scaled by scale * log2(e) so exp2 gives
     the softmax weights. A program walks its rows in [BLOCK_S, BLOCK_D] K/V tiles, contiguous along
     D (16-byte cp.async copies; rows past the split's end re-read its last row and get weight 0, so
@@ -412,33 +437,22 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     hmask = r < REP
     heads = _step_heads(g, REP, BLOCK_Q, BLOCK_H)
 
-    # EARLY: before the wait, while the kernel before still runs, what depends on pos alone. pos was last written
-    # two or more launches back (the step's end, or a draft's), and the kernel before lets this one launch only
-    # after its own wait (kernels/pdl.py), so it is final here; read past the L1 (.cg), and checked after the wait
-    # all the same (the angles are recomputed if it moved: never under the chain's order).
-    if EARLY:
-        pos_e = tl.minimum(tl.maximum(tl.load(pos_ptr, cache_modifier=".cg"), 0), S - 1)
-        cos, sin = _rope_cos_sin(pos_e, d, theta, rotary_dim, BLOCK_D)
-        if PREFETCH_ROWS > 0:
-            active_e = tl.maximum(tl.minimum(tl.cdiv(pos_e, SPLIT_ROWS), SPLITS), 1)
-            if sp < active_e:
-                _step_kv_prefetch(k_cache_ptr, v_cache_ptr, pos_e, active_e, g, sp, NKV, D, BLOCK_S, PREFETCH_ROWS)
+    # After the wait, pos and this program's inputs (the queries, key, value, norm weights) are loaded together,
+    # one memory round trip before the arithmetic, not two: every program computes its group's queries and key
+    # whether or not its split has rows (the splits without any exit after it).
     pdl_wait(PDL)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr), 0), S - 1)
-    if EARLY:
-        if pos != pos_e:
-            cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
-    else:
-        cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
-
     # Splits with work: at least SPLIT_ROWS rows each, so a short context runs on few programs (and
     # few ticket atomics); the others exit at once. Every program derives the same count from pos.
     active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
+    xq, xqp, wq, wqp = _step_query_loads(qg_ptr, q_norm_ptr, g, d, dmask, rotary_dim, REP, BLOCK_Q, D)
+    k_part = _rope_partner(d, rotary_dim)
+    xk, xkp, wk, wkp = _norm_rope_loads(k_ptr + g * D + d, k_ptr + g * D + k_part, k_norm_ptr, d, dmask, rotary_dim)
+    vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
+    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
+    q = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
+    kr = _norm_rope_apply(xk, xkp, wk, wkp, d, eps, cos, sin, rotary_dim, D)
     if sp < active:
-        q = _step_queries(qg_ptr, q_norm_ptr, g, cos, sin, d, dmask, eps, rotary_dim, REP, BLOCK_Q, BLOCK_H,
-                          BLOCK_D, D)
-        kr = _norm_rope(k_ptr + g * D, k_norm_ptr, d, dmask, eps, cos, sin, rotary_dim, D)
-        vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
 
         # Append row p (one writer per kv head: split 0) and use the cache-rounded values for it.
         if BF16:
@@ -462,14 +476,22 @@ def _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _step_queries(qg_ptr, q_norm_ptr, g, cos, sin, d, dmask, eps, rotary_dim, REP: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    """attn_step_kernel's queries for kv head g, normed and roped with the lanes' cos and sin: [BLOCK_H, BLOCK_D],
-    row i holding query head g * REP + min(i mod BLOCK_Q, REP - 1) (``_step_heads``). They are computed as
-    BLOCK_Q rows (the group's REP heads, a power of two), and repeated to fill the BLOCK_H rows of the tensor cores'
-    tile: at the 0.8B shape 4 rows of work, not 16."""
-    q = _norm_rope_rows(qg_ptr + _step_heads(g, REP, BLOCK_Q, BLOCK_Q) * (2 * D), q_norm_ptr, d, dmask, eps,
-                        cos[None, :], sin[None, :], rotary_dim, D)
+def _step_query_loads(qg_ptr, q_norm_ptr, g, d, dmask, rotary_dim, REP: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      D: tl.constexpr):
+    """``_norm_rope_loads`` of kv head g's BLOCK_Q query rows (the group's REP heads, a power of two)."""
+    x_ptrs = (qg_ptr + _step_heads(g, REP, BLOCK_Q, BLOCK_Q) * (2 * D))[:, None]
+    return _norm_rope_loads(x_ptrs + d[None, :], x_ptrs + _rope_partner(d, rotary_dim)[None, :], q_norm_ptr, d,
+                            dmask, rotary_dim)
+
+
+@triton.jit
+def _step_queries(x, xp, w, wp, cos, sin, d, eps, rotary_dim, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """attn_step_kernel's queries, normed and roped from their loads (``_step_query_loads``) with the lanes' cos and
+    sin: [BLOCK_H, BLOCK_D], row i holding query head g * REP + min(i mod BLOCK_Q, REP - 1) (``_step_heads``). They
+    are computed as BLOCK_Q rows and repeated to fill the BLOCK_H rows of the tensor cores' tile: at the 0.8B shape
+    4 rows of work, not 16."""
+    q = _norm_rope_apply(x, xp, w, wp, d, eps, cos, sin, rotary_dim, D)
     if BLOCK_Q < BLOCK_H:
         q = tl.reshape(tl.broadcast_to(q[None, :, :], [BLOCK_H // BLOCK_Q, BLOCK_Q, BLOCK_D]), [BLOCK_H, BLOCK_D])
     return q
@@ -497,21 +519,6 @@ def _first_rows(x, T: tl.constexpr, BLOCK_Q: tl.constexpr, N: tl.constexpr):
     """Rows 0 .. BLOCK_Q - 1 of x [T * BLOCK_Q, N], as [BLOCK_Q, N] (the other rows added in as zeros)."""
     first = (tl.arange(0, T) == 0)[:, None, None]
     return tl.sum(tl.where(first, tl.reshape(x, [T, BLOCK_Q, N]), 0.0), axis=0)
-
-
-@triton.jit
-def _step_kv_prefetch(k_cache_ptr, v_cache_ptr, pos, active, g, sp, NKV: tl.constexpr, D: tl.constexpr,
-                      BLOCK_S: tl.constexpr, PREFETCH_ROWS: tl.constexpr):
-    """The L2 asked for the first PREFETCH_ROWS K and V cache rows of split ``sp`` of kv head g (``_attn_row``'s
-    rows, from the same pos and active), one bulk prefetch a row slice."""
-    chunk = tl.cdiv(tl.cdiv(pos, active), BLOCK_S) * BLOCK_S
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, pos)
-    rows = lo + tl.arange(0, PREFETCH_ROWS)
-    offs = rows * (NKV * D) + g * D
-    nbytes = tl.where(rows < hi, D * (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8), 0)
-    l2_prefetch_each(k_cache_ptr + offs, nbytes)
-    l2_prefetch_each(v_cache_ptr + offs, nbytes)
 
 
 @triton.jit
@@ -600,8 +607,7 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                           SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr,
                           MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
-                          MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, EARLY: tl.constexpr = False,
-                          PREFETCH_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                          MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """``attn_rows_q_ref`` (attn_rows_q_kernel's operands; kernel ids attn_rows_step_bf16 / _f32) computed row by
     row as attn_step_kernel computes one position, so that a speculative verify's rows are the one-token step's
     bit for bit: grid [NKV, SPLITS, M], program (g, j, r) is attn_step_kernel's program (g, j) at position
@@ -630,9 +636,9 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
         pos = pos0 + rr
         active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
         if sp < active:
+            xq, xqp, wq, wqp = _step_query_loads(qg_ptr, q_norm_ptr, g, d, dmask, rotary_dim, REP, BLOCK_Q, D)
             cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
-            qr = _step_queries(qg_ptr, q_norm_ptr, g, cos, sin, d, dmask, eps, rotary_dim, REP, BLOCK_Q, BLOCK_H,
-                               BLOCK_D, D)
+            qr = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
             row = pos * (NKV * D) + g * D
             kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
             vr = tl.load(v_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
@@ -786,18 +792,11 @@ def attn_rows_kv_kernel(x_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_
 @triton.jit
 def _norm_rope_rows(x_ptrs, w_ptr, d, dmask, eps, cos, sin, rotary_dim, D: tl.constexpr):
     """``_norm_rope`` on a tile: row i is the head at x_ptrs[i] (lane d holding element d), cos/sin
-    [rows, BLOCK_D]; the same arithmetic per row, the partner lanes re-loaded from the input."""
-    x = tl.load(x_ptrs[:, None] + d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-    y = x * r * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32))[None, :]
-    half = rotary_dim // 2
-    rot = d < rotary_dim
-    lo = d < half
-    partner = tl.where(lo, d + half, d - half)
-    xp = tl.load(x_ptrs[:, None] + partner[None, :], mask=rot[None, :], other=0.0).to(tl.float32)
-    yp = xp * r * (1.0 + tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32))[None, :]
-    yp = tl.where(lo[None, :], -yp, yp)  # rotate_half: [-x2, x1]
-    return tl.where(rot[None, :], y * cos + yp * sin, y)
+    [rows, BLOCK_D] or [BLOCK_D]; the same arithmetic per row, the partner lanes re-loaded from the input."""
+    partner = _rope_partner(d, rotary_dim)
+    x, xp, w, wp = _norm_rope_loads(x_ptrs[:, None] + d[None, :], x_ptrs[:, None] + partner[None, :], w_ptr, d,
+                                    dmask, rotary_dim)
+    return _norm_rope_apply(x, xp, w, wp, d, eps, cos, sin, rotary_dim, D)
 
 
 @triton.jit

@@ -63,14 +63,3 @@ def pdl_launch(PDL: tl.constexpr):
     later waves need; they still start before its last programs end."""
     if PDL and not _INTERPRET:
         gdc_launch_dependents()
-
-
-@triton.jit
-def l2_prefetch_each(ptrs, nbytes):
-    """Every element of ``ptrs`` asks the L2 for [ptr, ptr + nbytes) (``cp.async.bulk.prefetch.L2``, sm_90; ptr and
-    nbytes multiples of 16; nothing asked where nbytes is 0), from whichever threads hold it (a replicated element
-    asks more than once). A hint: nothing waits for it, and it reads what a load would. Skipped in the interpreter."""
-    if not _INTERPRET:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs.to(tl.int64, bitcast=True), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

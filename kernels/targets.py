@@ -111,8 +111,6 @@ class AttentionRule(Rule):
     #                             GdnDeltaRule.fp_fusion
     narrow_queries: bool = True  # BLOCK_Q: the group's queries normed and roped as REP rows (a power of two), then
     #                              repeated to the BLOCK_H rows of the mma tile (else all BLOCK_H rows computed)
-    early_rope: bool = True     # EARLY: pos read and its RoPE angles computed before the PDL wait (sm_90+) ...
-    prefetch_rows: int = 128    # ... and up to this many of the split's K / V cache rows asked of the L2 there
 
 
 @dataclass(frozen=True, kw_only=True)

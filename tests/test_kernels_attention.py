@@ -123,6 +123,19 @@ def test_attn_step_gqa_groups(nh, nkv, dtype):
                    splits=splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attn_step_query_rows(dtype):
+    """The queries normed and roped as BLOCK_Q = REP rounded up rows (the rule, ``attention.narrow_queries``) and
+    repeated to the tile's BLOCK_H, or as all BLOCK_H rows: both match the reference, with one split (the narrow
+    epilogue) and with several (the merge), at REP = 3 (a padded group) and 6."""
+    for nh, nkv in ((6, 2), (24, 4)):
+        block_h = attn_step_launch(nh, nkv, 32, 200, 8, CACHE[dtype], TARGETS["sm_90"])["constexprs"]["BLOCK_H"]
+        for pos in (0, 17, 130):
+            for block_q in sorted({block_h, 1 << (nh // nkv - 1).bit_length()}):
+                check_step(nh, nkv, 32, 200, pos, 8, dtype, seed=pos + nh, block_s=16, splits=8,
+                           extra={"BLOCK_Q": block_q})
+
+
 def test_attn_step_clamps_pos():
     """pos past the cache end behaves as S - 1: nothing outside the cache is read or written."""
     nh, nkv, d, s = 4, 2, 32, 40
