@@ -9,7 +9,7 @@
 #     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32 next4-q4-spec3
 #     27b-q4-pf24 27b-q4-pf64 0.8b-q4-pf24 27b4-q4-pf64 0.8b-bf16-pf24 2b-q4 4b-q4 9b-q4 2b-q4-pfN 4b-q4-pfN 9b-q4-pfN
 #     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB) small4-q4
-#     next80-q4-dpf next4-q4-dpf (moe.down_prefetch) 0.8b-q4-attnold 0.8b-bf16-attnold 27b-q4-attnold
+#     0.8b-q4-attnold 0.8b-bf16-attnold 27b-q4-attnold
 #     next80-q4-attnold (attn_step's queries as 16 rows: attention.narrow_queries=False)
 #     0.8b-q4-base 27b-q4-base 0.8b-bf16-base next80-q4-base (built by commit badb274's compiler: the kernels before
 #     stop 37; needs a worktree of it at /tmp/base: git worktree add /tmp/base badb274)
@@ -79,8 +79,10 @@ for p in "$@"; do
     0.8b-q4-pf*|2b-q4-pf*|4b-q4-pf*|9b-q4-pf*) m=qwen3.5-${p%-q4-pf*}
       python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pf${p##*-pf}.plan ;;
     next80-q4-decode-pf*) python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-pf${p##*-pf}.plan ;;
-    next80-q4-dpf) python3 bench/build_variant.py moe.down_prefetch=True -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-dpf.plan ;;
-    next4-q4-dpf) python3 bench/build_variant.py moe.down_prefetch=True -- "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-dpf.plan ;;
+    next4-q4) kestrelc build "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4.plan ;;
+    next4-q4-base) rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel; d=$(next4)
+      for s in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$s /tmp/basepkg/kestrel/$s; done
+      (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build "$d" $R --quant q4 -o "$OLDPWD/bench/plans/qwen3-next-4l-sm90-q4-base.plan") ;;
     0.8b-q4-attnold|0.8b-bf16-attnold) q=${p#0.8b-}; q=${q%-attnold}
       python3 bench/build_variant.py attention.narrow_queries=False -- qwen3.5-0.8b $R --quant $q -o bench/plans/qwen3.5-0.8b-sm90-$q-attnold.plan ;;
     27b-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-attnold.plan ;;

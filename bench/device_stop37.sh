@@ -27,6 +27,7 @@
 #            4 layers of 80B-A3B (-dpf) against the CPU reference and under compute-sanitizer; the probe
 #            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-base 0.8b-bf16 0.8b-bf16-base 27b-q4 27b-q4-base next80-q4
 #             next80-q4-base next80-q4-dpf next4-q4-dpf small4-q4)
+# (moe.down_prefetch lost in call 3 and was removed after it: the -dpf plans of moedown / attn3 need commit 8b3dd54)
 # There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART (attn: carry bench/attn-step-probe too)
 set -u
 out=$1

@@ -432,22 +432,15 @@ def _l2_prefetch(ptr, nbytes):
 @triton.jit
 def _l2_prefetch_rows(w_ptr, r0, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                       L2_PREFETCH: tl.constexpr):
-    """With L2_PREFETCH (q4 weights), the rows [r0, r0 + BLOCK_N) (clipped to N) of w (``_l2_prefetch_q4_rows``).
-    (matvec_launch.)"""
+    """With L2_PREFETCH (q4 weights), the rows [r0, r0 + BLOCK_N) (clipped to N) of w: their packed codes
+    (contiguous, K / 2 bytes a row) and their f16 scales (after all N rows' codes, K / GROUP of them a row), each
+    range rounded inwards to 16 bytes. (matvec_launch.)"""
     if L2_PREFETCH:
-        _l2_prefetch_q4_rows(w_ptr, r0, tl.minimum(N - r0, BLOCK_N), N, K, GROUP)
-
-
-@triton.jit
-def _l2_prefetch_q4_rows(w_ptr, r0, n, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr):
-    """The L2 asked for the ``n`` rows from ``r0`` of the q4 matrix w [N, K]: their packed codes (contiguous, K / 2
-    bytes a row) and their f16 scales (after all N rows' codes, K / GROUP of them a row), each range rounded
-    inwards to 16 bytes."""
-    tl.static_assert(GROUP > 0)
-    n = n.to(tl.int64)
-    base = w_ptr.to(tl.pointer_type(tl.int8))
-    _l2_prefetch_range(base, r0.to(tl.int64) * (K // 2), n * (K // 2))
-    _l2_prefetch_range(base, N * (K // 2) + r0.to(tl.int64) * (K // GROUP * 2), n * (K // GROUP * 2))
+        tl.static_assert(GROUP > 0)
+        n = tl.minimum(N - r0, BLOCK_N).to(tl.int64)
+        base = w_ptr.to(tl.pointer_type(tl.int8))
+        _l2_prefetch_range(base, r0.to(tl.int64) * (K // 2), n * (K // 2))
+        _l2_prefetch_range(base, N * (K // 2) + r0.to(tl.int64) * (K // GROUP * 2), n * (K // GROUP * 2))
 
 
 @triton.jit
@@ -516,7 +509,7 @@ def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: 
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
     programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. PRELOAD: the first weight tile
-    is loaded before the PDL wait; L2_PREFETCH: the program's rows asked of the L2 before it (``matvec_launch``)."""
+    is loaded before the PDL wait (``matvec_launch``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
     _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)

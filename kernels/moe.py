@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.matvec import (FEW_ROWS, NORM_NONE, NORM_PARTIALS, _l2_prefetch_q4_rows, _matvec_few_rows,
-                                    _matvec_rows, _matvec_tile, _partials_rstd, matvec_launch, matvec_ref)
+from kestrel.kernels.matvec import (FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows, _matvec_rows, _matvec_tile,
+                                    _partials_rstd, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
@@ -282,17 +282,14 @@ def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k
 def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
     """Programs over blocks of the H output rows (a grid row per input row); each sums the k routed
     products in rank order (_moe_down_sum: unrolled, or pipelined when ``down_stages``), then the gated
-    shared one. Tiles from the matvec rule for one expert's [H, I] down projection. L2_PREFETCH (the rule's
-    down_prefetch, q4, sm_90 and later): each program asks the L2 for its rows of the routed and shared experts
-    before its PDL wait, the routing being known two launches back (_moe_down_prefetch)."""
+    shared one. Tiles from the matvec rule for one expert's [H, I] down projection."""
     rule = target.rules["moe"]
     block_n, block_kd, warps = _tiles(h, inter, groups[0], target, rule.max_block_n)
     _, block_ks, _ = _tiles(h, shared, groups[1], target, block_n)
     return {"grid": [-(-h // block_n), rows, 1], "num_warps": warps,
             "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_D": groups[0],
                            "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks,
-                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": rule.down_stages,
-                           "L2_PREFETCH": rule.down_prefetch and min(groups[:2]) > 0 and target.cc >= 90}}
+                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": rule.down_stages}}
 
 
 def moe_group_launch(pairs: int, e: int, top_k: int, chunk: int, target) -> dict:
@@ -470,38 +467,15 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
 
 
 @triton.jit
-def _moe_down_prefetch(ids_ptr, wd_ptr, sd_ptr, r0, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                       IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr, GROUP_S: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Before moe_down's PDL wait (its L2_PREFETCH): the L2 asked for the program's BLOCK_N down-projection rows
-    of each routed expert and of the shared one. The routing buffer is moe_topk's, two launches back: moe_gate_up,
-    the kernel before, lets this one launch only after its own wait, so the buffer is complete; read through the
-    L2 (``.cg``), and clamped as _moe_down_sum clamps it."""
-    ts = tl.arange(0, BLOCK_T)
-    ids = tl.load(ids_ptr + ts, mask=ts < TOPK, other=0, cache_modifier=".cg")
-    ids = tl.minimum(tl.maximum(ids, 0), E - 1)
-    n = tl.minimum(H - r0, BLOCK_N)
-    for j in tl.static_range(TOPK):
-        e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
-        _l2_prefetch_q4_rows(wd_ptr, e * H + r0, n, E * H, I, GROUP_D)
-    _l2_prefetch_q4_rows(sd_ptr, r0, n, H, IS, GROUP_S)
-
-
-@triton.jit
 def moe_down_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
                     I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr,
                     GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr,
-                    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """y[row, r] = sum_j wts_j * (Wd_{ids_j} act_j)[r] in rank order j = 0..TOPK-1, then
     + sigmoid(gate logit) * (Sd act_shared)[r]: BLOCK_N output rows per program (row = program_id(1)),
-    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order (_moe_down_sum). L2_PREFETCH: the
-    rows asked of the L2 before the PDL wait (_moe_down_prefetch)."""
-    row = tl.program_id(1)
-    if L2_PREFETCH:
-        _moe_down_prefetch(ids_ptr + row * TOPK, wd_ptr, sd_ptr, tl.program_id(0) * BLOCK_N, E, H, I, IS, TOPK,
-                           GROUP_D, GROUP_S, BLOCK_N, BLOCK_T)
+    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order (_moe_down_sum)."""
     pdl_wait(PDL)
+    row = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _moe_down_sum(act_ptr + row * (TOPK * I + IS + 1), ids_ptr + row * TOPK, wts_ptr + row * TOPK, wd_ptr,
                         sd_ptr, tl.minimum(r, H - 1), E, H, I, IS, TOPK, GROUP_D, GROUP_S, BLOCK_N, BLOCK_KD,
@@ -514,13 +488,10 @@ def moe_down_add_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, r_ptr, s_ptr,
                         E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
                         GROUP_D: tl.constexpr, GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                        STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """s = r + moe_down (one row: the residual add after the MoE block, fused as matvec_add_kernel fuses it
     after a matmul) and ss[program] = the sum of s^2 over the program's BLOCK_N rows (``partial_rows``,
-    the op's attribute; not read): the next rmsnorm's partial sums. L2_PREFETCH as moe_down_kernel's."""
-    if L2_PREFETCH:
-        _moe_down_prefetch(ids_ptr, wd_ptr, sd_ptr, tl.program_id(0) * BLOCK_N, E, H, I, IS, TOPK, GROUP_D, GROUP_S,
-                           BLOCK_N, BLOCK_T)
+    the op's attribute; not read): the next rmsnorm's partial sums."""
     pdl_wait(PDL)
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     y = _moe_down_sum(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, tl.minimum(r, H - 1), E, H, I, IS, TOPK, GROUP_D,

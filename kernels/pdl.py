@@ -21,8 +21,10 @@ lost (27B q4 5.42 ms/token without it, 5.73 with 16 KB per CTA, 6.17 with 64 KB)
 prefetch branch beside the chain (bulk L2 prefetches of the next products' weights, stop 29 call 1: 0.8B
 bf16 0.741 -> 0.770-0.898 ms a step, 27B q4 5.48 -> 5.53-5.78). Stop 36 measured each program asking the L2
 for all its rows (``L2_PREFETCH``): lost again at 27B, 2B-9B q4 and 0.8B bf16, but 0.8B q4 0.508 -> 0.476, so
-q4 matrices of at most 4.5 MiB do it (kernels/matvec.py); moe_down reads the routing buffer before its wait
-under the same argument (written two launches back; ``moe.down_prefetch``, kernels/moe.py).
+q4 matrices of at most 4.5 MiB do it (kernels/matvec.py). Stop 37: moe_down asking the L2 for its routed and
+shared experts' rows before its wait (the routing known two launches back) lost (80B-A3B q4 1.980 -> 1.996
+ms/token), and attn_step computing pos's RoPE angles before its wait lost in the step's graph (0.8B q4 0.483 ->
+0.488) while it won chained with itself (9.2 -> 6.0 us a launch): both gone (bench/results/stop37).
 
 Whether a step graph keeps programmatic edges is decided at load by timing (runtime/gpu.py): on the
 H200 they cut 0.8B's step by 7-13%, 2B bf16's by 6% and 27B q4's by 3.6%, and cost 2B q4, 4B, 9B

@@ -189,8 +189,6 @@ class MoeRule(Rule):
     router_warps: int           # moe_topk (the router's softmax and top-k over E logits, one program a row)
     max_block_n: int            # rows per program of moe_down, at most this
     down_stages: int            # moe_down: 0 the routed experts unrolled, else a pipeline over their tiles this deep
-    down_prefetch: bool = False  # moe_down (q4, sm_90+): its routed and shared experts' rows asked of the L2 before
-    #                              the PDL wait (moe_down_launch's L2_PREFETCH; written in stop 36, not yet timed)
     gate_up_block_n: int        # moe_gate_up: rows per program
     gate_up_max_k: int          # moe_gate_up: the whole input in one tile up to this many inputs
     gate_up_warps: int

@@ -116,11 +116,6 @@ def test_grouped_experts(dtype, rows):
     interpret(moe_down_kernel)[(h // 32, rows)](ref_act, ids, wts, w["wd"][0], w["sd"][0], y, **dconsts)
     ref_y = moe_down_ref(ref_act, ids, wts, w["wd"][1], w["sd"][1])
     assert_close(y, ref_y, 2e-5, 1e-6, f"moe_down {dtype}")
-    if dtype == "q4":  # the routed rows asked of the L2 before the wait (moe.down_prefetch): the same values
-        y_pf = torch.full((rows, h), float("nan"))
-        interpret(moe_down_kernel)[(h // 32, rows)](ref_act, ids, wts, w["wd"][0], w["sd"][0], y_pf,
-                                                    **dict(dconsts, L2_PREFETCH=True))
-        assert torch.equal(y_pf, y)
     # a wrong expert id changes the result: the kernels read the routing buffer
     ids2 = ids.clone()
     ids2[0, 0] = (ids[0, 0] + 1) % e if (ids[0, 0] + 1) % e not in ids[0].tolist() else ids[0, 0] - 1
@@ -151,11 +146,6 @@ def test_fused_norm_and_residual(dtype):
         ref_s, ref_ss = moe_down_add_ref(act, ids, wts, w["wd"][1], w["sd"][1], r, 16)
         assert_close(s, ref_s, 2e-5, 1e-6, f"moe_down_add {dtype} BLOCK_KD {consts['BLOCK_KD']}")
         assert_close(ss, ref_ss, 2e-5, 1e-6, f"moe_down_add partials {dtype}")
-        if dtype == "q4":  # with the L2 prefetch before the wait: the same values
-            s_pf, ss_pf = torch.full((h,), float("nan")), torch.full((h // 16,), float("nan"))
-            interpret(moe_down_add_kernel)[(h // 16, 1)](act, ids, wts, w["wd"][0], w["sd"][0], r, s_pf, ss_pf, 16,
-                                                         **dict(consts, L2_PREFETCH=True))
-            assert torch.equal(s_pf, s) and torch.equal(ss_pf, ss)
     nw = torch.randn(h, generator=g) * 0.1
     c = moe_gate_up_launch(1, e, h, inter, shared, k, (w["wg"][2], w["sg"][2], w["sgate"][2]), SM90, partials=h // 16)
     consts = dict(c["constexprs"], BLOCK_N=16)
@@ -263,13 +253,6 @@ def aot_jobs():
             jobs.append([f"moe_down_add_{q}/{name}", "kestrel.kernels.moe:moe_down_add_kernel",
                          ["*fp32", "*i32", "*fp32", wt, wt, "*fp32", "*fp32", "*fp32", "i32"], da["constexprs"],
                          da["num_warps"], t.cc])
-    # moe_down(_add) with its routed rows asked of the L2 before the wait (moe.down_prefetch), sm_90
-    for kind, fn, types in (("moe_down", "moe_down_kernel", ["*fp32", "*i32", "*fp32", "*u8", "*u8", "*fp32"]),
-                            ("moe_down_add", "moe_down_add_kernel",
-                             ["*fp32", "*i32", "*fp32", "*u8", "*u8", "*fp32", "*fp32", "*fp32", "i32"])):
-        d = moe_down_launch(1, e, h, inter, shared, k, (128, 128), TARGETS["sm_90"])
-        jobs.append([f"{kind}_prefetch/sm_90", f"kestrel.kernels.moe:{fn}", types,
-                     dict(d["constexprs"], L2_PREFETCH=True), d["num_warps"], 90])
     return jobs
 
 
@@ -291,24 +274,10 @@ print(json.dumps(res))
 _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_moe_kernel")
 
 
-def test_moe_down_prefetch_rule():
-    """moe_down's L2_PREFETCH: off by default (not yet timed); with moe.down_prefetch on, q4 experts on sm_90 and
-    later only."""
-    import dataclasses
-
-    args = (1, 512, 2048, 512, 512, 10)
-    assert not moe_down_launch(*args, (128, 128), SM90)["constexprs"]["L2_PREFETCH"]
-    for name, groups, want in (("sm_90", (128, 128), True), ("sm_90", (0, 0), False), ("sm_80", (128, 128), False)):
-        t = TARGETS[name]
-        rules = dict(t.rules)
-        rules["moe"] = dataclasses.replace(rules["moe"], down_prefetch=True)
-        assert moe_down_launch(*args, groups, dataclasses.replace(t, rules=rules))["constexprs"]["L2_PREFETCH"] is want
-
-
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 15 * (len(ALL_TARGETS) - 1) + 2
+    assert len(jobs) == 15 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
