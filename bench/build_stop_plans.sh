@@ -9,6 +9,7 @@
 #     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32 next4-q4-spec3
 #     27b-q4-pf24 27b-q4-pf64 0.8b-q4-pf24 27b4-q4-pf64 0.8b-bf16-pf24 2b-q4 4b-q4 9b-q4 2b-q4-pfN 4b-q4-pfN 9b-q4-pfN
 #     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB) small4-q4
+#     MODEL-QUANT-lateN, e.g. 2b-q4-late1 next80-q4-late1 27b-bf16-late1 (matvec.pdl_late_bytes = N MiB)
 #     0.8b-q4-attnold 0.8b-bf16-attnold 27b-q4-attnold
 #     next80-q4-attnold (attn_step's queries as 16 rows: attention.narrow_queries=False)
 #     0.8b-q4-base 27b-q4-base 0.8b-bf16-base next80-q4-base (built by commit badb274's compiler: the kernels before
@@ -78,6 +79,10 @@ for p in "$@"; do
     2b-q4|4b-q4|9b-q4) kestrelc build qwen3.5-${p%-q4} $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-${p%-q4}-sm90-q4.plan ;;
     0.8b-q4-pf*|2b-q4-pf*|4b-q4-pf*|9b-q4-pf*) m=qwen3.5-${p%-q4-pf*}
       python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pf${p##*-pf}.plan ;;
+    *-q4-late*|*-bf16-late*) m=${p%%-*}; q=${p#*-}; q=${q%%-*}; x=""
+      case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
+      python3 bench/build_variant.py matvec.pdl_late_bytes=$(( ${p##*-late} << 20 )) -- $m $R --quant $q --max-seq 4096 $x -o bench/plans/$m-sm90-$q-late${p##*-late}.plan ;;
+    2b-bf16|4b-bf16|9b-bf16) kestrelc build qwen3.5-${p%-bf16} $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-${p%-bf16}-sm90-bf16.plan ;;
     next80-q4-decode-pf*) python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-pf${p##*-pf}.plan ;;
     next4-q4) kestrelc build "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4.plan ;;
     next4-q4-base) rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel; d=$(next4)

@@ -27,6 +27,15 @@
 #            4 layers of 80B-A3B (-dpf) against the CPU reference and under compute-sanitizer; the probe
 #            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-base 0.8b-bf16 0.8b-bf16-base 27b-q4 27b-q4-base next80-q4
 #             next80-q4-base next80-q4-dpf next4-q4-dpf small4-q4)
+#   pdl2     (call 4) programmatic edges at 2B-9B q4 with the matvecs letting the next kernel launch after their K
+#            loop from 1 / 4 MiB of weight (matvec.pdl_late_bytes; 32 MiB by rule): each bench line's load-time trial
+#            times both edges (bash bench/build_stop_plans.sh 2b-q4 2b-q4-late1 2b-q4-late4 4b-q4 4b-q4-late1 9b-q4
+#            9b-q4-late1)
+#   late     (call 5) the same at every other size, A B (C D) D C B A or A B B A: 0.8B q4 / bf16, 2B / 9B bf16, 27B q4 /
+#            bf16, 80B-A3B q4 against 1 MiB; 4 layers of 80B-A3B bf16 against the CPU reference (attn_step's queries
+#            at REP 8) (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-late1 0.8b-bf16 0.8b-bf16-late1 27b-q4
+#            27b-q4-late1 27b-bf16 27b-bf16-late1 next80-q4 next80-q4-late1 2b-bf16 2b-bf16-late1 9b-bf16
+#            9b-bf16-late1 next4-bf16)
 # (moe.down_prefetch lost in call 3 and was removed after it: the -dpf plans of moedown / attn3 need commit 8b3dd54)
 # There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART (attn: carry bench/attn-step-probe too)
 set -u
@@ -34,6 +43,20 @@ out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
 case $2 in
+  late)
+    mkdir -p "$out/a" "$out/b" "$out/c" "$out/d"
+    STEP_TIMEOUT=120 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-late1 qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-bf16-late1" \
+      bash bench/device_preload_ab.sh "$out/a"
+    STEP_TIMEOUT=120 SEQ="qwen3.5-2b-sm90-bf16 qwen3.5-2b-sm90-bf16-late1 qwen3.5-9b-sm90-bf16 qwen3.5-9b-sm90-bf16-late1" \
+      bash bench/device_preload_ab.sh "$out/b"
+    STEP_TIMEOUT=150 PAIRS="qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4-late1 qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-late1" \
+      bash bench/device_preload_ab.sh "$out/c"
+    STEP_TIMEOUT=200 PAIRS="qwen3.5-27b-sm90-bf16:qwen3.5-27b-sm90-bf16-late1" E2E="qwen3-next-4l-sm90-bf16" \
+      bash bench/device_preload_ab.sh "$out/d" ;;
+    mkdir -p "$out/a" "$out/b" "$out/c"
+    STEP_TIMEOUT=120 SEQ="qwen3.5-2b-sm90-q4 qwen3.5-2b-sm90-q4-late1 qwen3.5-2b-sm90-q4-late4" bash bench/device_preload_ab.sh "$out/a"
+    STEP_TIMEOUT=120 SEQ="qwen3.5-4b-sm90-q4 qwen3.5-4b-sm90-q4-late1" bash bench/device_preload_ab.sh "$out/b"
+    STEP_TIMEOUT=120 SEQ="qwen3.5-9b-sm90-q4 qwen3.5-9b-sm90-q4-late1" bash bench/device_preload_ab.sh "$out/c" ;;
   attn3)
     (cd bench && timeout 100 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1)
     echo "probe: exit $?"; grep -A8 "^   model" "$out/attn-step.txt"
