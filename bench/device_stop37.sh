@@ -36,6 +36,10 @@
 #            at REP 8) (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-late1 0.8b-bf16 0.8b-bf16-late1 27b-q4
 #            27b-q4-late1 27b-bf16 27b-bf16-late1 next80-q4 next80-q4-late1 2b-bf16 2b-bf16-late1 9b-bf16
 #            9b-bf16-late1 next4-bf16)
+#   models   (call 6) every plan at this stop's rules, the step graph chosen at load among plain, programmatic and
+#            programmatic with the late-trigger kernels (compiler/codegen.py), A B ... ... B A; llama.cpp 0.8B bf16 /
+#            Q4_0 and 2B Q4_0 in the same call (carry .peers too)
+#            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 4b-q4 9b-q4 27b-q4 next80-q4)
 # (moe.down_prefetch lost in call 3 and was removed after it: the -dpf plans of moedown / attn3 need commit 8b3dd54)
 # There: run(carry=["bench/plans"]): bash bench/device_stop37.sh $OUT PART (attn: carry bench/attn-step-probe too)
 set -u
@@ -43,6 +47,15 @@ out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
 case $2 in
+  models)
+    here=../shared/peers/llamacpp; [ -f "$here/device.sh" ] || here=.peers/llamacpp-scripts
+    nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz /tmp/peer > /tmp/llamacpp-build.txt 2>&1 &
+    build=$!
+    STEP_TIMEOUT=120 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out"
+    wait $build; tail -2 /tmp/llamacpp-build.txt
+    PP=512 TG=128 REPS=3 timeout 240 bash "$here/device.sh" .peers/llamacpp.tar.xz "$out" qwen3.5-0.8b:bf16 qwen3.5-0.8b:q4_0 \
+      qwen3.5-2b:q4_0 ;;
   late)
     mkdir -p "$out/a" "$out/b" "$out/c" "$out/d"
     STEP_TIMEOUT=120 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-late1 qwen3.5-0.8b-sm90-bf16 qwen3.5-0.8b-sm90-bf16-late1" \
@@ -53,6 +66,7 @@ case $2 in
       bash bench/device_preload_ab.sh "$out/c"
     STEP_TIMEOUT=200 PAIRS="qwen3.5-27b-sm90-bf16:qwen3.5-27b-sm90-bf16-late1" E2E="qwen3-next-4l-sm90-bf16" \
       bash bench/device_preload_ab.sh "$out/d" ;;
+  pdl2)
     mkdir -p "$out/a" "$out/b" "$out/c"
     STEP_TIMEOUT=120 SEQ="qwen3.5-2b-sm90-q4 qwen3.5-2b-sm90-q4-late1 qwen3.5-2b-sm90-q4-late4" bash bench/device_preload_ab.sh "$out/a"
     STEP_TIMEOUT=120 SEQ="qwen3.5-4b-sm90-q4 qwen3.5-4b-sm90-q4-late1" bash bench/device_preload_ab.sh "$out/b"

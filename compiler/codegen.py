@@ -211,10 +211,11 @@ def pointer_alignment(op: Op) -> list[bool]:
     return [x.loc is not None and x.loc[1] % 16 == 0 for x in args] + [False] * len(op.attrs)
 
 
-def compile_op(op: Op, cc: int) -> CompiledKernel:
+def compile_op(op: Op, cc: int, consts: dict | None = None) -> CompiledKernel:
+    """``op``'s kernel for cc, with its constexprs (``op_constexprs``) or ``consts``."""
     return compile_kernel(op.launch["kernel"], OPS[op.kind].kernel.jit_for(op), param_types(op),
-                          op_constexprs(op, cc), op.launch["num_warps"], cc, pointer_alignment(op),
-                          op.launch.get("fp_fusion", True))
+                          op_constexprs(op, cc) if consts is None else consts, op.launch["num_warps"], cc,
+                          pointer_alignment(op), op.launch.get("fp_fusion", True))
 
 
 _REPLY = "kestrel-compiled "
@@ -280,26 +281,42 @@ def _table_entry(k: CompiledKernel, part: str, consts: dict, fp_fusion: bool = T
 def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dict], list[list[int]], dict[str, bytes]]:
     """AOT-compile every distinct kernel configuration the programs launch (the one-token step and the
     M-row step share one table), for ``target``. Returns the kernel table, each program's launches'
-    indices into it, and the cubin parts."""
+    indices into it, and the cubin parts.
+
+    The late variants: a kernel of the first program (the one-token step) that lets the next kernel launch at
+    its start (``PDL_LATE`` false: kernels/pdl.py) is compiled a second time with the trigger after its K loop,
+    and its table entry names that one (``"late"``: its index). The runtime times the step's programmatic graph
+    with either at load and keeps the faster (runtime/gpu.py): which one wins depends on the plan, not on a
+    rule of size this compiler could apply (H200, bench/results/stop37 calls 4-5: the trigger after the loop from
+    1 MiB of weight made 2B-9B q4 2-7% faster and 0.8B, 27B q4 and 80B-A3B 2-14% slower)."""
     cc = TARGETS[target].cc
     table, index, of_launch, cubins = [], {}, [], {}
-    for program in programs:
+
+    def entry(op, consts) -> int:
+        key = (op.launch["kernel"], json.dumps(consts, sort_keys=True), op.launch["num_warps"],
+               tuple(param_types(op)), tuple(pointer_alignment(op)), op.launch.get("fp_fusion", True))
+        if key not in index:
+            k = compile_op(op, cc, consts)
+            part = f"__kestrel__/cubin/{len(table):03d}"
+            cubins[part] = k.cubin
+            index[key] = len(table)
+            table.append(_table_entry(k, part, consts, key[-1]))
+        return index[key]
+
+    for n, program in enumerate(programs):
         of_launch.append([])
         for op in program.ops:
             if is_view(op):
                 continue
             consts = op_constexprs(op, cc)
-            key = (op.launch["kernel"], json.dumps(consts, sort_keys=True), op.launch["num_warps"],
-                   tuple(param_types(op)), tuple(pointer_alignment(op)), op.launch.get("fp_fusion", True))
-            if key not in index:
-                k = compile_op(op, cc)
-                part = f"__kestrel__/cubin/{len(table):03d}"
-                cubins[part] = k.cubin
-                index[key] = len(table)
-                table.append(_table_entry(k, part, consts, key[-1]))
-            of_launch[-1].append(index[key])
+            i = entry(op, consts)
+            if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
+                table[i]["late"] = entry(op, consts | {"PDL_LATE": True})
+            of_launch[-1].append(i)
+    late = sum("late" in k for k in table)
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
-        f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches")
+        f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches"
+        + (f" ({late} with a late-trigger variant)" if late else ""))
     return table, of_launch, cubins
 
 

@@ -11,8 +11,12 @@ ends; the two are timed against each other at load (``PDL_TRIAL_STEPS`` replays 
 and the chained one kept unless it is more than ``PDL_MARGIN`` slower (``pdl_wins``: the trial's
 short replays flatter plain edges, which slow down over a sustained request): on the H200 the
 chained graph was 3-13% faster on some plans and 2-29% slower on others, with no rule of size that
-predicts which (bench/results/stop19, stop20). KESTREL_PDL=0 / 1 skips the
-trial. The M-row step's graph has plain edges. A plan with an M-row
+predicts which (bench/results/stop19, stop20). Where the plan's step kernels have late-trigger variants
+(compiler/codegen.py: the matvecs that let the next kernel launch at their start, compiled again to do it
+after their K loop), a third graph chains the step with those and joins the trial, and the faster of the
+two chained graphs is the one weighed against plain edges (``pdl_pick``; 2B-9B q4 on the H200 kept the late
+one, 0.8B, 27B and 80B-A3B the rule's: bench/results/stop37). KESTREL_PDL=0 / 1 skips the
+trial (1: the rule's kernels). The M-row step's graph has plain edges. A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
 Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
@@ -56,8 +60,21 @@ def pdl_wins(plain_ms: list[float], programmatic_ms: list[float]) -> bool:
     then 13.30 against 13.14-13.20; 0.8B q4 0.583 then 0.633 against 0.555-0.561), which the trial
     saw as plain 0-1.5% ahead. Where chained edges truly lose (2B-9B q4: 13-29% in the trial) plain
     edges still win."""
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return med(programmatic_ms) <= med(plain_ms) * (1 + PDL_MARGIN)
+    return _median(programmatic_ms) <= _median(plain_ms) * (1 + PDL_MARGIN)
+
+
+def _median(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2]
+
+
+def pdl_pick(plain_ms: list[float], programmatic_ms: list[float], late_ms: list[float] | None = None) -> str:
+    """The load-time trial's choice of step graph: "late" (programmatic edges, the late-trigger kernels) where
+    that graph's median step is below the rule's chained one's, else "programmatic"; then "plain" where the
+    chosen one loses to plain edges by more than PDL_MARGIN (``pdl_wins``)."""
+    late = late_ms is not None and _median(late_ms) < _median(programmatic_ms)
+    if not pdl_wins(plain_ms, late_ms if late else programmatic_ms):
+        return "plain"
+    return "late" if late else "programmatic"
 
 
 def graph_m_enabled() -> bool:
@@ -180,24 +197,35 @@ class GpuStep:
         self.graph_fallbacks = 0
         self.graph_exec = self._try_graph(self.launches, log, False) if use_graph else None
         self.use_graph = self.graph_exec is not None
-        # the step graph's nodes chained by programmatic edges, when the trial (or KESTREL_PDL) says so
-        self.pdl, self.pdl_trial = False, None
+        # the step graph's nodes chained by programmatic edges, when the trial (or KESTREL_PDL) says so; with the
+        # late-trigger kernels instead, where the plan has them and the trial says so
+        self.pdl, self.pdl_late, self.pdl_trial = False, False, None
         choice = pdl_choice()
         if self.use_graph and choice is not False and all(kernel.pdl for kernel, _, _ in self.launches):
+            lates = [k.get("late") for k in lp["kernels"]]
+            late_launches = [(self.kernels[lates[bl.kernel_index]], grid, args) if lates[bl.kernel_index] is not None
+                             else (kernel, grid, args) for bl, (kernel, grid, args) in zip(b.launches, self.launches)]
+            graphs = {}
             try:
-                chained = self._build_graph(self.launches, True)
-            except DeviceError as e:  # the plain graph stays
-                chained = None
+                graphs["programmatic"] = self._build_graph(self.launches, True)
+                if choice is None and any(x is not None for x in lates):
+                    graphs["late"] = self._build_graph(late_launches, True)
+            except DeviceError as e:  # the graphs built so far stay candidates
                 if log:
-                    log(f"note: the step graph with programmatic edges was not built ({e}); plain edges")
-            if chained is not None:
+                    log(f"note: a step graph with programmatic edges was not built ({e})")
+            if graphs:
                 if choice is None:
-                    self.pdl_trial = self._time_graphs(self.graph_exec, chained)
-                keep = choice or pdl_wins(**self.pdl_trial)
-                drop = self.graph_exec if keep else chained
-                kc.check(cu.cuGraphExecDestroy(drop), "cuGraphExecDestroy")
-                if keep:
-                    self.graph_exec, self.pdl = chained, True
+                    self.pdl_trial = self._time_graphs({"plain": self.graph_exec, **graphs})
+                    pick = pdl_pick(**self.pdl_trial)
+                else:
+                    pick = "programmatic"
+                for name, g in {"plain": self.graph_exec, **graphs}.items():
+                    if name != pick:
+                        kc.check(cu.cuGraphExecDestroy(g), "cuGraphExecDestroy")
+                if pick != "plain":
+                    self.graph_exec, self.pdl, self.pdl_late = graphs[pick], True, pick == "late"
+                if pick == "late":  # streaming and the profile launch what the graph does
+                    self.launches = late_launches
         use_graph_m = graph_m_enabled() if use_graph_m is None else use_graph_m
         self.graph_m_exec = (self._try_graph(self.prefill_launches, log, False) if use_graph_m and self.prefill_rows
                              else None)
@@ -221,18 +249,21 @@ class GpuStep:
         self.host_pos = np.ctypeslib.as_array((ctypes.c_int32 * len(self._copy_events)).from_address(int(self._pos_ptr)))
         self.sync()
 
-    def _time_graphs(self, plain, chained) -> dict:
-        """Median-ready step times (ms) of two graphs of the same step, replayed alternately at load
-        (before any request: begin() zeroes the states and dyn slots the replays advance)."""
+    def _time_graphs(self, graphs: dict) -> dict:
+        """Median-ready step times (ms) of graphs of the same step, {name: graph}, replayed in turn at load (before
+        any request: begin() zeroes the states and dyn slots the replays advance), after one replay each to warm
+        up: {"<name>_ms": [..]}."""
         marks: list = []
-        self._replay(1, chained, None, None)
-        self._replay(1, plain, None, marks)
+        gs = list(graphs.values())
+        for g in gs[:-1]:
+            self._replay(1, g, None, None)
+        self._replay(1, gs[-1], None, marks)  # its warm-up replay gives the first mark
         for _ in range(PDL_TRIAL_STEPS):
-            self._replay(1, plain, None, marks)
-            self._replay(1, chained, None, marks)
+            for g in gs:
+                self._replay(1, g, None, marks)
         ms = self.mark_ms(marks)
         self._n_marks = 0
-        return {"plain_ms": ms[0::2], "programmatic_ms": ms[1::2]}
+        return {f"{name}_ms": ms[i::len(gs)] for i, name in enumerate(graphs)}
 
     def time_without(self, drop: set[int], rounds: int) -> dict:
         """The step graph replayed alternately with the same chain without the launches at indices ``drop`` (its

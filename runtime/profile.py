@@ -303,6 +303,7 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
     report = summarize(launches, launch_ms, positions, bandwidth, replay_ms, "gpu")
     report["host_gaps_hidden"] = gate is not None
     report["graph_pdl"] = step.pdl  # the replay's nodes chained by programmatic edges (kernels/pdl.py)
+    report["graph_pdl_late"] = step.pdl_late  # ... with the matvecs' late-trigger variants (runtime/gpu.py)
     if in_graph is not None:
         report["in_graph"] = in_graph
     return report

@@ -88,10 +88,11 @@ def test_gpu_plans_carry_the_m_row_launch_list(tmp_path):
     assert launches[0]["op"] == "embedding_rows" and launches[-1]["op"] == "prefill_end"
     assert {"gdn_rows_delta", "gdn_rows_norm", "attn_rows_kv", "attn_rows_q"} <= {x["op"] for x in launches}
     # one kernel table for both programs: the kernels both launch are compiled once (and the table
-    # holds the measuring probes besides)
+    # holds the measuring probes and the step's late-trigger variants besides: compiler/codegen.py)
     used = [{x["kernel_index"] for x in ls} for ls in (lp["launches"], launches)]
     probes = {p["kernel_index"] for p in lp["probes"].values()}
-    assert used[0] | used[1] | probes == set(range(len(lp["kernels"]))) and used[0] & used[1] and probes
+    late = {k["late"] for k in lp["kernels"] if "late" in k}
+    assert used[0] | used[1] | probes | late == set(range(len(lp["kernels"]))) and used[0] & used[1] and probes
     ids = [k["id"] for k in lp["kernels"]]
     assert any(i.startswith("gemm_") for i in ids) and any(i.startswith("gemm_swiglu_") for i in ids)
     assert set(lp["prefill"]["outputs"]) == {"hidden", "logits"}

@@ -68,8 +68,10 @@ def test_gpu_runtime_runs_on_the_launch_plan_alone(plan, extra):
         assert calls["cuMemcpyHtoDAsync"] == 2  # the request's one host write: dyn slots + prompt ids
     else:
         assert not fill and calls["cuMemcpyHtoDAsync"] == len(lp["weights"]) + 2
-    # with the graphs: at load, the step's plain and programmatic graphs replayed alternately (the PDL trial)
-    trial = 0 if extra else 2 * (1 + PDL_TRIAL_STEPS)
+    # with the graphs: at load, the step's plain and programmatic graphs, and the programmatic one of the
+    # late-trigger kernels (the tiny plan's matvecs have them), replayed in turn (the PDL trial)
+    assert any("late" in k for k in lp["kernels"])
+    trial = 0 if extra else 3 * (1 + PDL_TRIAL_STEPS)
     assert launched[len(fill):len(fill) + trial * len(step)] == step * trial
     rows = [names[launch["kernel_index"]] for launch in lp["prefill"]["launches"]]
     start = len(fill) + trial * len(step)
@@ -110,16 +112,37 @@ def test_step_graph_keeps_programmatic_edges_when_faster(plan, env, chained, tmp
     report = run_stub(path, ["--bench", str(out)], **env)
     graphs = report["edges"]
     n, rows = len(lp["launches"]) - 1, len(lp["prefill"]["launches"]) - 1
-    built = 1 if env.get("KESTREL_PDL") == "0" else 2
+    built = {"0": 1, "1": 2}.get(env.get("KESTREL_PDL"), 3)  # plain; the rule's chained (KESTREL_PDL=1); the late
     assert [len(g) for g in graphs] == [n] * built + [rows]  # step (plain, then chained), then the M-row step
     assert {(t, port) for _, _, t, port in graphs[0]} == {(0, 0)}
-    if built == 2:
-        assert {(t, port) for _, _, t, port in graphs[1]} == {(1, 1)}
+    for g in graphs[1:built]:
+        assert {(t, port) for _, _, t, port in g} == {(1, 1)}
     assert {(t, port) for _, _, t, port in graphs[-1]} == {(0, 0)}
     assert report["calls"].get("cuGraphExecDestroy", 0) == built - 1  # the graph not kept
     bench = json.loads(out.read_text())
     assert bench["graph_pdl"] is chained
     assert (bench["pdl_trial_ms"] is None) == ("KESTREL_PDL" in env)
+    assert bench["graph_pdl_late"] is False  # (the stub's late graph runs as fast as the rule's)
+
+
+@pytest.mark.parametrize("late_factor,picked", [("0.9", "late"), ("1.0", "programmatic"), ("1.1", "programmatic")])
+def test_step_graph_takes_the_late_trigger_kernels_when_faster(plan, late_factor, picked, tmp_path):
+    """The trial's third graph, the step chained with the late-trigger variants of its matvecs (compiler/codegen.py:
+    a kernel entry's ``late``), is kept when its median step beats the rule's chained graph (a tie keeps the rule's);
+    then the streaming launches are the late kernels too."""
+    _, path = plan
+    lp = load_plan(path).launch_plan
+    lates = {i: k["late"] for i, k in enumerate(lp["kernels"]) if "late" in k}
+    assert lates and all(lp["kernels"][j]["constexprs"]["PDL_LATE"] is True for j in lates.values())
+    assert all(lp["kernels"][i]["constexprs"]["PDL_LATE"] is False for i in lates)
+    out = tmp_path / "bench.json"
+    report = run_stub(path, ["--bench", str(out)], KESTREL_STUB_PDL_FACTOR="0.95", KESTREL_STUB_LATE_FACTOR=late_factor)
+    bench = json.loads(out.read_text())
+    assert bench["graph_pdl"] is True and bench["graph_pdl_late"] is (picked == "late")
+    med = {k: sorted(v)[len(v) // 2] for k, v in bench["pdl_trial_ms"].items()}
+    assert set(med) == {"plain_ms", "programmatic_ms", "late_ms"}
+    assert (med["late_ms"] < med["programmatic_ms"]) is (picked == "late")
+    assert report["calls"]["cuGraphExecDestroy"] == 2  # the two step graphs not kept
 
 
 def test_pdl_trial_verdict():
@@ -128,6 +151,16 @@ def test_pdl_trial_verdict():
     assert pdl_wins([1.0, 1.0, 1.2], [0.95, 0.9, 2.0]) and pdl_wins([1.0] * 3, [0.995] * 3)
     assert pdl_wins([1.0] * 5, [1.0] * 5) and pdl_wins([1.0] * 5, [1.015] * 5)  # a tie, or 1.5% behind: chained
     assert not pdl_wins([1.0] * 5, [1.03] * 5) and not pdl_wins([1.0, 1.0, 1.2], [1.05, 1.05, 0.9])
+
+
+def test_pdl_trial_pick():
+    """Of the two chained graphs the faster median (a tie: the rule's kernels), then weighed against plain edges."""
+    from kestrel.runtime.gpu import pdl_pick
+
+    assert pdl_pick([1.0] * 3, [0.9] * 3) == "programmatic" and pdl_pick([1.0] * 3, [0.9] * 3, None) == "programmatic"
+    assert pdl_pick([1.0] * 3, [0.9] * 3, [0.8] * 3) == "late" and pdl_pick([1.0] * 3, [0.9] * 3, [0.9] * 3) == "programmatic"
+    assert pdl_pick([1.0] * 3, [1.2] * 3, [1.01] * 3) == "late"  # the late graph within the margin of plain edges
+    assert pdl_pick([1.0] * 3, [1.2] * 3, [1.1] * 3) == "plain" and pdl_pick([1.0] * 3, [1.1] * 3) == "plain"
 
 
 def test_pdl_is_compiled_in_from_sm_90_only(plan, tmp_path):
@@ -197,8 +230,8 @@ def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
     windows = -(-len(step) // WINDOW)
     assert calls["cuStreamWaitValue32"] == 1 + 6 * windows  # the gate's check, then one per window
     families = {launch["kernel"] for launch in lp["launches"]}
-    assert calls["cuGraphLaunch"] == 7 + 1 + 2 * (1 + PDL_TRIAL_STEPS) + 13 * len(families)  # (+1: the
-    # prefill's M-row graph; the load-time PDL trial; per kernel the full graph, then 6 times without it and with it)
+    assert calls["cuGraphLaunch"] == 7 + 1 + 3 * (1 + PDL_TRIAL_STEPS) + 13 * len(families)  # (+1: the
+    # prefill's M-row graph; the load-time PDL trial of three graphs; per kernel the full graph, then 6 times without it and with it)
     assert calls["cuGraphDestroy"] == len(families) and sorted(g["kernel"] for g in rep["in_graph"]) == sorted(families)
     assert all(g["launches"] == sum(launch["kernel"] == g["kernel"] for launch in lp["launches"])
                and g["in_graph_ms"] == pytest.approx(g["graph_ms"] - g["without_ms"]) for g in rep["in_graph"])

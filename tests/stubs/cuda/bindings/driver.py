@@ -3,7 +3,8 @@ answered on the host. "Device" memory is host memory (ctypes buffers), so copies
 move bytes and are bounds-checked against their allocation; kernels are recorded, not run. The
 calls are counted in ``CALLS`` and every kernel launch (direct or as a graph node) in ``LAUNCHES``.
 Timing: every event pair measures 0.01 ms, plus a virtual clock that graph launches advance by 1 us a
-node, times KESTREL_STUB_PDL_FACTOR for a graph of programmatic edges (unset: the clock stands still).
+node, times KESTREL_STUB_PDL_FACTOR for a graph of programmatic edges (unset: the clock stands still), and
+times KESTREL_STUB_LATE_FACTOR too for one whose kernels are not the first graph's (the late-trigger variants).
 Used by tests/test_runtime_gpu_stub_driver.py to run the GPU runtime's whole load-and-generate path
 with torch and triton unimportable, on any machine (with or without a GPU).
 """
@@ -313,7 +314,10 @@ def cuGraphLaunch(exec_, stream):
     if factor is not None:
         programmatic = any(t == CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
                            for _, _, t, _ in GRAPH_EDGES.get(exec_, []))
-        _clock[0] += 1e-3 * len(_graph_nodes[exec_]) * (float(factor) if programmatic else 1.0)
+        first = _graph_nodes[min(_graph_nodes)]
+        late = [f for f, *_ in _graph_nodes[exec_]] != [f for f, *_ in first]
+        _clock[0] += 1e-3 * len(_graph_nodes[exec_]) * (float(factor) if programmatic else 1.0) * (
+            float(os.environ.get("KESTREL_STUB_LATE_FACTOR", "1")) if late else 1.0)
     for f, grid, block, params in _graph_nodes[exec_]:
         _record(f, grid, block, params)
     return (OK,)
