@@ -175,7 +175,11 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     programmatic graph took 6.01 ms with every matvec triggering at its start (the next kernel's
     waiting programs held SM slots the matvec's later waves needed) and 5.44 with all of them after
     the loop, while 0.8B bf16's small matrices ran 0.778 ms triggering at the start and 0.805 after
-    (bench/results/stop20)."""
+    (bench/results/stop20). Below the threshold the one-token step's matvecs are also compiled with PDL_LATE
+    (compiler/codegen.py's late-trigger variants) and the runtime's load-time trial picks per plan: on the H200
+    2B-9B q4 took the late ones (2B 0.848 -> 0.785 ms/token, 4B 1.586 -> 1.525, 9B 1.916 -> 1.872; with plain
+    edges before), while with every matvec from 1 MiB late 0.8B q4 / bf16 lost 14% / 11%, 27B q4 2%, 80B-A3B q4 7%
+    (bench/results/stop37 calls 4-6): no byte threshold fits both."""
 
     r = target.rules["matvec"]
     block_n = 1

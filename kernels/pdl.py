@@ -29,7 +29,9 @@ ms/token), and attn_step computing pos's RoPE angles before its wait lost in the
 Whether a step graph keeps programmatic edges is decided at load by timing (runtime/gpu.py): on the
 H200 they cut 0.8B's step by 7-13%, 2B bf16's by 6% and 27B q4's by 3.6%, and cost 2B q4, 4B, 9B
 bf16 and 27B bf16 2-4%, with no rule of size that predicts which; the M-row step's graph keeps plain
-edges (not measured).
+edges (not measured). Since stop 37 the trial has a third graph, programmatic with the step's early-trigger
+matvecs compiled to trigger after their loop (compiler/codegen.py): 2B-9B q4, which lost with the early
+triggers, win with those (2B 0.848 -> 0.785 ms/token against plain edges before; bench/results/stop37).
 
 ``PDL`` is a constexpr that codegen sets from the target (compiler/codegen.py: true from sm_90), false
 on older targets. Triton's interpreter (which runs launches one at a time, and no inline assembly)

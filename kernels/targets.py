@@ -59,7 +59,8 @@ class MatvecRule(Rule):
     min_block_k: int            # ... down to this
     rows_per_warp: int          # large: one warp per this many rows
     max_warps: int
-    pdl_late_bytes: int = 32 << 20  # PDL_LATE (the next kernel launches after the K loop, not at the start)
+    pdl_late_bytes: int = 32 << 20  # PDL_LATE (the next kernel launches after the K loop, not at the start) from
+    #                                 this many bytes; below it the step also carries late variants (compiler/codegen.py)
     preload_bytes: int = 32 << 20  # PRELOAD (the first weight tile loaded before the PDL wait): bf16 / f32 matrices
                                    # of fewer bytes than this (0: none); never q4 (stop 29 call 3)
     #                                 from this many weight bytes
