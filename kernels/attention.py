@@ -453,7 +453,6 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     q = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
     kr = _norm_rope_apply(xk, xkp, wk, wkp, d, eps, cos, sin, rotary_dim, D)
     if sp < active:
-
         # Append row p (one writer per kv head: split 0) and use the cache-rounded values for it.
         if BF16:
             kr = _round_bf16(kr)
