@@ -107,7 +107,7 @@ case $2 in
     for p in qwen3.5-27b-sm90-q4-spec3 qwen3.5-0.8b-sm90-bf16-spec3; do
       SPEC_PDL=1 timeout 250 python3 bench/device_spec.py "$out/spec-pdl-$p.json" "bench/plans/$p.plan" > "$out/spec-pdl-$p.txt" 2>&1
       echo "$p: exit $?"; grep -E "spec==plain|verify at|as graphs" "$out/spec-pdl-$p.txt"
-      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print('iteration ms plain', r['rounds']['iteration'], 'programmatic', r['rounds'].get('iteration_pdl'), 'same tokens', r.get('pdl_equals_plain'))" "$out/spec-pdl-$p.json"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print('iteration ms plain', r['rounds'].get('iteration_plain'), 'programmatic', r['rounds'].get('iteration_pdl'), 'same tokens', r.get('pdl_equals_plain'), 'runtime kept programmatic', r.get('runtime_kept_programmatic'), r.get('spec_pdl_trial_ms'))" "$out/spec-pdl-$p.json"
     done ;;
   pdl)
     for p in qwen3.5-2b-sm90-q4 qwen3.5-0.8b-sm90-q4; do

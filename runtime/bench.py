@@ -298,11 +298,11 @@ def spec_phases(launches: list[dict]) -> list[str]:
     return ["verify" if i < first else "accept_rollback" if i <= last else "draft" for i in range(len(launches))]
 
 
-def _graph_ms(step, packed: list, n: int) -> list[float]:
-    """``packed`` launches captured as one graph (plain edges), replayed n + 1 times; each replay's ms but the
-    first's."""
+def _graph_ms(step, packed: list, n: int, pdl: bool = False) -> list[float]:
+    """``packed`` launches captured as one graph (``pdl``: programmatic edges, else plain), replayed n + 1 times;
+    each replay's ms but the first's."""
     cu = kc.driver()
-    graph, graph_exec = kc.chain_graph(packed, False)
+    graph, graph_exec = kc.chain_graph(packed, pdl)
     events = [kc.check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(n + 2)]
     try:
         kc.check(cu.cuEventRecord(events[0], step.stream), "cuEventRecord")
@@ -355,9 +355,9 @@ def iteration_phases(step, launches: list[dict], ids: list[int], seq: list[int],
             step.run(1, marks)
             step.run(n, marks)
             m1_graph = statistics.median(step.mark_ms(marks))
-            # the verify's launches alone as one graph (plain edges, as the iteration's), against the step's graph
+            # the verify's launches alone as one graph (the iteration's edges), against the step's graph
             verify_graph = statistics.median(_graph_ms(step, [step.spec_launches[i] for i, p in enumerate(phases)
-                                                              if p == "verify"], n))
+                                                              if p == "verify"], n, step.spec_pdl))
     finally:
         profile._release(gate, events)
         profile._release(None, m1_events)
@@ -433,7 +433,8 @@ def bench_controlled(plan, ids: list[int], seq: list[int], accepts: list[float],
         "plain_ms_per_token_rounds": plain, "rows": rows,
         "iteration": iteration_phases(step, lp_launches, ids, seq, m1_launches=m1_launches if plan is None
                                       else plan.launch_plan["launches"]),
-        "spec_graph": step.graph_spec_exec is not None,
+        "spec_graph": step.graph_spec_exec is not None, "spec_graph_pdl": step.spec_pdl,
+        "spec_pdl_trial_ms": step.spec_pdl_trial,
         "weights": None if plan is None else "random" if plan.random_weights else "checkpoint"}}
 
 

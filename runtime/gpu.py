@@ -16,7 +16,9 @@ predicts which (bench/results/stop19, stop20). Where the plan's step kernels hav
 after their K loop), a third graph chains the step with those and joins the trial, and the faster of the
 two chained graphs is the one weighed against plain edges (``pdl_pick``; 2B-9B q4 on the H200 kept the late
 one, 0.8B, 27B and 80B-A3B the rule's: bench/results/stop37). KESTREL_PDL=0 / 1 skips the
-trial (1: the rule's kernels). The M-row step's graph has plain edges. A plan with an M-row
+trial (1: the rule's kernels). The speculative iteration's graph gets the same trial (plain against
+programmatic edges; stop 22 measured the chained one 1.2-2.2% faster at 27B q4 and 0.8B bf16, when the runtime
+kept plain edges). The M-row step's graph has plain edges. A plan with an M-row
 step gets its launches packed too (``run_prefill``), and its own graph unless KESTREL_GRAPH_M=0.
 Per token: one graph launch (or the same launches one by one in streaming mode); the step_end kernel advances pos and
 feeds the next token in from the ``tokens`` state (prompt ids uploaded once per request, then the
@@ -231,7 +233,8 @@ class GpuStep:
                              else None)
         self.use_graph_m = self.graph_m_exec is not None
         # speculative decoding (--speculative mtp): its prefill (an M-row program, under KESTREL_GRAPH_M) and
-        # its iteration (KESTREL_GRAPH_SPEC), each its own graph with plain edges, built here at load
+        # its iteration (KESTREL_GRAPH_SPEC), each its own graph, built here at load: the prefill's with plain
+        # edges, the iteration's with plain or programmatic ones as the load-time trial says
         self.spec_k = b.draft_tokens if b.spec_launches else 0
         # speculative sampling at temperature > 0 (plans from before it speculate greedily only), under the
         # KESTREL_SPEC_SAMPLING gate (0: sampled requests decode plainly)
@@ -244,6 +247,23 @@ class GpuStep:
                                         if self.spec_k and self.use_graph_m else None)
         self.graph_spec_exec = (self._try_graph(self.spec_launches, log, False)
                                 if self.spec_k and use_graph and graph_spec_enabled() else None)
+        # the iteration's graph chained by programmatic edges too, kept as the step's is (the trial, KESTREL_PDL)
+        self.spec_pdl, self.spec_pdl_trial = False, None
+        if (self.graph_spec_exec is not None and choice is not False
+                and all(kernel.pdl for kernel, _, _ in self.spec_launches)):
+            try:
+                chained = self._build_graph(self.spec_launches, True)
+            except DeviceError as e:
+                chained = None
+                if log:
+                    log(f"note: the speculative iteration's graph with programmatic edges was not built ({e})")
+            if chained is not None:
+                if choice is None:
+                    self.spec_pdl_trial = self._time_graphs({"plain": self.graph_spec_exec, "programmatic": chained})
+                keep = choice or pdl_pick(**self.spec_pdl_trial) == "programmatic"
+                kc.check(cu.cuGraphExecDestroy(self.graph_spec_exec if keep else chained), "cuGraphExecDestroy")
+                if keep:
+                    self.graph_spec_exec, self.spec_pdl = chained, True
         # pinned slots for dyn.pos read back beside the tokens (read_spec), one per copy event
         self._pos_ptr = kc.check(cu.cuMemAllocHost(4 * len(self._copy_events)), "cuMemAllocHost")
         self.host_pos = np.ctypeslib.as_array((ctypes.c_int32 * len(self._copy_events)).from_address(int(self._pos_ptr)))

@@ -303,7 +303,9 @@ step.run_spec(2)
 step.dyn["pos"] = 7  # what the iterations' spec_end would have left (the stub runs no kernel)
 got = step.read_spec(0, 6).wait()  # the prompt, then rows the stub left zero
 print(json.dumps({{"k": step.spec_k, "launched": [name for name, *_ in stub.LAUNCHES[n0:]], "got": got,
-                   "graph_launches": stub.CALLS.get("cuGraphLaunch", 0), "spec_graph": step.graph_spec_exec is not None}}))
+                   "graph_launches": stub.CALLS.get("cuGraphLaunch", 0), "spec_graph": step.graph_spec_exec is not None,
+                   "spec_pdl": step.spec_pdl, "spec_trial": step.spec_pdl_trial,
+                   "spec_edges": sorted({{(t, port) for _, _, t, port in stub.GRAPH_EDGES.get(step.graph_spec_exec, [])}})}}))
 """
 
 
@@ -335,6 +337,25 @@ def test_gpu_runtime_runs_the_speculative_programs(spec_plan, graph):
     assert out["k"] == 2 and out["spec_graph"] == graph
     assert out["launched"] == prefill + iteration * 2  # (graph replays are recorded node by node)
     assert out["got"] == [[1, 2, 3, 0, 0, 0], 7]
+
+
+@pytest.mark.parametrize("env,chained", [({"KESTREL_STUB_PDL_FACTOR": "0.9"}, True),
+                                         ({"KESTREL_STUB_PDL_FACTOR": "1.1"}, False), ({"KESTREL_PDL": "1"}, True),
+                                         ({"KESTREL_PDL": "0", "KESTREL_STUB_PDL_FACTOR": "0.5"}, False)])
+def test_speculative_iteration_graph_keeps_programmatic_edges_when_faster(spec_plan, env, chained):
+    """The iteration's graph is built with plain and with programmatic edges and timed at load as the step's is
+    (the stub's clock makes the chained one 10% faster or slower; KESTREL_PDL=1 keeps it untimed, 0 never builds
+    it); the graph kept runs the iterations."""
+    r = subprocess.run([sys.executable, "-c", SPEC_RUN.format(stubs=STUBS, plan=spec_plan, graph=True)],
+                       capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                            if k != "TRITON_INTERPRET"} | env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["spec_graph"] and out["spec_pdl"] is chained
+    assert out["spec_edges"] == ([[1, 1]] if chained else [[0, 0]])
+    assert (out["spec_trial"] is None) == ("KESTREL_PDL" in env)
+    if out["spec_trial"]:
+        assert set(out["spec_trial"]) == {"plain_ms", "programmatic_ms"}
 
 
 def test_gpu_speculative_loop_refuses_a_position_that_does_not_advance(spec_plan):
