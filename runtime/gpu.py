@@ -216,14 +216,7 @@ class GpuStep:
                 if log:
                     log(f"note: a step graph with programmatic edges was not built ({e})")
             if graphs:
-                if choice is None:
-                    self.pdl_trial = self._time_graphs({"plain": self.graph_exec, **graphs})
-                    pick = pdl_pick(**self.pdl_trial)
-                else:
-                    pick = "programmatic"
-                for name, g in {"plain": self.graph_exec, **graphs}.items():
-                    if name != pick:
-                        kc.check(cu.cuGraphExecDestroy(g), "cuGraphExecDestroy")
+                pick, self.pdl_trial = self._keep_one(self.graph_exec, graphs, choice)
                 if pick != "plain":
                     self.graph_exec, self.pdl, self.pdl_late = graphs[pick], True, pick == "late"
                 if pick == "late":  # streaming and the profile launch what the graph does
@@ -258,16 +251,23 @@ class GpuStep:
                 if log:
                     log(f"note: the speculative iteration's graph with programmatic edges was not built ({e})")
             if chained is not None:
-                if choice is None:
-                    self.spec_pdl_trial = self._time_graphs({"plain": self.graph_spec_exec, "programmatic": chained})
-                keep = choice or pdl_pick(**self.spec_pdl_trial) == "programmatic"
-                kc.check(cu.cuGraphExecDestroy(self.graph_spec_exec if keep else chained), "cuGraphExecDestroy")
-                if keep:
+                pick, self.spec_pdl_trial = self._keep_one(self.graph_spec_exec, {"programmatic": chained}, choice)
+                if pick != "plain":
                     self.graph_spec_exec, self.spec_pdl = chained, True
         # pinned slots for dyn.pos read back beside the tokens (read_spec), one per copy event
         self._pos_ptr = kc.check(cu.cuMemAllocHost(4 * len(self._copy_events)), "cuMemAllocHost")
         self.host_pos = np.ctypeslib.as_array((ctypes.c_int32 * len(self._copy_events)).from_address(int(self._pos_ptr)))
         self.sync()
+
+    def _keep_one(self, plain, chained: dict, choice: bool | None) -> tuple[str, dict | None]:
+        """Of a program's plain graph and its chained ones ({name: graph}), the one kept: by the load-time trial
+        (``pdl_pick``) unless KESTREL_PDL chose (1: "programmatic"); the others destroyed. (name, trial or None)."""
+        trial = self._time_graphs({"plain": plain, **chained}) if choice is None else None
+        pick = pdl_pick(**trial) if trial else "programmatic"
+        for name, g in {"plain": plain, **chained}.items():
+            if name != pick:
+                kc.check(kc.driver().cuGraphExecDestroy(g), "cuGraphExecDestroy")
+        return pick, trial
 
     def _time_graphs(self, graphs: dict) -> dict:
         """Median-ready step times (ms) of graphs of the same step, {name: graph}, replayed in turn at load (before
