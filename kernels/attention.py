@@ -181,8 +181,10 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
         block_s //= 2
     return {"grid": [n_kv, splits, 1], **attn_step_warps(cache_dtype, target),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
-                           "BLOCK_H": block_h, "BLOCK_Q": pow2_at_least(n_heads // n_kv) if r.narrow_queries else block_h,
-                           "BLOCK_D": block_d, "BLOCK_S": block_s, "SPLIT_ROWS": r.split_tiles * block_s, "PIPE_BYTES": pipe,
+                           "BLOCK_H": block_h,
+                           "BLOCK_Q": pow2_at_least(n_heads // n_kv) if r.narrow_queries else block_h,
+                           "BLOCK_D": block_d, "BLOCK_S": block_s, "SPLIT_ROWS": r.split_tiles * block_s,
+                           "PIPE_BYTES": pipe,
                            "MERGE_CH": min(splits, r.merge_splits), "MERGE_STAGES": r.merge_stages,
                            "MERGE_SMALL": r.merge_small if splits > r.merge_splits else 0,
                            "MERGE_SMALL_STAGES": r.merge_small_stages,
