@@ -6,6 +6,11 @@
 #            (bash bench/build_stop_plans.sh 2b-q4 2b-q4-pf8 2b-q4-pf16 4b-q4 4b-q4-pf8 4b-q4-pf16 9b-q4 9b-q4-pf8
 #             9b-q4-pf16)
 #   specpdl  bench/device_stop37.sh specpdl (prepared in stop 36, not yet run)
+#   spec     (call 1) specpdl, then the runtime's own choice of the iteration graph's edges (GpuStep's load-time
+#            trial) checked: greedy speculative tokens against plain ones through the graphs it kept (0.8B bf16,
+#            128 tokens x 3 prompts), and compute-sanitizer over tiny-mtp q4's graphs, greedy (against plain) and
+#            sampled
+#            (bash bench/build_stop_plans.sh 27b-q4-spec3 0.8b-bf16-spec3 tiny-mtp-q4-spec3)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -19,4 +24,26 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  spec)
+    bash bench/device_stop37.sh "$out" specpdl
+    KESTREL_EXACT_NEW=128 timeout 200 python3 bench/device_spec_exactness.py "$out/spec-exact.json" \
+      bench/plans/qwen3.5-0.8b-sm90-bf16-spec3.plan > "$out/spec-exact.txt" 2>&1
+    echo "exactness: exit $?"; tail -6 "$out/spec-exact.txt"
+    timeout 200 compute-sanitizer --tool memcheck --print-limit 5 python3 -c "
+import sys
+from kestrel.artifacts.plan import load_plan
+from kestrel.runtime.bench import SAMPLED
+from kestrel.runtime.generate import SamplingParams, generate
+from kestrel.runtime.gpu import GpuStep
+step = GpuStep(load_plan(sys.argv[1]), use_graph=True)
+print('iteration graph programmatic', step.spec_pdl, step.spec_pdl_trial, flush=True)
+ids = [(i * 7919) % 300 + 3 for i in range(40)]
+spec = generate(step, ids, 24, SamplingParams()).tokens
+print('greedy', spec, flush=True)
+print('sampled', generate(step, ids, 24, SAMPLED).tokens, flush=True)
+k, step.spec_k = step.spec_k, 0
+plain = generate(step, ids, 24, SamplingParams()).tokens
+print('greedy spec == plain', spec == plain, flush=True)
+" bench/plans/tiny-mtp-sm90-q4-spec3.plan > "$out/spec-sanitize.txt" 2>&1
+    echo "sanitizer: exit $?"; grep -E "ERROR SUMMARY|iteration graph|greedy|sampled" "$out/spec-sanitize.txt" ;;
 esac
