@@ -17,9 +17,8 @@ out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 case $2 in
   pf)
-    mkdir -p "$out/a" "$out/b" "$out/c"
     for m in 2b 4b 9b; do
-      d=$out/$(echo "$m" | tr 249 abc)
+      d=$out/$m; mkdir -p "$d"
       STEP_TIMEOUT=120 SEQ="qwen3.5-$m-sm90-q4 qwen3.5-$m-sm90-q4-pf8 qwen3.5-$m-sm90-q4-pf16" bash bench/device_preload_ab.sh "$d"
     done ;;
   specpdl)
