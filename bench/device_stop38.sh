@@ -11,6 +11,12 @@
 #            128 tokens x 3 prompts), and compute-sanitizer over tiny-mtp q4's graphs, greedy (against plain) and
 #            sampled
 #            (bash bench/build_stop_plans.sh 27b-q4-spec3 0.8b-bf16-spec3 tiny-mtp-q4-spec3)
+#   gather   (call 3) moe_down's gathered form (every routed expert's q4 rows in one tile: the MoeRule's down_gather):
+#            the kernel alone at the 80B-A3B shape against the unrolled forms (MOE_SWEEP_KINDS=down_add python
+#            bench/moe_sweep.py compile bench/moe-sweep-gather), the whole 80B-A3B q4 step rule / (8, 4) / (4, 2),
+#            A B C C B A; 4 layers with (8, 4) against the CPU reference, and its K = 3 plan under compute-sanitizer
+#            and against plain decoding (bash bench/build_stop_plans.sh next80-q4 next80-q4-g8x4 next80-q4-g4x2
+#            next4-q4-g8x4 next4-q4-spec3-g8x4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -23,6 +29,16 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  gather)
+    (cd bench && timeout 150 python3 moe_sweep.py time moe-sweep-gather "$out/moe-sweep-gather.json" > "$out/moe-sweep-gather.txt" 2>&1)
+    echo "sweep: exit $?"; grep -A12 "^best per kernel" "$out/moe-sweep-gather.txt"
+    STEP_TIMEOUT=150 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-g8x4 qwen3-next-80b-a3b-sm90-q4-g4x2" \
+      bash bench/device_preload_ab.sh "$out"
+    p=bench/plans/qwen3-next-4l-sm90-q4-spec3-g8x4.plan
+    KESTREL_EXACT_NEW=64 KESTREL_EXACT_PROMPTS=2 timeout 100 python3 bench/device_spec_exactness.py "$out/spec-exact.json" $p \
+      > "$out/spec-exact.txt" 2>&1; echo "spec exactness: exit $?"; tail -2 "$out/spec-exact.txt"
+    mkdir -p "$out/e2e"; STEP_TIMEOUT=150 SANITIZE="qwen3-next-4l-sm90-q4-spec3-g8x4" E2E="qwen3-next-4l-sm90-q4-g8x4" \
+      bash bench/device_preload_ab.sh "$out/e2e" ;;
   spec)
     bash bench/device_stop37.sh "$out" specpdl
     KESTREL_EXACT_NEW=128 timeout 200 python3 bench/device_spec_exactness.py "$out/spec-exact.json" \

@@ -1,13 +1,13 @@
 """Launch-configuration sweep for Qwen3-Next's one-row MoE kernels at the 80B-A3B shape (a tuning experiment).
 
-Here (no GPU):   python bench/moe_sweep.py compile DIR
+Here (no GPU):   python bench/moe_sweep.py compile DIR     (MOE_SWEEP_KINDS=down_add: that kernel's variants only)
 On the device:   python3 bench/moe_sweep.py time DIR $OUT/moe-sweep.json
 
 The one-token step's MoE block after fuse: ``moe_topk`` (the router's softmax and top-k over E = 512
 logits), ``rmsnorm_moe_gate_up`` (the k = 10 routed experts' and the shared expert's gate / up rows, 2048
 inputs, q4 g128, the post-attention norm folded in) and ``moe_down_add`` (their down rows summed in rank
 order, 512 inputs a routed expert, plus the residual). Each variant (BLOCK_N, BLOCK_K, num_warps; the
-down's pipeline depth STAGES) is checked against the rule's variant's result and the rule's against the
+down's pipeline depth STAGES, -1 its gathered form) is checked against the rule's variant's result and the rule's against the
 torch reference (on the routed experts' rows only), then timed as bench/graph_timing.py times a kernel:
 a CUDA graph of launches, each with its own routing buffer (32 sets of random experts rotated, so the
 weights a launch reads come from DRAM, as in a step whose 48 layers each read their own; the shared
@@ -40,6 +40,9 @@ def down_variants():
                 for st in (0, 2, 3, 4):
                     if nw <= max(1, bn * bk // 32 // 32):
                         yield {"BLOCK_N": bn, "BLOCK_KD": bk, "BLOCK_KS": bk, "STAGES": st}, nw
+    for bn in (1, 2, 4, 8, 16):  # the gathered form (stop 38: the MoeRule's down_gather), all of I in its tile
+        for nw in (1, 2, 4, 8):
+            yield {"BLOCK_N": bn, "BLOCK_KD": I, "BLOCK_KS": 512, "STAGES": -1}, nw
 
 
 TYPES = {
@@ -69,7 +72,8 @@ def jobs():
     out += [("gate_up_plain", plain | c, nw) for c, nw in gate_up_variants() if c["BLOCK_K"] >= 1024]
     base = rule["down_add"]["constexprs"]
     out += [("down_add", base | c, nw) for c, nw in down_variants()]
-    return out
+    kinds = os.environ.get("MOE_SWEEP_KINDS")  # e.g. "down_add": only those kernels' variants
+    return [j for j in out if not kinds or j[0] in kinds.split(",")]
 
 
 def _compile(job):

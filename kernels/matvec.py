@@ -298,9 +298,11 @@ def _q4_unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _q4_words_interpreted(words, xh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """What ``_Q4_WORD_DOT`` computes for every word (fp32 [BLOCK_N, BLOCK_K / 8]), for the interpreter:
-    xh [BLOCK_K] is x / 64 as fp16."""
+    xh is x / 64 as fp16, [BLOCK_K] (one x for every row) or [BLOCK_N, BLOCK_K] (a row's own)."""
     w = (_q4_unpack_words(words, BLOCK_N, BLOCK_K) - 8).to(tl.float64)
-    p = tl.reshape(w * xh.to(tl.float64)[None, :], [BLOCK_N, BLOCK_K // 8, 2, 2, 2])  # (pair hi, lo, lane)
+    if len(xh.shape) == 1:
+        xh = xh[None, :]
+    p = tl.reshape(w * xh.to(tl.float64), [BLOCK_N, BLOCK_K // 8, 2, 2, 2])  # (pair hi, lo, lane)
     p = tl.permute(p, [0, 1, 4, 2, 3])  # (lane, pair hi, pair lo)
     even, odd = tl.split(p)  # pair lo
     p0, p2 = tl.split(even)

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.matvec import (FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows, _matvec_rows, _matvec_tile,
+from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows,
+                                    _matvec_rows, _matvec_tile, _q4_words_interpreted,
                                     _partials_rstd, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
@@ -281,15 +282,20 @@ def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k
 
 def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target) -> dict:
     """Programs over blocks of the H output rows (a grid row per input row); each sums the k routed
-    products in rank order (_moe_down_sum: unrolled, or pipelined when ``down_stages``), then the gated
-    shared one. Tiles from the matvec rule for one expert's [H, I] down projection."""
+    products in rank order (_moe_down_sum: unrolled, or pipelined when ``down_stages``; q4 experts gathered
+    into one tile and summed as a tree when ``down_gather``), then the gated shared one. Tiles from the matvec
+    rule for one expert's [H, I] down projection (the gathered form's from ``down_gather``)."""
     rule = target.rules["moe"]
     block_n, block_kd, warps = _tiles(h, inter, groups[0], target, rule.max_block_n)
+    stages = rule.down_stages
+    if rule.down_gather and groups[0] > 0:  # q4: the gathered form (_moe_down_gathered), all of I in its tile
+        block_n, warps = min(rule.down_gather[0], pow2_at_least(h)), rule.down_gather[1]
+        block_kd, stages = pow2_at_least(inter), -1
     _, block_ks, _ = _tiles(h, shared, groups[1], target, block_n)
     return {"grid": [-(-h // block_n), rows, 1], "num_warps": warps,
             "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_D": groups[0],
                            "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks,
-                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": rule.down_stages}}
+                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": stages}}
 
 
 def moe_group_launch(pairs: int, e: int, top_k: int, chunk: int, target) -> dict:
@@ -433,7 +439,8 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
     one row (ids_ptr / wts_ptr / act at that row), the ids and weights loaded once before the experts'
     products. STAGES = 0: the k experts unrolled, one matvec each (kernels/matvec.py's, its own K loop);
     STAGES > 0: one software-pipelined loop over (expert, K tile), each tile's products summed and weighted
-    at once (on the H200 at the 80B-A3B shape the unrolled form was the faster: bench/results/stop23)."""
+    at once (on the H200 at the 80B-A3B shape the unrolled form was the faster: bench/results/stop23);
+    STAGES < 0 (q4, BLOCK_KD >= I): ``_moe_down_gathered``, the k products summed as a tree over the ranks."""
     ts = tl.arange(0, BLOCK_T)
     live = ts < TOPK
     ids = tl.load(ids_ptr + ts, mask=live, other=0)
@@ -448,7 +455,9 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
         SCALE: tl.constexpr = 1.0
     KT: tl.constexpr = (I + BLOCK_KD - 1) // BLOCK_KD
     acc = tl.zeros([BLOCK_N], tl.float32)
-    if STAGES == 0:  # the experts unrolled, each one matvec (the compiler may issue their loads together)
+    if STAGES < 0:  # q4, every expert's rows in one gathered tile
+        acc = _moe_down_gathered(act, ids, wts, live, wd_ptr, rc, E, H, I, GROUP_D, BLOCK_N, BLOCK_KD, BLOCK_T)
+    elif STAGES == 0:  # the experts unrolled, each one matvec (the compiler may issue their loads together)
         for j in tl.static_range(TOPK):
             e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
             w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
@@ -464,6 +473,50 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
     s = _matvec_rows(act + TOPK * I, sd_ptr, rc, H, IS, GROUP_S, BLOCK_N, BLOCK_KS)
     gate = tl.load(act + TOPK * I + IS)
     return acc + s / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
+def _moe_down_gathered(act, ids, wts, live, wd_ptr, rc, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr):
+    """sum_j wts_j * (Wd_{ids_j} act_j)[rc] over the ranks j < TOPK (``live``) for a q4 stacked Wd [E * H, I]:
+    every routed expert's rows [BLOCK_N, I] in one gathered tile [BLOCK_T, BLOCK_N, I / 8] of words, so the
+    loads of all k experts are issued together rather than one expert's after another's; each row's product
+    as ``_matvec_tile`` makes it (``_Q4_WORD_DOT`` per word, 32-input chunks scaled, then x 64), the ranks'
+    weighted products summed as a tree (a fixed order: the same at one row and at a verify's K + 1)."""
+    tl.static_assert(GROUP > 0 and BLOCK_I >= I and I % GROUP == 0)
+    W: tl.constexpr = BLOCK_I // 8
+    ts = tl.arange(0, BLOCK_T)
+    jw = tl.arange(0, W)
+    rows = (ids[:, None] * H + rc[None, :]).to(tl.int64)  # [T, N] rows of the stacked matrix
+    words = tl.load(wd_ptr.to(tl.pointer_type(tl.int32)) + rows[:, :, None] * (I // 8) + jw[None, None, :],
+                    mask=live[:, None, None] & (jw < I // 8)[None, None, :], other=0)
+    ks = tl.arange(0, BLOCK_I)
+    xq = tl.load(act + ts[:, None] * I + ks[None, :], mask=live[:, None] & (ks < I)[None, :], other=0.0)
+    xq = xq * (1.0 / 64.0)  # Q4_X_SCALE
+    shape: tl.constexpr = [BLOCK_T, BLOCK_N, W]
+    if _INTERPRET:
+        xh = tl.reshape(tl.broadcast_to(xq.to(tl.float16)[:, None, :], [BLOCK_T, BLOCK_N, BLOCK_I]),
+                        [BLOCK_T * BLOCK_N, BLOCK_I])
+        d = tl.reshape(_q4_words_interpreted(tl.reshape(words, [BLOCK_T * BLOCK_N, W]), xh, BLOCK_T * BLOCK_N,
+                                             BLOCK_I), shape)
+    else:  # kernels/matvec.py's _x_pairs for each rank's x
+        xl, xh = tl.split(tl.reshape(xq, [BLOCK_T, W, 4, 2]))
+        xp = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [xl, xh], dtype=tl.int32,
+                                       is_pure=True, pack=1)
+        xa, xb = tl.split(tl.reshape(xp, [BLOCK_T, W, 2, 2]))  # pairs (0, 2), (1, 3)
+        x0, x2 = tl.split(xa)
+        x1, x3 = tl.split(xb)
+        d = tl.inline_asm_elementwise(_Q4_WORD_DOT, "=f,r,r,r,r,r",
+                                      [words, tl.broadcast_to(x0[:, None, :], shape),
+                                       tl.broadcast_to(x1[:, None, :], shape), tl.broadcast_to(x2[:, None, :], shape),
+                                       tl.broadcast_to(x3[:, None, :], shape)], dtype=tl.float32, is_pure=True, pack=1)
+    part = tl.sum(tl.reshape(d, [BLOCK_T, BLOCK_N, W // 4, 4]), axis=3)  # one sum per 32-input chunk
+    c = tl.arange(0, W // 4)
+    sp = (wd_ptr + E * H * I // 2).to(tl.pointer_type(tl.float16)) + rows[:, :, None] * (I // GROUP)
+    scale = tl.load(sp + (c * 32 // GROUP)[None, None, :], mask=live[:, None, None] & (c < I // 32)[None, None, :],
+                    other=0.0)
+    y = tl.sum(part * scale.to(tl.float32), axis=2) * 64.0  # Q4_X_SCALE
+    return tl.sum(y * wts[:, None], axis=0)
 
 
 @triton.jit

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -197,6 +198,8 @@ class MoeRule(Rule):
     combine_block: int          # moe_combine: output columns per program
     grouped_gate_up: tuple      # moe_gate_up_grouped: (BLOCK_N, BLOCK_K, num_warps)
     grouped_down: tuple         # moe_down_grouped: (BLOCK_N, BLOCK_K, num_warps)
+    down_gather: tuple = ()     # moe_down of q4 experts: (BLOCK_N, num_warps) of the gathered form (every routed
+                                # expert's rows in one tile, STAGES -1), () for down_stages' forms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,12 +473,14 @@ RULES_ENV = "KESTREL_RULES"
 def override_rules(target: str, spec: str) -> list[str]:
     """Replace fields of ``target``'s launch-rule rows in this process (an experiment, or a kernel not yet
     on by default): ``spec`` is ``family.field=value`` assignments separated by spaces or commas, values
-    Python literals (``q4_mma.max_rows=0 q4_mma.grouped_rows=0``). The rows changed say so in their
+    Python literals (``q4_mma.max_rows=0 q4_mma.grouped_rows=0``, ``moe.down_gather=(8,4)``). The rows changed say so in their
     provenance. Returns the assignments; raises ValueError naming a bad one."""
     t = TARGETS[target]
     rows: dict[str, dict] = {}
     done = []
-    for a in spec.replace(",", " ").split():
+    for a in re.split(r"\s+|,(?![^()\[\]]*[)\]])", spec.strip()):  # (a comma inside brackets is the value's)
+        if not a:
+            continue
         name, eq, value = a.partition("=")
         family, dot, field = name.partition(".")
         if not (eq and dot) or family not in t.rules or field not in {f.name for f in dataclasses.fields(t.rules[family])}:

@@ -3,6 +3,8 @@ the router's top-k (moe_topk over the matvec's logits: softmax, top-k with ties,
 the expert ids from the routing buffer (f32, bf16, q4; one row and several rows routed differently);
 and each AOT-compiled for every GPU target at the 80B-A3B shapes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from kestrel.kernels.moe import (moe_down_add_kernel, moe_down_add_ref, moe_down
                                  moe_gate_up_kernel, moe_gate_up_launch, moe_gate_up_ref, moe_router_ref, moe_topk_kernel,
                                  moe_topk_launch, rmsnorm_moe_gate_up_kernel, rmsnorm_moe_gate_up_ref, route_ref)
 from kestrel.kernels import moe
-from kestrel.kernels.targets import ALL_TARGETS, TARGETS
+from kestrel.kernels.targets import ALL_TARGETS, TARGETS, override_rules
 
 SM90 = TARGETS["sm_90"]
 
@@ -159,6 +161,59 @@ def test_fused_norm_and_residual(dtype):
     # the norm is applied: the same kernel without it differs
     plain = moe_gate_up_ref(ref_s, ids, w["wg"][1], w["wu"][1], w["sg"][1], w["su"][1], w["sgate"][1], e)
     assert not torch.allclose(out, plain, rtol=1e-2, atol=1e-3)
+
+
+def test_moe_down_gathered_form():
+    """moe_down's gathered form (the rule's ``down_gather``: every routed expert's q4 rows in one tile, the
+    ranks' products summed as a tree): moe_down at two rows and moe_down_add at one against the references, k = 3
+    (one of BLOCK_T's 4 ranks masked), an expert at the end of the stacked matrix and its scales; near the unrolled
+    form (same products, another order of the ranks' sum); another expert id changes the result."""
+    g = torch.Generator().manual_seed(11)
+    e, h, inter, shared, k, rows = 6, 128, 64, 96, 3, 2
+    w = _experts("q4", e, h, inter, shared, g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(rows)]).to(torch.int32)
+    ids[1, 2] = e - 1
+    wts = torch.softmax(torch.randn(rows, k, generator=g), -1)
+    act = torch.randn(rows, k * inter + shared + 1, generator=g)
+    groups = (w["wd"][2], w["sd"][2])
+    t = dataclasses.replace(SM90, rules={**SM90.rules, "moe": dataclasses.replace(SM90.rules["moe"], down_gather=(16, 2))})
+    d = moe_down_launch(rows, e, h, inter, shared, k, groups, t)
+    assert d["constexprs"]["STAGES"] == -1 and d["constexprs"]["BLOCK_KD"] == inter and d["num_warps"] == 2
+    assert moe_down_launch(rows, e, h, inter, shared, k, groups, SM90)["constexprs"]["STAGES"] >= 0
+    grid = (h // 16, rows)
+
+    def down(i):
+        y = torch.full((rows, h), float("nan"))
+        interpret(moe_down_kernel)[grid](act, i, wts, w["wd"][0], w["sd"][0], y, **d["constexprs"])
+        return y
+    y = down(ids)
+    assert_close(y, moe_down_ref(act, ids, wts, w["wd"][1], w["sd"][1]), 2e-5, 1e-6, "moe_down gathered")
+    unrolled = torch.full((rows, h), float("nan"))
+    u = moe_down_launch(rows, e, h, inter, shared, k, groups, SM90)
+    interpret(moe_down_kernel)[(h // u["constexprs"]["BLOCK_N"], rows)](act, ids, wts, w["wd"][0], w["sd"][0], unrolled,
+                                                                        **u["constexprs"])
+    assert_close(y, unrolled, 1e-6, 1e-7, "gathered against unrolled")
+    ids2 = ids.clone()
+    ids2[1, 1] = next(x for x in range(e) if x not in ids[1].tolist())
+    y2 = down(ids2)
+    assert torch.equal(y2[0], y[0]) and not torch.allclose(y2[1], y[1], rtol=1e-3, atol=1e-4)
+    r = torch.randn(h, generator=g)
+    s, ss = torch.full((h,), float("nan")), torch.full((h // 16,), float("nan"))
+    interpret(moe_down_add_kernel)[(h // 16, 1)](act[0], ids[0], wts[0], w["wd"][0], w["sd"][0], r, s, ss, 16,
+                                                 **d["constexprs"])
+    ref_s, ref_ss = moe_down_add_ref(act[0], ids[0], wts[0], w["wd"][1], w["sd"][1], r, 16)
+    assert_close(s, ref_s, 2e-5, 1e-6, "moe_down_add gathered")
+    assert_close(ss, ref_ss, 2e-5, 1e-6, "moe_down_add gathered partials")
+
+
+def test_rule_override_takes_a_tuple(monkeypatch):
+    """KESTREL_RULES / bench/build_variant.py: a tuple value's commas are the value's, not separators."""
+    monkeypatch.setitem(TARGETS, "sm_90", TARGETS["sm_90"])  # restored after the test
+    assert override_rules("sm_90", "moe.down_gather=(8,4), moe.router_warps=2") == ["moe.down_gather=(8,4)",
+                                                                                   "moe.router_warps=2"]
+    assert TARGETS["sm_90"].rules["moe"].down_gather == (8, 4) and TARGETS["sm_90"].rules["moe"].router_warps == 2
+    with pytest.raises(ValueError, match="not a Python literal"):
+        override_rules("sm_90", "moe.down_gather=(8")
 
 
 @pytest.mark.parametrize("dtype,rows", [("bf16", 16), ("q4", 20)])
