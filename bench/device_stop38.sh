@@ -17,6 +17,9 @@
 #            A B C C B A; 4 layers with (8, 4) against the CPU reference, and its K = 3 plan under compute-sanitizer
 #            and against plain decoding (bash bench/build_stop_plans.sh next80-q4 next80-q4-g8x4 next80-q4-g4x2
 #            next4-q4-g8x4 next4-q4-spec3-g8x4)
+#   gather2  (call 4) the gathered form's tiles in the whole 80B-A3B q4 step: (8, 4) / (8, 8) / (16, 8), A B C C B A,
+#            then the rule's plan (bash bench/build_stop_plans.sh next80-q4 next80-q4-g8x4 next80-q4-g8x8
+#            next80-q4-g16x8) profiled
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -29,6 +32,13 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  gather2)
+    STEP_TIMEOUT=150 SEQ="qwen3-next-80b-a3b-sm90-q4-g8x4 qwen3-next-80b-a3b-sm90-q4-g8x8 qwen3-next-80b-a3b-sm90-q4-g16x8" \
+      bash bench/device_preload_ab.sh "$out"
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    p=qwen3-next-80b-a3b-sm90-q4
+    timeout 150 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+      > "$out/profile-$p.txt" 2>&1; echo "$p: exit $?"; grep -A18 "^in the graph" "$out/profile-$p.txt"; grep "^\[gpu\]" "$out/profile-$p.txt" ;;
   gather)
     (cd bench && timeout 150 python3 moe_sweep.py time moe-sweep-gather "$out/moe-sweep-gather.json" > "$out/moe-sweep-gather.txt" 2>&1)
     echo "sweep: exit $?"; grep -A12 "^best per kernel" "$out/moe-sweep-gather.txt"
