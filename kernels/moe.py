@@ -31,7 +31,9 @@ not occur in practice, and where none occurs the sets and their order are torch.
 
 **The sum.** The routing weights are renormalised by their sum taken in rank order; the routed
 experts' contributions are summed in rank order, then the gated shared expert is added: a fixed
-order, no atomics (the GPU kernel sums per output row in the same order).
+order, no atomics (the GPU kernel sums per output row in the same order; with q4 experts gathered into
+one tile, the MoeRule's ``down_gather``, as a tree over the ranks: another fixed order, the same at one
+row and at a verify's K + 1).
 
 The step runs the block as four launches: the router's matmul and ``moe_topk``; ``moe_gate_up`` (one grouped matvec over
 the k selected experts and the shared expert: silu(gate) * up for each, plus the shared gate's

@@ -176,10 +176,16 @@ def test_moe_down_gathered_form():
     wts = torch.softmax(torch.randn(rows, k, generator=g), -1)
     act = torch.randn(rows, k * inter + shared + 1, generator=g)
     groups = (w["wd"][2], w["sd"][2])
-    t = dataclasses.replace(SM90, rules={**SM90.rules, "moe": dataclasses.replace(SM90.rules["moe"], down_gather=(16, 2))})
-    d = moe_down_launch(rows, e, h, inter, shared, k, groups, t)
+    def gather(tiles):
+        return dataclasses.replace(SM90, rules={**SM90.rules, "moe": dataclasses.replace(SM90.rules["moe"],
+                                                                                        down_gather=tiles)})
+    d = moe_down_launch(rows, e, h, inter, shared, k, groups, gather((16, 2)))
     assert d["constexprs"]["STAGES"] == -1 and d["constexprs"]["BLOCK_KD"] == inter and d["num_warps"] == 2
-    assert moe_down_launch(rows, e, h, inter, shared, k, groups, SM90)["constexprs"]["STAGES"] >= 0
+    u = moe_down_launch(rows, e, h, inter, shared, k, groups, gather(()))
+    assert u["constexprs"]["STAGES"] >= 0
+    # the shipped sm_90 rule gathers q4 experts, not floating-point ones
+    assert moe_down_launch(rows, e, h, inter, shared, k, groups, SM90)["constexprs"]["STAGES"] == -1
+    assert moe_down_launch(rows, e, h, inter, shared, k, (0, 0), SM90)["constexprs"]["STAGES"] >= 0
     grid = (h // 16, rows)
 
     def down(i):
@@ -189,7 +195,6 @@ def test_moe_down_gathered_form():
     y = down(ids)
     assert_close(y, moe_down_ref(act, ids, wts, w["wd"][1], w["sd"][1]), 2e-5, 1e-6, "moe_down gathered")
     unrolled = torch.full((rows, h), float("nan"))
-    u = moe_down_launch(rows, e, h, inter, shared, k, groups, SM90)
     interpret(moe_down_kernel)[(h // u["constexprs"]["BLOCK_N"], rows)](act, ids, wts, w["wd"][0], w["sd"][0], unrolled,
                                                                         **u["constexprs"])
     assert_close(y, unrolled, 1e-6, 1e-7, "gathered against unrolled")
