@@ -20,6 +20,9 @@
 #   gather2  (call 4) the gathered form's tiles in the whole 80B-A3B q4 step: (8, 4) / (8, 8) / (16, 8), A B C C B A,
 #            then the rule's plan (bash bench/build_stop_plans.sh next80-q4 next80-q4-g8x4 next80-q4-g8x8
 #            next80-q4-g16x8) profiled
+#   nmp80    (call 5) the q4 matvec's splits at the 80B-A3B shapes (the normed in_proj 12352 x 2048 at 8.5 us a launch in
+#            the step's graph, stop 38 call 4: 35% of the bandwidth; attention's q|gate|k|v; the out_proj's 2048 x 4096
+#            as the plain matvec): NMP_MODEL=80b python bench/norm_matvec_probe.py compile bench/norm-matvec-80b
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -32,6 +35,17 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  nmp80)
+    (cd bench && NMP_MODEL=80b timeout 400 python3 norm_matvec_probe.py time norm-matvec-80b "$out/norm-matvec-80b.json" \
+      > "$out/norm-matvec-80b.txt" 2>&1); echo "probe: exit $?"
+    python3 -c "
+import json, sys
+rows = json.load(open(sys.argv[1]))['rows']
+for key in sorted({(r['shape'], r['kind']) for r in rows}):
+    rs = sorted((r for r in rows if (r['shape'], r['kind']) == key and r['rel_err'] < 1e-3), key=lambda r: r['us'])
+    for r in rs[:4] + [r for r in rs if r['rule']]:
+        print(*key, r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), round(r['GBps']), 'rule' if r['rule'] else '')
+" "$out/norm-matvec-80b.json" ;;
   gather2)
     STEP_TIMEOUT=150 SEQ="qwen3-next-80b-a3b-sm90-q4-g8x4 qwen3-next-80b-a3b-sm90-q4-g8x8 qwen3-next-80b-a3b-sm90-q4-g16x8" \
       bash bench/device_preload_ab.sh "$out"

@@ -6,6 +6,7 @@ rmsnorm_matvec_ref on the device and timed chained with programmatic edges over 
 
 Here:            python bench/norm_matvec_probe.py compile bench/norm-matvec-probe
 On the device:   cd bench && python3 norm_matvec_probe.py time norm-matvec-probe $OUT/norm-matvec.json
+(NMP_MODEL=80b, both here and there: Qwen3-Next-80B-A3B's shapes at hidden 2048 and a wider sweep of splits)
 """
 from __future__ import annotations
 
@@ -14,17 +15,33 @@ import math
 import statistics
 import sys
 
-SHAPES = {"in_proj": (16480, 5120), "attn_qkv": (14336, 5120)}  # the 27B GDN in_proj, attention q|gate|k|v
-GROUP, P, EPS = 128, 640, 1e-6  # P: the producer's partial sums of squares (matvec_add's programs at 5120 rows)
-SPLITS = [(16, 512, 1), (16, 512, 2), (16, 1024, 2), (16, 1024, 4), (8, 1024, 4), (8, 512, 2), (32, 512, 2),
-          (32, 1024, 4), (4, 1024, 4)]  # (BLOCK_N, BLOCK_K, warps)
+import os
+
+GROUP, EPS = 128, 1e-6
+if os.environ.get("NMP_MODEL") == "80b":  # (stop 38) Qwen3-Next-80B-A3B's hidden 2048: the GDN in_proj, attention
+    # q|gate|k|v, the out_proj (matvec_add's shape; the plain matvec times it); P: moe_down_add's programs
+    SHAPES = {"in_proj": (12352, 2048), "attn_qkv": (9216, 2048), "out_proj": (2048, 4096)}
+    P = 128
+    SPLITS = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048) for nw in (1, 2, 4, 8)
+              if 1 <= bn * bk // 256 // nw <= 32]
+else:
+    SHAPES = {"in_proj": (16480, 5120), "attn_qkv": (14336, 5120)}  # the 27B GDN in_proj, attention q|gate|k|v
+    P = 640  # the producer's partial sums of squares (matvec_add's programs at 5120 rows)
+    SPLITS = [(16, 512, 1), (16, 512, 2), (16, 1024, 2), (16, 1024, 4), (8, 1024, 4), (8, 512, 2), (32, 512, 2),
+              (32, 1024, 4), (4, 1024, 4)]  # (BLOCK_N, BLOCK_K, warps)
 
 
 def _jobs():
+    from kestrel.kernels.matvec import matvec_launch
+    from kestrel.kernels.targets import TARGETS
+
     for shape, (n, k) in SHAPES.items():
+        r = matvec_launch(n, k, GROUP, TARGETS["sm_90"])
+        rule = (r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"])
         for kind in ("rmsnorm_matvec", "matvec"):
-            for bn, bk, nw in SPLITS:
-                yield shape, n, k, kind, bn, bk, nw
+            for bn, bk, nw in SPLITS + ([rule] if rule not in SPLITS else []):
+                if bk <= k:
+                    yield shape, n, k, kind, bn, bk, nw
 
 
 def _compile(job):
@@ -34,8 +51,7 @@ def _compile(job):
 
     shape, n, k, kind, bn, bk, nw = job
     rule = matvec_launch(n, k, GROUP, TARGETS["sm_90"])["constexprs"]  # (its PDL_LATE and PRELOAD)
-    consts = {"N": n, "K": k, "GROUP": GROUP, "BLOCK_N": bn, "BLOCK_K": bk, "PDL_LATE": rule["PDL_LATE"],
-              "PRELOAD": rule["PRELOAD"]}
+    consts = rule | {"N": n, "K": k, "GROUP": GROUP, "BLOCK_N": bn, "BLOCK_K": bk}  # (its PDL_LATE, PRELOAD, ...)
     if kind == "matvec":
         fn, types = matvec_kernel, ["*fp32", "*u8", "*fp32"]
     else:
@@ -65,8 +81,6 @@ def compile_all(folder: str) -> None:
 
 
 def time_all(folder: str, out: str) -> None:
-    import os
-
     import torch
 
     from graph_timing import chain_times_us, rotating_copies
