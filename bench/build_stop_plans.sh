@@ -15,6 +15,8 @@
 #     0.8b-q4-base 27b-q4-base 0.8b-bf16-base next80-q4-base (built by commit badb274's compiler: the kernels before
 #     stop 37; needs a worktree of it at /tmp/base: git worktree add /tmp/base badb274)
 #     next80-q4-gNxW next4-q4-gNxW next4-q4-spec3-gNxW (moe.down_gather = (N, W): moe_down's gathered form, stop 38)
+#     next80-q4-nshort0 2b-q4-nshort0 (matvec.q4_norm_short_k = 0: the normed q4 products at hidden 2048 as before
+#     stop 38) small2b4-q4 (4 layers of the 2B shape, vocabulary 4,096)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -36,6 +38,11 @@ wide4() {  # 4 layers of the 0.8B shape with the 27B's MLP width (17,408: the pa
 small4() {  # 4 layers of the 0.8B shape and a 4,096-token vocabulary: every q4 matrix under matvec.l2_prefetch_bytes,
   # the CPU reference's e2e within a device call
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-0.8b']); c['num_hidden_layers'] = 4; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+  echo "$d"
+}
+small2b4() {  # 4 layers of the 2B shape (hidden 2048: the normed q4 products' short-K rule) and a 4,096-token
+  # vocabulary: the CPU reference's e2e within a device call
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-2b']); c['num_hidden_layers'] = 4; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
 for p in "$@"; do
@@ -86,6 +93,8 @@ for p in "$@"; do
     2b-bf16|4b-bf16|9b-bf16) kestrelc build qwen3.5-${p%-bf16} $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-${p%-bf16}-sm90-bf16.plan ;;
     next80-q4-decode-pf*) python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-decode-pf${p##*-pf}.plan ;;
     next4-q4) kestrelc build "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4.plan ;;
+    next80-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-nshort0.plan ;;
+    2b-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3.5-2b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-2b-sm90-q4-nshort0.plan ;;
     next80-q4-g*|next4-q4-g*|next4-q4-spec3-g*) g=${p##*-g}; bn=${g%x*}; nw=${g#*x}  # moe.down_gather = (BLOCK_N, warps)
       case $p in next80*) m=qwen3-next-80b-a3b; x="--max-seq 4096 --prefill-rows 256"; o=qwen3-next-80b-a3b-sm90-q4;;
         next4-q4-spec3*) m=$(next4); x="--speculative mtp --draft-tokens 3"; o=qwen3-next-4l-sm90-q4-spec3;;
@@ -104,6 +113,7 @@ for p in "$@"; do
       for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
       (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build $m $R --quant $q --max-seq 4096 $x -o "$OLDPWD/bench/plans/$m-sm90-$q-base.plan") ;;
     small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
+    small2b4-q4) kestrelc build "$(small2b4)" $R --quant q4 -o bench/plans/qwen3.5-small2b4-sm90-q4.plan ;;
     27b-q4) kestrelc build qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4.plan ;;
     27b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-stream.plan ;;
     27b4-q4) kestrelc build "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4.plan ;;
@@ -114,12 +124,6 @@ for p in "$@"; do
     27b4-q4-spec3-rowexact) python3 bench/build_variant.py q4_mma.one_row_as=4 bf16_mma.max_rows=0 q4_stream.pair=False matvec_rows.one_row_split=True attn_rows.step_order_rows=4 -- "$(l27b4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-rowexact.plan ;;
     0.8b-q4-spec3) kestrelc build qwen3.5-0.8b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-0.8b-sm90-q4-spec3.plan ;;
     next80-q4-stream) python3 bench/build_variant.py q4_stream.norm_plain=True q4_stream.add=True q4_stream.min_k=2048 q4_stream.min_rows=1024 -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-stream.plan ;;
-    next4-q4) kestrelc build "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4.plan ;;
-    next80-q4-g*|next4-q4-g*|next4-q4-spec3-g*) g=${p##*-g}; bn=${g%x*}; nw=${g#*x}  # moe.down_gather = (BLOCK_N, warps)
-      case $p in next80*) m=qwen3-next-80b-a3b; x="--max-seq 4096 --prefill-rows 256"; o=qwen3-next-80b-a3b-sm90-q4;;
-        next4-q4-spec3*) m=$(next4); x="--speculative mtp --draft-tokens 3"; o=qwen3-next-4l-sm90-q4-spec3;;
-        *) m=$(next4); x=""; o=qwen3-next-4l-sm90-q4;; esac
-      python3 bench/build_variant.py "moe.down_gather=($bn,$nw)" -- "$m" $R --quant q4 $x -o bench/plans/$o-g$g.plan ;;
     next4-q4-stream) python3 bench/build_variant.py q4_stream.norm_plain=True q4_stream.add=True q4_stream.min_k=2048 q4_stream.min_rows=1024 -- "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-stream.plan ;;
     27b-q4-spec3-exact) python3 bench/build_variant.py q4_mma.one_row_as=4 bf16_mma.max_rows=0 q4_stream.pair=False matvec_rows.one_row_split=True attn_rows.step_order_rows=4 gdn_delta.fp_fusion=False attention.fp_fusion=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-exact.plan ;;
     27b4-q4-spec3-exact) python3 bench/build_variant.py q4_mma.one_row_as=4 bf16_mma.max_rows=0 q4_stream.pair=False matvec_rows.one_row_split=True attn_rows.step_order_rows=4 gdn_delta.fp_fusion=False attention.fp_fusion=False -- "$(l27b4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-4l-sm90-q4-spec3-exact.plan ;;

@@ -23,6 +23,10 @@
 #   nmp80    (call 5) the q4 matvec's splits at the 80B-A3B shapes (the normed in_proj 12352 x 2048 at 8.5 us a launch in
 #            the step's graph, stop 38 call 4: 35% of the bandwidth; attention's q|gate|k|v; the out_proj's 2048 x 4096
 #            as the plain matvec): NMP_MODEL=80b python bench/norm_matvec_probe.py compile bench/norm-matvec-80b
+#   nshort   (call 6) the normed q4 products at hidden 2048 by the new rule (matvec.q4_norm_short_k / _wide: in_proj 16
+#            rows x 2 warps, the fewer-rows ones in one 2048-input tile) against the old (-nshort0): 80B-A3B q4 and 2B q4,
+#            A B B A each; 4 layers of the 2B shape and of the 80B-A3B shape against the CPU reference
+#            (bash bench/build_stop_plans.sh next80-q4 next80-q4-nshort0 2b-q4 2b-q4-nshort0 small2b4-q4 next4-q4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -35,6 +39,9 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  nshort)
+    STEP_TIMEOUT=150 PAIRS="qwen3-next-80b-a3b-sm90-q4-nshort0:qwen3-next-80b-a3b-sm90-q4 qwen3.5-2b-sm90-q4-nshort0:qwen3.5-2b-sm90-q4" \
+      E2E="qwen3.5-small2b4-sm90-q4 qwen3-next-4l-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
   nmp80)
     (cd bench && NMP_MODEL=80b timeout 400 python3 norm_matvec_probe.py time norm-matvec-80b "$out/norm-matvec-80b.json" \
       > "$out/norm-matvec-80b.txt" 2>&1); echo "probe: exit $?"

@@ -595,15 +595,20 @@ def rmsnorm_matvec_launch(n: int, k: int, group: int, partials: int, target, pai
     """rmsnorm_matvec_kernel's (``pair``: rmsnorm_matvec_swiglu_kernel's) launch: matvec_launch's,
     plus P (the producer's ``partials``), BLOCK_P (P rounded up to a power of two: one vector) and
     NORM (``norm_mode``). A single q4 product with many rows takes the rule's q4_wide_norm_block_n rows
-    and q4_wide_norm_warps warps a CTA (each program normalises its x slice once for all its rows)."""
+    and q4_wide_norm_warps warps a CTA (each program normalises its x slice once for all its rows); with K at
+    most q4_norm_short_k, q4_norm_short_wide's rows and warps, and with fewer rows the whole of K in one tile."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = launch["constexprs"]
     r = target.rules["matvec"]
+    short = group and not pair and k <= r.q4_norm_short_k  # (q4_norm_short_k: hidden 2048)
     if group and not pair and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:  # (matvec_launch's many rows)
-        bn = r.q4_wide_norm_block_n
+        bn, warps = r.q4_norm_short_wide if short and r.q4_norm_short_wide else (r.q4_wide_norm_block_n,
+                                                                                 r.q4_wide_norm_warps)
         launch = {**launch, "grid": [(n + bn - 1) // bn, 1, 1],
-                  "num_warps": max(1, min(r.q4_wide_norm_warps, bn * c["BLOCK_K"] // 32 // 32))}
+                  "num_warps": max(1, min(warps, bn * c["BLOCK_K"] // 32 // 32))}
         c = {**c, "BLOCK_N": bn}
+    elif short:  # fewer rows: the whole input in one tile, normed from that tile
+        c = {**c, "BLOCK_K": max(group, pow2_at_least(k))}
     return {**launch, "constexprs": {**c, "P": partials, "BLOCK_P": pow2_at_least(partials),
                                      "NORM": norm_mode(k, c["BLOCK_K"], group)}}
 

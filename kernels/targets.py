@@ -44,6 +44,11 @@ class MatvecRule(Rule):
     q4_wide_norm_warps: int = 2     # ... warps (bench/norm_matvec_probe.py, stop 35 call 11: 32 x 2 7% faster than
     #                                 16 x 1 alone at the 27B shapes; 27B q4 step 5.092 against 5.159 ms/token, A B B A,
     #                                 bench/results/stop36 call 1)
+    q4_norm_short_k: int = 0    # normed q4 products (rmsnorm_matvec, not the swiglu pair) with K at most this: ...
+    q4_norm_short_wide: tuple = ()  # ... many rows: (BLOCK_N, warps) in place of q4_wide_norm_*; fewer rows: the
+    #                                 whole of K in one tile (NORM_TILE). (bench/norm_matvec_probe.py NMP_MODEL=80b,
+    #                                 bench/results/stop38 call 5: at hidden 2048 in_proj 7.18 -> 6.34 us at 16 x 2,
+    #                                 attention's q|gate|k|v 7.55 -> 5.76 us in one 2048-input tile)
     q4_min_block_n: int         # q4, fewer rows: q4_min_block_n rows per CTA, doubled (to q4_max_block_n) ...
     q4_max_block_n: int
     q4_ctas_per_sm: int         # ... while the grid keeps this many CTAs per SM;
@@ -310,8 +315,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "matvec": MatvecRule(
         ctas_per_sm=4, max_block_n=16,
         q4_wide_ctas_per_sm=5, q4_wide_block_k=512, q4_min_block_n=4, q4_max_block_n=8, q4_ctas_per_sm=3,
-        q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4,
-        small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
+        q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4, q4_norm_short_k=2048,
+        q4_norm_short_wide=(16, 2), small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
