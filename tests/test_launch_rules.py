@@ -276,3 +276,30 @@ def test_normed_q4_many_rows_split_is_its_own_rule():
     assert few["constexprs"]["BLOCK_N"] == matvec_launch(8224, 1024, 128, t2)["constexprs"]["BLOCK_N"]
     pair = rmsnorm_matvec_launch(17408, 5120, 128, 640, t2, pair=True)
     assert pair["constexprs"]["BLOCK_N"] == 16 and pair["num_warps"] == 2
+
+
+def test_normed_q4_products_at_hidden_2048():
+    """matvec.q4_norm_short_k (2048 on sm_90): a normed q4 product with K at most that takes q4_norm_short_wide's
+    split with many rows (Qwen3-Next-80B's in_proj, 12352 x 2048: 16 rows, 2 warps) and the whole of K in one tile
+    (NORM_TILE: its rstd from that tile, no partials read) with fewer (its attention's q|gate|k|v, 9216 x 2048; the
+    2B's projections); K = 5120 (27B) keeps q4_wide_norm_*, K = 1024 (0.8B) its one tile, the pair and bf16
+    matvec_launch's split; with the field at 0 every shape is as before (stop 38 call 6: 80B-A3B q4 1.875 -> 1.840
+    ms/token, 2B q4 0.787 -> 0.770)."""
+    from kestrel.kernels.matvec import NORM_PARTIALS, NORM_TILE, rmsnorm_matvec_launch
+
+    t = TARGETS["sm_90"]
+    wide = rmsnorm_matvec_launch(12352, 2048, 128, 128, t)
+    assert (wide["grid"], wide["num_warps"], wide["constexprs"]["BLOCK_N"]) == ([772, 1, 1], 2, 16)
+    few = rmsnorm_matvec_launch(9216, 2048, 128, 128, t)
+    assert few["constexprs"]["BLOCK_K"] == 2048 and few["constexprs"]["NORM"] == NORM_TILE.value
+    assert few["grid"] == matvec_launch(9216, 2048, 128, t)["grid"]
+    assert rmsnorm_matvec_launch(16480, 5120, 128, 640, t)["constexprs"]["BLOCK_N"] == 32
+    assert rmsnorm_matvec_launch(6144, 1024, 128, 256, t)["constexprs"]["BLOCK_K"] == 1024
+    pair = rmsnorm_matvec_launch(6144, 2048, 128, 256, t, pair=True)
+    assert pair["constexprs"]["BLOCK_K"] == matvec_launch(6144, 2048, 128, t, pair=True)["constexprs"]["BLOCK_K"]
+    assert rmsnorm_matvec_launch(9216, 2048, 0, 128, t)["constexprs"]["BLOCK_K"] == \
+        matvec_launch(9216, 2048, 0, t)["constexprs"]["BLOCK_K"]
+    off = dataclasses.replace(t, rules={**t.rules, "matvec": dataclasses.replace(t.rules["matvec"], q4_norm_short_k=0)})
+    old = rmsnorm_matvec_launch(9216, 2048, 128, 128, off)
+    assert old["constexprs"]["BLOCK_K"] == 1024 and old["constexprs"]["NORM"] == NORM_PARTIALS.value
+    assert rmsnorm_matvec_launch(12352, 2048, 128, 128, off)["constexprs"]["BLOCK_N"] == 32
