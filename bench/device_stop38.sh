@@ -27,6 +27,9 @@
 #            rows x 2 warps, the fewer-rows ones in one 2048-input tile) against the old (-nshort0): 80B-A3B q4 and 2B q4,
 #            A B B A each; 4 layers of the 2B shape and of the 80B-A3B shape against the CPU reference
 #            (bash bench/build_stop_plans.sh next80-q4 next80-q4-nshort0 2b-q4 2b-q4-nshort0 small2b4-q4 next4-q4)
+#   models   (call 7) every plan at this stop's rules, A B ... ... B A; 4 layers of the 80B-A3B shape against the CPU
+#            reference (call 6's timed out at 150 s), small2b4 q4 under compute-sanitizer
+#            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 next80-q4 next4-q4 small2b4-q4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -39,6 +42,11 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  models)
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=150 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out"
+    STEP_TIMEOUT=300 SANITIZE="qwen3.5-small2b4-sm90-q4" E2E="qwen3-next-4l-sm90-q4" bash bench/device_preload_ab.sh "$out/e2e" ;;
   nshort)
     STEP_TIMEOUT=150 PAIRS="qwen3-next-80b-a3b-sm90-q4-nshort0:qwen3-next-80b-a3b-sm90-q4 qwen3.5-2b-sm90-q4-nshort0:qwen3.5-2b-sm90-q4" \
       E2E="qwen3.5-small2b4-sm90-q4 qwen3-next-4l-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
