@@ -30,6 +30,11 @@
 #   models   (call 7) every plan at this stop's rules, A B ... ... B A; 4 layers of the 80B-A3B shape against the CPU
 #            reference (call 6's timed out at 150 s), small2b4 q4 under compute-sanitizer
 #            (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 next80-q4 next4-q4 small2b4-q4)
+#   snap     (call 8) the verify's gdn_rows_norm_snap at one row a program (gdn_rows.snap_norm_block_m = 1) against all
+#            K + 1 rows in one (-snapm16, before): bench/device_spec.py on 27B q4 K = 3 (A B B A) and 0.8B bf16 (A B),
+#            its verify / step ratio kernel by kernel and as graphs, spec == plain; tiny-mtp q4 under compute-sanitizer
+#            (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-snapm16 0.8b-bf16-spec3 0.8b-bf16-spec3-snapm16
+#             tiny-mtp-q4-spec3)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -42,6 +47,17 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  snap)
+    n=0
+    for p in qwen3.5-27b-sm90-q4-spec3-snapm16 qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-snapm16 \
+             qwen3.5-0.8b-sm90-bf16-spec3-snapm16 qwen3.5-0.8b-sm90-bf16-spec3; do
+      n=$((n + 1))
+      timeout 150 python3 bench/device_spec.py "$out/spec-$n-$p.json" "bench/plans/$p.plan" > "$out/spec-$n-$p.txt" 2>&1
+      echo "$n $p: exit $?"; grep -E "spec==plain|verify at|as graphs|^verify by|^M=1 step by" "$out/spec-$n-$p.txt" | cut -c1-400
+    done
+    KESTREL_SPEC_SAMPLING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/device_sanitize.py \
+      bench/plans/tiny-mtp-sm90-q4-spec3.plan > "$out/sanitizer-tiny-mtp.txt" 2>&1
+    echo "sanitizer: exit $?"; tail -1 "$out/sanitizer-tiny-mtp.txt" ;;
   models)
     mkdir -p "$out/e2e"
     STEP_TIMEOUT=150 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \

@@ -292,9 +292,10 @@ def gdn_rows_norm_launch(rows: int, width: int, hv: int, dv: int, channels: int,
     m * BLOCK_M .. + BLOCK_M and shifts the conv state of channels [p * CH_PER_PROG, (p + 1) *
     CH_PER_PROG), p = m * Hv + j (each channel one owner). ``target.rules["gdn_rows"]`` (sm_90: 16
     rows, 4 warps: 1536 programs at 27B, M = 512). ``snap``: ``gdn_rows_norm_snap_kernel``'s launch, which
-    normalises each row as ``gdn_norm_kernel`` does: gdn_norm's warps and FMA contraction."""
+    normalises each row as ``gdn_norm_kernel`` does: gdn_norm's warps and FMA contraction, and at most the rule's
+    snap_norm_block_m rows a program."""
     r = target.rules["gdn_rows"]
-    block_m = min(r.norm_block_m, pow2_at_least(rows))
+    block_m = min(r.snap_norm_block_m if snap else r.norm_block_m, pow2_at_least(rows))
     grid_m = -(-rows // block_m)
     per = -(-channels // (hv * grid_m))
     step = {"num_warps": target.rules["gdn_norm"].num_warps, **fp_fusion(target.rules["gdn_delta"].fp_fusion)}

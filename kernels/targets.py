@@ -169,6 +169,7 @@ class GdnRowsRule(Rule):
     chunk_num_warps: int
     norm_block_m: int           # gdn_rows_norm: rows per program (at most), and its warps
     norm_num_warps: int
+    snap_norm_block_m: int = 16  # gdn_rows_norm_snap (a verify's K + 1 rows): rows per program (at most)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,6 +351,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
                             num_warps=1, chunk_block_v=16, chunk_num_warps=8, norm_block_m=16, norm_num_warps=4,
+                            snap_norm_block_m=1,
                             provenance=(_RESULTS + "stop17/prefill-big.json", _RESULTS + "stop24/call2/summary.txt")),
     "rmsnorm": RmsnormRule(wide_n=2048, wide_warps=8, num_warps=4, provenance=(RULE_OF_THUMB,)),
     "embedding": BlockRule(block=1024, num_warps=4, provenance=(RULE_OF_THUMB,)),

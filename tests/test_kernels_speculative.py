@@ -136,12 +136,19 @@ def _gdn_case(dims, rows, seed):
 SNAP_SHAPES = [(2, 4, 16, 16, 4), (1, 2, 12, 24, 3)]
 
 
+def _snap_rows(block_m: int):
+    """sm_90 with gdn_rows_norm_snap at ``block_m`` rows a program."""
+    return dataclasses.replace(SM90, rules={**SM90.rules, "gdn_rows": dataclasses.replace(SM90.rules["gdn_rows"],
+                                                                                          snap_norm_block_m=block_m)})
+
+
 @pytest.mark.parametrize("dims", SNAP_SHAPES)
-@pytest.mark.parametrize("valid", [4, 2])
-def test_gdn_rows_snap_kernels_and_rollback(dims, valid):
+@pytest.mark.parametrize("valid,block_m", [(4, 1), (2, 1), (4, 16), (2, 2)])
+def test_gdn_rows_snap_kernels_and_rollback(dims, valid, block_m):
     """A 4-row verify (3 snapshots) with every row valid or 2: the snapshot kernels against their
     references (outputs, states, snapshots), the references against the unfused gdn_rows_snap_ref, and
-    the rollback to each kept count against running only the kept rows."""
+    the rollback to each kept count against running only the kept rows; the norm's programs one row each (each
+    then owning fewer conv channels), two, or all four."""
     hk, hv, dk, dv, kc = dims
     rows, pos, scale = 4, 6, dk ** -0.5
     layer, x, (width, z, qkv, b, a, c) = _gdn_case(dims, rows, seed=valid + hv)
@@ -149,7 +156,8 @@ def test_gdn_rows_snap_kernels_and_rollback(dims, valid):
     rec_snap = torch.full((rows - 1, hv, dk, dv), float("nan"))
     conv_snap = torch.full((rows - 1, c, kc - 1), float("nan"))
     dl = gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, kc, SM90, chunk=0)
-    nl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90)
+    nl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, _snap_rows(block_m), snap=True)
+    assert nl["grid"][:2] == [hv, rows // min(block_m, rows)]
     o_raw, out = torch.full((rows, hv * dv), float("nan")), torch.full((rows, hv * dv), float("nan"))
     interpret(gdn_rows_delta_snap_kernel)[tuple(dl["grid"])](
         x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], i32(pos),
@@ -216,7 +224,7 @@ def test_gdn_rows_snap_row_by_row_is_the_one_token_step_bit_for_bit(dims):
     interpret(gdn_rows_delta_snap_kernel)[tuple(dl["grid"])](
         x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], i32(pos),
         i32(pos + rows), rec_snap, o_rows, qkv, b, a, 1e-6, scale, **dl["constexprs"])
-    rl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90)
+    rl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90, snap=True)
     out_rows = torch.full((rows, hv * dv), float("nan"))
     interpret(gdn_rows_norm_snap_kernel)[tuple(rl["grid"])](
         o_rows, x, layer["norm_w"], layer["conv_state"], i32(pos), i32(pos + rows),
