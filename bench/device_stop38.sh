@@ -35,6 +35,9 @@
 #            its verify / step ratio kernel by kernel and as graphs, spec == plain; tiny-mtp q4 under compute-sanitizer
 #            (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-snapm16 0.8b-bf16-spec3 0.8b-bf16-spec3-snapm16
 #             tiny-mtp-q4-spec3)
+#   next     (call 9) Qwen3-Next speculation at this stop's rules: the 80B-A3B q4 K = 3 plan through bench/device_spec.py
+#            (controlled acceptance, verify / step), 4 layers of it: greedy speculative = plain (2 prompts x 64) and
+#            compute-sanitizer (bash bench/build_stop_plans.sh next80-q4-spec3 next4-q4-spec3)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -47,6 +50,15 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  next)
+    p=qwen3-next-80b-a3b-sm90-q4-spec3
+    timeout 200 python3 bench/device_spec.py "$out/spec-$p.json" "bench/plans/$p.plan" > "$out/spec-$p.txt" 2>&1
+    echo "$p: exit $?"; grep -E "spec==plain|verify at|as graphs|^verify by|^M=1 step by|^ +[01]\.[0-9] " "$out/spec-$p.txt" | cut -c1-400
+    p=bench/plans/qwen3-next-4l-sm90-q4-spec3.plan
+    KESTREL_EXACT_NEW=64 KESTREL_EXACT_PROMPTS=2 timeout 100 python3 bench/device_spec_exactness.py "$out/spec-exact.json" $p \
+      > "$out/spec-exact.txt" 2>&1; echo "spec exactness: exit $?"; tail -2 "$out/spec-exact.txt"
+    KESTREL_SPEC_SAMPLING=1 timeout 100 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/device_sanitize.py $p \
+      > "$out/sanitizer-next4.txt" 2>&1; echo "sanitizer: exit $?"; tail -1 "$out/sanitizer-next4.txt" ;;
   snap)
     n=0
     for p in qwen3.5-27b-sm90-q4-spec3-snapm16 qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-snapm16 \
