@@ -15,6 +15,7 @@
 #            the kernel alone at the 80B-A3B shape against the unrolled forms (MOE_SWEEP_KINDS=down_add python
 #            bench/moe_sweep.py compile bench/moe-sweep-gather), the whole 80B-A3B q4 step rule / (8, 4) / (4, 2),
 #            A B C C B A; 4 layers with (8, 4) against the CPU reference, and its K = 3 plan under compute-sanitizer
+#            (carry bench/moe-sweep-gather too: git-ignored since, as the other probes' cubin folders)
 #            and against plain decoding (bash bench/build_stop_plans.sh next80-q4 next80-q4-g8x4 next80-q4-g4x2
 #            next4-q4-g8x4 next4-q4-spec3-g8x4)
 #   gather2  (call 4) the gathered form's tiles in the whole 80B-A3B q4 step: (8, 4) / (8, 8) / (16, 8), A B C C B A,
@@ -22,7 +23,7 @@
 #            next80-q4-g16x8) profiled
 #   nmp80    (call 5) the q4 matvec's splits at the 80B-A3B shapes (the normed in_proj 12352 x 2048 at 8.5 us a launch in
 #            the step's graph, stop 38 call 4: 35% of the bandwidth; attention's q|gate|k|v; the out_proj's 2048 x 4096
-#            as the plain matvec): NMP_MODEL=80b python bench/norm_matvec_probe.py compile bench/norm-matvec-80b
+#            as the plain matvec): NMP_MODEL=80b python bench/norm_matvec_probe.py compile bench/norm-matvec-80b (carry it)
 #   nshort   (call 6) the normed q4 products at hidden 2048 by the new rule (matvec.q4_norm_short_k / _wide: in_proj 16
 #            rows x 2 warps, the fewer-rows ones in one 2048-input tile) against the old (-nshort0): 80B-A3B q4 and 2B q4,
 #            A B B A each; 4 layers of the 2B shape and of the 80B-A3B shape against the CPU reference
