@@ -7,9 +7,9 @@ The one-token step's MoE block after fuse: ``moe_topk`` (the router's softmax an
 logits), ``rmsnorm_moe_gate_up`` (the k = 10 routed experts' and the shared expert's gate / up rows, 2048
 inputs, q4 g128, the post-attention norm folded in) and ``moe_down_add`` (their down rows summed in rank
 order, 512 inputs a routed expert, plus the residual). Each variant (BLOCK_N, BLOCK_K, num_warps; the
-down's pipeline depth STAGES, -1 its gathered form) is checked against the rule's variant's result and the rule's against the
-torch reference (on the routed experts' rows only), then timed as bench/graph_timing.py times a kernel:
-a CUDA graph of launches, each with its own routing buffer (32 sets of random experts rotated, so the
+down's pipeline depth STAGES, -1 its gathered form) is checked against the rule's variant's result and the
+rule's against the torch reference (on the routed experts' rows only), then timed as bench/graph_timing.py
+times a kernel: a CUDA graph of launches, each with its own routing buffer (32 sets of random experts rotated, so the
 weights a launch reads come from DRAM, as in a step whose 48 layers each read their own; the shared
 expert's small matrices do stay in L2 here). The report names the launch rule's variant.
 """

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
-
-import os
 
 GROUP, EPS = 128, 1e-6
 if os.environ.get("NMP_MODEL") == "80b":  # (stop 38) Qwen3-Next-80B-A3B's hidden 2048: the GDN in_proj, attention

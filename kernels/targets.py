@@ -317,11 +317,12 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         ctas_per_sm=4, max_block_n=16,
         q4_wide_ctas_per_sm=5, q4_wide_block_k=512, q4_min_block_n=4, q4_max_block_n=8, q4_ctas_per_sm=3,
         q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4, q4_norm_short_k=2048,
-        q4_norm_short_wide=(16, 2), small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
-        small_elems_per_warp=256,
+        q4_norm_short_wide=(16, 2), small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096,
+        small_max_warps=4, small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
-                    _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt")),
+                    _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt",
+                    _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;
@@ -377,8 +378,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), down_gather=(16, 8),
-                   provenance=(_TUNING + "moe-sweep-h200.json", "bench/results/stop38/call3/moe-sweep-gather.json",
-                               "bench/results/stop38/call4/ab.tar")),
+                   provenance=(_TUNING + "moe-sweep-h200.json", _RESULTS + "stop38/call3/moe-sweep-gather.json",
+                               _RESULTS + "stop38/call4/ab.tar")),
     # one rule of the 1,019-variant sweep (stop 25 call 1, every variant exact to <= 2.4e-7 of q4_mma_ref): RB 4 x
     # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
     # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,
@@ -484,8 +485,8 @@ RULES_ENV = "KESTREL_RULES"
 def override_rules(target: str, spec: str) -> list[str]:
     """Replace fields of ``target``'s launch-rule rows in this process (an experiment, or a kernel not yet
     on by default): ``spec`` is ``family.field=value`` assignments separated by spaces or commas, values
-    Python literals (``q4_mma.max_rows=0 q4_mma.grouped_rows=0``, ``moe.down_gather=(8,4)``). The rows changed say so in their
-    provenance. Returns the assignments; raises ValueError naming a bad one."""
+    Python literals (``q4_mma.max_rows=0 q4_mma.grouped_rows=0``, ``moe.down_gather=(8,4)``). The rows changed say
+    so in their provenance. Returns the assignments; raises ValueError naming a bad one."""
     t = TARGETS[target]
     rows: dict[str, dict] = {}
     done = []
