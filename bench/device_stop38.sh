@@ -39,6 +39,9 @@
 #   next     (call 9) Qwen3-Next speculation at this stop's rules: the 80B-A3B q4 K = 3 plan through bench/device_spec.py
 #            (controlled acceptance, verify / step), 4 layers of it: greedy speculative = plain (2 prompts x 64) and
 #            compute-sanitizer (bash bench/build_stop_plans.sh next80-q4-spec3 next4-q4-spec3)
+#   early    (call 10) 27B q4's big matvecs before attention and the GDN step triggering at their start
+#            (matvec.pdl_early_before; attn_step costs 16.4 us a layer in the step's graph, 8.4 alone): rule / both /
+#            attention only, A B C C B A (bash bench/build_stop_plans.sh 27b-q4 27b-q4-early 27b-q4-earlyattn)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -51,6 +54,9 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  early)
+    STEP_TIMEOUT=150 SEQ="qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-q4-early qwen3.5-27b-sm90-q4-earlyattn" \
+      bash bench/device_preload_ab.sh "$out" ;;
   next)
     p=qwen3-next-80b-a3b-sm90-q4-spec3
     timeout 200 python3 bench/device_spec.py "$out/spec-$p.json" "bench/plans/$p.plan" > "$out/spec-$p.txt" 2>&1
