@@ -67,9 +67,10 @@ class MatvecRule(Rule):
     max_warps: int
     pdl_late_bytes: int = 32 << 20  # PDL_LATE (the next kernel launches after the K loop, not at the start) from
     #                                 this many bytes; below it the step also carries late variants (compiler/codegen.py)
-    pdl_early_before: tuple = ()  # ... except before a one-token step op of these kinds (few programs, each waiting
-    #                               cheaply: attention, the Gated DeltaNet step): the trigger at the start
-    #                               (compiler/codegen.py; the late form is then that launch's late variant)
+    pdl_early_before: tuple = ()  # ... except q4 ones before a one-token step op of these kinds (few programs, each
+    #                               waiting cheaply: attention, the Gated DeltaNet step, which loads its state before
+    #                               its wait): the trigger at the start (compiler/codegen.py; the late form is then
+    #                               that launch's late variant). 27B q4 5.078 -> 5.004 ms/token (stop 38 call 10)
     preload_bytes: int = 32 << 20  # PRELOAD (the first weight tile loaded before the PDL wait): bf16 / f32 matrices
                                    # of fewer bytes than this (0: none); never q4 (stop 29 call 3)
     #                                 from this many weight bytes
@@ -323,9 +324,11 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         q4_norm_short_wide=(16, 2), small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096,
         small_max_warps=4, small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
+        pdl_early_before=("attn_step", "gdn_delta"),
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
                     _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt",
-                    _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar")),
+                    _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar",
+                    _RESULTS + "stop38/call10/ab.tar")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;
@@ -493,7 +496,7 @@ def override_rules(target: str, spec: str) -> list[str]:
     t = TARGETS[target]
     rows: dict[str, dict] = {}
     done = []
-    for a in re.split(r"\s+|,(?![^()\[\]]*[)\]])", spec.strip()):  # (a comma inside brackets is the value's)
+    for a in re.split(r"(?:\s|,)+(?![^()\[\]]*[)\]])", spec.strip()):  # (inside brackets: the value's)
         if not a:
             continue
         name, eq, value = a.partition("=")

@@ -214,8 +214,8 @@ def test_moe_down_gathered_form():
 def test_rule_override_takes_a_tuple(monkeypatch):
     """KESTREL_RULES / bench/build_variant.py: a tuple value's commas are the value's, not separators."""
     monkeypatch.setitem(TARGETS, "sm_90", TARGETS["sm_90"])  # restored after the test
-    assert override_rules("sm_90", "moe.down_gather=(8,4), moe.router_warps=2") == ["moe.down_gather=(8,4)",
-                                                                                   "moe.router_warps=2"]
+    assert override_rules("sm_90", "moe.down_gather=(8, 4), moe.router_warps=2") == ["moe.down_gather=(8, 4)",
+                                                                                    "moe.router_warps=2"]
     assert TARGETS["sm_90"].rules["moe"].down_gather == (8, 4) and TARGETS["sm_90"].rules["moe"].router_warps == 2
     with pytest.raises(ValueError, match="not a Python literal"):
         override_rules("sm_90", "moe.down_gather=(8")

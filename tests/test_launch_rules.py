@@ -303,3 +303,33 @@ def test_normed_q4_products_at_hidden_2048():
     old = rmsnorm_matvec_launch(9216, 2048, 128, 128, off)
     assert old["constexprs"]["BLOCK_K"] == 1024 and old["constexprs"]["NORM"] == NORM_PARTIALS.value
     assert rmsnorm_matvec_launch(12352, 2048, 128, 128, off)["constexprs"]["BLOCK_N"] == 32
+
+
+def test_q4_matvecs_before_attention_and_the_gdn_step_trigger_early(tmp_path, monkeypatch):
+    """matvec.pdl_early_before (compiler/codegen.py): a q4 matvec late by its bytes (here every one:
+    pdl_late_bytes = 0) that comes right before an ``attn_step`` or ``gdn_delta`` launch of the one-token step is
+    compiled to trigger at its start, its late variant the launch rule's own form; the other late ones stay late;
+    with the field empty the same launches are late."""
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.compiler.build import build
+    from kestrel.kernels.targets import override_rules
+
+    def lates(early_before):
+        monkeypatch.setitem(TARGETS, "sm_90", TARGETS["sm_90"])  # restored after the test
+        override_rules("sm_90", f"matvec.pdl_late_bytes=0 matvec.pdl_early_before={early_before!r}")
+        path = tmp_path / f"p{len(early_before)}.plan"
+        build("tiny", str(path), target="sm_90", quant="q4", log=lambda m: None, progress=False)
+        lp = load_plan(str(path)).launch_plan
+        ks, ops = lp["kernels"], [x["op"] for x in lp["launches"]]
+        before = {i for i in range(len(ops) - 1) if ops[i + 1] in ("attn_step", "gdn_delta")}
+        return {i: ks[x["kernel_index"]] for i, x in enumerate(lp["launches"])
+                if "PDL_LATE" in ks[x["kernel_index"]]["constexprs"]}, before, ks
+
+    late, before, ks = lates(("attn_step", "gdn_delta"))
+    assert before and before <= set(late)
+    for i, k in late.items():
+        assert k["constexprs"]["PDL_LATE"] is (i not in before)
+        if i in before:  # its late variant: the rule's own form
+            assert ks[k["late"]]["constexprs"]["PDL_LATE"] is True
+    plain, _, _ = lates(())
+    assert all(k["constexprs"]["PDL_LATE"] is True for k in plain.values())
