@@ -179,7 +179,9 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     (compiler/codegen.py's late-trigger variants) and the runtime's load-time trial picks per plan: on the H200
     2B-9B q4 took the late ones (2B 0.848 -> 0.785 ms/token, 4B 1.586 -> 1.525, 9B 1.916 -> 1.872; with plain
     edges before), while with every matvec from 1 MiB late 0.8B q4 / bf16 lost 14% / 11%, 27B q4 2%, 80B-A3B q4 7%
-    (bench/results/stop37 calls 4-6): no byte threshold fits both."""
+    (bench/results/stop37 calls 4-6): no byte threshold fits both. A q4 matvec right before attention or the Gated
+    DeltaNet step triggers at its start whatever its bytes (``pdl_early_before``, applied by compiler/codegen.py, which
+    sees the next launch: 27B q4 5.078 -> 5.003 ms/token, bench/results/stop38 call 10)."""
 
     r = target.rules["matvec"]
     block_n = 1
