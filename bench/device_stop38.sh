@@ -42,6 +42,9 @@
 #   early    (call 10) 27B q4's big matvecs before attention and the GDN step triggering at their start
 #            (matvec.pdl_early_before; attn_step costs 16.4 us a layer in the step's graph, 8.4 alone): rule / both /
 #            attention only, A B C C B A (bash bench/build_stop_plans.sh 27b-q4 27b-q4-early 27b-q4-earlyattn)
+#   final    (call 11) the 27B q4 plan as the default build makes it now (the early triggers by rule), and 4 layers of
+#            the 27B shape (its q4 in_proj late by bytes, so early before gdn_delta) under compute-sanitizer
+#            (bash bench/build_stop_plans.sh 27b-q4 27b4-q4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -54,6 +57,9 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  final)
+    STEP_TIMEOUT=150 SANITIZE="qwen3.5-27b-4l-sm90-q4" PAIRS="qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out" ;;
   early)
     STEP_TIMEOUT=150 SEQ="qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-q4-early qwen3.5-27b-sm90-q4-earlyattn" \
       bash bench/device_preload_ab.sh "$out" ;;
