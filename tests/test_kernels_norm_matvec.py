@@ -35,6 +35,8 @@ CASES = [
     ("bf16", 64, 96, 30, {"BLOCK_N": 16}, {"BLOCK_N": 4, "BLOCK_K": 64}),
     ("f32", 37, 200, 45, {"BLOCK_N": 8, "BLOCK_K": 128}, {"BLOCK_N": 8, "BLOCK_K": 64}),
     ("q4g128", 384, 256, 10, {"BLOCK_N": 8}, {"BLOCK_N": 8, "BLOCK_K": 512}),
+    # hidden 2048 at the rule's own launch: the whole input in one 2048-input tile (matvec.q4_norm_short_k)
+    ("q4g128", 2048, 128, 12, {"BLOCK_N": 16}, None),
 ]
 
 
