@@ -17,7 +17,8 @@
 #     next80-q4-gNxW next4-q4-gNxW next4-q4-spec3-gNxW (moe.down_gather = (N, W): moe_down's gathered form, stop 38)
 #     next80-q4-nshort0 2b-q4-nshort0 (matvec.q4_norm_short_k = 0: the normed q4 products at hidden 2048 as before
 #     stop 38) small2b4-q4 (4 layers of the 2B shape, vocabulary 4,096) 27b-q4-spec3-snapmN 0.8b-bf16-spec3-snapmN
-#     (gdn_rows.snap_norm_block_m = N) 27b-q4-early 27b-bf16-early 27b-q4-earlyattn (matvec.pdl_early_before)
+#     (gdn_rows.snap_norm_block_m = N) 27b-q4-early 27b-bf16-early 9b-bf16-early 27b-q4-earlyattn (matvec.pdl_early_before;
+#     -bf16-early: matvec.pdl_early_q4_only=False)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -114,8 +115,8 @@ for p in "$@"; do
       for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
       (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build $m $R --quant $q --max-seq 4096 $x -o "$OLDPWD/bench/plans/$m-sm90-$q-base.plan") ;;
     small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
-    27b-q4-early|27b-bf16-early) q=${p#27b-}; q=${q%-early}  # matvec.pdl_early_before: attention and the GDN step
-      python3 bench/build_variant.py "matvec.pdl_early_before=('attn_step','gdn_delta')" -- qwen3.5-27b $R --quant $q --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-$q-early.plan ;;
+    27b-q4-early|27b-bf16-early|9b-bf16-early) m=qwen3.5-${p%%-*}; q=${p#*-}; q=${q%-early}  # matvec.pdl_early_before, bf16 too
+      python3 bench/build_variant.py "matvec.pdl_early_before=('attn_step','gdn_delta')" matvec.pdl_early_q4_only=False -- $m $R --quant $q --max-seq 4096 -o bench/plans/$m-sm90-$q-early.plan ;;
     27b-q4-earlyattn) python3 bench/build_variant.py "matvec.pdl_early_before=('attn_step',)" -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-earlyattn.plan ;;
     27b-q4-spec3-snapm*|0.8b-bf16-spec3-snapm*) m=qwen3.5-${p%%-*}; q=${p#*-}; q=${q%%-*}; x="--max-seq 4096"
       python3 bench/build_variant.py gdn_rows.snap_norm_block_m=${p##*-snapm} -- $m $R --quant $q $x --speculative mtp --draft-tokens 3 -o bench/plans/$m-sm90-$q-spec3-snapm${p##*-snapm}.plan ;;

@@ -45,6 +45,9 @@
 #   final    (call 11) the 27B q4 plan as the default build makes it now (the early triggers by rule), and 4 layers of
 #            the 27B shape (its q4 in_proj late by bytes, so early before gdn_delta) under compute-sanitizer
 #            (bash bench/build_stop_plans.sh 27b-q4 27b4-q4)
+#   earlybf16 (prepared, not run) pdl_early_before for bf16 too (matvec.pdl_early_q4_only=False): 27B and 9B bf16,
+#            rule against -early, A B B A each (bash bench/build_stop_plans.sh 27b-bf16 27b-bf16-early 9b-bf16
+#            9b-bf16-early)
 # There: run(carry=["bench/plans"]): bash bench/device_stop38.sh $OUT PART
 set -u
 out=$1
@@ -57,6 +60,9 @@ case $2 in
     done ;;
   specpdl)
     bash bench/device_stop37.sh "$out" specpdl ;;
+  earlybf16)
+    STEP_TIMEOUT=200 PAIRS="qwen3.5-27b-sm90-bf16:qwen3.5-27b-sm90-bf16-early qwen3.5-9b-sm90-bf16:qwen3.5-9b-sm90-bf16-early" \
+      bash bench/device_preload_ab.sh "$out" ;;
   final)
     STEP_TIMEOUT=150 SANITIZE="qwen3.5-27b-4l-sm90-q4" PAIRS="qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4" \
       bash bench/device_preload_ab.sh "$out" ;;

@@ -306,15 +306,16 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
             table.append(_table_entry(k, part, consts, key[-1]))
         return index[key]
 
-    early_before = TARGETS[target].rules["matvec"].pdl_early_before
+    early_before, early_q4_only = (TARGETS[target].rules["matvec"].pdl_early_before,
+                                   TARGETS[target].rules["matvec"].pdl_early_q4_only)
     for n, program in enumerate(programs):
         of_launch.append([])
         ops = [op for op in program.ops if not is_view(op)]
         for j, op in enumerate(ops):
             consts = op_constexprs(op, cc)
-            if (n == 0 and consts.get("PDL_LATE") and consts.get("GROUP") and j + 1 < len(ops)
+            if (n == 0 and consts.get("PDL_LATE") and (consts.get("GROUP") or not early_q4_only) and j + 1 < len(ops)
                     and ops[j + 1].kind in early_before):
-                consts = consts | {"PDL_LATE": False}  # (the rule's pdl_early_before: q4 products)
+                consts = consts | {"PDL_LATE": False}  # (the rule's pdl_early_before: q4 products by default)
             i = entry(op, consts)
             if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
                 table[i]["late"] = entry(op, consts | {"PDL_LATE": True})

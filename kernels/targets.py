@@ -67,10 +67,11 @@ class MatvecRule(Rule):
     max_warps: int
     pdl_late_bytes: int = 32 << 20  # PDL_LATE (the next kernel launches after the K loop, not at the start) from
     #                                 this many bytes; below it the step also carries late variants (compiler/codegen.py)
-    pdl_early_before: tuple = ()  # ... except q4 ones before a one-token step op of these kinds (few programs, each
+    pdl_early_before: tuple = ()  # ... except ones before a one-token step op of these kinds (few programs, each
     #                               waiting cheaply: attention, the Gated DeltaNet step, which loads its state before
     #                               its wait): the trigger at the start (compiler/codegen.py; the late form is then
     #                               that launch's late variant). 27B q4 5.078 -> 5.004 ms/token (stop 38 call 10)
+    pdl_early_q4_only: bool = True  # ... q4 ones only (bf16 not measured yet: bench/device_stop38.sh earlybf16)
     preload_bytes: int = 32 << 20  # PRELOAD (the first weight tile loaded before the PDL wait): bf16 / f32 matrices
                                    # of fewer bytes than this (0: none); never q4 (stop 29 call 3)
     #                                 from this many weight bytes

@@ -333,3 +333,24 @@ def test_q4_matvecs_before_attention_and_the_gdn_step_trigger_early(tmp_path, mo
             assert ks[k["late"]]["constexprs"]["PDL_LATE"] is True
     plain, _, _ = lates(())
     assert all(k["constexprs"]["PDL_LATE"] is True for k in plain.values())
+
+
+def test_pdl_early_before_takes_floating_point_matvecs_only_when_asked(tmp_path, monkeypatch):
+    """matvec.pdl_early_q4_only (true by default: bf16 not measured): a bf16 plan's late matvecs before attention and
+    the GDN step stay late unless the field is false."""
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.compiler.build import build
+    from kestrel.kernels.targets import override_rules
+
+    def early_count(q4_only):
+        monkeypatch.setitem(TARGETS, "sm_90", TARGETS["sm_90"])  # restored after the test
+        override_rules("sm_90", "matvec.pdl_late_bytes=0 matvec.pdl_early_before=('attn_step','gdn_delta') "
+                                f"matvec.pdl_early_q4_only={q4_only}")
+        path = tmp_path / f"b{q4_only}.plan"
+        build("tiny", str(path), target="sm_90", quant="bf16", log=lambda m: None, progress=False)
+        lp = load_plan(str(path)).launch_plan
+        ks, ops = lp["kernels"], [x["op"] for x in lp["launches"]]
+        return sum(1 for i, x in enumerate(lp["launches"][:-1]) if ops[i + 1] in ("attn_step", "gdn_delta")
+                   and ks[x["kernel_index"]]["constexprs"].get("PDL_LATE") is False)
+
+    assert early_count(True) == 0 and early_count(False) > 0
