@@ -30,14 +30,21 @@ else:
               (32, 1024, 4), (4, 1024, 4)]  # (BLOCK_N, BLOCK_K, warps)
 
 
-def _jobs():
-    from kestrel.kernels.matvec import matvec_launch
+def _rule_split(n: int, k: int, kind: str) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) the sm_90 launch rule gives ``kind`` at [n, k]: rmsnorm_matvec_launch's for the
+    normed product (its own many-rows and short-K splits), matvec_launch's for the plain one."""
+    from kestrel.kernels.matvec import matvec_launch, rmsnorm_matvec_launch
     from kestrel.kernels.targets import TARGETS
 
+    t = TARGETS["sm_90"]
+    r = rmsnorm_matvec_launch(n, k, GROUP, P, t) if kind == "rmsnorm_matvec" else matvec_launch(n, k, GROUP, t)
+    return r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"]
+
+
+def _jobs():
     for shape, (n, k) in SHAPES.items():
-        r = matvec_launch(n, k, GROUP, TARGETS["sm_90"])
-        rule = (r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"])
         for kind in ("rmsnorm_matvec", "matvec"):
+            rule = _rule_split(n, k, kind)
             for bn, bk, nw in SPLITS + ([rule] if rule not in SPLITS else []):
                 if bk <= k:
                     yield shape, n, k, kind, bn, bk, nw
@@ -64,13 +71,9 @@ def _compile(job):
 
 
 def _describe(job, ck, launch) -> dict:
-    from kestrel.kernels.matvec import matvec_launch
-    from kestrel.kernels.targets import TARGETS
-
     shape, n, k, kind, bn, bk, nw = job
-    r = matvec_launch(n, k, GROUP, TARGETS["sm_90"])
     return {"shape": shape, "N": n, "K": k, "kind": kind, "BLOCK_N": bn, "BLOCK_K": bk, "warps": nw,
-            "rule": (r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"]) == (bn, bk, nw)}
+            "rule": _rule_split(n, k, kind) == (bn, bk, nw)}
 
 
 def compile_all(folder: str) -> None:

@@ -288,8 +288,8 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
     and its table entry names that one (``"late"``: its index). The runtime times the step's programmatic graph
     with either at load and keeps the faster (runtime/gpu.py): which one wins depends on the plan, not on a
     rule of size this compiler could apply (H200, bench/results/stop37 calls 4-5: the trigger after the loop from
-    1 MiB of weight made 2B-9B q4 2-7% faster and 0.8B, 27B q4 and 80B-A3B 2-14% slower). A q4 matvec late by its
-    bytes (``PDL_LATE`` true) that comes right before an op of the matvec rule's ``pdl_early_before`` kinds
+    1 MiB of weight made 2B-9B q4 2-7% faster and 0.8B, 27B q4 and 80B-A3B 2-14% slower). A matvec late by its
+    bytes (``PDL_LATE`` true; q4 only while ``pdl_early_q4_only``) that comes right before an op of the matvec rule's ``pdl_early_before`` kinds
     triggers at its start instead (its late variant is then its launch rule's own form): on the H200 the 27B q4
     step 5.078 -> 5.004 ms/token with its in_proj and attention projections so (bench/results/stop38 call 10)."""
     cc = TARGETS[target].cc
@@ -306,15 +306,14 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
             table.append(_table_entry(k, part, consts, key[-1]))
         return index[key]
 
-    early_before, early_q4_only = (TARGETS[target].rules["matvec"].pdl_early_before,
-                                   TARGETS[target].rules["matvec"].pdl_early_q4_only)
+    rule = TARGETS[target].rules["matvec"]
     for n, program in enumerate(programs):
         of_launch.append([])
         ops = [op for op in program.ops if not is_view(op)]
         for j, op in enumerate(ops):
             consts = op_constexprs(op, cc)
-            if (n == 0 and consts.get("PDL_LATE") and (consts.get("GROUP") or not early_q4_only) and j + 1 < len(ops)
-                    and ops[j + 1].kind in early_before):
+            if (n == 0 and consts.get("PDL_LATE") and (consts.get("GROUP") or not rule.pdl_early_q4_only)
+                    and j + 1 < len(ops) and ops[j + 1].kind in rule.pdl_early_before):
                 consts = consts | {"PDL_LATE": False}  # (the rule's pdl_early_before: q4 products by default)
             i = entry(op, consts)
             if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
