@@ -289,9 +289,10 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
     with either at load and keeps the faster (runtime/gpu.py): which one wins depends on the plan, not on a
     rule of size this compiler could apply (H200, bench/results/stop37 calls 4-5: the trigger after the loop from
     1 MiB of weight made 2B-9B q4 2-7% faster and 0.8B, 27B q4 and 80B-A3B 2-14% slower). A matvec late by its
-    bytes (``PDL_LATE`` true; q4 only while ``pdl_early_q4_only``) that comes right before an op of the matvec rule's ``pdl_early_before`` kinds
-    triggers at its start instead (its late variant is then its launch rule's own form): on the H200 the 27B q4
-    step 5.078 -> 5.004 ms/token with its in_proj and attention projections so (bench/results/stop38 call 10)."""
+    bytes (``PDL_LATE`` true; q4 only with ``pdl_early_q4_only``) that comes right before an op of the matvec rule's
+    ``pdl_early_before`` kinds triggers at its start instead (its late variant is then its launch rule's own form):
+    on the H200 the 27B q4 step 5.078 -> 5.004 ms/token with its in_proj and attention projections so
+    (bench/results/stop38 call 10), 27B bf16 13.167 -> 13.116 and 9B bf16 4.357 -> 4.315 (stop 39 call 1)."""
     cc = TARGETS[target].cc
     table, index, of_launch, cubins = [], {}, [], {}
 
@@ -314,7 +315,7 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
             consts = op_constexprs(op, cc)
             if (n == 0 and consts.get("PDL_LATE") and (consts.get("GROUP") or not rule.pdl_early_q4_only)
                     and j + 1 < len(ops) and ops[j + 1].kind in rule.pdl_early_before):
-                consts = consts | {"PDL_LATE": False}  # (the rule's pdl_early_before: q4 products by default)
+                consts = consts | {"PDL_LATE": False}  # (the rule's pdl_early_before)
             i = entry(op, consts)
             if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
                 table[i]["late"] = entry(op, consts | {"PDL_LATE": True})
