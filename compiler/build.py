@@ -29,7 +29,7 @@ from kestrel.compiler.frontend import (Checkpoint, mtp_layers_in, open_checkpoin
                                       read_config)
 from kestrel.compiler.ir import Program, q4_placements
 from kestrel.compiler.ir_text import print_program
-from kestrel.compiler.launch_plan import launch_plan
+from kestrel.compiler.launch_plan import SPEC_ROW_STATES, launch_plan
 from kestrel.compiler.ops import verify
 from kestrel.compiler.presets import PRESETS, SHAPES, byte_level_tokenizer_json, synthesize
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
@@ -402,14 +402,15 @@ def plan_states(program: Program, *more: Program | None) -> dict:
 
 def speculative_memory_report(spec: Program, spec_prefill: Program) -> str:
     """What the speculative programs add to the arena: the MTP head's weights and KV caches, and the
-    verify's rollback snapshots (per Gated DeltaNet layer, the states after each verified row but the last)."""
+    verify's per-row states (per Gated DeltaNet layer, each verified row's update of the recurrent state and the
+    conv window after each row but the last)."""
     states = plan_states(spec_prefill, spec)
-    snaps = sum(st.type.nbytes for n, st in states.items() if n.endswith(("_snap",)))
+    snaps = sum(st.type.nbytes for n, st in states.items() if n.endswith(SPEC_ROW_STATES))
     head_kv = sum(st.type.nbytes for n, st in states.items() if n.startswith("mtp."))
     head_w = sum(w.type.nbytes for n, w in spec.weights.items() if n.startswith("mtp."))
     sampling = sum(st.type.nbytes for n, st in states.items() if n.startswith("spec."))
     return (f"memory: speculative decoding adds the MTP head's weights {head_w / 1e6:.2f} MB + its KV caches "
-            f"{head_kv / 1e6:.2f} MB + the rollback snapshots {snaps / 1e6:.2f} MB + the drafts' distributions "
+            f"{head_kv / 1e6:.2f} MB + the verify's row states {snaps / 1e6:.2f} MB + the drafts' distributions "
             f"and the replay buffer {sampling / 1e6:.2f} MB")
 
 

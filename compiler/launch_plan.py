@@ -34,6 +34,7 @@ from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Progra
 from kestrel.compiler.ops import is_view
 
 REPLAY_STATE = "spec.replay"  # the replayed token sequence of controlled acceptance (compiler/qwen3_5.py)
+SPEC_ROW_STATES = (".conv_snap", ".recurrent_rows")  # the verify's per-row states of a Gated DeltaNet layer
 REGIONS = ("weights", "state", "dyn", "act", "scratch")  # arena order
 RESET_REGIONS = ("state", "dyn")  # zeroed at the start of every request
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -104,8 +105,8 @@ def _launch_bytes(op, counted: dict) -> dict:
     sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); a MoE layer's stacked
     experts the slices of the experts a token routes to (top_k of E; at M rows at most M top_k of them,
     an upper bound when rows share experts); ``scratch.*`` states
-    (a kernel's partials within one launch, L2-resident) none; the speculative verify's snapshots once
-    (written; the rollback's copy of one of them back is not counted)."""
+    (a kernel's partials within one launch, L2-resident) none; the speculative verify's conv snapshots and rows'
+    updates once (written; gdn_commit's reads of them are not counted)."""
     fixed, rows = 0, []
     for i, x in enumerate(op.ins):
         if not isinstance(x, (Weight, State)) or x.name.startswith(SCRATCH_PREFIX):  # scratch: a kernel's own
@@ -125,7 +126,7 @@ def _launch_bytes(op, counted: dict) -> dict:
             want = x.type.nbytes // experts * min(experts, pairs)
         elif isinstance(x, State) and x.name == TOKENS_STATE:
             want = 8
-        elif isinstance(x, State) and x.name.endswith("_snap"):  # the verify's snapshots: written once
+        elif isinstance(x, State) and x.name.endswith(SPEC_ROW_STATES):  # the verify's: written once
             want = x.type.nbytes
         elif isinstance(x, State):
             want = 2 * x.type.nbytes

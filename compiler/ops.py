@@ -526,26 +526,37 @@ def _infer_spec_end(ins, a):
     return []
 
 
-def _snap_shapes(rows: int, rec, conv_state, rec_snap=None, conv_snap=None):
-    if rec_snap is not None:
-        _need(_t(rec_snap).dtype == "f32" and _t(rec_snap).shape == (rows - 1,) + _t(rec).shape,
-              f"recurrent-state snapshots must be f32[{rows - 1}, {', '.join(map(str, _t(rec).shape))}]")
+def _snap_shapes(rows: int, rec, conv_state, rec_rows=None, conv_snap=None, hk: int | None = None):
+    """The verify's per-row states: the rows' updates [M, update_row_width] (``hk`` key heads; None: any that
+    divides the value heads) and the conv windows' snapshots [M - 1, C, K - 1]."""
+    if rec_rows is not None:
+        hv, dk, dv = _t(rec).shape
+        n = _t(rec_rows).shape
+        keys = (n[-1] - hv - hv * dv) // dk if len(n) == 2 else 0
+        _need(_t(rec_rows).dtype == "f32" and len(n) == 2 and n[0] == rows and keys > 0 and hv % keys == 0
+              and n[1] == gated_delta.update_row_width(keys, hv, dk, dv) and (hk is None or keys == hk),
+              f"the verify's row updates must be f32[{rows}, Hv + Hk * Dk + Hv * Dv] (Hv, Dk, Dv = {hv}, {dk}, {dv}"
+              + (f", Hk = {hk})" if hk else ")"))
     if conv_snap is not None:
         _need(_t(conv_snap).dtype == "f32" and _t(conv_snap).shape == (rows - 1,) + _t(conv_state).shape,
               f"conv-window snapshots must be f32[{rows - 1}, {', '.join(map(str, _t(conv_state).shape))}]")
 
 
 def _infer_gdn_rows_snap(ins, a):
-    *base, rec_snap, conv_snap = ins
+    *base, rec_rows, conv_snap = ins
     out = _infer_gdn_rows(base, a)
-    _snap_shapes(_t(base[0]).shape[0], base[7], base[3], rec_snap, conv_snap)
+    hv, dk, dv = _t(base[7]).shape
+    hk = gated_delta.gdn_key_heads(_t(base[0]).shape[1], hv, dk, dv)
+    _snap_shapes(_t(base[0]).shape[0], base[7], base[3], rec_rows, conv_snap, hk)
     return out
 
 
 def _infer_gdn_rows_delta_snap(ins, a):
-    *base, rec_snap = ins
+    *base, rec_rows = ins
     out = _infer_gdn_rows_delta(base, a)
-    _snap_shapes(_t(base[0]).shape[0], base[5], base[1], rec_snap=rec_snap)
+    hv, dk, dv = _t(base[5]).shape
+    hk = gated_delta.gdn_key_heads(_t(base[1]).shape[0], hv, dk, dv)
+    _snap_shapes(_t(base[0]).shape[0], base[5], base[1], rec_rows=rec_rows, hk=hk)
     return out
 
 
@@ -556,11 +567,10 @@ def _infer_gdn_rows_norm_snap(ins, a):
     return out
 
 
-def _infer_gdn_rollback(ins, a):
-    rec, rec_snap, conv_state, conv_snap, pos, npos = ins
-    _need(len(_t(rec_snap).shape) == 4 and _t(rec_snap).shape[1:] == _t(rec).shape, "gdn_rollback: rec snapshots "
-          "must be [R - 1, Hv, Dk, Dv] of the state")
-    _snap_shapes(_t(rec_snap).shape[0] + 1, rec, conv_state, rec_snap, conv_snap)
+def _infer_gdn_commit(ins, a):
+    rec, rec_rows, conv_state, conv_snap, pos, npos = ins
+    _need(len(_t(rec_rows).shape) == 2, "gdn_commit: the row updates must be [M, Hv + Hk * Dk + Hv * Dv]")
+    _snap_shapes(_t(rec_rows).shape[0], rec, conv_state, rec_rows, conv_snap)
     _infer_rows_dyn(pos, npos)
     return []
 
@@ -985,7 +995,7 @@ def _spec_sample_rows_ref(logits, greedy, q, tokens, replay, pos, temperature, t
 
 
 def _gdn_rows_delta_snap(op: Op, t: Target) -> dict:
-    """gdn_rows_delta's launch, row by row (chunk 0: the snapshot after each row is in registers)."""
+    """gdn_rows_delta's launch, row by row (chunk 0: each row's update is in registers)."""
     return {**_gdn_rows_delta(op, t, chunk=0, snap=True), "kernel": "gdn_rows_delta_snap"}
 
 
@@ -993,12 +1003,13 @@ def _gdn_rows_norm_snap(op: Op, t: Target) -> dict:
     return {**_gdn_rows_norm(op, t, snap=True), "kernel": "gdn_rows_norm_snap"}
 
 
-def _gdn_rollback(op: Op, t: Target) -> dict:
-    rec, rec_snap, conv_state = op.ins[0], op.ins[1], op.ins[2]
+def _gdn_commit(op: Op, t: Target) -> dict:
+    rec, rec_rows, conv_state = op.ins[0], op.ins[1], op.ins[2]
     hv, dk, dv = rec.type.shape
     c, kc1 = conv_state.type.shape
-    return {"kernel": "gdn_rollback",
-            **gated_delta.gdn_rollback_launch(hv, dk, dv, c, kc1 + 1, rec_snap.type.shape[0], t)}
+    rows, width = rec_rows.type.shape
+    return {"kernel": "gdn_commit",
+            **gated_delta.gdn_commit_launch((width - hv - hv * dv) // dk, hv, dk, dv, c, kc1 + 1, rows, t)}
 
 
 # --- ONNX lowerings: each emits what the op's reference computes (primitives: onnx_export._Exporter) ---
@@ -1379,12 +1390,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="pos = npos; token = sampled: the iteration ends where the one-token step would be"),
     OpDef("gdn_rows_snap", "vvvswwwsddss", ("l2_eps", "scale"), _infer_gdn_rows_snap, gated_delta.gdn_rows_snap_ref,
           NotApplicable("the GPU runs it as gdn_rows_delta_snap + gdn_rows_norm_snap, which fuse emits"), _SPEC_ONNX,
-          inout=(3, 7, 10, 11), doc="gdn_rows, with the states after each valid row but the last kept as snapshots "
-          "(the speculative verify's rollback points)"),
+          inout=(3, 10, 11), doc="gdn_rows for the speculative verify: the recurrent state only read, each valid "
+          "row's update kept (decay, keys, delta) and the conv window after each valid row but the last"),
     OpDef("gdn_rows_delta_snap", "vswwwsdds", ("qkv", "b", "a", "l2_eps", "scale"), _infer_gdn_rows_delta_snap,
           gated_delta.gdn_rows_delta_snap_ref,
-          Kernel(gated_delta.gdn_rows_delta_snap_kernel, _gdn_rows_delta_snap), _SPEC_ONNX, inout=(5, 8),
-          doc="gdn_rows_delta (row by row) storing the recurrent state after each valid row but the last"),
+          Kernel(gated_delta.gdn_rows_delta_snap_kernel, _gdn_rows_delta_snap), _SPEC_ONNX, inout=(8,),
+          doc="gdn_rows_delta (row by row) storing each valid row's update instead of the recurrent state"),
     OpDef("gdn_rows_norm_snap", "vvwsdds", ("z", "qkv", "eps"), _infer_gdn_rows_norm_snap,
           gated_delta.gdn_rows_norm_snap_ref,
           Kernel(gated_delta.gdn_rows_norm_snap_kernel, _gdn_rows_norm_snap), _SPEC_ONNX, inout=(3, 6),
@@ -1425,9 +1436,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("rmsnorm_moe_gate_up", "vvwvwwwww", ("experts", "eps"), _infer_rmsnorm_moe_gate_up,
           moe.rmsnorm_moe_gate_up_ref, Kernel(moe.rmsnorm_moe_gate_up_kernel, _rmsnorm_moe_gate_up), _MOE_ONNX,
           doc="moe_gate_up of rmsnorm(s, nw) (the mean square from moe_down_add's / matmul_add's partials ss)"),
-    OpDef("gdn_rollback", "ssssdd", (), _infer_gdn_rollback, gated_delta.gdn_rollback_ref,
-          Kernel(gated_delta.gdn_rollback_kernel, _gdn_rollback), _SPEC_ONNX, inout=(0, 2),
-          doc="states <- the snapshot after the last accepted row (kept = npos - pos), unless all rows were kept"),
+    OpDef("gdn_commit", "ssssdd", (), _infer_gdn_commit, gated_delta.gdn_commit_ref,
+          Kernel(gated_delta.gdn_commit_kernel, _gdn_commit), _SPEC_ONNX, inout=(0, 2),
+          doc="the recurrent state advanced by the kept rows' updates (kept = npos - pos), the conv window back to "
+              "the last kept row's"),
 )}
 
 

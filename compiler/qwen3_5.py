@@ -23,6 +23,7 @@ from kestrel.compiler.frontend import MTP_MLP_LAYER, MTP_PREFIX, ModelConfig
 from kestrel.compiler.ir import SCRATCH_PREFIX, TOKENS_STATE, Program
 from kestrel.compiler.launch_plan import REPLAY_STATE
 from kestrel.compiler.ops import emit
+from kestrel.kernels.gated_delta import update_row_width
 
 DYN_SLOTS = (("pos", "i32"), ("token", "i32"), ("sampled", "i32"),
              ("temperature", "f32"), ("top_p", "f32"), ("seed", "i32"), ("n_prompt", "i32"),
@@ -117,8 +118,8 @@ def _layers(p: Program, cfg: ModelConfig, h, weight, dyn, max_seq: int, kv_dtype
             cut_last: bool = False, snaps: list | None = None):
     """The decoder layers on h (one row, or ``rows`` rows valid while pos + r < dyn["n_prompt"]).
     ``cut_last``: only the last valid row leaves the last layer's MLP (the M-row prefill). ``snaps``: a
-    list, when given (the speculative verify), that the Gated DeltaNet layers run with per-row
-    snapshots (``gdn_rows_snap``) and append (rec, rec_snap, conv, conv_snap) to."""
+    list, when given (the speculative verify), that the Gated DeltaNet layers run with their rows' updates
+    kept (``gdn_rows_snap``) and append (rec, rec_rows, conv, conv_snap) to."""
     eps, h_dim = cfg.rms_norm_eps, cfg.hidden_size
     for i, kind in enumerate(cfg.layer_types):
         pre = f"layers.{i}."
@@ -228,8 +229,8 @@ def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max
 def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, snaps: list | None = None):
     """The Gated DeltaNet layer at M rows: the projections as [M, *] products, the mixer over the chunk
     (gdn_rows; declarations in _gated_deltanet's order). ``snaps`` (the speculative verify): the mixer
-    keeps the states after each row but the last (gdn_rows_snap), and the layer's (rec, rec_snap, conv,
-    conv_snap) is appended for the rollback."""
+    leaves the recurrent state as it was and keeps each row's update and the conv window after each row but
+    the last (gdn_rows_snap), and the layer's (rec, rec_rows, conv, conv_snap) is appended for gdn_commit."""
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     c, h_dim, kk = cfg.gdn_conv_channels, cfg.hidden_size, cfg.linear_conv_kernel_dim
     layer = pre.split(".")[1]
@@ -246,10 +247,11 @@ def _gated_deltanet_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn,
     if snaps is None:
         o = emit(p, "gdn_rows", *mixer, l2_eps=1e-6, scale=dk ** -0.5)
     else:
-        rec_snap = p.add_state(f"layers.{layer}.recurrent_snap", "f32", (rows - 1, hv, dk, dv))
+        width = update_row_width(cfg.linear_num_key_heads, hv, dk, dv)
+        rec_rows = p.add_state(f"layers.{layer}.recurrent_rows", "f32", (rows, width))
         conv_snap = p.add_state(f"layers.{layer}.conv_snap", "f32", (rows - 1, c, kk - 1))
-        o = emit(p, "gdn_rows_snap", *mixer, rec_snap, conv_snap, l2_eps=1e-6, scale=dk ** -0.5)
-        snaps.append((rec_state, rec_snap, conv_state, conv_snap))
+        o = emit(p, "gdn_rows_snap", *mixer, rec_rows, conv_snap, l2_eps=1e-6, scale=dk ** -0.5)
+        snaps.append((rec_state, rec_rows, conv_state, conv_snap))
     o = emit(p, "gated_rmsnorm", emit(p, "reshape", o, shape=[rows, hv, dv]),
              emit(p, "reshape", z, shape=[rows, hv, dv]), weight(pre + "norm.weight", (dv,)), eps=cfg.rms_norm_eps)
     return emit(p, "matmul", emit(p, "reshape", o, shape=[rows, hv * dv]),
@@ -283,10 +285,10 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     ``prefill_rows`` = 0: **the iteration**, one static program. At entry tokens[pos] is the last
     accepted token and tokens[pos + 1 .. pos + K] the drafts. It verifies the K + 1 rows pos .. pos + K
     in one M-row pass of the model (every row through the final norm and lm_head; the Gated DeltaNet
-    layers keep their states after each row but the last: gdn_rows_snap), takes each row's greedy
+    layers leave their recurrent states and keep each row's update: gdn_rows_snap), takes each row's greedy
     choice (argmax_rows), accepts on the device (accept: the longest prefix of drafts equal to the
-    target's choices plus the target's own next token, a of K accepted), rolls every Gated DeltaNet
-    layer back to its state after row a (gdn_rollback; KV rows past it are simply written again later),
+    target's choices plus the target's own next token, a of K accepted), advances every Gated DeltaNet
+    layer's state by rows 0 .. a (gdn_commit; KV rows past them are simply written again later),
     then drafts the next K tokens with the MTP head: one pass of the head over the K + 1 verified rows
     (its KV rows for them, with the target's own hidden states: exact for the accepted ones) whose row
     a gives draft 1, then K - 1 one-row passes, each on the previous draft and the head's own hidden
@@ -304,7 +306,7 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
     it they read the verify's lm_head.
 
     The weights, states and dyn slots of ``lower``'s programs are declared first, in the same order;
-    then the MTP head's weights (``mtp.*``), its KV caches, the snapshots, the new dyn slots."""
+    then the MTP head's weights (``mtp.*``), its KV caches, the rows' updates and snapshots, the new dyn slots."""
     if not 1 <= draft_tokens <= 4:
         raise ValueError(f"draft_tokens {draft_tokens}: 1 to 4")
     verify = prefill_rows == 0
@@ -353,8 +355,8 @@ def lower_speculative(cfg: ModelConfig, max_seq: int, draft_tokens: int, kv_dtyp
                        dyn["top_p"], dyn["top_k"], dyn["min_p"], dyn["seed"], spec["replay"], spec_part, spec_tickets)
         emit(p, "accept", targets, dyn["pos"], tokens, out=[spec["npos"], spec["dpos"], dyn["sampled"],
                                                               spec["accepted"]])
-        for rec, rec_snap, conv, conv_snap in snaps:
-            emit(p, "gdn_rollback", rec, rec_snap, conv, conv_snap, dyn["pos"], spec["npos"])
+        for rec, rec_rows, conv, conv_snap in snaps:
+            emit(p, "gdn_commit", rec, rec_rows, conv, conv_snap, dyn["pos"], spec["npos"])
         hidden, row_end = hidden_rows, spec["npos"]  # the draft chain starts at the last accepted row
     else:
         hidden = emit(p, "last_row", hidden_rows, dyn["pos"], bound)

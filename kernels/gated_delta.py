@@ -23,10 +23,17 @@ end are invalid: zero outputs, states untouched):
 * ``gdn_rows_norm``: ``gdn_rows_norm_ref``, the gated RMSNorm of every row and the conv state
   advanced by the valid rows.
 
-The speculative verify (``--speculative mtp``: K + 1 rows, K <= 4) runs the same two kernels with
-rollback points: ``gdn_rows_delta_snap`` / ``gdn_rows_norm_snap`` also store the recurrent state and
-the conv window after each row but the last into per-layer snapshot states (``gdn_rows_snap_ref``), and
-``gdn_rollback`` copies back the one after the last accepted row (``gdn_rollback_ref``).
+The speculative verify (``--speculative mtp``: K + 1 rows, K <= 4) runs the same two kernels, leaving the
+recurrent state as it was: ``gdn_rows_delta_snap`` computes every row from the state in registers and stores,
+instead of the state, each row's update (``update_row_width``: the decay exp(g) per value head, the normalised
+keys, the delta rule's beta * (v - S^T k) per state column) into a per-layer state ``recurrent_rows``
+[K + 1, ...]; ``gdn_rows_norm_snap`` advances the conv windows and stores the window after each row but the
+last into ``conv_snap`` (``gdn_rows_snap_ref``). Once the drafts are accepted, ``gdn_commit`` advances the
+recurrent state by the kept rows' updates (S = S * decay + k (outer) delta per row: the verify's own arithmetic,
+so the state equals the one-token step's after those tokens, bit for bit) and brings the conv window back to the
+last kept row's (``gdn_commit_ref``). The recompute costs the state's one read and write a layer, as the
+one-token step does, where per-row snapshots of the state cost K writes in the verify and a copy on rejection
+(27B: 157 MB of state a snapshot, stop 39).
 """
 from __future__ import annotations
 
@@ -77,16 +84,33 @@ def gdn_gates_ref(a, b, a_log, dt_bias):
     return g, torch.sigmoid(b.float())
 
 
-def gated_delta_step_ref(q, k, v, g, beta, state: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k [Hk, Dk]; v [Hv, Dv]; g, beta [Hv]; state [Hv, Dk, Dv] fp32, updated in place."""
+def update_row_width(hk: int, hv: int, dk: int, dv: int) -> int:
+    """The f32 values of one row's state update (``gated_delta_step_ref``'s ``record``): the decay exp(g) [Hv],
+    the normalised keys [Hk, Dk], the delta rule's delta = beta * (v - S^T k) [Hv, Dv], in that order."""
+    return hv + hk * dk + hv * dv
+
+
+def _add_update(s: torch.Tensor, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The decayed state s plus k (outer) delta per value head (k [Hv, Dk], repeated over the value heads)."""
+    return s + k[:, :, None] * delta[:, None, :]
+
+
+def gated_delta_step_ref(q, k, v, g, beta, state: torch.Tensor, scale: float,
+                         record: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k [Hk, Dk]; v [Hv, Dv]; g, beta [Hv]; state [Hv, Dk, Dv] fp32, updated in place. ``record`` (f32
+    [update_row_width]): the update's decay, keys and delta written there (``gdn_commit_ref`` applies it)."""
     rep = v.shape[0] // q.shape[0]
     q = q.float().repeat_interleave(rep, dim=0) * scale  # [Hv, Dk]
-    k = k.float().repeat_interleave(rep, dim=0)
-    s = state * g.exp()[:, None, None]
+    kh = k.float()
+    k = kh.repeat_interleave(rep, dim=0)
+    decay = g.exp()
+    s = state * decay[:, None, None]
     kv_mem = (s * k[:, :, None]).sum(dim=1)  # S^T k: [Hv, Dv]
     delta = (v.float() - kv_mem) * beta[:, None]
-    s = s + k[:, :, None] * delta[:, None, :]
+    s = _add_update(s, k, delta)
     state.copy_(s)
+    if record is not None:
+        record.copy_(torch.cat([decay, kh.reshape(-1), delta.reshape(-1)]))
     return (s * q[:, :, None]).sum(dim=1)
 
 
@@ -100,9 +124,10 @@ def gdn_step_ref(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec_s
 
 
 def gdn_delta_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, l2_eps: float,
-                  scale: float) -> torch.Tensor:
+                  scale: float, record: torch.Tensor | None = None) -> torch.Tensor:
     """First half of ``gdn_step_ref``: conv + SiLU (conv_state only read), split q|k|v, L2 norms,
-    gates, delta rule (rec_state updated in place). Returns o_raw [Hv * Dv], before the norm."""
+    gates, delta rule (rec_state updated in place; ``record``: ``gated_delta_step_ref``'s). Returns o_raw
+    [Hv * Dv], before the norm."""
 
     hv, dk, dv = rec_state.shape
     hk = gdn_key_heads(qkv.shape[0], hv, dk, dv)
@@ -111,7 +136,7 @@ def gdn_delta_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, l2_e
     k = l2norm_ref(mixed[hk * dk: 2 * hk * dk].reshape(hk, dk), l2_eps)
     v = mixed[2 * hk * dk:].reshape(hv, dv)
     g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
-    return gated_delta_step_ref(q, k, v, g, beta, rec_state, scale).reshape(hv * dv)
+    return gated_delta_step_ref(q, k, v, g, beta, rec_state, scale, record).reshape(hv * dv)
 
 
 def gdn_rows_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int,
@@ -157,32 +182,34 @@ def gdn_rows_norm_ref(o_raw, x, norm_w, conv_state, pos: int, n_prompt: int, z: 
     return out
 
 
-def gdn_rows_snap_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, rec_snap,
+def gdn_rows_snap_ref(qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, rec_rows,
                       conv_snap, l2_eps: float, scale: float) -> torch.Tensor:
-    """``gdn_rows_ref`` for the speculative verify: the same rows, and after each valid row r < M - 1
-    the states as they stand then copied into rec_snap[r] ([M - 1, Hv, Dk, Dv]) and conv_snap[r]
-    ([M - 1, C, K - 1]): the points ``gdn_rollback_ref`` returns to when row r is the last accepted."""
+    """``gdn_rows_ref`` for the speculative verify, leaving the recurrent state as it was: the same rows, each
+    valid row r's state update written to rec_rows[r] ([M, update_row_width]), and the conv window after each
+    valid row r < M - 1 copied into conv_snap[r] ([M - 1, C, K - 1]; the conv state is advanced by all valid
+    rows): what ``gdn_commit_ref`` needs to leave both states after the kept rows."""
     rows = qkv.shape[0]
     hv, _, dv = rec_state.shape
+    state = rec_state.clone()
     out = torch.zeros(rows, hv * dv, dtype=torch.float32)
     for r in range(max(0, min(rows, n_prompt - pos))):
-        out[r] = gdn_delta_ref(qkv[r], b[r], a[r], conv_state, conv_w, a_log, dt_bias, rec_state, l2_eps, scale)
+        out[r] = gdn_delta_ref(qkv[r], b[r], a[r], conv_state, conv_w, a_log, dt_bias, state, l2_eps, scale,
+                               rec_rows[r])
         conv_shift_ref(qkv[r], conv_state)
         if r < rows - 1:
-            rec_snap[r] = rec_state
             conv_snap[r] = conv_state
     return out
 
 
-def gdn_rows_delta_snap_ref(x, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, rec_snap,
+def gdn_rows_delta_snap_ref(x, conv_state, conv_w, a_log, dt_bias, rec_state, pos: int, n_prompt: int, rec_rows,
                             qkv: int, b: int, a: int, l2_eps: float, scale: float) -> torch.Tensor:
-    """``gdn_rows_delta_ref`` taking the recurrent-state snapshots of ``gdn_rows_snap_ref`` (the conv
-    state only read; its snapshots are ``gdn_rows_norm_snap_ref``'s)."""
+    """``gdn_rows_delta_ref`` writing the rows' updates of ``gdn_rows_snap_ref`` (both states only read; the conv
+    snapshots are ``gdn_rows_norm_snap_ref``'s)."""
     hv = rec_state.shape[0]
     c = conv_w.shape[0]
-    scratch = torch.zeros((rec_snap.shape[0],) + tuple(conv_state.shape), dtype=conv_state.dtype)
+    scratch = torch.zeros((rec_rows.shape[0] - 1,) + tuple(conv_state.shape), dtype=conv_state.dtype)
     return gdn_rows_snap_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], conv_state.clone(), conv_w, a_log,
-                             dt_bias, rec_state, pos, n_prompt, rec_snap, scratch, l2_eps, scale)
+                             dt_bias, rec_state, pos, n_prompt, rec_rows, scratch, l2_eps, scale)
 
 
 def gdn_rows_norm_snap_ref(o_raw, x, norm_w, conv_state, pos: int, n_prompt: int, conv_snap, z: int, qkv: int,
@@ -198,12 +225,19 @@ def gdn_rows_norm_snap_ref(o_raw, x, norm_w, conv_state, pos: int, n_prompt: int
     return out
 
 
-def gdn_rollback_ref(rec_state, rec_snap, conv_state, conv_snap, pos: int, npos: int) -> None:
-    """After the verify of M rows with snapshots [M - 1, ...]: kept = npos - pos rows were accepted; the
-    states go back to snapshot kept - 1 unless all M were kept (then they are already in place)."""
+def gdn_commit_ref(rec_state, rec_rows, conv_state, conv_snap, pos: int, npos: int) -> None:
+    """After the verify of M rows: kept = npos - pos rows were accepted. The recurrent state advances by the
+    updates of rows 0 .. kept - 1 (each S = S * decay + k (outer) delta, as ``gated_delta_step_ref`` made it, so
+    the state is the one after those tokens bit for bit); the conv window goes back to snapshot kept - 1 unless
+    all M rows were kept (it already stands after them)."""
+    hv, dk, dv = rec_state.shape
+    hk = (rec_rows.shape[1] - hv - hv * dv) // dk
     kept = npos - pos
-    if 1 <= kept <= rec_snap.shape[0]:
-        rec_state.copy_(rec_snap[kept - 1])
+    for r in range(max(0, min(kept, rec_rows.shape[0]))):
+        row = rec_rows[r]
+        k = row[hv:hv + hk * dk].reshape(hk, dk).repeat_interleave(hv // hk, dim=0)
+        rec_state.copy_(_add_update(rec_state * row[:hv, None, None], k, row[hv + hk * dk:].reshape(hv, dv)))
+    if 1 <= kept <= conv_snap.shape[0]:
         conv_state.copy_(conv_snap[kept - 1])
 
 
@@ -520,15 +554,17 @@ def _rows_weights(conv_w_ptr, ch, m, KC: tl.constexpr):
 
 @triton.jit
 def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv, cols,
-                    neg_a, dt_bias, qkv, b, a, l2_eps, scale, snap_ptr, tile_offs, tile_mask, M: tl.constexpr,
-                    W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BLOCK_V: tl.constexpr,
-                    SNAP: tl.constexpr, SNAP_STRIDE: tl.constexpr):
-    """The row-by-row form (CHUNK = 0): returns the state tile after the valid rows. SNAP: the tile
-    after each valid row r < M - 1 is also stored at snap_ptr + r * SNAP_STRIDE + tile_offs (the
-    verify's per-row snapshots, ``gdn_rows_delta_snap_kernel``), and each row is computed as the one-token
-    step's ``gdn_delta_kernel`` computes it (the conv as one sum over the window of taps, o = S^T q from the
-    updated state), so a verified row is the one-token step's bit for bit; without SNAP (prefill) the conv is
-    unrolled and o = S_old^T q + (k . q) delta, which shortens the row's dependency chain."""
+                    neg_a, dt_bias, qkv, b, a, l2_eps, scale, rows_ptr, k_owner, col0, M: tl.constexpr,
+                    W: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, QKD: tl.constexpr, KC: tl.constexpr,
+                    BLOCK_V: tl.constexpr, SNAP: tl.constexpr):
+    """The row-by-row form (CHUNK = 0): returns the state tile after the valid rows. SNAP (the verify,
+    ``gdn_rows_delta_snap_kernel``): each valid row's update is also stored in row r of rows_ptr
+    (``update_row_width`` values a row: its decay exp(g) at [j] by the program of column block 0 (``col0``), its
+    normalised keys at [HV + ch_q] by one program of the key head (``k_owner``), its delta at [HV + QKD + j * DV +
+    cols]), and each row is computed as the one-token step's ``gdn_delta_kernel`` computes it (the conv as one sum
+    over the window of taps, o = S^T q from the updated state), so a verified row is the one-token step's bit for
+    bit; without SNAP (prefill) the conv is unrolled and o = S_old^T q + (k . q) delta, which shortens the row's
+    dependency chain."""
     tl.static_assert(KC >= 2 and KC <= 4)
     # conv weights by distance back (0: the row itself), constant over the rows
     wq0 = _rows_tap(conv_w_ptr, ch_q, mk, 0, KC)
@@ -589,19 +625,22 @@ def _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, c
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps))
         # g = -exp(A_log) * softplus(a + dt_bias) (torch threshold 20)
         g = neg_a * tl.where(gx > 20.0, gx, tl.log(1.0 + tl.exp(tl.minimum(gx, 20.0))))
-        s = s * tl.exp(g)
+        decay = tl.exp(g)
+        s = s * decay
         kv_mem = tl.sum(s * k[:, None], axis=0)
         delta = (v - kv_mem) * beta
         if SNAP:
             s = s + k[:, None] * delta[None, :]
             o = tl.sum(s * q[:, None], axis=0)
+            upd = rows_ptr + r * (HV + QKD + HV * DV)
+            tl.store(upd + j, decay, mask=col0)
+            tl.store(upd + HV + ch_q, k, mask=mk & k_owner)
+            tl.store(upd + HV + QKD + j * DV + cols, delta, mask=mv)
         else:
             o_old = tl.sum(s * q[:, None], axis=0)
             s = s + k[:, None] * delta[None, :]
             o = o_old + tl.sum(k * q, axis=0) * delta
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, o, mask=mv)
-        if SNAP:
-            tl.store(snap_ptr + r * SNAP_STRIDE + tile_offs, s, mask=tile_mask & (r < M - 1))
     for r in range(valid, M):
         tl.store(o_raw_ptr + r * (HV * DV) + j * DV + cols, tl.zeros([BLOCK_V], tl.float32), mask=mv)
     return s
@@ -736,34 +775,34 @@ def gdn_rows_delta_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_
     writes; x and the conv state are only read (``gdn_rows_norm_kernel`` shifts the conv state next).
     Deterministic: every reduction and product has a fixed order, nothing depends on scheduling."""
     _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr, n_prompt_ptr,
-                    o_raw_ptr, rec_state_ptr, qkv, b, a, l2_eps, scale, M, W, HK, HV, DK, DV, KC, BLOCK_DK, BLOCK_V,
+                    o_raw_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale, M, W, HK, HV, DK, DV, KC, BLOCK_DK, BLOCK_V,
                     CHUNK, False, PDL)
 
 
 @triton.jit
 def gdn_rows_delta_snap_kernel(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr,
-                               n_prompt_ptr, rec_snap_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
+                               n_prompt_ptr, rec_rows_ptr, o_raw_ptr, qkv, b, a, l2_eps, scale,
                                M: tl.constexpr, W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
                                DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """``gdn_rows_delta_snap_ref``: ``gdn_rows_delta_kernel`` row by row (CHUNK = 0) that also stores
-    each program's state tile after every valid row r < M - 1 into rec_snap[r] ([M - 1, HV, DK, DV]),
-    while the tile is in registers anyway: the speculative verify's rollback points (``gdn_rollback``
-    copies back the one after the last accepted row; the state after row M - 1 is the one stored in
-    place). Same work split and race-freedom as gdn_rows_delta_kernel (the snapshot tiles a program
-    writes are its own)."""
+    """``gdn_rows_delta_snap_ref``: ``gdn_rows_delta_kernel`` row by row (CHUNK = 0) that leaves the recurrent
+    state as it was and stores each valid row's update into rec_rows[r] ([M, update_row_width]): the verify's
+    rows, which ``gdn_commit_kernel`` applies to the state once the accepted count is known. Same work split as
+    gdn_rows_delta_kernel; every value of rec_rows has one writer (a row's decay: the value head's column block
+    0; its keys: column block 0 of the key head's first value head), and no program writes what another reads."""
     _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr, n_prompt_ptr,
-                    o_raw_ptr, rec_snap_ptr, qkv, b, a, l2_eps, scale, M, W, HK, HV, DK, DV, KC, BLOCK_DK, BLOCK_V,
+                    o_raw_ptr, rec_rows_ptr, qkv, b, a, l2_eps, scale, M, W, HK, HV, DK, DV, KC, BLOCK_DK, BLOCK_V,
                     CHUNK, True, PDL)
 
 
 @triton.jit
 def _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, rec_state_ptr, pos_ptr, n_prompt_ptr,
-                    o_raw_ptr, snap_ptr, qkv, b, a, l2_eps, scale, M: tl.constexpr, W: tl.constexpr,
+                    o_raw_ptr, rows_ptr, qkv, b, a, l2_eps, scale, M: tl.constexpr, W: tl.constexpr,
                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, SNAP: tl.constexpr,
                     PDL: tl.constexpr):
-    """The body of the two kernels above (SNAP: the snapshots)."""
+    """The body of the two kernels above (SNAP: the verify's, the rows' updates to rows_ptr, the state not
+    stored)."""
     pdl_wait(PDL)
     tl.static_assert(M * W < 2**31)
     R: tl.constexpr = HV // HK
@@ -786,15 +825,17 @@ def _gdn_rows_delta(x_ptr, conv_state_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, r
     neg_a = -tl.exp(tl.load(a_log_ptr + j).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + j).to(tl.float32)
     if CHUNK == 0:
+        col0 = tl.program_id(1) == 0
         s = _rows_recurrent(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv,
-                            cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, snap_ptr, tile_offs, tile_mask, M, W,
-                            HV, DV, KC, BLOCK_V, SNAP, HV * DK * DV)
+                            cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, rows_ptr, col0 & (j % R == 0), col0, M,
+                            W, HV, DV, QKD, KC, BLOCK_V, SNAP)
     else:
-        tl.static_assert(not SNAP, "per-row snapshots are taken row by row (CHUNK = 0)")
+        tl.static_assert(not SNAP, "the verify's rows are taken row by row (CHUNK = 0)")
         s = _rows_chunked(x_ptr, conv_state_ptr, conv_w_ptr, o_raw_ptr, s, j, valid, ch_q, ch_k, ch_v, mk, mv,
                           cols, neg_a, dt_bias, qkv, b, a, l2_eps, scale, M, W, HV, DV, KC, BLOCK_V, CHUNK)
-    tl.debug_barrier()  # every old state value this CTA reads has been read
-    tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask)
+    if not SNAP:  # (the verify leaves the state to gdn_commit_kernel)
+        tl.debug_barrier()  # every old state value this CTA reads has been read
+        tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask)
 
 
 @triton.jit
@@ -885,30 +926,57 @@ def _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prom
     tl.store(conv_state_ptr + ch[:, None] * (KC - 1) + i, new, mask=m)
 
 
-def gdn_rollback_launch(hv: int, dk: int, dv: int, channels: int, kc: int, snaps: int, target) -> dict:
-    """``gdn_rollback_kernel``: grid [cdiv(max(HV*DK*DV, C*(KC-1)), BLOCK), 2]: axis 1 picks the recurrent
-    state (0) or the conv window (1); BLOCK and warps from ``target.rules["speculative"]``."""
-    r = target.rules["speculative"]
-    n_rec, n_conv = hv * dk * dv, channels * (kc - 1)
-    return {"grid": [-(-max(n_rec, n_conv) // r.block), 2, 1], "num_warps": r.num_warps,
-            "constexprs": {"N_REC": n_rec, "N_CONV": n_conv, "SNAPS": snaps, "BLOCK": r.block}}
+def gdn_commit_launch(hk: int, hv: int, dk: int, dv: int, channels: int, kc: int, rows: int, target) -> dict:
+    """``gdn_commit_kernel``: grid [Hv, Dv / BLOCK_V] as ``gdn_delta_launch`` (one program a state tile; its warps
+    and FMA contraction, so the update's arithmetic is the verify's), program p = j * grid[1] + c also bringing back
+    conv channels [p * CH_PER_PROG, (p + 1) * CH_PER_PROG)."""
+    d = gdn_delta_launch(hk, hv, dk, dv, kc, target)
+    per = -(-channels // (d["grid"][0] * d["grid"][1]))
+    c = d["constexprs"]
+    return {**d, "constexprs": {"M": rows, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "C": channels, "KC": kc,
+                                "BLOCK_DK": c["BLOCK_DK"], "BLOCK_V": c["BLOCK_V"], "CH_PER_PROG": per,
+                                "BLOCK_CH": pow2_at_least(per)}}
 
 
 @triton.jit
-def gdn_rollback_kernel(rec_state_ptr, rec_snap_ptr, conv_state_ptr, conv_snap_ptr, pos_ptr, npos_ptr,
-                        N_REC: tl.constexpr, N_CONV: tl.constexpr, SNAPS: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """``gdn_rollback_ref``: with kept = npos - pos rows accepted of the SNAPS + 1 verified, states <-
-    snapshot kept - 1 when kept <= SNAPS (after all rows the states are already in place). Each program
-    copies its own BLOCK elements of one of the two states (axis 1), so nothing races."""
+def gdn_commit_kernel(rec_state_ptr, rec_rows_ptr, conv_state_ptr, conv_snap_ptr, pos_ptr, npos_ptr,
+                      M: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      C: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
+                      CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr, PDL: tl.constexpr = False):
+    """``gdn_commit_ref``: with kept = npos - pos of the M verified rows accepted, program (j, c) advances columns
+    c * BLOCK_V .. + BLOCK_V of value head j's state by the updates of rows 0 .. kept - 1 in rec_rows (S = S *
+    decay, then S + k (outer) delta: the verify's two statements on the same values, so the same bits), and
+    copies its conv channels back from conv_snap[kept - 1] when kept < M. Each program reads and writes its own
+    tile and channels only: nothing races."""
     pdl_wait(PDL)
+    R: tl.constexpr = HV // HK
+    QKD: tl.constexpr = HK * DK
+    NCB: tl.constexpr = (DV + BLOCK_V - 1) // BLOCK_V
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    j = tl.program_id(0)
+    h = j // R
     kept = tl.load(npos_ptr) - tl.load(pos_ptr)
-    use = (kept >= 1) & (kept <= SNAPS)
-    snap = tl.minimum(tl.maximum(kept - 1, 0), SNAPS - 1).to(tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if tl.program_id(1) == 0:
-        m = (offs < N_REC) & use
-        tl.store(rec_state_ptr + offs, tl.load(rec_snap_ptr + snap * N_REC + offs, mask=m), mask=m)
-    else:
-        m = (offs < N_CONV) & use
-        tl.store(conv_state_ptr + offs, tl.load(conv_snap_ptr + snap * N_CONV + offs, mask=m), mask=m)
+    n = tl.minimum(tl.maximum(kept, 0), M)
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = cols < DV
+    tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
+    tile_mask = mk[:, None] & mv[None, :]
+    s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0)
+    for r in range(0, n):
+        upd = rec_rows_ptr + r * (HV + QKD + HV * DV)
+        decay = tl.load(upd + j)
+        k = tl.load(upd + HV + h * DK + offs_k, mask=mk, other=0.0)
+        delta = tl.load(upd + HV + QKD + j * DV + cols, mask=mv, other=0.0)
+        s = s * decay
+        s = s + k[:, None] * delta[None, :]
+    tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask & (n > 0))
+
+    p = j * NCB + tl.program_id(1)
+    ch = p * CH_PER_PROG + tl.arange(0, BLOCK_CH)
+    i = tl.arange(0, KCP)[None, :]
+    m = ((tl.arange(0, BLOCK_CH) < CH_PER_PROG) & (ch < C))[:, None] & (i < KC - 1) & (kept >= 1) & (kept < M)
+    snap = tl.minimum(tl.maximum(kept - 1, 0), M - 2).to(tl.int64)
+    offs = ch[:, None] * (KC - 1) + i
+    tl.store(conv_state_ptr + offs, tl.load(conv_snap_ptr + snap * (C * (KC - 1)) + offs, mask=m), mask=m)

@@ -292,10 +292,10 @@ SPEC_PHASES = ("verify", "accept_rollback", "draft")
 def spec_phases(launches: list[dict]) -> list[str]:
     """Each launch of the speculative iteration's phase: ``verify`` (spec_begin, the replay override and
     the M-row pass of the target through its lm_head), ``accept_rollback`` (the row decisions, accept and
-    the Gated DeltaNet rollback), ``draft`` (the MTP head over the verified rows, its one-row passes, each
-    draft's lm_head and selection, and spec_end)."""
+    the Gated DeltaNet states advanced by the kept rows: gdn_commit), ``draft`` (the MTP head over the verified
+    rows, its one-row passes, each draft's lm_head and selection, and spec_end)."""
     first = next(i for i, ln in enumerate(launches) if ln["op"] == "argmax_rows")
-    last = max(i for i, ln in enumerate(launches) if ln["op"] in ("accept", "gdn_rollback"))
+    last = max(i for i, ln in enumerate(launches) if ln["op"] in ("accept", "gdn_commit"))
     return ["verify" if i < first else "accept_rollback" if i <= last else "draft" for i in range(len(launches))]
 
 

@@ -85,7 +85,7 @@ class CpuStep:
                                                                    for op in self.spec_program.ops)
         progs = [p for p in (prog, prefill_program, self.spec_prefill_program, self.spec_program) if p is not None]
         self.states = {}
-        for p in progs:  # every program's states (the MTP head's KV caches, the rollback snapshots)
+        for p in progs:  # every program's states (the MTP head's KV caches, the verify's row states)
             for name, s in p.states.items():
                 self.states.setdefault(name, torch.zeros(s.type.shape, dtype=TORCH_DTYPES[s.type.dtype]))
         self.dyn: dict[str, int | float] = {name: 0 for p in progs for name in p.dyn}

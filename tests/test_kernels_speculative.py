@@ -1,7 +1,7 @@
 """The speculative iteration's kernels (--speculative mtp) in Triton's interpreter against their torch
 references: the MTP head's join (concat), its input tokens (embedding_next_rows), the device-side
-decisions (spec_begin, argmax_rows, accept, draft_end, spec_end), the verify's Gated DeltaNet with
-per-row snapshots (gdn_rows_delta_snap, gdn_rows_norm_snap) and the rollback (gdn_rollback); and every
+decisions (spec_begin, argmax_rows, accept, draft_end, spec_end), the verify's Gated DeltaNet with its
+rows' updates and conv snapshots (gdn_rows_delta_snap, gdn_rows_norm_snap) and the commit (gdn_commit); and every
 one AOT-compiled for every GPU target (clean subprocesses: kernel_harness.SplitCompile)."""
 import dataclasses
 
@@ -11,10 +11,10 @@ import torch
 from kernel_harness import assert_close, interpret, split_compile_fixture
 from kestrel.compiler.ops import OPS
 from kestrel.kernels.embedding import embedding_next_rows_kernel, embedding_next_rows_ref, embedding_rows_launch
-from kestrel.kernels.gated_delta import (gdn_rollback_kernel, gdn_rollback_launch, gdn_rollback_ref,
-                                         gdn_rows_delta_launch, gdn_rows_delta_snap_kernel, gdn_rows_delta_snap_ref,
-                                         gdn_rows_norm_launch, gdn_rows_norm_snap_kernel, gdn_rows_norm_snap_ref,
-                                         gdn_rows_snap_ref)
+from kestrel.kernels.gated_delta import (gdn_commit_kernel, gdn_commit_launch, gdn_commit_ref, gdn_rows_delta_launch,
+                                         gdn_rows_delta_snap_kernel, gdn_rows_delta_snap_ref, gdn_rows_norm_launch,
+                                         gdn_rows_norm_snap_kernel, gdn_rows_norm_snap_ref, gdn_rows_ref,
+                                         gdn_rows_snap_ref, update_row_width)
 from kestrel.kernels.mtp import concat_kernel, concat_launch, concat_ref
 from kestrel.kernels.speculative import (accept_kernel, accept_ref, argmax_rows_kernel, argmax_rows_launch,
                                          argmax_rows_ref, draft_end_kernel, draft_end_ref, spec_begin_kernel,
@@ -144,16 +144,16 @@ def _snap_rows(block_m: int):
 
 @pytest.mark.parametrize("dims", SNAP_SHAPES)
 @pytest.mark.parametrize("valid,block_m", [(4, 1), (2, 1), (4, 16), (2, 2)])
-def test_gdn_rows_snap_kernels_and_rollback(dims, valid, block_m):
-    """A 4-row verify (3 snapshots) with every row valid or 2: the snapshot kernels against their
-    references (outputs, states, snapshots), the references against the unfused gdn_rows_snap_ref, and
-    the rollback to each kept count against running only the kept rows; the norm's programs one row each (each
-    then owning fewer conv channels), two, or all four."""
+def test_gdn_rows_snap_kernels_and_commit(dims, valid, block_m):
+    """A 4-row verify with every row valid or 2: the verify's kernels against their references (outputs, the
+    rows' updates, the conv state and its 3 snapshots; the recurrent state untouched), the references against the
+    unfused gdn_rows_snap_ref, and the commit of each kept count against running only the kept rows; the norm's
+    programs one row each (each then owning fewer conv channels), two, or all four."""
     hk, hv, dk, dv, kc = dims
     rows, pos, scale = 4, 6, dk ** -0.5
     layer, x, (width, z, qkv, b, a, c) = _gdn_case(dims, rows, seed=valid + hv)
     start = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
-    rec_snap = torch.full((rows - 1, hv, dk, dv), float("nan"))
+    rec_rows = torch.full((rows, update_row_width(hk, hv, dk, dv)), float("nan"))
     conv_snap = torch.full((rows - 1, c, kc - 1), float("nan"))
     dl = gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, kc, SM90, chunk=0)
     nl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, _snap_rows(block_m), snap=True)
@@ -161,75 +161,80 @@ def test_gdn_rows_snap_kernels_and_rollback(dims, valid, block_m):
     o_raw, out = torch.full((rows, hv * dv), float("nan")), torch.full((rows, hv * dv), float("nan"))
     interpret(gdn_rows_delta_snap_kernel)[tuple(dl["grid"])](
         x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], i32(pos),
-        i32(pos + valid), rec_snap, o_raw, qkv, b, a, 1e-6, scale, **dl["constexprs"])
+        i32(pos + valid), rec_rows, o_raw, qkv, b, a, 1e-6, scale, **dl["constexprs"])
     interpret(gdn_rows_norm_snap_kernel)[tuple(nl["grid"])](
         o_raw, x, layer["norm_w"], layer["conv_state"], i32(pos), i32(pos + valid), conv_snap, out, z, qkv, 1e-6,
         **nl["constexprs"])
+    assert torch.equal(layer["rec_state"], start["rec_state"])  # the verify leaves it to the commit
     ref = {k: start[k].clone() for k in start}
-    r_rec, r_conv = torch.full_like(rec_snap, float("nan")), torch.full_like(conv_snap, float("nan"))
+    r_rows, r_conv = torch.full_like(rec_rows, float("nan")), torch.full_like(conv_snap, float("nan"))
     o_ref = gdn_rows_delta_snap_ref(x, ref["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"],
-                                    ref["rec_state"], pos, pos + valid, r_rec, qkv, b, a, 1e-6, scale)
+                                    ref["rec_state"], pos, pos + valid, r_rows, qkv, b, a, 1e-6, scale)
     out_ref = gdn_rows_norm_snap_ref(o_ref, x, layer["norm_w"], ref["conv_state"], pos, pos + valid, r_conv, z, qkv,
                                      1e-6)
-    n = min(valid, rows - 1)  # snapshots taken
+    n = min(valid, rows - 1)  # conv snapshots taken
     assert_close(o_raw, o_ref, 1e-5, 0.0, "o_raw")
     assert_close(out, out_ref, 1e-5, 0.0, "out")
-    assert_close(layer["rec_state"], ref["rec_state"], 1e-5, 0.0, "rec_state")
-    assert torch.equal(layer["conv_state"], ref["conv_state"])
-    assert_close(rec_snap[:n], r_rec[:n], 1e-5, 0.0, "rec snapshots")
+    assert torch.equal(ref["rec_state"], start["rec_state"]) and torch.equal(layer["conv_state"], ref["conv_state"])
+    assert_close(rec_rows[:valid], r_rows[:valid], 1e-5, 0.0, "the rows' updates")
     assert torch.equal(conv_snap[:n], r_conv[:n])
-    assert torch.isnan(rec_snap[n:]).all() and torch.isnan(conv_snap[n:]).all()  # no snapshot past the valid rows
+    assert torch.isnan(rec_rows[valid:]).all() and torch.isnan(conv_snap[n:]).all()  # nothing past the valid rows
     # the fused references = the unfused op
     u = {k: start[k].clone() for k in start}
-    u_rec, u_conv = torch.full_like(rec_snap, float("nan")), torch.full_like(conv_snap, float("nan"))
+    u_rows, u_conv = torch.full_like(rec_rows, float("nan")), torch.full_like(conv_snap, float("nan"))
     o_u = gdn_rows_snap_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], u["conv_state"], layer["conv_w"],
-                            layer["a_log"], layer["dt_bias"], u["rec_state"], pos, pos + valid, u_rec, u_conv, 1e-6,
+                            layer["a_log"], layer["dt_bias"], u["rec_state"], pos, pos + valid, u_rows, u_conv, 1e-6,
                             scale)
-    assert torch.equal(o_u, o_ref) and torch.equal(u_rec[:n], r_rec[:n]) and torch.equal(u_conv[:n], r_conv[:n])
+    assert torch.equal(o_u, o_ref) and torch.equal(u_rows[:valid], r_rows[:valid])
+    assert torch.equal(u_conv[:n], r_conv[:n])
     assert torch.equal(u["rec_state"], ref["rec_state"]) and torch.equal(u["conv_state"], ref["conv_state"])
-    # rollback to each kept count == the states after only the kept rows
-    rl = gdn_rollback_launch(hv, dk, dv, c, kc, rows - 1, SM90)
-    assert rl["grid"][0] * rl["constexprs"]["BLOCK"] >= max(hv * dk * dv, c * (kc - 1)) and rl["grid"][1] == 2
-    grid = (-(-max(hv * dk * dv, c * (kc - 1)) // 64), 2)  # small blocks: several programs per state
+    # the commit of each kept count == the states after only the kept rows; several programs a state tile's
+    # column blocks (BLOCK_V 4) and the conv channels spread over all of them
+    cl = gdn_commit_launch(hk, hv, dk, dv, c, kc, rows, SM90)
+    small = dict(cl["constexprs"], BLOCK_V=4, CH_PER_PROG=-(-c // (hv * -(-dv // 4))))
+    small["BLOCK_CH"] = 1 << (small["CH_PER_PROG"] - 1).bit_length()
     for kept in range(1, valid + 1):
         st = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
-        interpret(gdn_rollback_kernel)[grid](st["rec_state"], rec_snap, st["conv_state"], conv_snap, i32(pos),
-                                             i32(pos + kept), **dict(rl["constexprs"], BLOCK=64))
-        rb = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
-        gdn_rollback_ref(rb["rec_state"], rec_snap, rb["conv_state"], conv_snap, pos, pos + kept)
-        assert torch.equal(st["rec_state"], rb["rec_state"]) and torch.equal(st["conv_state"], rb["conv_state"])
+        interpret(gdn_commit_kernel)[(hv, -(-dv // 4))](st["rec_state"], rec_rows, st["conv_state"], conv_snap,
+                                                       i32(pos), i32(pos + kept), **small)
+        cm = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
+        gdn_commit_ref(cm["rec_state"], r_rows, cm["conv_state"], r_conv, pos, pos + kept)
         only = {k: start[k].clone() for k in start}
-        gdn_rows_snap_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], only["conv_state"], layer["conv_w"],
-                          layer["a_log"], layer["dt_bias"], only["rec_state"], pos, pos + kept,
-                          torch.zeros_like(rec_snap), torch.zeros_like(conv_snap), 1e-6, scale)
-        assert torch.equal(rb["conv_state"], only["conv_state"])
-        assert_close(rb["rec_state"], only["rec_state"], 1e-6, 0.0, f"rollback to {kept} kept rows")
+        gdn_rows_ref(x[:, qkv:qkv + c], x[:, b:b + hv], x[:, a:a + hv], only["conv_state"], layer["conv_w"],
+                     layer["a_log"], layer["dt_bias"], only["rec_state"], pos, pos + kept, 1e-6, scale)
+        assert torch.equal(cm["rec_state"], only["rec_state"]), f"commit of {kept} rows (reference)"
+        assert torch.equal(cm["conv_state"], only["conv_state"]) and torch.equal(st["conv_state"], only["conv_state"])
+        assert_close(st["rec_state"], only["rec_state"], 1e-5, 0.0, f"commit of {kept} rows")
 
 
 @pytest.mark.parametrize("dims", SNAP_SHAPES)
-def test_gdn_rows_snap_row_by_row_is_the_one_token_step_bit_for_bit(dims):
+def test_gdn_rows_snap_and_commit_are_the_one_token_step_bit_for_bit(dims):
     """The verify's Gated DeltaNet kernel (gdn_rows_delta_snap) computes each row as the one-token step's
     gdn_delta does: the same conv sum over the window of taps and the output o = S^T q from the updated state,
-    so its rows' outputs (raw and normed) and snapshots equal K + 1 one-token steps bit for bit (here in the interpreter; on the
-    H200, bench/device_row_diff.py found the two ~1 ulp apart before this, bench/results/stop33 call 11)."""
+    so its rows' outputs (raw and normed) equal K + 1 one-token steps bit for bit, and gdn_commit_kernel's state
+    after r kept rows equals the one-token step's after r tokens (here in the interpreter; on the H200,
+    bench/device_row_diff.py found the verify and the step ~1 ulp apart before this, bench/results/stop33 call 11)."""
     from kestrel.kernels.gated_delta import gdn_delta_kernel, gdn_delta_launch, gdn_norm_kernel, gdn_norm_launch
 
     hk, hv, dk, dv, kc = dims
     rows, pos, scale = 4, 6, dk ** -0.5
     layer, x, (width, z, qkv, b, a, c) = _gdn_case(dims, rows, seed=3 + hv)
     step = {k: layer[k].clone() for k in ("conv_state", "rec_state")}
-    rec_snap = torch.full((rows - 1, hv, dk, dv), float("nan"))
+    rec_rows = torch.full((rows, update_row_width(hk, hv, dk, dv)), float("nan"))
+    conv_snap = torch.full((rows - 1, c, kc - 1), float("nan"))
     dl = gdn_rows_delta_launch(rows, width, hk, hv, dk, dv, kc, SM90, chunk=0)
     o_rows = torch.full((rows, hv * dv), float("nan"))
     interpret(gdn_rows_delta_snap_kernel)[tuple(dl["grid"])](
         x, layer["conv_state"], layer["conv_w"], layer["a_log"], layer["dt_bias"], layer["rec_state"], i32(pos),
-        i32(pos + rows), rec_snap, o_rows, qkv, b, a, 1e-6, scale, **dl["constexprs"])
+        i32(pos + rows), rec_rows, o_rows, qkv, b, a, 1e-6, scale, **dl["constexprs"])
     rl = gdn_rows_norm_launch(rows, width, hv, dv, c, kc, SM90, snap=True)
     out_rows = torch.full((rows, hv * dv), float("nan"))
+    conv_after = layer["conv_state"].clone()
     interpret(gdn_rows_norm_snap_kernel)[tuple(rl["grid"])](
-        o_rows, x, layer["norm_w"], layer["conv_state"], i32(pos), i32(pos + rows),
-        torch.full((rows - 1, c, kc - 1), float("nan")), out_rows, z, qkv, 1e-6, **rl["constexprs"])
+        o_rows, x, layer["norm_w"], conv_after, i32(pos), i32(pos + rows), conv_snap, out_rows, z, qkv, 1e-6,
+        **rl["constexprs"])
     sl, nl = gdn_delta_launch(hk, hv, dk, dv, kc, SM90), gdn_norm_launch(hv, dv, c, kc, SM90)
+    cl = gdn_commit_launch(hk, hv, dk, dv, c, kc, rows, SM90)
     for r in range(rows):
         o, out = torch.full((hv * dv,), float("nan")), torch.full((hv * dv,), float("nan"))
         xr = x[r].clone()
@@ -241,8 +246,11 @@ def test_gdn_rows_snap_row_by_row_is_the_one_token_step_bit_for_bit(dims):
             **nl["constexprs"])
         assert torch.equal(o_rows[r], o), f"row {r}: o_raw differs from the one-token step's"
         assert torch.equal(out_rows[r], out), f"row {r}: the normed output differs from the one-token step's"
-        state = rec_snap[r] if r < rows - 1 else layer["rec_state"]
-        assert torch.equal(state, step["rec_state"]), f"row {r}: the state differs from the one-token step's"
+        rec, conv = layer["rec_state"].clone(), conv_after.clone()
+        interpret(gdn_commit_kernel)[tuple(cl["grid"])](rec, rec_rows, conv, conv_snap, i32(pos), i32(pos + r + 1),
+                                                        **cl["constexprs"])
+        assert torch.equal(rec, step["rec_state"]), f"{r + 1} kept rows: the state differs from the one-token step's"
+        assert torch.equal(conv, step["conv_state"]), f"{r + 1} kept rows: the conv window differs"
 
 
 # --- AOT: every new kernel for every GPU target, in one clean process --------------------------------
@@ -261,7 +269,7 @@ def aot_jobs():
         hk, hv, dk, dv, kc, c, width = 16, 48, 128, 128, 4, 10240, 10240 + 48 * 128 + 96
         dl = gdn_rows_delta_launch(4, width, hk, hv, dk, dv, kc, t, chunk=0, snap=True)
         nl = gdn_rows_norm_launch(4, width, hv, dv, c, kc, t, snap=True)
-        rl = gdn_rollback_launch(hv, dk, dv, c, kc, 3, t)
+        cl = gdn_commit_launch(hk, hv, dk, dv, c, kc, 4, t)
         sr = spec_rows_launch(4, 248320, t)
         ds = spec_rows_launch(1, 248320, t)
         sf = spec_filter_launch(4, 248320, t)
@@ -281,8 +289,8 @@ def aot_jobs():
              dl["num_warps"]),
             ("gdn_rows_norm_snap", "gated_delta:gdn_rows_norm_snap_kernel",
              ["*fp32"] * 4 + ["*i32"] * 2 + ["*fp32"] * 2 + ["i32"] * 2 + ["fp32"], nl["constexprs"], nl["num_warps"]),
-            ("gdn_rollback", "gated_delta:gdn_rollback_kernel", ["*fp32"] * 4 + ["*i32"] * 2, rl["constexprs"],
-             rl["num_warps"]),
+            ("gdn_commit", "gated_delta:gdn_commit_kernel", ["*fp32"] * 4 + ["*i32"] * 2, cl["constexprs"],
+             cl["num_warps"]),
             ("spec_filter", "speculative:spec_filter_kernel",
              ["*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32"], sf["constexprs"], sf["num_warps"]),
             ("draft_sample", "speculative:draft_sample_kernel",
@@ -294,7 +302,7 @@ def aot_jobs():
             ("replay_drafts", "speculative:replay_drafts_kernel",
              ["*i32", "*i32", "*fp32", "*i32", "*i32", "*i32", "i32", "i32"], {"S": 4096, "BLOCK_R": 4}, one),
         ]:
-            launch = {"gdn_rows_delta_snap": dl, "gdn_rows_norm_snap": nl}.get(key, {})
+            launch = {"gdn_rows_delta_snap": dl, "gdn_rows_norm_snap": nl, "gdn_commit": cl}.get(key, {})
             if name != "sm_90/nofuse" or launch:
                 jobs.append([f"{key}/{name}", mod + fn, types, consts, warps, t.cc, launch.get("fp_fusion", True)])
     return jobs
@@ -326,9 +334,10 @@ def compiled(_aot):
 
 def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
     jobs = aot_jobs()
-    assert len(jobs) == 14 * (len(ALL_TARGETS) - 1) + 2
+    assert len(jobs) == 14 * (len(ALL_TARGETS) - 1) + 3
     assert [(j[0], j[-1]) for j in jobs if j[-1] is False] == [("gdn_rows_delta_snap/sm_90/nofuse", False),
-                                                             ("gdn_rows_norm_snap/sm_90/nofuse", False)]
+                                                             ("gdn_rows_norm_snap/sm_90/nofuse", False),
+                                                             ("gdn_commit/sm_90/nofuse", False)]
     for key, fn, types, consts, warps, cc, _ in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
@@ -336,7 +345,7 @@ def test_aot_compiles_every_speculative_kernel_for_every_target(compiled):
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
     # every op kind of the speculative family is covered, with the kernel its record names
     kinds = {"concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
-             "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback", "spec_filter", "draft_sample",
+             "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_commit", "spec_filter", "draft_sample",
              "spec_sample_rows", "replay_drafts"}
     for kind in kinds:
         jit = OPS[kind].kernel.jit

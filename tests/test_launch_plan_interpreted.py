@@ -296,7 +296,7 @@ def _speculate(gpu, cpu, tokens, iterations: int, state) -> list[int]:
         assert torch.equal(tokens, cpu.states["tokens"]), f"iteration {it}: token sequence"
         _close(f"iteration {it}: verify logits", gpu.view(gpu.b.spec_outputs["logits"].address, "*fp32")[
             :gpu.b.spec_outputs["logits"].numel], cpu.outputs["logits"].reshape(-1), 3e-2)
-        for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.0.recurrent_snap"):
+        for name in ("layers.0.recurrent_state", "layers.0.conv_state", "layers.0.recurrent_rows"):
             _close(f"iteration {it}: {name}", *state(name), 3e-2)
         accepted.append(gpu.dyn("accepted"))
     return accepted
@@ -305,7 +305,7 @@ def _speculate(gpu, cpu, tokens, iterations: int, state) -> list[int]:
 @pytest.mark.parametrize("attn", ["flash", "step-order"])
 def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(attn, mini_checkpoint, tmp_path, monkeypatch):
     """--speculative mtp (K = 2, bf16): the speculative prefill's and iteration's launch lists (the MTP
-    head over rows and one row, the verify with snapshots, acceptance, rollback, drafts) in the
+    head over rows and one row, the verify with its rows' states, acceptance, the commit, drafts) in the
     interpreter against the CPU path: the same drafts, acceptances, positions and token sequence,
     states within the GEMM's bf16 rounding; then the one-token step takes over from the states the
     iterations left. (A prompt of one partial chunk and two iterations: the interpreter is slow; the

@@ -187,7 +187,7 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
     assert no_onnx == {"step_end", "embedding_rows", "gdn_rows", "attn_rows", "last_row", "chunk_last", "prefill_end",
                        "gdn_rows_delta", "gdn_rows_norm", "attn_rows_kv", "attn_rows_q",
                        "concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
-                       "gdn_rows_snap", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_rollback",
+                       "gdn_rows_snap", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_commit",
                        "spec_filter", "draft_sample", "spec_sample_rows", "replay_drafts",
                        "moe_router", "moe_topk", "moe_experts", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up",
                        "moe_down_add", "moe_group", "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"}

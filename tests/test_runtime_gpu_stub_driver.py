@@ -481,7 +481,7 @@ def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     from kestrel.runtime.bench import spec_phases
     phases = spec_phases(lp["speculative"]["iteration"]["launches"])
     assert {o for o, p in zip(ops, phases) if p == "accept_rollback"} == {"argmax_rows", "spec_filter",
-                                                                        "spec_sample_rows", "accept", "gdn_rollback"}
+                                                                        "spec_sample_rows", "accept", "gdn_commit"}
     assert ops[:2] == ["spec_begin", "replay_drafts"] and phases[:2] == ["verify", "verify"]
     assert ops.count("draft_sample") == 2 and all(p == "draft" for o, p in zip(ops, phases) if o == "draft_sample")
     assert ops.count("spec_filter") == 3  # the verified rows' (one launch) and each draft's

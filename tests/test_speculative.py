@@ -24,6 +24,7 @@ from hf_checkpoints import add_mtp_head, hf_greedy, make_next_checkpoint, make_t
 from kestrel.artifacts.errors import InputError, NoDraftHeadError
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler.build import build
+from kestrel.compiler.launch_plan import SPEC_ROW_STATES
 from kestrel.compiler.frontend import read_config
 from kestrel.kernels.mtp import mtp_dims, mtp_forward_ref
 from kestrel.runtime.cpu import CpuStep
@@ -205,8 +206,8 @@ def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, 
     generate(plain, prompt, pos - len(prompt) + 1, SamplingParams())
     assert int(plain.dyn["pos"]) == pos and int(plain.dyn["token"]) == int(spec.dyn["token"])
     for name, s in plain.states.items():
-        if name.endswith(("_snap",)) or name.startswith(("mtp.", "scratch.")):
-            continue  # the speculative programs' own (snapshots, the head's KV caches)
+        if name.endswith(SPEC_ROW_STATES) or name.startswith(("mtp.", "scratch.")):
+            continue  # the speculative programs' own (the verify's row states, the head's KV caches)
         got = spec.states[name]
         if name.endswith(("k_cache", "v_cache")):
             s, got = s[:pos], got[:pos]  # rows past pos are written again before they are read
@@ -270,8 +271,8 @@ def test_sm90_speculative_plan_is_built_with_the_exact_verify_rules(tmp_path):
     lp = load_plan(str(tmp_path / "s.plan")).launch_plan
     ids = [k["id"] for k in lp["kernels"]]
     assert {k["id"] for k in lp["kernels"] if k.get("fp_fusion") is False} == {
-        "gdn_delta", "gdn_norm", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "attn_step_bf16", "attn_rows_step_bf16",
-        "attn_rows_kv_bf16"}
+        "gdn_delta", "gdn_norm", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_commit", "attn_step_bf16",
+        "attn_rows_step_bf16", "attn_rows_kv_bf16"}
     assert {ids[x["kernel_index"]] for x in lp["speculative"]["iteration"]["launches"] if x["op"] == "attn_rows_q"} \
         == {"attn_rows_step_bf16"}
     build("tiny-mtp", str(tmp_path / "p.plan"), log=lambda m: None, progress=False, target="sm_90", quant="q4")

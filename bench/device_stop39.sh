@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Stop 39's device calls (each under the 10-minute limit); plans from bench/build_stop_plans.sh as each part says.
+#   commit  (call 2) the verify's Gated DeltaNet without per-row snapshots of the recurrent state: each row's update
+#           kept and gdn_commit advancing the state by the kept rows, against the snapshots and gdn_rollback (-base:
+#           commit b431fa0's compiler, git worktree add /tmp/base b431fa0): bench/device_spec.py on 27B q4 K = 3
+#           (A B B A) and 0.8B bf16 K = 3 (A B): verify / step kernel by kernel and as graphs, the iteration,
+#           spec == plain; tiny-mtp q4 K = 3 under compute-sanitizer
+#           (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-base 0.8b-bf16-spec3 0.8b-bf16-spec3-base
+#            tiny-mtp-q4-spec3)
+# There: run(carry=["bench/plans"]): bash bench/device_stop39.sh $OUT PART
+set -u
+out=$1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+spec() {  # N PLAN: bench/device_spec.py on one plan, its summary lines printed
+  timeout 170 python3 bench/device_spec.py "$out/spec-$1-$2.json" "bench/plans/$2.plan" > "$out/spec-$1-$2.txt" 2>&1
+  echo "$1 $2: exit $?"; grep -E "spec==plain|verify at|as graphs|^ *verify by|^ *M=1 step by" "$out/spec-$1-$2.txt" \
+    | cut -c1-600 | head -8
+}
+case $2 in
+  commit)
+    n=0
+    for p in qwen3.5-27b-sm90-q4-spec3-base qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-base \
+             qwen3.5-0.8b-sm90-bf16-spec3-base qwen3.5-0.8b-sm90-bf16-spec3; do
+      n=$((n + 1)); spec $n $p
+    done
+    KESTREL_SPEC_SAMPLING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/device_sanitize.py \
+      bench/plans/tiny-mtp-sm90-q4-spec3.plan > "$out/sanitizer-tiny-mtp.txt" 2>&1
+    echo "sanitizer: exit $?"; tail -1 "$out/sanitizer-tiny-mtp.txt"
+    cd "$out" && tar cf spec.tar spec-*.json spec-*.txt && rm -f spec-*.json spec-*.txt ;;
+esac
