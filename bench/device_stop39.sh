@@ -7,6 +7,11 @@
 #           spec == plain; tiny-mtp q4 K = 3 under compute-sanitizer
 #           (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-base 0.8b-bf16-spec3 0.8b-bf16-spec3-base
 #            tiny-mtp-q4-spec3)
+#   commit2 (call 3) the same with gdn_commit streaming (flat blocks of the state, the speculative rule's; call 2's
+#           ran it on gdn_delta's tiles, 0.47 ms a 27B iteration against the rollback's 0.09): 27B q4 K = 3 (A B B A),
+#           27B bf16 K = 3 with q4 drafts (A B), 0.8B bf16 K = 3; tiny-mtp q4 K = 3 under compute-sanitizer
+#           (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-base 27b-bf16-spec3 27b-bf16-spec3-base
+#            0.8b-bf16-spec3 tiny-mtp-q4-spec3)
 # There: run(carry=["bench/plans"]): bash bench/device_stop39.sh $OUT PART
 set -u
 out=$1
@@ -16,6 +21,12 @@ spec() {  # N PLAN: bench/device_spec.py on one plan, its summary lines printed
   echo "$1 $2: exit $?"; grep -E "spec==plain|verify at|as graphs|^ *verify by|^ *M=1 step by" "$out/spec-$1-$2.txt" \
     | cut -c1-600 | head -8
 }
+sanitize() {  # tiny-mtp q4 K = 3 under compute-sanitizer (streamed, sampled speculation), then the reports in one tar
+  KESTREL_SPEC_SAMPLING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/device_sanitize.py \
+    bench/plans/tiny-mtp-sm90-q4-spec3.plan > "$out/sanitizer-tiny-mtp.txt" 2>&1
+  echo "sanitizer: exit $?"; tail -1 "$out/sanitizer-tiny-mtp.txt"
+  (cd "$out" && tar cf spec.tar spec-*.json spec-*.txt && rm -f spec-*.json spec-*.txt)
+}
 case $2 in
   commit)
     n=0
@@ -23,8 +34,12 @@ case $2 in
              qwen3.5-0.8b-sm90-bf16-spec3-base qwen3.5-0.8b-sm90-bf16-spec3; do
       n=$((n + 1)); spec $n $p
     done
-    KESTREL_SPEC_SAMPLING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/device_sanitize.py \
-      bench/plans/tiny-mtp-sm90-q4-spec3.plan > "$out/sanitizer-tiny-mtp.txt" 2>&1
-    echo "sanitizer: exit $?"; tail -1 "$out/sanitizer-tiny-mtp.txt"
-    cd "$out" && tar cf spec.tar spec-*.json spec-*.txt && rm -f spec-*.json spec-*.txt ;;
+    sanitize ;;
+  commit2)
+    n=0
+    for p in qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-base qwen3.5-27b-sm90-q4-spec3-base qwen3.5-27b-sm90-q4-spec3 \
+             qwen3.5-27b-sm90-bf16-spec3-base qwen3.5-27b-sm90-bf16-spec3 qwen3.5-0.8b-sm90-bf16-spec3; do
+      n=$((n + 1)); spec $n $p
+    done
+    sanitize ;;
 esac

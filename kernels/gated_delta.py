@@ -927,56 +927,49 @@ def _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prom
 
 
 def gdn_commit_launch(hk: int, hv: int, dk: int, dv: int, channels: int, kc: int, rows: int, target) -> dict:
-    """``gdn_commit_kernel``: grid [Hv, Dv / BLOCK_V] as ``gdn_delta_launch`` (one program a state tile; its warps
-    and FMA contraction, so the update's arithmetic is the verify's), program p = j * grid[1] + c also bringing back
-    conv channels [p * CH_PER_PROG, (p + 1) * CH_PER_PROG)."""
-    d = gdn_delta_launch(hk, hv, dk, dv, kc, target)
-    per = -(-channels // (d["grid"][0] * d["grid"][1]))
-    c = d["constexprs"]
-    return {**d, "constexprs": {"M": rows, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "C": channels, "KC": kc,
-                                "BLOCK_DK": c["BLOCK_DK"], "BLOCK_V": c["BLOCK_V"], "CH_PER_PROG": per,
-                                "BLOCK_CH": pow2_at_least(per)}}
+    """``gdn_commit_kernel``: grid [cdiv(max(Hv*Dk*Dv, C*(KC-1)), BLOCK), 2]: axis 1 picks the recurrent state (0,
+    BLOCK elements of it a program) or the conv windows (1); BLOCK and warps from ``target.rules["speculative"]``
+    (a streaming copy's shape: the update has no reduction, so its layout does not change its bits), FMA
+    contraction as ``gdn_delta``'s (``target.rules["gdn_delta"].fp_fusion``: the update's arithmetic is the
+    verify's)."""
+    r = target.rules["speculative"]
+    n_rec, n_conv = hv * dk * dv, channels * (kc - 1)
+    return {"grid": [-(-max(n_rec, n_conv) // r.block), 2, 1], "num_warps": r.num_warps,
+            **fp_fusion(target.rules["gdn_delta"].fp_fusion),
+            "constexprs": {"M": rows, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "N_CONV": n_conv, "BLOCK": r.block}}
 
 
 @triton.jit
 def gdn_commit_kernel(rec_state_ptr, rec_rows_ptr, conv_state_ptr, conv_snap_ptr, pos_ptr, npos_ptr,
                       M: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      C: tl.constexpr, KC: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
-                      CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr, PDL: tl.constexpr = False):
-    """``gdn_commit_ref``: with kept = npos - pos of the M verified rows accepted, program (j, c) advances columns
-    c * BLOCK_V .. + BLOCK_V of value head j's state by the updates of rows 0 .. kept - 1 in rec_rows (S = S *
-    decay, then S + k (outer) delta: the verify's two statements on the same values, so the same bits), and
-    copies its conv channels back from conv_snap[kept - 1] when kept < M. Each program reads and writes its own
-    tile and channels only: nothing races."""
+                      N_CONV: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """``gdn_commit_ref``: with kept = npos - pos of the M verified rows accepted, program (p, 0) advances elements
+    p * BLOCK .. + BLOCK of the flattened recurrent state [HV, DK, DV] by the updates of rows 0 .. kept - 1 in
+    rec_rows (S = S * decay, then S + k * delta: the verify's two statements on the same values, so the same
+    bits), and program (p, 1) copies its elements of the conv windows back from conv_snap[kept - 1] when kept < M.
+    Each program reads and writes its own elements only: nothing races."""
     pdl_wait(PDL)
     R: tl.constexpr = HV // HK
     QKD: tl.constexpr = HK * DK
-    NCB: tl.constexpr = (DV + BLOCK_V - 1) // BLOCK_V
-    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
-    j = tl.program_id(0)
-    h = j // R
+    N_REC: tl.constexpr = HV * DK * DV
     kept = tl.load(npos_ptr) - tl.load(pos_ptr)
-    n = tl.minimum(tl.maximum(kept, 0), M)
-    offs_k = tl.arange(0, BLOCK_DK)
-    mk = offs_k < DK
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mv = cols < DV
-    tile_offs = j * DK * DV + offs_k[:, None] * DV + cols[None, :]
-    tile_mask = mk[:, None] & mv[None, :]
-    s = tl.load(rec_state_ptr + tile_offs, mask=tile_mask, other=0.0)
-    for r in range(0, n):
-        upd = rec_rows_ptr + r * (HV + QKD + HV * DV)
-        decay = tl.load(upd + j)
-        k = tl.load(upd + HV + h * DK + offs_k, mask=mk, other=0.0)
-        delta = tl.load(upd + HV + QKD + j * DV + cols, mask=mv, other=0.0)
-        s = s * decay
-        s = s + k[:, None] * delta[None, :]
-    tl.store(rec_state_ptr + tile_offs, s, mask=tile_mask & (n > 0))
-
-    p = j * NCB + tl.program_id(1)
-    ch = p * CH_PER_PROG + tl.arange(0, BLOCK_CH)
-    i = tl.arange(0, KCP)[None, :]
-    m = ((tl.arange(0, BLOCK_CH) < CH_PER_PROG) & (ch < C))[:, None] & (i < KC - 1) & (kept >= 1) & (kept < M)
-    snap = tl.minimum(tl.maximum(kept - 1, 0), M - 2).to(tl.int64)
-    offs = ch[:, None] * (KC - 1) + i
-    tl.store(conv_state_ptr + offs, tl.load(conv_snap_ptr + snap * (C * (KC - 1)) + offs, mask=m), mask=m)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if tl.program_id(1) == 0:
+        n = tl.minimum(tl.maximum(kept, 0), M)
+        m = (offs < N_REC) & (n > 0)
+        j = offs // (DK * DV)
+        kk = (offs // DV) % DK
+        col = offs % DV
+        s = tl.load(rec_state_ptr + offs, mask=m, other=0.0)
+        for r in range(0, n):
+            upd = rec_rows_ptr + r * (HV + QKD + HV * DV)
+            decay = tl.load(upd + j, mask=m, other=0.0)
+            k = tl.load(upd + HV + (j // R) * DK + kk, mask=m, other=0.0)
+            delta = tl.load(upd + HV + QKD + j * DV + col, mask=m, other=0.0)
+            s = s * decay
+            s = s + k * delta
+        tl.store(rec_state_ptr + offs, s, mask=m)
+    else:
+        m = (offs < N_CONV) & (kept >= 1) & (kept < M)
+        snap = tl.minimum(tl.maximum(kept - 1, 0), M - 2).to(tl.int64)
+        tl.store(conv_state_ptr + offs, tl.load(conv_snap_ptr + snap * N_CONV + offs, mask=m), mask=m)

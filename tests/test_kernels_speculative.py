@@ -188,15 +188,14 @@ def test_gdn_rows_snap_kernels_and_commit(dims, valid, block_m):
     assert torch.equal(o_u, o_ref) and torch.equal(u_rows[:valid], r_rows[:valid])
     assert torch.equal(u_conv[:n], r_conv[:n])
     assert torch.equal(u["rec_state"], ref["rec_state"]) and torch.equal(u["conv_state"], ref["conv_state"])
-    # the commit of each kept count == the states after only the kept rows; several programs a state tile's
-    # column blocks (BLOCK_V 4) and the conv channels spread over all of them
+    # the commit of each kept count == the states after only the kept rows (small blocks: several programs a state)
     cl = gdn_commit_launch(hk, hv, dk, dv, c, kc, rows, SM90)
-    small = dict(cl["constexprs"], BLOCK_V=4, CH_PER_PROG=-(-c // (hv * -(-dv // 4))))
-    small["BLOCK_CH"] = 1 << (small["CH_PER_PROG"] - 1).bit_length()
+    assert cl["grid"][0] * cl["constexprs"]["BLOCK"] >= max(hv * dk * dv, c * (kc - 1)) and cl["grid"][1] == 2
+    grid = (-(-max(hv * dk * dv, c * (kc - 1)) // 64), 2)
     for kept in range(1, valid + 1):
         st = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
-        interpret(gdn_commit_kernel)[(hv, -(-dv // 4))](st["rec_state"], rec_rows, st["conv_state"], conv_snap,
-                                                       i32(pos), i32(pos + kept), **small)
+        interpret(gdn_commit_kernel)[grid](st["rec_state"], rec_rows, st["conv_state"], conv_snap, i32(pos),
+                                           i32(pos + kept), **dict(cl["constexprs"], BLOCK=64))
         cm = {k: v.clone() for k, v in layer.items() if k in ("conv_state", "rec_state")}
         gdn_commit_ref(cm["rec_state"], r_rows, cm["conv_state"], r_conv, pos, pos + kept)
         only = {k: start[k].clone() for k in start}
