@@ -12,6 +12,14 @@
 #           27B bf16 K = 3 with q4 drafts (A B), 0.8B bf16 K = 3; tiny-mtp q4 K = 3 under compute-sanitizer
 #           (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-base 27b-bf16-spec3 27b-bf16-spec3-base
 #            0.8b-bf16-spec3 tiny-mtp-q4-spec3)
+#   pair    (call 4) the floating-point products of speculative plans as explicit FMA pairs with contraction on
+#           (matvec_rows.pair_fma, in exact_verify_rules) against stop 36's no contraction (matvec_rows.fp_fusion=False:
+#           the 27B bf16 verify's few-rows products 1.22x slower, call 3), with gdn_commit: 27B bf16 K = 3 (A B B A
+#           against -base, commit b431fa0's compiler), 27B q4 and 0.8B bf16 K = 3; the verify's row 0 against the
+#           one-token step op by op (bench/device_row_diff.py) on 4 layers of the 80B-A3B shape (q4, bf16: the router
+#           where contraction made them differ, stop 36) and of 27B bf16; tiny-mtp q4 under compute-sanitizer
+#           (bash bench/build_stop_plans.sh 27b-bf16-spec3 27b-bf16-spec3-base 27b-q4-spec3 0.8b-bf16-spec3
+#            next4-q4-spec3 next4-bf16-spec3 27b4-bf16-spec3 tiny-mtp-q4-spec3)
 # There: run(carry=["bench/plans"]): bash bench/device_stop39.sh $OUT PART
 set -u
 out=$1
@@ -39,6 +47,16 @@ case $2 in
     n=0
     for p in qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-base qwen3.5-27b-sm90-q4-spec3-base qwen3.5-27b-sm90-q4-spec3 \
              qwen3.5-27b-sm90-bf16-spec3-base qwen3.5-27b-sm90-bf16-spec3 qwen3.5-0.8b-sm90-bf16-spec3; do
+      n=$((n + 1)); spec $n $p
+    done
+    sanitize ;;
+  pair)
+    timeout 200 python3 bench/device_row_diff.py "$out/row-diff.json" bench/plans/qwen3-next-4l-sm90-q4-spec3.plan \
+      bench/plans/qwen3-next-4l-sm90-bf16-spec3.plan bench/plans/qwen3.5-27b-4l-sm90-bf16-spec3.plan > "$out/row-diff.txt" 2>&1
+    echo "row diff: exit $?"; grep -E "outputs compared|^  " "$out/row-diff.txt" | head -20
+    n=0
+    for p in qwen3.5-27b-sm90-bf16-spec3 qwen3.5-27b-sm90-bf16-spec3-base qwen3.5-27b-sm90-bf16-spec3-base qwen3.5-27b-sm90-bf16-spec3 \
+             qwen3.5-27b-sm90-q4-spec3 qwen3.5-0.8b-sm90-bf16-spec3; do
       n=$((n + 1)); spec $n $p
     done
     sanitize ;;

@@ -216,13 +216,20 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
                            "PRELOAD": not group and n * k * 2 < r.preload_bytes,
-                           "L2_PREFETCH": bool(group) and target.cc >= 90 and n * k // 2 <= r.l2_prefetch_bytes}}
+                           "L2_PREFETCH": bool(group) and target.cc >= 90 and n * k // 2 <= r.l2_prefetch_bytes,
+                           "PAIR_FMA": _pair_fma(group, target)}}
 
 
 def _fp_fusion(group: int, target) -> dict:
     """The launch's ``fp_fusion`` key: off for floating-point weights where ``target.rules["matvec_rows"].fp_fusion``
-    is (a speculative plan: the one-row and few-rows kernels then sum each chunk's products in one order)."""
+    is (the one-row and few-rows kernels then sum each chunk's products in one order)."""
     return {} if group else fp_fusion(target.rules["matvec_rows"].fp_fusion)
+
+
+def _pair_fma(group: int, target) -> bool:
+    """The constexpr ``PAIR_FMA`` (``_fp_part``): floating-point weights where ``target.rules["matvec_rows"].pair_fma``
+    is (a speculative plan: the one-row and few-rows kernels then round each chunk alike whatever ptxas contracts)."""
+    return not group and target.rules["matvec_rows"].pair_fma
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -343,7 +350,7 @@ def _tile_weights(w_ptr, rows, k0, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K
 @triton.jit
 def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                 MASKED: tl.constexpr, NORM: tl.constexpr, w_tile=None):
+                 MASKED: tl.constexpr, NORM: tl.constexpr, w_tile=None, PAIR_FMA: tl.constexpr = False):
     """(partial products, x^2): partial products of rows ``rows`` (clamped, in
     bounds) with inputs [k0, k0 + BLOCK_K): fp32 [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK
     inputs, a thread's 16-byte load (32 inputs for q4, 8 bf16, 4 f32). MASKED: the tile runs past K
@@ -410,8 +417,7 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
             w = _tile_weights(w_ptr, rows, k0, K, GROUP, BLOCK_K, MASKED)
         else:
             w = w_tile
-        prod = w.to(tl.float32) * xv[None, :]
-        return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), axis=2), ssq
+        return _fp_part(w.to(tl.float32), xv, BLOCK_N, BLOCK_K, CHUNK, PAIR_FMA), ssq
 
 
 @triton.jit
@@ -461,7 +467,7 @@ def _l2_prefetch_range(base, lo, nbytes):
 @triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, eps=0.0,
-                 NORM: tl.constexpr = 0, w0=None):
+                 NORM: tl.constexpr = 0, w0=None, PAIR_FMA: tl.constexpr = False):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
     ``rows`` must be in bounds (the callers clamp them). NORM: rmsnorm(x)[k] = x[k] * rstd * (1 + nw[k])
     in place of x[k] (_matvec_tile; NORM_AFTER: the rstd of the sum of x^2 over the tiles, applied to
@@ -488,17 +494,17 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     else:  # the tile after w0
         START: tl.constexpr = BLOCK_K
         part, t = _matvec_tile(x_ptr, w_ptr, rows, 0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               K < BLOCK_K, NORM, w0)
+                               K < BLOCK_K, NORM, w0, PAIR_FMA)
         acc += part
         ssq += t
     for k0 in tl.range(START, K_FULL, BLOCK_K, num_stages=STAGES):
         part, t = _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               False, NORM)
+                               False, NORM, None, PAIR_FMA)
         acc += part
         ssq += t
     if K_FULL < K and K_FULL >= START:
         part, t = _matvec_tile(x_ptr, w_ptr, rows, K_FULL, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               True, NORM)
+                               True, NORM, None, PAIR_FMA)
         acc += part
         ssq += t
     y = tl.sum(acc, axis=1)
@@ -513,7 +519,7 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
                   PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                  L2_PREFETCH: tl.constexpr = False):
+                  L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
     programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. PRELOAD: the first weight tile
@@ -522,7 +528,7 @@ def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: 
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
     _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -533,7 +539,7 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False,
                          PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                         L2_PREFETCH: tl.constexpr = False):
+                         L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
     the same split: each program computes BLOCK_N rows of both products, gate then up. (One K loop
     streaming both weights' tiles together was measured for q4 and lost: 27B q4 5.56 ms/token against
@@ -544,8 +550,8 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
     _l2_prefetch_rows(wg_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     _l2_prefetch_rows(wu_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
-    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, PAIR_FMA=PAIR_FMA)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
@@ -638,7 +644,7 @@ def _partials_rstd(ss_ptr, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.co
 def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.constexpr, K: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
                       PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                      L2_PREFETCH: tl.constexpr = False):
+                      L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """s = r + W @ x (matvec_kernel's product, the same split) and ss[program] = the sum of s^2 over
     the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read). PRELOAD as
     matvec_kernel's."""
@@ -646,7 +652,7 @@ def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.co
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
     _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     live = rows < N
@@ -660,7 +666,7 @@ def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.conste
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
                           BLOCK_P: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
                           PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                          L2_PREFETCH: tl.constexpr = False):
+                          L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
     (matvec_add_kernel's); matvec_kernel's split and PRELOAD."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -671,7 +677,7 @@ def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.conste
     if NORM == NORM_PARTIALS:
         rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM,
-                     w0)
+                     w0, PAIR_FMA)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -683,7 +689,7 @@ def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, e
                                  BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
                                  PDL: tl.constexpr = False,
                                  PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                                 L2_PREFETCH: tl.constexpr = False):
+                                 L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split and
     PRELOAD of matvec_swiglu_kernel."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -695,8 +701,8 @@ def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, e
     rstd = 1.0
     if NORM == NORM_PARTIALS:
         rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, w0)
-    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, w0, PAIR_FMA)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, None, PAIR_FMA)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
@@ -806,14 +812,24 @@ def _load_x(x_ptr, row, ks, K: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _fp_part(w, xv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+def _fp_part(w, xv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PAIR_FMA: tl.constexpr = False):
+    """Each CHUNK inputs' sum of w * x: [BLOCK_N, BLOCK_K / CHUNK] (w fp32 [BLOCK_N, BLOCK_K], xv [BLOCK_K]): the
+    one-row and the few-rows floating-point products alike. PAIR_FMA: the products of inputs 2i and 2i + 1 made as
+    fma(w1, x1, w0 * x0), then those summed: no product is left for the compiler to contract into a sum, so the two
+    kernels round a chunk alike whatever ptxas fuses (``matvec_rows.pair_fma``: speculative plans)."""
+    if PAIR_FMA:
+        tl.static_assert(CHUNK % 2 == 0)
+        w0, w1 = tl.split(tl.reshape(w, [BLOCK_N, BLOCK_K // 2, 2]))
+        x0, x1 = tl.split(tl.reshape(xv.to(tl.float32), [BLOCK_K // 2, 2]))
+        pairs = tl.fma(w1, x1[None, :], w0 * x0[None, :])
+        return tl.sum(tl.reshape(pairs, [BLOCK_N, BLOCK_K // CHUNK, CHUNK // 2]), axis=2)
     return tl.sum(tl.reshape(w * xv[None, :], [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), axis=2)
 
 
 @triton.jit
 def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr,
-               MASKED: tl.constexpr, xidx_ptr=None):
+               MASKED: tl.constexpr, xidx_ptr=None, PAIR_FMA: tl.constexpr = False):
     """The partial products of weight rows ``rows`` with inputs [k0, k0 + BLOCK_K) for x rows r0 ..
     r0 + R - 1 (clamped to M - 1): ``_matvec_tile``'s, four [BLOCK_N, BLOCK_K / CHUNK] (rows past R: 0).
     ``xidx_ptr``: the x rows are gathered, row r0 + i being x row xidx[r0 + i] (kernels/moe.py's grouped
@@ -879,20 +895,20 @@ def _rows_tile(x_ptr, w_ptr, rows, r0, k0, M: tl.constexpr, N: tl.constexpr, K: 
             p3 = tl.sum(tl.reshape(d3, [BLOCK_N, BLOCK_K // 32, 4]), axis=2) * scale
     else:
         w = _tile_weights(w_ptr, rows, k0, K, GROUP, BLOCK_K, MASKED).to(tl.float32)
-        p0 = _fp_part(w, x0, BLOCK_N, BLOCK_K, CHUNK)
+        p0 = _fp_part(w, x0, BLOCK_N, BLOCK_K, CHUNK, PAIR_FMA)
         if R > 1:
-            p1 = _fp_part(w, x1, BLOCK_N, BLOCK_K, CHUNK)
+            p1 = _fp_part(w, x1, BLOCK_N, BLOCK_K, CHUNK, PAIR_FMA)
         if R > 2:
-            p2 = _fp_part(w, x2, BLOCK_N, BLOCK_K, CHUNK)
+            p2 = _fp_part(w, x2, BLOCK_N, BLOCK_K, CHUNK, PAIR_FMA)
         if R > 3:
-            p3 = _fp_part(w, x3, BLOCK_N, BLOCK_K, CHUNK)
+            p3 = _fp_part(w, x3, BLOCK_N, BLOCK_K, CHUNK, PAIR_FMA)
     return p0, p1, p2, p3
 
 
 @triton.jit
 def _matvec_few_rows(x_ptr, w_ptr, rows, r0, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
-                     xidx_ptr=None):
+                     xidx_ptr=None, PAIR_FMA: tl.constexpr = False):
     """``_matvec_rows`` for x rows r0 .. r0 + R - 1 at once: four [BLOCK_N] (rows past R: 0); gathered
     through ``xidx_ptr`` when given (_rows_tile)."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
@@ -915,14 +931,14 @@ def _matvec_few_rows(x_ptr, w_ptr, rows, r0, M: tl.constexpr, N: tl.constexpr, K
     acc3 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], tl.float32)
     for k0 in tl.range(0, K_FULL, BLOCK_K, num_stages=STAGES):
         p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, k0, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, False,
-                                    xidx_ptr)
+                                    xidx_ptr, PAIR_FMA)
         acc0 += p0
         acc1 += p1
         acc2 += p2
         acc3 += p3
     if K_FULL < K:
         p0, p1, p2, p3 = _rows_tile(x_ptr, w_ptr, rows, r0, K_FULL, M, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK, R, True,
-                                    xidx_ptr)
+                                    xidx_ptr, PAIR_FMA)
         acc0 += p0
         acc1 += p1
         acc2 += p2
@@ -947,13 +963,14 @@ def _store_rows(y_ptr, y0, y1, y2, y3, rows, r0, M: tl.constexpr, N: tl.constexp
 @triton.jit
 def matvec_rows_kernel(x_ptr, w_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """Y [M, N] = X [M, K] W^T for a few rows (``matvec_rows_launch``), each row as matvec_kernel
     computes it. Grid [ceil(N / BLOCK_N), ceil(M / R)]."""
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r0 = tl.program_id(1) * R
-    y0, y1, y2, y3 = _matvec_few_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R)
+    y0, y1, y2, y3 = _matvec_few_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R,
+                                      PAIR_FMA=PAIR_FMA)
     _store_rows(y_ptr, y0, y1, y2, y3, rows, r0, M, N, R)
 
 
@@ -965,13 +982,15 @@ def _swiglu(g, u):
 @triton.jit
 def matvec_rows_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
     """Y = silu(X Wg^T) * (X Wu^T) for a few rows, matvec_swiglu_kernel's product row by row (gate,
     then up)."""
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     r0 = tl.program_id(1) * R
-    g0, g1, g2, g3 = _matvec_few_rows(x_ptr, wg_ptr, rows_in, r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R)
-    u0, u1, u2, u3 = _matvec_few_rows(x_ptr, wu_ptr, rows_in, r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R)
+    g0, g1, g2, g3 = _matvec_few_rows(x_ptr, wg_ptr, rows_in, r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R,
+                                      PAIR_FMA=PAIR_FMA)
+    u0, u1, u2, u3 = _matvec_few_rows(x_ptr, wu_ptr, rows_in, r0, M, N, K, GROUP, BLOCK_N, BLOCK_K, R,
+                                      PAIR_FMA=PAIR_FMA)
     _store_rows(y_ptr, _swiglu(g0, u0), _swiglu(g1, u1), _swiglu(g2, u2), _swiglu(g3, u3), rows, r0, M, N, R)

@@ -98,7 +98,11 @@ class MatvecRowsRule(Rule):
     #                             into adds (FMA); False: not, so the one-row kernel and the few-rows kernel sum
     #                             a chunk's products in one rounding order (with contraction the compiler picks
     #                             which product of a chunk stays unfused, and picked differently for the two at
-    #                             Qwen3-Next's router, bench/results/stop36 call 2; speculative plans)
+    #                             Qwen3-Next's router, bench/results/stop36 call 2; the verify's few-rows bf16
+    #                             products then ran 1.22x slower at 27B, stop 39 call 3)
+    pair_fma: bool = False      # floating-point matvecs (one row and few rows alike) make each pair of products as
+    #                             an explicit fma (kernels/matvec.py _fp_part): no product left for the compiler
+    #                             to contract, so both sum a chunk alike with contraction on (speculative plans)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -538,14 +542,15 @@ def exact_verify_rules(rows: int) -> str:
     twins of: the q4 products at one row on the verify's tensor-core kernel and split (q4_mma.one_row_as; q4_stream
     has no rows form), bf16 and small products on the few-rows matvec at the one-row split (bf16_mma.max_rows,
     matvec_rows.one_row_split) with the norms between them unfolded at one row as they are at the verify's rows
-    (matvec_rows.fold_one_row), the floating-point products of both without FMA contraction (matvec_rows.fp_fusion:
-    the compiler contracts a chunk's products differently in the two kernels at some shapes), attention rows in
+    (matvec_rows.fold_one_row), the floating-point products of both made as explicit FMA pairs (matvec_rows.pair_fma:
+    with the compiler's own contraction the two kernels sum a chunk differently at some shapes, stop 36; without
+    contraction the verify's bf16 products ran 1.22x slower at 27B, stop 39), attention rows in
     the one-token kernel's order (attn_rows.step_order_rows, which also gives the verify's key rows attn_step's
     warps), and no FMA contraction in the Gated DeltaNet and attention twins (fp_fusion). Its cost falls on the
     one-token step of such a plan (27B q4 5.9 against 5.2 ms); the iteration costs what it did (2.40 against 2.39
     ms/token projected at 2.5 accepted)."""
     return (f"q4_mma.one_row_as={rows} q4_stream.pair=False bf16_mma.max_rows=0 matvec_rows.one_row_split=True "
-            f"matvec_rows.fold_one_row=False matvec_rows.fp_fusion=False attn_rows.step_order_rows={rows} "
+            f"matvec_rows.fold_one_row=False matvec_rows.pair_fma=True attn_rows.step_order_rows={rows} "
             f"gdn_delta.fp_fusion=False attention.fp_fusion=False")
 
 

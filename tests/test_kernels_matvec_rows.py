@@ -153,3 +153,80 @@ def test_matvec_rows_compiles_for_every_target(target):
         ck = compile_kernel("matvec_rows", jit, types, c["constexprs"], c["num_warps"], t.cc, [True] * len(types))
         assert ck.cubin[:4] == b"\x7fELF" and ck.num_warps == c["num_warps"]
         assert ck.shared <= 99 * 1024
+
+
+@pytest.mark.parametrize("kind,m,n,k,override", [CASES[0], CASES[1], CASES[2]])
+def test_pair_fma_rows_equal_the_one_row_kernel(kind, m, n, k, override):
+    """``matvec_rows.pair_fma`` (speculative plans): the floating-point products as explicit FMA pairs in both the
+    one-row and the few-rows kernel: each row of the few-rows kernel equals the one-row kernel's bit for bit at the
+    same split (interpreter), and the product stays within the tolerance of ``matvec_ref``."""
+    from kestrel.kernels.matvec import matvec_kernel
+
+    g = torch.Generator().manual_seed(m * 17 + n + k)
+    warg, wref, group = make_weight(kind, n, k, g)
+    x = torch.randn(m, k, generator=g)
+    grid, c = _launch(m, n, k, group, override)
+    c["PAIR_FMA"] = True
+    y = torch.full((m, n), float("nan"))
+    interpret(matvec_rows_kernel)[grid](x, warg, y, **c)
+    assert_close(y, matvec_ref(x, wref), RTOL, 0.0, f"pair-FMA rows {kind} {m}x{n}x{k}")
+    one = {key: c[key] for key in ("N", "K", "GROUP", "BLOCK_N", "BLOCK_K")}
+    for r in range(m):
+        y1 = torch.full((n,), float("nan"))
+        interpret(matvec_kernel)[(grid[0],)](x[r].clone(), warg, y1, **one, PAIR_FMA=True)
+        assert torch.equal(y1, y[r]), f"row {r}"
+
+
+_PAIR_FMA_PTX = """
+import dataclasses, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from kestrel.kernels.matvec import matvec_kernel, matvec_launch, matvec_rows_kernel, matvec_rows_launch
+from kestrel.kernels.targets import TARGETS
+
+t = TARGETS["sm_90"]
+exact = dataclasses.replace(t, rules={**t.rules, "matvec_rows": dataclasses.replace(
+    t.rules["matvec_rows"], pair_fma=True, one_row_split=True)})
+
+
+def counts(fn, launch):
+    consts = dict(launch["constexprs"], PDL=True)
+    names = [a for a in fn.arg_names if a not in consts]
+    sig = dict(zip(names, ["*fp32", "*bf16", "*fp32"])) | {key: "constexpr" for key in consts}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(consts),
+                                    attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})  # as compile_kernel
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": launch["num_warps"], "enable_fp_fusion": True}).asm["ptx"]
+    return len(re.findall(r"\\bfma\\.rn\\.f32", ptx)), len(re.findall(r"\\bmul(?:\\.rn)?\\.f32", ptx))
+
+
+out = {}
+for n, k in [(512, 2048), (5120, 6144)]:
+    one, rows = matvec_launch(n, k, 0, exact), matvec_rows_launch(4, n, k, 0, exact)
+    assert one["constexprs"]["PAIR_FMA"] and rows["constexprs"]["PAIR_FMA"] and "fp_fusion" not in rows
+    out[f"{n}x{k}"] = {"one": counts(matvec_kernel, one), "rows": counts(matvec_rows_kernel, rows),
+                       "plain": counts(matvec_kernel, matvec_launch(n, k, 0, t))}
+print(json.dumps(out))
+"""
+
+
+def test_pair_fma_leaves_no_product_to_contract():
+    """Compiled for sm_90 with FMA contraction on (a clean process: the suite runs Triton interpreted), the one-row
+    and few-rows bf16 kernels under PAIR_FMA make every pair of products as one mul and one fma (as many of each:
+    no product left for the compiler to fuse, so the two kernels sum a chunk alike), at Qwen3-Next's router [512,
+    2048] (where contraction made the two differ, stop 36) and a 27B projection; without it the compiler contracts
+    most products."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _PAIR_FMA_PTX], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for shape, c in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        for kernel in ("one", "rows"):
+            fma, mul = c[kernel]
+            assert fma == mul > 0, (shape, kernel, fma, mul)
+        fma, mul = c["plain"]
+        assert fma > 2 * mul, (shape, fma, mul)  # the plain rule: contracted

@@ -288,10 +288,13 @@ def test_sm90_speculative_plan_is_built_with_the_exact_verify_rules(tmp_path):
     assert "matmul_add" in plain and "rmsnorm_matmul_swiglu" in plain
     assert not {"matmul_add", "rmsnorm_matmul", "rmsnorm_matmul_swiglu"} & set(spec)
     assert spec.count("add_rmsnorm") == plain.count("matmul_add") + plain.count("add_rmsnorm")
-    # and its bf16 products, one row and few rows, without FMA contraction (matvec_rows.fp_fusion)
-    off = [k["id"] for k in load_plan(str(tmp_path / "sb.plan")).launch_plan["kernels"] if k.get("fp_fusion") is False]
-    assert {"matvec_bf16", "matvec_rows_bf16"} <= set(off), off
-    assert not any("fp_fusion" in k for k in load_plan(str(tmp_path / "pb.plan")).launch_plan["kernels"])
+    # and its bf16 products, one row and few rows, as explicit FMA pairs (matvec_rows.pair_fma), contraction left on
+    ks = load_plan(str(tmp_path / "sb.plan")).launch_plan["kernels"]
+    pair = {k["id"] for k in ks if k["constexprs"].get("PAIR_FMA")}
+    assert {"matvec_bf16", "matvec_rows_bf16"} <= pair, pair
+    assert not any(k.get("fp_fusion") is False for k in ks if k["id"].startswith("matvec")), ks
+    plain_ks = load_plan(str(tmp_path / "pb.plan")).launch_plan["kernels"]
+    assert not any("fp_fusion" in k or "PAIR_FMA" in k["constexprs"] for k in plain_ks)
 
 
 def test_sm90_speculative_qwen3_next_step_runs_the_verify_rows_moe_chains(tmp_path):
