@@ -20,6 +20,12 @@
 #           where contraction made them differ, stop 36) and of 27B bf16; tiny-mtp q4 under compute-sanitizer
 #           (bash bench/build_stop_plans.sh 27b-bf16-spec3 27b-bf16-spec3-base 27b-q4-spec3 0.8b-bf16-spec3
 #            next4-q4-spec3 next4-bf16-spec3 27b4-bf16-spec3 tiny-mtp-q4-spec3)
+#   more    (call 5) the early triggers for bf16 at 2B and 4B (plans that changed with call 1's default, A B B A
+#           against -q4early); greedy speculative == plain over 3 prompts x 256 tokens (bench/device_spec_exactness.py)
+#           on 27B bf16 and 0.8B bf16 K = 3; 80B-A3B q4 K = 3 against -base (A B: gdn_commit, pair_fma at the
+#           router), bench/device_spec.py
+#           (bash bench/build_stop_plans.sh 2b-bf16 2b-bf16-q4early 4b-bf16 4b-bf16-q4early 27b-bf16-spec3
+#            0.8b-bf16-spec3 next80-q4-spec3 next80-q4-spec3-base)
 # There: run(carry=["bench/plans"]): bash bench/device_stop39.sh $OUT PART
 set -u
 out=$1
@@ -60,4 +66,15 @@ case $2 in
       n=$((n + 1)); spec $n $p
     done
     sanitize ;;
+  more)
+    STEP_TIMEOUT=150 PAIRS="qwen3.5-2b-sm90-bf16-q4early:qwen3.5-2b-sm90-bf16 qwen3.5-4b-sm90-bf16-q4early:qwen3.5-4b-sm90-bf16" \
+      bash bench/device_preload_ab.sh "$out"
+    timeout 200 python3 bench/device_spec_exactness.py "$out/spec-exact.json" bench/plans/qwen3.5-27b-sm90-bf16-spec3.plan \
+      bench/plans/qwen3.5-0.8b-sm90-bf16-spec3.plan > "$out/spec-exact.txt" 2>&1
+    echo "exactness: exit $?"; tail -4 "$out/spec-exact.txt"
+    n=0
+    for p in qwen3-next-80b-a3b-sm90-q4-spec3-base qwen3-next-80b-a3b-sm90-q4-spec3; do
+      n=$((n + 1)); spec $n $p
+    done
+    (cd "$out" && tar cf spec.tar spec-[0-9]*.json spec-[0-9]*.txt && rm -f spec-[0-9]*.json spec-[0-9]*.txt) ;;
 esac
