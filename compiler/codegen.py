@@ -292,7 +292,8 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
     bytes (``PDL_LATE`` true; q4 only with ``pdl_early_q4_only``) that comes right before an op of the matvec rule's
     ``pdl_early_before`` kinds triggers at its start instead (its late variant is then its launch rule's own form):
     on the H200 the 27B q4 step 5.078 -> 5.004 ms/token with its in_proj and attention projections so
-    (bench/results/stop38 call 10), 27B bf16 13.167 -> 13.116 and 9B bf16 4.357 -> 4.315 (stop 39 call 1)."""
+    (bench/results/stop38 call 10); bf16 ones too only when asked (27B, 9B, 4B bf16 0.2-1% faster so, 2B 2.4% slower:
+    bench/results/stop39 calls 1, 5)."""
     cc = TARGETS[target].cc
     table, index, of_launch, cubins = [], {}, [], {}
 

@@ -71,8 +71,9 @@ class MatvecRule(Rule):
     #                               waiting cheaply: attention, the Gated DeltaNet step, which loads its state before
     #                               its wait): the trigger at the start (compiler/codegen.py; the late form is then
     #                               that launch's late variant). 27B q4 5.078 -> 5.004 ms/token (stop 38 call 10)
-    pdl_early_q4_only: bool = False  # True: q4 ones only (bf16 too since stop 39 call 1: 27B bf16 13.167 -> 13.116,
-    #                                  9B bf16 4.357 -> 4.315 ms/token, A B B A)
+    pdl_early_q4_only: bool = True  # ... q4 ones only: for bf16 too, A B B A (stop 39 calls 1, 5), 27B bf16 13.167 ->
+    #                                 13.116, 9B 4.357 -> 4.315, 4B 2.761 -> 2.755 ms/token, but 2B 1.289 -> 1.320
+    #                                 (the load-time trial then kept the all-late graph, slower over a request)
     preload_bytes: int = 32 << 20  # PRELOAD (the first weight tile loaded before the PDL wait): bf16 / f32 matrices
                                    # of fewer bytes than this (0: none); never q4 (stop 29 call 3)
     #                                 from this many weight bytes
