@@ -21,6 +21,7 @@
 #     -bf16-early: matvec.pdl_early_q4_only=False)
 #     27b-q4-spec3-base 27b-bf16-spec3-base 0.8b-bf16-spec3-base next80-q4-spec3-base (built by commit b431fa0's compiler, the verify's
 #     per-row snapshots and gdn_rollback before stop 39's gdn_commit: git worktree add /tmp/base b431fa0)
+#     27b-q4-spec3-cBxWxS (gdn_delta.commit_block / _warps / _stages = B, W, S)
 #     2b-bf16-q4early 4b-bf16-q4early (matvec.pdl_early_q4_only=True: bf16 matvecs late as before stop 39)
 #     (any subset)
 set -eu
@@ -126,6 +127,8 @@ for p in "$@"; do
     next80-q4-spec3-base) rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
       for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
       (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o "$OLDPWD/bench/plans/qwen3-next-80b-a3b-sm90-q4-spec3-base.plan") ;;
+    27b-q4-spec3-c*) v=${p#27b-q4-spec3-c}; b=${v%%x*}; v=${v#*x}; w=${v%%x*}; st=${v#*x}  # gdn_commit BLOCKxWARPSxSTAGES
+      python3 bench/build_variant.py gdn_delta.commit_block=$b gdn_delta.commit_warps=$w gdn_delta.commit_stages=$st -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-c$b"x"$w"x"$st.plan ;;
     2b-bf16-q4early|4b-bf16-q4early) m=qwen3.5-${p%%-*}  # the early PDL triggers for q4 matvecs only (before stop 39)
       python3 bench/build_variant.py matvec.pdl_early_q4_only=True -- $m $R --quant bf16 --max-seq 4096 -o bench/plans/$m-sm90-bf16-q4early.plan ;;
     27b-q4-early|27b-bf16-early|9b-bf16-early) m=qwen3.5-${p%%-*}; q=${p#*-}; q=${q%-early}  # matvec.pdl_early_before, bf16 too

@@ -26,6 +26,9 @@
 #           router), bench/device_spec.py
 #           (bash bench/build_stop_plans.sh 2b-bf16 2b-bf16-q4early 4b-bf16 4b-bf16-q4early 27b-bf16-spec3
 #            0.8b-bf16-spec3 next80-q4-spec3 next80-q4-spec3-base)
+#   csweep  (call 6) gdn_commit's shape (48 launches 0.38-0.46 ms kernel by kernel at 27B, call 3): BLOCK x warps x
+#           pipeline stages 2048x4x0 (the rule) / 2048x4x1 / 8192x8x0 / 8192x8x1, 27B q4 K = 3, A B C D A
+#           (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-c2048x4x1 27b-q4-spec3-c8192x8x0 27b-q4-spec3-c8192x8x1)
 # There: run(carry=["bench/plans"]): bash bench/device_stop39.sh $OUT PART
 set -u
 out=$1
@@ -74,6 +77,13 @@ case $2 in
     echo "exactness: exit $?"; tail -4 "$out/spec-exact.txt"
     n=0
     for p in qwen3-next-80b-a3b-sm90-q4-spec3-base qwen3-next-80b-a3b-sm90-q4-spec3; do
+      n=$((n + 1)); spec $n $p
+    done
+    (cd "$out" && tar cf spec.tar spec-[0-9]*.json spec-[0-9]*.txt && rm -f spec-[0-9]*.json spec-[0-9]*.txt) ;;
+  csweep)
+    n=0
+    for p in qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-c2048x4x1 qwen3.5-27b-sm90-q4-spec3-c8192x8x0 \
+             qwen3.5-27b-sm90-q4-spec3-c8192x8x1 qwen3.5-27b-sm90-q4-spec3; do
       n=$((n + 1)); spec $n $p
     done
     (cd "$out" && tar cf spec.tar spec-[0-9]*.json spec-[0-9]*.txt && rm -f spec-[0-9]*.json spec-[0-9]*.txt) ;;

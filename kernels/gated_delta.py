@@ -928,21 +928,23 @@ def _gdn_rows_norm(o_raw_ptr, x_ptr, norm_w_ptr, conv_state_ptr, pos_ptr, n_prom
 
 def gdn_commit_launch(hk: int, hv: int, dk: int, dv: int, channels: int, kc: int, rows: int, target) -> dict:
     """``gdn_commit_kernel``: grid [cdiv(max(Hv*Dk*Dv, C*(KC-1)), BLOCK), 2]: axis 1 picks the recurrent state (0,
-    BLOCK elements of it a program) or the conv windows (1); BLOCK and warps from ``target.rules["speculative"]``
+    BLOCK elements of it a program) or the conv windows (1); BLOCK, warps and the row loop's pipeline STAGES from
+    ``target.rules["gdn_delta"]`` (commit_*)
     (a streaming copy's shape: the update has no reduction, so its layout does not change its bits), FMA
     contraction as ``gdn_delta``'s (``target.rules["gdn_delta"].fp_fusion``: the update's arithmetic is the
     verify's)."""
-    r = target.rules["speculative"]
+    r = target.rules["gdn_delta"]
     n_rec, n_conv = hv * dk * dv, channels * (kc - 1)
-    return {"grid": [-(-max(n_rec, n_conv) // r.block), 2, 1], "num_warps": r.num_warps,
-            **fp_fusion(target.rules["gdn_delta"].fp_fusion),
-            "constexprs": {"M": rows, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "N_CONV": n_conv, "BLOCK": r.block}}
+    return {"grid": [-(-max(n_rec, n_conv) // r.commit_block), 2, 1], "num_warps": r.commit_warps,
+            **fp_fusion(r.fp_fusion),
+            "constexprs": {"M": rows, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "N_CONV": n_conv,
+                           "BLOCK": r.commit_block, "STAGES": r.commit_stages}}
 
 
 @triton.jit
 def gdn_commit_kernel(rec_state_ptr, rec_rows_ptr, conv_state_ptr, conv_snap_ptr, pos_ptr, npos_ptr,
                       M: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      N_CONV: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                      N_CONV: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """``gdn_commit_ref``: with kept = npos - pos of the M verified rows accepted, program (p, 0) advances elements
     p * BLOCK .. + BLOCK of the flattened recurrent state [HV, DK, DV] by the updates of rows 0 .. kept - 1 in
     rec_rows (S = S * decay, then S + k * delta: the verify's two statements on the same values, so the same
@@ -961,7 +963,7 @@ def gdn_commit_kernel(rec_state_ptr, rec_rows_ptr, conv_state_ptr, conv_snap_ptr
         kk = (offs // DV) % DK
         col = offs % DV
         s = tl.load(rec_state_ptr + offs, mask=m, other=0.0)
-        for r in range(0, n):
+        for r in tl.range(0, n, num_stages=STAGES if STAGES > 0 else None):
             upd = rec_rows_ptr + r * (HV + QKD + HV * DV)
             decay = tl.load(upd + j, mask=m, other=0.0)
             k = tl.load(upd + HV + (j // R) * DK + kk, mask=m, other=0.0)

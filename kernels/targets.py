@@ -165,6 +165,9 @@ class GdnDeltaRule(Rule):
     #                             speculative verify's rows kernel (gdn_rows_delta_snap) alike: False compiles both
     #                             without, so that a verified row is the one-token step's bit for bit (where ptxas
     #                             contracts depends on the code around a product: one pair differed; stop 34)
+    commit_block: int = 2048    # gdn_commit (the speculative iteration's state advance): state elements a program,
+    commit_warps: int = 4       # ... its warps, and the software-pipeline stages of its loop over the kept rows
+    commit_stages: int = 0      #     (0: Triton's default)
 
 
 @dataclass(frozen=True, kw_only=True)
