@@ -167,7 +167,7 @@ class GdnDeltaRule(Rule):
     #                             contracts depends on the code around a product: one pair differed; stop 34)
     commit_block: int = 2048    # gdn_commit (the speculative iteration's state advance): state elements a program,
     commit_warps: int = 4       # ... its warps, and the software-pipeline stages of its loop over the kept rows
-    commit_stages: int = 0      #     (0: Triton's default)
+    commit_stages: int = 0      #     (0: Triton's default; 8192 x 8 and 1 stage no faster, stop 39 call 6)
 
 
 @dataclass(frozen=True, kw_only=True)
