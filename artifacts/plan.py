@@ -39,7 +39,10 @@ from kestrel.artifacts.errors import ArtifactError
 FORMAT = "kestrel.plan"
 # 2: the step feeds itself from a device token sequence (state "tokens", dyn n_prompt)
 # 3: the launch plan carries everything the runtime needs (regions, weights, outputs, tokens, fill, step bytes)
-FORMAT_VERSION = 4
+# 4: sampling in one many-program launch (top-k / min-p)
+# 5: the speculative verify keeps each row's Gated DeltaNet update (recurrent_rows) and gdn_commit applies the kept
+#    ones, where gdn_rows_snap kept state snapshots and gdn_rollback copied one back (stop 39)
+FORMAT_VERSION = 5
 PROGRAM_PART = "__kestrel__/program"
 TOKENIZER_PART = "__kestrel__/tokenizer"
 LAUNCH_PLAN_PART = "__kestrel__/launch_plan"
