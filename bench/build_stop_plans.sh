@@ -20,7 +20,8 @@
 #     (gdn_rows.snap_norm_block_m = N) 27b-q4-early 27b-bf16-early 9b-bf16-early 27b-q4-earlyattn (matvec.pdl_early_before;
 #     -bf16-early: matvec.pdl_early_q4_only=False)
 #     27b-q4-spec3-base 27b-bf16-spec3-base 0.8b-bf16-spec3-base next80-q4-spec3-base (built by commit b431fa0's compiler, the verify's
-#     per-row snapshots and gdn_rollback before stop 39's gdn_commit: git worktree add /tmp/base b431fa0)
+#     per-row snapshots and gdn_rollback before stop 39's gdn_commit: git worktree add /tmp/base b431fa0; plan format
+#     4, which the runtime since the format-5 commit refuses: stop 39's calls 2-5 ran before it)
 #     27b-q4-spec3-cBxWxS (gdn_delta.commit_block / _warps / _stages = B, W, S)
 #     2b-bf16-q4early 4b-bf16-q4early (matvec.pdl_early_q4_only=True: bf16 matvecs late as before stop 39)
 #     (any subset)
