@@ -29,6 +29,8 @@
 #   csweep  (call 6) gdn_commit's shape (48 launches 0.38-0.46 ms kernel by kernel at 27B, call 3): BLOCK x warps x
 #           pipeline stages 2048x4x0 (the rule) / 2048x4x1 / 8192x8x0 / 8192x8x1, 27B q4 K = 3, A B C D A
 #           (bash bench/build_stop_plans.sh 27b-q4-spec3 27b-q4-spec3-c2048x4x1 27b-q4-spec3-c8192x8x0 27b-q4-spec3-c8192x8x1)
+#   cprobe  (call 7) bench/commit_probe.py: gdn_commit alone at the 27B shape (48 layers in a CUDA graph) against a
+#           copy, an in-place scale and a per-program-row form (no plans)
 # There: run(carry=["bench/plans"]): bash bench/device_stop39.sh $OUT PART
 set -u
 out=$1
@@ -80,6 +82,8 @@ case $2 in
       n=$((n + 1)); spec $n $p
     done
     (cd "$out" && tar cf spec.tar spec-[0-9]*.json spec-[0-9]*.txt && rm -f spec-[0-9]*.json spec-[0-9]*.txt) ;;
+  cprobe)
+    timeout 300 python3 bench/commit_probe.py "$out/commit-probe.json" 2>&1 | tail -20 ;;
   csweep)
     n=0
     for p in qwen3.5-27b-sm90-q4-spec3 qwen3.5-27b-sm90-q4-spec3-c2048x4x1 qwen3.5-27b-sm90-q4-spec3-c8192x8x0 \
