@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graph_timing import replay_times_us
 from kestrel.kernels.gated_delta import gdn_commit_kernel, gdn_commit_launch, update_row_width
 from kestrel.kernels.targets import TARGETS
 
@@ -74,14 +75,7 @@ def graph_us(launch, reps: int = 20) -> float:
     with torch.cuda.graph(g, stream=s):
         for i in range(LAYERS):
             launch(i)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / LAYERS)
+    times = replay_times_us(g, reps, LAYERS)
     return sorted(times)[len(times) // 2]
 
 

@@ -12,16 +12,8 @@ import torch
 from kestrel.runtime import cuda as kc
 
 
-def launch_times_us(kernel, grid, packed_sets: list, replays: int, launches: int = 64) -> list[float]:
-    reps = max(1, launches // len(packed_sets))
-    stream = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(reps):
-            for args in packed_sets:
-                kc.launch(kernel, grid, args, stream.cuda_stream)
-    n = reps * len(packed_sets)
+def replay_times_us(g: torch.cuda.CUDAGraph, replays: int, n: int) -> list[float]:
+    """Each of ``replays`` replays of the captured graph ``g`` timed with events, divided by its ``n`` launches."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -31,6 +23,18 @@ def launch_times_us(kernel, grid, packed_sets: list, replays: int, launches: int
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / n)
     return times
+
+
+def launch_times_us(kernel, grid, packed_sets: list, replays: int, launches: int = 64) -> list[float]:
+    reps = max(1, launches // len(packed_sets))
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(reps):
+            for args in packed_sets:
+                kc.launch(kernel, grid, args, stream.cuda_stream)
+    return replay_times_us(g, replays, reps * len(packed_sets))
 
 
 def chain_times_us(kernel, grid, packed_sets: list, replays: int, launches: int = 64, pdl: bool = True) -> list[float]:
