@@ -52,6 +52,11 @@ small2b4() {  # 4 layers of the 2B shape (hidden 2048: the normed q4 products' s
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-2b']); c['num_hidden_layers'] = 4; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
+base_build() {  # kestrelc build ARGS... by the compiler of the worktree at /tmp/base (the -base plans)
+  rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
+  for s in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$s /tmp/basepkg/kestrel/$s; done
+  (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build "$@")
+}
 for p in "$@"; do
   case $p in
     next4-bf16) kestrelc build "$(next4)" $R --quant bf16 -o bench/plans/qwen3-next-4l-sm90-bf16.plan ;;
@@ -107,27 +112,19 @@ for p in "$@"; do
         next4-q4-spec3*) m=$(next4); x="--speculative mtp --draft-tokens 3"; o=qwen3-next-4l-sm90-q4-spec3;;
         *) m=$(next4); x=""; o=qwen3-next-4l-sm90-q4;; esac
       python3 bench/build_variant.py "moe.down_gather=($bn,$nw)" -- "$m" $R --quant q4 $x -o bench/plans/$o-g$g.plan ;;
-    next4-q4-base) rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel; d=$(next4)
-      for s in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$s /tmp/basepkg/kestrel/$s; done
-      (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build "$d" $R --quant q4 -o "$OLDPWD/bench/plans/qwen3-next-4l-sm90-q4-base.plan") ;;
+    next4-q4-base) base_build "$(next4)" $R --quant q4 -o "$PWD/bench/plans/qwen3-next-4l-sm90-q4-base.plan" ;;
     0.8b-q4-attnold|0.8b-bf16-attnold) q=${p#0.8b-}; q=${q%-attnold}
       python3 bench/build_variant.py attention.narrow_queries=False -- qwen3.5-0.8b $R --quant $q -o bench/plans/qwen3.5-0.8b-sm90-$q-attnold.plan ;;
     27b-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False -- qwen3.5-27b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-q4-attnold.plan ;;
     next80-q4-attnold) python3 bench/build_variant.py attention.narrow_queries=False -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-attnold.plan ;;
     0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
       x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
-      rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
-      for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
-      (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build $m $R --quant $q --max-seq 4096 $x -o "$OLDPWD/bench/plans/$m-sm90-$q-base.plan") ;;
+      base_build $m $R --quant $q --max-seq 4096 $x -o "$PWD/bench/plans/$m-sm90-$q-base.plan" ;;
     small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
     27b-q4-spec3-base|27b-bf16-spec3-base|0.8b-bf16-spec3-base) m=qwen3.5-${p%%-*}; q=${p#*-}; q=${q%%-*}
       x="--max-seq 4096 --speculative mtp --draft-tokens 3"; [ $p = 27b-bf16-spec3-base ] && x="$x --draft-quant q4"
-      rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
-      for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
-      (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build $m $R --quant $q $x -o "$OLDPWD/bench/plans/$m-sm90-$q-spec3-base.plan") ;;
-    next80-q4-spec3-base) rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
-      for d in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$d /tmp/basepkg/kestrel/$d; done
-      (cd /tmp/base && PYTHONPATH=/tmp/basepkg python3 -m kestrel.compiler.cli build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o "$OLDPWD/bench/plans/qwen3-next-80b-a3b-sm90-q4-spec3-base.plan") ;;
+      base_build $m $R --quant $q $x -o "$PWD/bench/plans/$m-sm90-$q-spec3-base.plan" ;;
+    next80-q4-spec3-base) base_build qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o "$PWD/bench/plans/qwen3-next-80b-a3b-sm90-q4-spec3-base.plan" ;;
     27b-q4-spec3-c*) v=${p#27b-q4-spec3-c}; b=${v%%x*}; v=${v#*x}; w=${v%%x*}; st=${v#*x}  # gdn_commit BLOCKxWARPSxSTAGES
       python3 bench/build_variant.py gdn_delta.commit_block=$b gdn_delta.commit_warps=$w gdn_delta.commit_stages=$st -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-c$b"x"$w"x"$st.plan ;;
     2b-bf16-q4early|4b-bf16-q4early) m=qwen3.5-${p%%-*}  # the early PDL triggers for q4 matvecs only (before stop 39)

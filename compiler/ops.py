@@ -532,7 +532,7 @@ def _snap_shapes(rows: int, rec, conv_state, rec_rows=None, conv_snap=None, hk: 
     if rec_rows is not None:
         hv, dk, dv = _t(rec).shape
         n = _t(rec_rows).shape
-        keys = (n[-1] - hv - hv * dv) // dk if len(n) == 2 else 0
+        keys = gated_delta.update_row_keys(n[-1], hv, dk, dv) if len(n) == 2 else 0
         _need(_t(rec_rows).dtype == "f32" and len(n) == 2 and n[0] == rows and keys > 0 and hv % keys == 0
               and n[1] == gated_delta.update_row_width(keys, hv, dk, dv) and (hk is None or keys == hk),
               f"the verify's row updates must be f32[{rows}, Hv + Hk * Dk + Hv * Dv] (Hv, Dk, Dv = {hv}, {dk}, {dv}"
@@ -1009,7 +1009,8 @@ def _gdn_commit(op: Op, t: Target) -> dict:
     c, kc1 = conv_state.type.shape
     rows, width = rec_rows.type.shape
     return {"kernel": "gdn_commit",
-            **gated_delta.gdn_commit_launch((width - hv - hv * dv) // dk, hv, dk, dv, c, kc1 + 1, rows, t)}
+            **gated_delta.gdn_commit_launch(gated_delta.update_row_keys(width, hv, dk, dv), hv, dk, dv, c, kc1 + 1,
+                                            rows, t)}
 
 
 # --- ONNX lowerings: each emits what the op's reference computes (primitives: onnx_export._Exporter) ---

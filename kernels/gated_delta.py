@@ -90,6 +90,11 @@ def update_row_width(hk: int, hv: int, dk: int, dv: int) -> int:
     return hv + hk * dk + hv * dv
 
 
+def update_row_keys(width: int, hv: int, dk: int, dv: int) -> int:
+    """The key heads Hk of a row update of ``width`` values (``update_row_width``'s inverse)."""
+    return (width - hv - hv * dv) // dk
+
+
 def _add_update(s: torch.Tensor, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """The decayed state s plus k (outer) delta per value head (k [Hv, Dk], repeated over the value heads)."""
     return s + k[:, :, None] * delta[:, None, :]
@@ -231,7 +236,7 @@ def gdn_commit_ref(rec_state, rec_rows, conv_state, conv_snap, pos: int, npos: i
     the state is the one after those tokens bit for bit); the conv window goes back to snapshot kept - 1 unless
     all M rows were kept (it already stands after them)."""
     hv, dk, dv = rec_state.shape
-    hk = (rec_rows.shape[1] - hv - hv * dv) // dk
+    hk = update_row_keys(rec_rows.shape[1], hv, dk, dv)
     kept = npos - pos
     for r in range(max(0, min(kept, rec_rows.shape[0]))):
         row = rec_rows[r]
