@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Stop 40's device calls (each under the 10-minute limit); plans from bench/build_stop_plans.sh as each part says.
+#   route   the router's top-k folded into the normed gate / up kernel (passes/fold_routing.py) against its own
+#           launch (moe.route_in_gate_up=False): 80B-A3B q4 A B B A (kestrel-run --bench), its --profile; 4 layers of
+#           the 80B-A3B shape against the CPU reference (graph == streaming, dump bytes) and under compute-sanitizer
+#           (bash bench/build_stop_plans.sh next80-q4 next80-q4-noroute next4-q4)
+#   models  every plan at this stop's rules, A B ... ... B A (kestrel-run --bench, greedy; the JSON has the sampled
+#           figure too), each plan's --profile; llama.cpp 0.8B bf16 / Q4_0 and 2B Q4_0 in the same call (carry .peers)
+#           (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 next80-q4)
+#   next    llama.cpp on the whole 80B-A3B shape (Q4_0, bench/llamacpp_next.sh) and Kestrel's 80B-A3B q4 in the same
+#           call (carry .peers; bash bench/build_stop_plans.sh next80-q4)
+# There: run(carry=["bench/plans", ".peers"]): bash bench/device_stop40.sh $OUT PART
+set -u
+out=$1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+profile() {  # PLAN: kestrel-run --profile, the in-graph table printed
+  timeout 150 kestrel-run "bench/plans/$1.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$1.json" \
+    > "$out/profile-$1.txt" 2>&1; echo "$1: exit $?"; grep -A22 "^in the graph" "$out/profile-$1.txt" | head -24
+  grep "^\[gpu\]" "$out/profile-$1.txt" | head -1
+}
+case $2 in
+  route)
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=150 PAIRS="qwen3-next-80b-a3b-sm90-q4-noroute:qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out"
+    profile qwen3-next-80b-a3b-sm90-q4
+    STEP_TIMEOUT=200 SANITIZE="qwen3-next-4l-sm90-q4" E2E="qwen3-next-4l-sm90-q4" bash bench/device_preload_ab.sh "$out/e2e" ;;
+  models)
+    here=../shared/peers/llamacpp; [ -f "$here/device.sh" ] || here=.peers/llamacpp-scripts
+    nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz /tmp/peer > /tmp/llamacpp-build.txt 2>&1 &
+    build=$!
+    STEP_TIMEOUT=120 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out"
+    wait $build; tail -2 /tmp/llamacpp-build.txt
+    PP=512 TG=128 REPS=3 timeout 200 bash "$here/device.sh" .peers/llamacpp.tar.xz "$out" qwen3.5-0.8b:bf16 qwen3.5-0.8b:q4_0 \
+      qwen3.5-2b:q4_0
+    for p in qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-27b-sm90-q4; do profile $p; done ;;
+  next)
+    PP=512 TG=128 REPS=3 CLEAN=1 timeout 480 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3-next-80b-a3b
+    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
+  *) echo "unknown part $2"; exit 2 ;;
+esac
