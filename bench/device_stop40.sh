@@ -3,7 +3,8 @@
 #   route   the router's top-k folded into the normed gate / up kernel (passes/fold_routing.py) against its own
 #           launch (moe.route_in_gate_up=False): 80B-A3B q4 A B B A (kestrel-run --bench), its --profile; 4 layers of
 #           the 80B-A3B shape against the CPU reference (graph == streaming, dump bytes) and under compute-sanitizer
-#           (bash bench/build_stop_plans.sh next80-q4 next80-q4-noroute next4-q4)
+#           (bash bench/build_stop_plans.sh next80-q4 next80-q4-noroute next4-q4, at commit 5cfc1de: the fold was
+#            removed after call 1, and with it the rule and the -noroute plans)
 #   models  every plan at this stop's rules, A B ... ... B A (kestrel-run --bench, greedy; the JSON has the sampled
 #           figure too), each plan's --profile; llama.cpp 0.8B bf16 / Q4_0 and 2B Q4_0 in the same call (carry .peers)
 #           (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 next80-q4)

@@ -90,10 +90,9 @@ def _layer_of(op) -> int | None:
 
 
 # the MoE expert kernels: (the operand whose leading dimensions count the (row, expert) pairs a launch routes:
-# its ids [k] / [M, k], or the grouped kernels' sorted pairs [P, ..], how many of them (None: the op's top_k
-# attribute, one row), the operands that are stacked per-expert matrices [E * rows, cols], kernels/moe.py)
+# its ids [k] / [M, k], or the grouped kernels' sorted pairs [P, ..], how many of them, the operands that are
+# stacked per-expert matrices [E * rows, cols], kernels/moe.py)
 STACKED_EXPERTS = {"moe_gate_up": (1, 2, (2, 3)), "moe_down": (1, 2, (3,)), "rmsnorm_moe_gate_up": (3, 2, (4, 5)),
-                   "rmsnorm_moe_topk_gate_up": (None, None, (4, 5)),
                    "moe_down_add": (1, 2, (3,)), "moe_gate_up_grouped": (1, 1, (3, 4)), "moe_down_grouped": (0, 1, (2,))}
 
 
@@ -121,7 +120,7 @@ def _launch_bytes(op, counted: dict) -> dict:
             want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
         elif i in STACKED_EXPERTS.get(op.kind, (0, 0, ()))[2]:  # the routed experts' slices only: top_k of E a row
             at, dims, _ = STACKED_EXPERTS[op.kind]
-            pairs = op.attrs["top_k"] if at is None else math.prod(op.ins[at].type.shape[:dims])
+            pairs = math.prod(op.ins[at].type.shape[:dims])
             # moe_down: the stacked down is [E * H, I], the shared down (operand 4) [H, S]
             experts = op.attrs["experts"] if "experts" in op.attrs else x.type.shape[0] // op.ins[4].type.shape[0]
             want = x.type.nbytes // experts * min(experts, pairs)

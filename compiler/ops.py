@@ -671,17 +671,6 @@ def _infer_rmsnorm_moe_gate_up(ins, a):
     return _infer_moe_gate_up([s, *rest], a)
 
 
-def _infer_rmsnorm_moe_topk_gate_up(ins, a):
-    """rmsnorm_moe_gate_up's operands with the router's logits [E] in place of the ids -> act, then the routing
-    buffer moe_topk would make of the logits (ids i32 [k], weights f32 [k])."""
-    s, ss, nw, logits, *weights = ins
-    ids, wts = _infer_moe_topk([logits], a)
-    _need(len(_t(logits).shape) == 1 and _t(logits).shape[0] == a["experts"],
-          f"rmsnorm_moe_topk_gate_up: logits {_t(logits)} must be f32 [{a['experts']}] (one row, one per expert)")
-    (act,) = _infer_rmsnorm_moe_gate_up([s, ss, nw, Value(ids), *weights], a)
-    return [act, ids, wts]
-
-
 def _infer_moe_group(ins, a):
     """ids i32 [M, k] -> src i32 [P], pos i32 [P], chunks i32 [C, 4] (P = M k; kernels/moe.py)."""
     (ids,) = ins
@@ -1149,17 +1138,6 @@ def _rmsnorm_moe_gate_up(op: Op, t: Target) -> dict:
                                      partials=ss.type.shape[0])}
 
 
-def _rmsnorm_moe_topk_gate_up(op: Op, t: Target) -> dict:
-    """rmsnorm_moe_gate_up's launch, with the logits' BLOCK_E and the ranks' BLOCK_T (moe_topk's)."""
-    s, ss, nw, logits, wg, wu, sg, su, sgate = op.ins
-    e = op.attrs["experts"]
-    dtypes = "_".join(dict.fromkeys([wg.type.dtype, sg.type.dtype, sgate.type.dtype]))
-    return {"kernel": "rmsnorm_moe_topk_gate_up_" + dtypes,
-            **moe.moe_gate_up_launch(1, e, s.type.shape[-1], wg.type.shape[0] // e, sg.type.shape[0],
-                                     op.attrs["top_k"], (_group(wg), _group(sg), _group(sgate)), t,
-                                     partials=ss.type.shape[0], route=True)}
-
-
 def _moe_down(op: Op, t: Target) -> dict:
     """moe_down's (and moe_down_add's: partial_rows, select_kernels sets it, is its BLOCK_N) launch."""
     act, ids, wts, wd, sd = op.ins[:5]
@@ -1459,11 +1437,6 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("rmsnorm_moe_gate_up", "vvwvwwwww", ("experts", "eps"), _infer_rmsnorm_moe_gate_up,
           moe.rmsnorm_moe_gate_up_ref, Kernel(moe.rmsnorm_moe_gate_up_kernel, _rmsnorm_moe_gate_up), _MOE_ONNX,
           doc="moe_gate_up of rmsnorm(s, nw) (the mean square from moe_down_add's / matmul_add's partials ss)"),
-    OpDef("rmsnorm_moe_topk_gate_up", "vvwvwwwww", ("experts", "eps", "top_k", "norm_topk"),
-          _infer_rmsnorm_moe_topk_gate_up, moe.rmsnorm_moe_topk_gate_up_ref,
-          Kernel(moe.rmsnorm_moe_topk_gate_up_kernel, _rmsnorm_moe_topk_gate_up), _MOE_ONNX,
-          doc="moe_topk of the router's logits, then rmsnorm_moe_gate_up with those experts (one row; "
-              "passes/fold_routing.py): act and the routing buffer (ids, weights)"),
     OpDef("gdn_commit", "ssssdd", (), _infer_gdn_commit, gated_delta.gdn_commit_ref,
           Kernel(gated_delta.gdn_commit_kernel, _gdn_commit), _SPEC_ONNX, inout=(0, 2),
           doc="the recurrent state advanced by the kept rows' updates (kept = npos - pos), the conv window back to "
@@ -1485,10 +1458,8 @@ def is_view(op: Op) -> bool:
 
 
 def routing_logits(program: Program) -> set[int]:
-    """The ids of the values moe_topk turns into routing: the router's logits (after fuse split moe_router;
-    after fold_routing, operand 3 of rmsnorm_moe_topk_gate_up)."""
-    return {id(op.ins[0]) for op in program.ops if op.kind == "moe_topk"} | \
-        {id(op.ins[3]) for op in program.ops if op.kind == "rmsnorm_moe_topk_gate_up"}
+    """The ids of the values moe_topk turns into routing: the router's logits (after fuse split moe_router)."""
+    return {id(op.ins[0]) for op in program.ops if op.kind == "moe_topk"}
 
 
 def emit(program: Program, kind: str, *ins, out=None, **attrs):

@@ -148,14 +148,6 @@ def rmsnorm_moe_gate_up_ref(s, ss, nw, ids, wg, wu, sg, su, sgate, experts: int,
     return moe_gate_up_ref(rmsnorm_ref(s, nw, eps), ids, wg, wu, sg, su, sgate, experts)
 
 
-def rmsnorm_moe_topk_gate_up_ref(s, ss, nw, logits, wg, wu, sg, su, sgate, experts: int, eps: float, top_k: int,
-                                 norm_topk: int):
-    """(act, ids, weights): ``moe_topk_ref`` of the router's logits, then ``rmsnorm_moe_gate_up_ref`` with
-    those ids (one row)."""
-    ids, wts = moe_topk_ref(logits, top_k, norm_topk)
-    return rmsnorm_moe_gate_up_ref(s, ss, nw, ids, wg, wu, sg, su, sgate, experts, eps), ids, wts
-
-
 def moe_experts_ref(x, ids, weights, wg, wu, wd, sg, su, sd, sgate) -> torch.Tensor:
     """The MoE block after its router: moe_down_ref(moe_gate_up_ref(...)) (fuse splits it so)."""
     act = moe_gate_up_ref(x, ids, wg, wu, sg, su, sgate, wd.shape[0] // x.shape[-1])
@@ -271,13 +263,12 @@ def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]
 
 
 def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: int, groups: tuple, target,
-                       partials: int = 0, route: bool = False) -> dict:
+                       partials: int = 0) -> dict:
     """Programs over (slot, row block): top_k slots of ceil(I / BLOCK_N) blocks, the shared expert's
     ceil(Is / BLOCK_N), one for the shared gate's logit; a grid row per input row. The moe rule's tiles:
     BLOCK_N rows (at most the smaller expert width), the whole input in one tile up to ``gate_up_max_k``
     (a multiple of every q4 group). ``partials`` (rmsnorm_moe_gate_up): the producer's partial sums of
-    squares, P and BLOCK_P as the rmsnorm matvec's. ``route`` (rmsnorm_moe_topk_gate_up): the E logits
-    in one vector (BLOCK_E) and the ranks (BLOCK_T) as moe_topk's."""
+    squares, P and BLOCK_P as the rmsnorm matvec's."""
     rule = target.rules["moe"]
     block_n = min(rule.gate_up_block_n, pow2_at_least(min(inter, shared)))
     block_k = max(max(groups), min(rule.gate_up_max_k, pow2_at_least(h)))
@@ -286,8 +277,6 @@ def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k
               "GROUP_GATE": groups[2], "BLOCK_N": block_n, "BLOCK_K": block_k}
     if partials:
         consts |= {"P": partials, "BLOCK_P": pow2_at_least(partials)}
-    if route:
-        consts |= {"BLOCK_E": pow2_at_least(e), "BLOCK_T": pow2_at_least(max(2, top_k))}
     return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": max(1, min(rule.gate_up_warps,
                                                                                  block_n * block_k // 1024)),
             "constexprs": consts}
@@ -342,16 +331,18 @@ def moe_combine_launch(m: int, h: int, top_k: int, target) -> dict:
 
 
 @triton.jit
-def _route_row(logits_ptr, norm_topk, E: tl.constexpr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_T: tl.constexpr):
-    """(ids [BLOCK_T] i32, weights [BLOCK_T] f32) of one row of the router's logits (E of them at
-    logits_ptr): softmax in fp32, the TOPK largest probabilities, renormalised by their sum in rank order
-    when norm_topk; ranks past TOPK hold 0. Each rank is one max over a 64-bit key per expert: the
+def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+    """Row program_id(0) of the router's logits [M, E] (the matvec's): softmax in fp32, the TOPK largest
+    probabilities, renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights
+    [M, TOPK] (f32) of the row written. Each rank is one max over a 64-bit key per expert: the
     probability's bits (a non-negative float orders as its bit pattern) above BLOCK_E - 1 - index, so the
     largest key is the largest probability and, among equal ones, the lower index (the tie rule)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
     es = tl.arange(0, BLOCK_E)
     emask = es < E
-    logits = tl.load(logits_ptr + es, mask=emask, other=float("-inf"))
+    logits = tl.load(logits_ptr + row * E + es, mask=emask, other=float("-inf"))
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = ex / tl.sum(ex, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
@@ -373,18 +364,6 @@ def _route_row(logits_ptr, norm_topk, E: tl.constexpr, TOPK: tl.constexpr, BLOCK
         key = tl.where(es == idx, -1, key)
     if norm_topk != 0:
         vals = vals / total
-    return ids, vals
-
-
-@triton.jit
-def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    """Row program_id(0) of the router's logits [M, E] (the matvec's): ``_route_row``'s ids [M, TOPK] (i32)
-    and weights [M, TOPK] (f32) of the row written."""
-    pdl_wait(PDL)
-    row = tl.program_id(0)
-    ids, vals = _route_row(logits_ptr + row * E, norm_topk, E, TOPK, BLOCK_E, BLOCK_T)
-    ts = tl.arange(0, BLOCK_T)
     tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)
     tl.store(wts_ptr + row * TOPK + ts, vals, mask=ts < TOPK)
 
@@ -393,13 +372,8 @@ def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.conste
 def _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps,
                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
                  GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, logits_ptr=None, wts_ptr=None,
-                 norm_topk=0, BLOCK_E: tl.constexpr = 1, BLOCK_T: tl.constexpr = 1, ROUTE: tl.constexpr = False):
-    """moe_gate_up_kernel's program (NORM: its input x normed per tile, kernels/matvec.py's _matvec_tile).
-    ROUTE (one row): the routing made here from the router's logits rather than read from ids_ptr: the
-    routed programs and the shared gate's (the last) run ``_route_row`` once, on the same code path (so
-    every program's experts are the same bits), the last one storing the ids and weights (the routing
-    buffer moe_down reads); the shared expert's programs need none."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """moe_gate_up_kernel's program (NORM: its input x normed per tile, kernels/matvec.py's _matvec_tile)."""
     pid = tl.program_id(0)
     row = tl.program_id(1)
     NB_I: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
@@ -408,22 +382,10 @@ def _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_
     x = x_ptr + row * H
     out = act_ptr + row * ACT
     ns = tl.arange(0, BLOCK_N)
-    if ROUTE:
-        ts = tl.arange(0, BLOCK_T)
-        ids = tl.zeros([BLOCK_T], tl.int32)
-        vals = tl.zeros([BLOCK_T], tl.float32)
-        if (pid < TOPK * NB_I) | (pid == TOPK * NB_I + NB_S):
-            ids, vals = _route_row(logits_ptr + row * E, norm_topk, E, TOPK, BLOCK_E, BLOCK_T)
-        if pid == TOPK * NB_I + NB_S:
-            tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)
-            tl.store(wts_ptr + row * TOPK + ts, vals, mask=ts < TOPK)
     if pid < TOPK * NB_I:
         j = pid // NB_I
         r = (pid % NB_I) * BLOCK_N + ns
-        if ROUTE:
-            e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
-        else:
-            e = tl.load(ids_ptr + row * TOPK + j)
+        e = tl.load(ids_ptr + row * TOPK + j)
         e = tl.minimum(tl.maximum(e, 0), E - 1)
         rows = e * I + tl.minimum(r, I - 1)
         g = _matvec_rows(x, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM)
@@ -468,25 +430,6 @@ def rmsnorm_moe_gate_up_kernel(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, s
     rstd = _partials_rstd(ss_ptr, eps, H, P, BLOCK_P)
     _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps, E, H, I, IS,
                  TOPK, GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, NORM_PARTIALS)
-
-
-@triton.jit
-def rmsnorm_moe_topk_gate_up_kernel(x_ptr, ss_ptr, nw_ptr, logits_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr,
-                                    act_ptr, ids_ptr, wts_ptr, experts, eps, top_k, norm_topk, E: tl.constexpr,
-                                    H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
-                                    GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
-                                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    PDL: tl.constexpr = False):
-    """rmsnorm_moe_gate_up_kernel with moe_topk folded in (one row): each routed program takes its expert
-    from the router's logits itself (``_route_row``: the softmax and top-k, the same in every program), and
-    the last program (the shared gate's) writes the routing buffer (ids, weights) that moe_down reads: the
-    step's separate moe_topk launch, and its place in the chain between the router and the experts, go."""
-    pdl_wait(PDL)
-    rstd = _partials_rstd(ss_ptr, eps, H, P, BLOCK_P)
-    _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps, E, H, I, IS,
-                 TOPK, GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, NORM_PARTIALS, logits_ptr, wts_ptr, norm_topk,
-                 BLOCK_E, BLOCK_T, True)
 
 
 @triton.jit

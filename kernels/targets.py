@@ -220,8 +220,6 @@ class MoeRule(Rule):
     grouped_down: tuple         # moe_down_grouped: (BLOCK_N, BLOCK_K, num_warps)
     down_gather: tuple = ()     # moe_down of q4 experts: (BLOCK_N, num_warps) of the gathered form (every routed
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
-    route_in_gate_up: bool = True   # one row: moe_topk folded into the normed gate / up kernel (each routed program
-                                    # makes the top-k from the logits; passes/fold_routing.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,8 +13,7 @@ from kestrel.compiler.ops import OPS
 from kestrel.kernels.matvec import matvec_launch, matvec_ref, q4_pack, q4_unpack
 from kestrel.kernels.moe import (moe_down_add_kernel, moe_down_add_ref, moe_down_kernel, moe_down_launch, moe_down_ref,
                                  moe_gate_up_kernel, moe_gate_up_launch, moe_gate_up_ref, moe_router_ref, moe_topk_kernel,
-                                 moe_topk_launch, rmsnorm_moe_gate_up_kernel, rmsnorm_moe_gate_up_ref,
-                                 rmsnorm_moe_topk_gate_up_kernel, rmsnorm_moe_topk_gate_up_ref, route_ref)
+                                 moe_topk_launch, rmsnorm_moe_gate_up_kernel, rmsnorm_moe_gate_up_ref, route_ref)
 from kestrel.kernels import moe
 from kestrel.kernels.targets import ALL_TARGETS, TARGETS, override_rules
 
@@ -164,39 +163,6 @@ def test_fused_norm_and_residual(dtype):
     assert not torch.allclose(out, plain, rtol=1e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype,norm", [("bf16", 1), ("q4", 1), ("q4", 0)])
-def test_topk_folded_into_gate_up(dtype, norm):
-    """rmsnorm_moe_topk_gate_up (passes/fold_routing.py): the routed programs route from the router's logits
-    themselves and the last program writes the routing buffer. Against the references: the ids and weights
-    moe_topk_kernel writes (bit for bit: the same code), act as rmsnorm_moe_gate_up of those ids; with a tie
-    among the top ranks (lower index first) and E not a power of two. Several blocks per expert (BLOCK_N 16)."""
-    g = torch.Generator().manual_seed(11 + norm)
-    e, h, inter, shared, k = 12, 128, 64, 96, 4
-    w = _experts(dtype, e, h, inter, shared, g)
-    logits = torch.randn(e, generator=g) * 2
-    logits[7] = logits[2] = logits.max() + 0.5  # ranks 0 and 1 tied: expert 2 first
-    s, ss, nw = torch.randn(h, generator=g) * 3, torch.zeros(h // 16), torch.randn(h, generator=g) * 0.1
-    ss.copy_((s * s).reshape(-1, 16).sum(-1))
-    c = moe_gate_up_launch(1, e, h, inter, shared, k, (w["wg"][2], w["sg"][2], w["sgate"][2]), SM90,
-                           partials=h // 16, route=True)
-    consts = dict(c["constexprs"], BLOCK_N=16)
-    out = torch.full((k * inter + shared + 1,), float("nan"))
-    ids, wts = torch.full((k,), -7, dtype=torch.int32), torch.full((k,), float("nan"))
-    grid = (k * (inter // 16) + shared // 16 + 1, 1)
-    interpret(rmsnorm_moe_topk_gate_up_kernel)[grid](s, ss, nw, logits, w["wg"][0], w["wu"][0], w["sg"][0],
-                                                     w["su"][0], w["sgate"][0], out, ids, wts, e, 1e-6, k, norm,
-                                                     **consts)
-    ref, ref_ids, ref_wts = rmsnorm_moe_topk_gate_up_ref(s, ss, nw, logits, w["wg"][1], w["wu"][1], w["sg"][1],
-                                                         w["su"][1], w["sgate"][1], e, 1e-6, k, norm)
-    assert ids.tolist()[:2] == [2, 7] and torch.equal(ids, ref_ids)
-    kids, kwts = torch.empty_like(ids), torch.empty_like(wts)
-    t = moe_topk_launch(1, e, k, SM90)
-    interpret(moe_topk_kernel)[(1,)](logits, kids, kwts, k, norm, **t["constexprs"])
-    assert torch.equal(kids, ids) and torch.equal(kwts, wts)
-    assert_close(wts, ref_wts, 1e-6, 1e-7, "routing weights")
-    assert_close(out, ref, 2e-5, 1e-6, f"rmsnorm_moe_topk_gate_up {dtype}")
-
-
 def test_moe_down_gathered_form():
     """moe_down's gathered form (the rule's ``down_gather``: every routed expert's q4 rows in one tile, the
     ranks' products summed as a tree): moe_down at two rows and moe_down_add at one against the references, k = 3
@@ -335,10 +301,6 @@ def aot_jobs():
             jobs.append([f"rmsnorm_moe_gate_up_{q}/{name}", "kestrel.kernels.moe:rmsnorm_moe_gate_up_kernel",
                          ["*fp32", "*fp32", "*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32", "fp32"],
                          gn["constexprs"], gn["num_warps"], t.cc])
-            gt = moe_gate_up_launch(1, e, h, inter, shared, k, groups, t, partials=p, route=True)
-            jobs.append([f"rmsnorm_moe_topk_gate_up_{q}/{name}", "kestrel.kernels.moe:rmsnorm_moe_topk_gate_up_kernel",
-                         ["*fp32", "*fp32", "*fp32", "*fp32", wt, wt, wt, wt, "*bf16", "*fp32", "*i32", "*fp32", "i32",
-                          "fp32", "i32", "i32"], gt["constexprs"], gt["num_warps"], t.cc])
             pairs = 256 * k  # the M-row step's 256 rows, grouped by expert
             gg = moe.moe_grouped_launch(pairs, e, inter, h, groups[0], moe.GROUPED_CHUNK, t, pair=True)
             jobs.append([f"moe_gate_up_grouped_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_grouped_kernel",
@@ -375,13 +337,12 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 17 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 15 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, magic = res
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
-    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "rmsnorm_moe_topk_gate_up",
-                 "moe_down_add", "moe_group",
+    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add", "moe_group",
                  "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"):
         assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind

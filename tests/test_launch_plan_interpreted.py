@@ -416,10 +416,10 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     plan = load_plan(path)
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     kinds = [op.kind for op in cpu.program.ops]
-    # (the one-token step folds the norms and residual adds around the MoE blocks into them, fuse's rule 7, and
-    # the router's top-k into the normed gate / up, passes/fold_routing.py)
-    assert kinds.count("rmsnorm_moe_topk_gate_up") == kinds.count("moe_down") + kinds.count("moe_down_add") == 2
-    assert not {"moe_topk", "moe_gate_up", "rmsnorm_moe_gate_up"} & set(kinds) and kinds.count("moe_down_add") == 1
+    # (the one-token step folds the norms and residual adds around the MoE blocks into them: fuse's rule 7)
+    assert kinds.count("moe_topk") == kinds.count("moe_gate_up") + kinds.count("rmsnorm_moe_gate_up") == \
+        kinds.count("moe_down") + kinds.count("moe_down_add") == 2
+    assert kinds.count("rmsnorm_moe_gate_up") == 2 and kinds.count("moe_down_add") == 1
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
     assert mma == ({"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids), sorted(ids)
     prompt = [5, 9, 3, 60] if rows else [5, 9]
@@ -436,15 +436,15 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     bound = 3e-2 if rows else 1e-4
     launch_ops = [op for op in cpu.program.ops if not is_view(op)]
     split = max(i for i, op in enumerate(launch_ops) if op.kind in ("moe_down", "moe_down_add")) + 1
-    router = [op for op in launch_ops if op.kind == "rmsnorm_moe_topk_gate_up"][-1]  # (act, ids, weights)
+    router = [op for op in launch_ops if op.kind == "moe_topk"][-1]
     for step in range(1 if rows else 3):
         gpu.run(gpu.b.launches[:split])  # up to the last MoE block: its routing buffer is still live
-        ids = gpu.view(gpu.b.regions["act"] + router.outs[1].loc[1], "*i32")[:3].clone()
-        wts = gpu.view(gpu.b.regions["act"] + router.outs[2].loc[1], "*fp32")[:3].clone()
+        ids = gpu.view(gpu.b.regions["act"] + router.outs[0].loc[1], "*i32")[:3].clone()
+        wts = gpu.view(gpu.b.regions["act"] + router.outs[1].loc[1], "*fp32")[:3].clone()
         gpu.run(gpu.b.launches[split:])
         cpu.run()
-        assert ids.tolist() == cpu.values[id(router.outs[1])].tolist(), f"step {step}: routed experts"
-        _close(f"step {step}: routing weights", wts, cpu.values[id(router.outs[2])], bound)
+        assert ids.tolist() == cpu.values[id(router.outs[0])].tolist(), f"step {step}: routed experts"
+        _close(f"step {step}: routing weights", wts, cpu.values[id(router.outs[1])], bound)
         assert torch.equal(tokens, cpu.states["tokens"]), f"step {step}: token sequence"
         for slot in ("pos", "token", "sampled"):
             assert gpu.dyn(slot) == cpu.dyn[slot], f"step {step}: dyn.{slot}"

@@ -76,15 +76,6 @@ def _without_q4_mma(programs):
         TARGETS["sm_90"] = t
 
 
-def _without_route_fold(programs):
-    """``programs()`` built with the router's top-k left its own launch (passes/fold_routing.py off): the
-    normed gate / up that reads the routing buffer, which the fold otherwise replaces at one row."""
-    from kestrel.kernels.targets import overridden_rules
-
-    with overridden_rules("sm_90", "moe.route_in_gate_up=False"):
-        return programs()
-
-
 def _without_bf16_fold(programs):
     """``programs()`` built with the bf16 tensor-core kernel's folding turned off (passes/fold_row_norms.py):
     its plain and gate / up forms, which the fold otherwise replaces in the tiny programs."""
@@ -141,7 +132,6 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
                  _tiny_gpu_program(rows=4, quant="bf16"), *_tiny_speculative_programs(), *_tiny_next_programs(),
                  *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs())),
                  *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),)),
-                 *_without_route_fold(_tiny_next_programs),
                  *_with_q4_stream(lambda: (_tiny_gpu_program(), *_tiny_speculative_programs())),
                  *_with_step_order_attention(_tiny_speculative_programs)):
         for op in prog.ops:

@@ -31,34 +31,26 @@ def test_launch_list_same_whichever_experts_run(plan):
     before = launch_list(program)
     cpu = CpuStep(plan)
     cpu.begin([7, 100, 3], 0.0, 1.0, 0)
-    routers = [_routed_ids(op) for op in cpu.program.ops if _routed_ids(op) is not None]
-    assert len(routers) == 4
+    routers = [op for op in cpu.program.ops if op.kind == "moe_topk"]
     chosen = []
     for _ in range(6):
         cpu.run()
-        chosen.append(tuple(tuple(cpu.values[id(ids)].tolist()) for ids in routers))
+        chosen.append(tuple(tuple(cpu.values[id(op.outs[0])].tolist()) for op in routers))
     assert len(set(chosen)) > 1, "the tokens all routed to the same experts: the test would prove nothing"
     assert launch_list(program) == before == launch_list(parse_program(plan.program_text))
     # the plan's stored launches (what the runtime replays) carry no expert id: the same kernels, grids and
     # arguments as the program's, and no scalar at all for the expert kernels
-    # (moe_gate_up's scalar is the expert count, 8; the fused ones' the norm's eps and the partials' rows; with
-    # the top-k folded in (passes/fold_routing.py), its top_k 2 and norm_topk 1)
+    # (moe_gate_up's scalar is the expert count, 8; the fused ones' the norm's eps and the partials' rows)
     stored = [ln for ln in plan.launch_plan["launches"]
-              if ln["op"] in ("moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "rmsnorm_moe_topk_gate_up",
-                              "moe_down_add")]
-    assert {ln["op"] for ln in stored} >= {"rmsnorm_moe_topk_gate_up", "moe_down_add"}
-    assert all(ln["scalars"] in ([], [8], [8, 1e-6], [8, 1e-6, 2, 1]) or ln["op"] == "moe_down_add"
-               and len(ln["scalars"]) == 1 for ln in stored)
-
-
-def _routed_ids(op):
-    """The expert ids a router op writes (moe_topk's, or the gate / up's with the top-k folded in), else None."""
-    return op.outs[0] if op.kind == "moe_topk" else op.outs[1] if op.kind == "rmsnorm_moe_topk_gate_up" else None
+              if ln["op"] in ("moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add")]
+    assert {ln["op"] for ln in stored} >= {"rmsnorm_moe_gate_up", "moe_down_add"}
+    assert all(ln["scalars"] in ([], [8], [8, 1e-6]) or ln["op"] == "moe_down_add" and len(ln["scalars"]) == 1
+               for ln in stored)
 
 
 def _gate_up(program):
     """The one-row program's grouped gate/up op (the post-attention norm folded in) and its stacked gate."""
-    op = next(op for op in program.ops if op.kind in ("moe_gate_up", "rmsnorm_moe_gate_up", "rmsnorm_moe_topk_gate_up"))
+    op = next(op for op in program.ops if op.kind in ("moe_gate_up", "rmsnorm_moe_gate_up"))
     return op
 
 
@@ -78,7 +70,7 @@ def test_fails_when_an_expert_id_is_a_kernel_argument(plan):
 def test_fails_on_a_single_experts_weight(plan):
     program = parse_program(plan.program_text)
     op = _gate_up(program)
-    i = 4 if op.kind.startswith("rmsnorm_") else 2
+    i = 4 if op.kind == "rmsnorm_moe_gate_up" else 2
     w = op.ins[i]
     one = copy.copy(w)
     one.name = w.name.replace(".experts.", ".experts.3.")
@@ -90,9 +82,8 @@ def test_fails_on_a_single_experts_weight(plan):
 
 def test_fails_when_the_routing_buffer_is_read_as_something_else(plan):
     program = parse_program(plan.program_text)
-    router = next(op for op in program.ops if _routed_ids(op) is not None)
-    logits = router.ins[0] if router.kind == "moe_topk" else router.ins[3]
-    w = next(op for op in program.ops if op.outs and op.outs[0] is logits).ins[-1]  # the router's weight (its last operand)
-    program.ops.insert(program.ops.index(router) + 1, Op("matmul", [router.outs[-1]], [_routed_ids(router), w]))
+    router = next(op for op in program.ops if op.kind == "moe_topk")
+    w = next(op for op in program.ops if op.outs and op.outs[0] is router.ins[0]).ins[-1]  # the router's weight (its last operand)
+    program.ops.insert(program.ops.index(router) + 1, Op("matmul", [router.outs[1]], [router.outs[0], w]))
     with pytest.raises(IRError, match="reads a routing buffer"):
         check_routing(program)

@@ -35,17 +35,11 @@ MODELS = {
     # every matrix q4 (inputs multiples of 32): the tensor-core q4 kernel's shapes at M rows
     "q4_two_layers": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], hidden_size=64,
                           intermediate_size=128, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
-    # Qwen3-Next: a Gated DeltaNet layer and an attention layer, each with the sparse MoE MLP (q4 experts)
-    "next_two_layers": dict(model_type="qwen3_next", num_hidden_layers=2,
-                            layer_types=["linear_attention", "full_attention"], hidden_size=64, head_dim=32,
-                            linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[]),
 }
 MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
 ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4), "q4_two_layers_rows4": ("q4_two_layers", 4),
         "q4_two_layers_rows32": ("q4_two_layers", 32), "attn_layer_gqa2_long_rows4": ("attn_layer_gqa2_long", 4)}  # the M-row step of a model: (model, M)
-SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1), "next_two_layers_spec_k1": ("next_two_layers", 1),
+SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1),
         "q4_two_layers_spec_k3": ("q4_two_layers", 3)}  # the speculative iteration of a model: (model, K)
 
 # Hand-written programs (also exercise the parser).
@@ -120,10 +114,6 @@ CASES = {
                        ("bf16_sm90_rows4", "q4_two_layers_rows4", {"quant": "bf16", "target": "sm_90"}),
                        ("q4_sm90_rows32_gemm", "q4_two_layers_rows32", {"quant": "q4", "target": "sm_90"}),
                        ("q4_cpu_rows4", "q4_two_layers_rows4", {"quant": "q4", "target": "cpu"})],
-    "fold_routing": [("next_q4_sm90", "next_two_layers", {"quant": "q4", "target": "sm_90"}),
-                     ("next_q4_sm90_spec_k1", "next_two_layers_spec_k1", {"quant": "q4", "target": "sm_90"}),
-                     ("next_q4_cpu", "next_two_layers", {"quant": "q4", "target": "cpu"}),
-                     ("dense_q4_sm90", "q4_two_layers", {"quant": "q4", "target": "sm_90"})],
     "hoist_dynamic": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
                       ("nothing_to_fuse", NOTHING_TO_FUSE, {}), ("already_hoisted", LIVENESS_CHAIN, {})],
     "plan_memory": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa4", "attn_layer_gqa4", {}),
