@@ -116,13 +116,21 @@ def format_report(r: dict) -> str:
         return "\n".join(lines)
 
     out = [table("kernel", r["by_kernel"]), "", table("layer kind", r["by_layer_kind"]), ""]
-    if r.get("in_graph"):  # graph_knockout
+    if r.get("in_graph"):  # graph_knockout (and floors: the bytes at the bandwidth, and the time over them)
+        priced = "floor_ms" in r["in_graph"][0]
         head = f"{'in the graph (replay less':<28} {'launches':>8} {'us/step':>10} {'share':>7} {'us/launch':>10}"
+        head += f" {'floor us':>9} {'over floor':>10}" if priced else ""
         lines = [head, f"{'the replay without it)':<28}", "-" * len(head)]
         replay = r["graph_replay_ms"]
         for g in r["in_graph"]:
-            lines.append(f"{g['kernel']:<28} {g['launches']:>8} {g['in_graph_ms'] * 1e3:>10.1f} "
-                         f"{g['in_graph_ms'] / replay:>7.1%} {g['in_graph_ms'] * 1e3 / g['launches']:>10.2f}")
+            line = (f"{g['kernel']:<28} {g['launches']:>8} {g['in_graph_ms'] * 1e3:>10.1f} "
+                    f"{g['in_graph_ms'] / replay:>7.1%} {g['in_graph_ms'] * 1e3 / g['launches']:>10.2f}")
+            lines.append(line + (f" {g['floor_ms'] * 1e3:>9.1f} {g['over_floor_ms'] * 1e3:>10.1f}" if priced else ""))
+        if priced:
+            over = sum(g["over_floor_ms"] for g in r["in_graph"])
+            lines.append(f"{'(sum)':<28} {sum(g['launches'] for g in r['in_graph']):>8} "
+                         f"{sum(g['in_graph_ms'] for g in r['in_graph']) * 1e3:>10.1f} {'':>7} {'':>10} "
+                         f"{sum(g['floor_ms'] for g in r['in_graph']) * 1e3:>9.1f} {over * 1e3:>10.1f}")
         out += lines + [""]
     summary = (f"[{r['device']}] {r['launches_per_step']} launches/step over {r['decode_steps']} decode steps at "
                f"mean position {r['mean_position']:.0f}: sum of launches {r['sum_of_launches_ms']:.3f} ms")
@@ -305,8 +313,23 @@ def profile_gpu(step, launches: list[dict], ids: list[int], steps: int, bandwidt
     report["graph_pdl"] = step.pdl  # the replay's nodes chained by programmatic edges (kernels/pdl.py)
     report["graph_pdl_late"] = step.pdl_late  # ... with the matvecs' late-trigger variants (runtime/gpu.py)
     if in_graph is not None:
-        report["in_graph"] = in_graph
+        report["in_graph"] = floors(in_graph, report)
     return report
+
+
+def floors(in_graph: list[dict], report: dict) -> list[dict]:
+    """Each kernel's cost in the graph beside its floor: the bytes its launches move (``by_kernel``) at the
+    run's bandwidth (``floor_ms``), and what it takes over that (``over_floor_ms``: the gap a target is short
+    of, kernel by kernel; a kernel that moves nothing is all gap, launch and latency)."""
+    bw = report["bandwidth"]["used_GBps"] * 1e9 if report.get("bandwidth") else None
+    out = []
+    for g in in_graph:
+        row = dict(g, bytes=report["by_kernel"].get(g["kernel"], {}).get("bytes", 0.0))
+        if bw:
+            row["floor_ms"] = row["bytes"] / bw * 1e3
+            row["over_floor_ms"] = row["in_graph_ms"] - row["floor_ms"]
+        out.append(row)
+    return out
 
 
 def graph_knockout(step, launches: list[dict], rounds: int) -> list[dict]:

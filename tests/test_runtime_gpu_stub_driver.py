@@ -235,11 +235,19 @@ def test_profile_launches_kernel_by_kernel_then_replays(plan, tmp_path):
     assert calls["cuGraphDestroy"] == len(families) and sorted(g["kernel"] for g in rep["in_graph"]) == sorted(families)
     assert all(g["launches"] == sum(launch["kernel"] == g["kernel"] for launch in lp["launches"])
                and g["in_graph_ms"] == pytest.approx(g["graph_ms"] - g["without_ms"]) for g in rep["in_graph"])
+    # each kernel's floor: its launches' bytes (the by-kernel table's) at the run's bandwidth, and the time over it
+    bw = rep["bandwidth"]["used_GBps"] * 1e9
+    assert sum(g["bytes"] for g in rep["in_graph"]) == pytest.approx(rep["bytes_per_step"])
+    assert all(g["bytes"] == rep["by_kernel"][g["kernel"]]["bytes"] and g["floor_ms"] == pytest.approx(g["bytes"] / bw * 1e3)
+               and g["over_floor_ms"] == pytest.approx(g["in_graph_ms"] - g["floor_ms"]) for g in rep["in_graph"])
+    assert sum(g["floor_ms"] for g in rep["in_graph"]) == pytest.approx(rep["roofline_ms"])
     from kestrel.runtime.profile import format_report
 
     text = format_report(rep).splitlines()
     at = text.index(next(line for line in text if line.startswith("in the graph")))
     assert [line.split()[0] for line in text[at + 3:at + 3 + len(families)]] == [g["kernel"] for g in rep["in_graph"]]
+    assert "floor us" in text[at] and text[at + 3 + len(families)].startswith("(sum)")
+    assert float(text[at + 3 + len(families)].split()[-2]) == pytest.approx(rep["roofline_ms"] * 1e3, abs=0.1)
     assert rep["launches_per_step"] == len(step) and rep["decode_steps"] == 6 and rep["host_gaps_hidden"]
     assert rep["bandwidth"]["read_GBps"] > 0 and rep["bandwidth"]["used_GBps"] == max(
         rep["bandwidth"]["read_GBps"], rep["bandwidth"]["copy_GBps"])
