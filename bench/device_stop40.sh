@@ -5,9 +5,11 @@
 #           the 80B-A3B shape against the CPU reference (graph == streaming, dump bytes) and under compute-sanitizer
 #           (bash bench/build_stop_plans.sh next80-q4 next80-q4-noroute next4-q4, at commit 5cfc1de: the fold was
 #            removed after call 1, and with it the rule and the -noroute plans)
-#   models  every plan at this stop's rules, A B ... ... B A (kestrel-run --bench, greedy; the JSON has the sampled
-#           figure too), each plan's --profile; llama.cpp 0.8B bf16 / Q4_0 and 2B Q4_0 in the same call (carry .peers)
-#           (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 next80-q4)
+#   models  every plan at this stop's rules, A B ... ... B A (kestrel-run --bench: greedy, and sampled at temperature
+#           0.7 / top-p 0.8 / top-k 20 in its JSON); llama.cpp 0.8B bf16 / Q4_0 and 2B Q4_0 in the same call (carry
+#           .peers) (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 4b-q4 9b-q4 27b-q4 next80-q4)
+#   profiles each plan's --profile (per kernel: alone, in the graph, its floor and the time over it); 27B bf16
+#           A ... A (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 27b-bf16 next80-q4)
 #   next    llama.cpp on the whole 80B-A3B shape (Q4_0, bench/llamacpp_next.sh) and Kestrel's 80B-A3B q4 in the same
 #           call (carry .peers; bash bench/build_stop_plans.sh next80-q4)
 # There: run(carry=["bench/plans", ".peers"]): bash bench/device_stop40.sh $OUT PART
@@ -30,12 +32,15 @@ case $2 in
     here=../shared/peers/llamacpp; [ -f "$here/device.sh" ] || here=.peers/llamacpp-scripts
     nice -n 19 bash "$here/device.sh" .peers/llamacpp.tar.xz /tmp/peer > /tmp/llamacpp-build.txt 2>&1 &
     build=$!
-    STEP_TIMEOUT=120 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
+    STEP_TIMEOUT=120 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3-next-80b-a3b-sm90-q4" \
       bash bench/device_preload_ab.sh "$out"
     wait $build; tail -2 /tmp/llamacpp-build.txt
     PP=512 TG=128 REPS=3 timeout 200 bash "$here/device.sh" .peers/llamacpp.tar.xz "$out" qwen3.5-0.8b:bf16 qwen3.5-0.8b:q4_0 \
-      qwen3.5-2b:q4_0
-    for p in qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-27b-sm90-q4; do profile $p; done ;;
+      qwen3.5-2b:q4_0 ;;
+  profiles)
+    for p in qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-bf16 \
+             qwen3-next-80b-a3b-sm90-q4; do profile $p; done
+    STEP_TIMEOUT=150 SEQ="qwen3.5-27b-sm90-bf16" bash bench/device_preload_ab.sh "$out" ;;
   next)
     PP=512 TG=128 REPS=3 CLEAN=1 timeout 480 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3-next-80b-a3b
     STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
