@@ -10,6 +10,13 @@
 #           .peers) (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 4b-q4 9b-q4 27b-q4 next80-q4)
 #   profiles each plan's --profile (per kernel: alone, in the graph, its floor and the time over it); 27B bf16
 #           A ... A (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-bf16 2b-q4 27b-q4 27b-bf16 next80-q4)
+#   swiglu  bench/norm_matvec_probe.py NMP_MODEL=swiglu: the normed q4 gate / up pair at the 0.8B / 2B / 4B / 9B MLP
+#           shapes over 202 splits (here: cd bench && NMP_MODEL=swiglu python norm_matvec_probe.py compile
+#           norm-matvec-swiglu; carry bench/norm-matvec-swiglu)
+#   pair    the normed q4 gate / up pair on call 7's splits (matvec.q4_pair_norm) against the rule before
+#           (-pair0), A B B A: 2B, 4B, 9B q4; 4 layers of the 2B shape against the CPU reference and under
+#           compute-sanitizer (bash bench/build_stop_plans.sh 2b-q4 4b-q4 9b-q4 2b-q4-pair0 4b-q4-pair0 9b-q4-pair0
+#           small2b4-q4)
 #   next    llama.cpp on the whole 80B-A3B shape (Q4_0, bench/llamacpp_next.sh) and Kestrel's 80B-A3B q4 in the same
 #           call (carry .peers; bash bench/build_stop_plans.sh next80-q4)
 # There: run(carry=["bench/plans", ".peers"]): bash bench/device_stop40.sh $OUT PART
@@ -40,7 +47,21 @@ case $2 in
   profiles)
     for p in qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16 qwen3.5-2b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-bf16 \
              qwen3-next-80b-a3b-sm90-q4; do profile $p; done
+    (cd "$out" && tar cf profiles.tar profile-* && rm -f profile-*)  # (a call returns 8 files at most)
     STEP_TIMEOUT=150 SEQ="qwen3.5-27b-sm90-bf16" bash bench/device_preload_ab.sh "$out" ;;
+  swiglu)
+    (cd bench && NMP_MODEL=swiglu timeout 500 python3 norm_matvec_probe.py time norm-matvec-swiglu "$out/swiglu.json" \
+      > "$out/swiglu.txt" 2>&1); echo "probe: exit $?"; grep "(rule)" "$out/swiglu.txt"
+    python3 -c "
+import json, sys
+rows = json.load(open(sys.argv[1]))['rows']
+for s in dict.fromkeys(r['shape'] for r in rows):
+    best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:4]
+    print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
+" "$out/swiglu.json" ;;
+  pair)
+    STEP_TIMEOUT=150 PAIRS="qwen3.5-2b-sm90-q4-pair0:qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4-pair0:qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4-pair0:qwen3.5-9b-sm90-q4" \
+      SANITIZE="qwen3.5-small2b4-sm90-q4" E2E="qwen3.5-small2b4-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
   next)
     PP=512 TG=128 REPS=3 CLEAN=1 timeout 480 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3-next-80b-a3b
     STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;

@@ -6,7 +6,9 @@ rmsnorm_matvec_ref on the device and timed chained with programmatic edges over 
 
 Here:            python bench/norm_matvec_probe.py compile bench/norm-matvec-probe
 On the device:   cd bench && python3 norm_matvec_probe.py time norm-matvec-probe $OUT/norm-matvec.json
-(NMP_MODEL=80b, both here and there: Qwen3-Next-80B-A3B's shapes at hidden 2048 and a wider sweep of splits)
+(NMP_MODEL=80b, both here and there: Qwen3-Next-80B-A3B's shapes at hidden 2048 and a wider sweep of splits;
+NMP_MODEL=swiglu: the normed gate / up pair, rmsnorm_matvec_swiglu_kernel, at the 0.8B, 2B, 4B and 9B q4 MLPs (27B
+runs it on q4_stream), where stop 40's profiles put the 2B pair at 9.1 us a launch in the graph for 12.6 MB)
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ if os.environ.get("NMP_MODEL") == "80b":  # (stop 38) Qwen3-Next-80B-A3B's hidde
     P = 128
     SPLITS = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048) for nw in (1, 2, 4, 8)
               if 1 <= bn * bk // 256 // nw <= 32]
+elif os.environ.get("NMP_MODEL") == "swiglu":  # (stop 40) the gate / up pair [I, H] of each small Qwen3.5 MLP
+    SHAPES = {"0.8b": (3584, 1024), "2b": (6144, 2048), "4b": (9216, 2560), "9b": (12288, 4096)}
+    P = 256  # (the producer's partials: any count; the probe puts the whole sum in the first)
+    SPLITS = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048, 4096) for nw in (1, 2, 4, 8)
+              if 1 <= bn * bk // 256 // nw <= 32]
 else:
     SHAPES = {"in_proj": (16480, 5120), "attn_qkv": (14336, 5120)}  # the 27B GDN in_proj, attention q|gate|k|v
     P = 640  # the producer's partial sums of squares (matvec_add's programs at 5120 rows)
@@ -37,29 +44,38 @@ def _rule_split(n: int, k: int, kind: str) -> tuple[int, int, int]:
     from kestrel.kernels.targets import TARGETS
 
     t = TARGETS["sm_90"]
-    r = rmsnorm_matvec_launch(n, k, GROUP, P, t) if kind == "rmsnorm_matvec" else matvec_launch(n, k, GROUP, t)
+    r = (rmsnorm_matvec_launch(n, k, GROUP, P, t, pair=kind == "rmsnorm_matvec_swiglu")
+         if kind.startswith("rmsnorm_matvec") else matvec_launch(n, k, GROUP, t))
     return r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"]
+
+
+KINDS = ("rmsnorm_matvec_swiglu",) if os.environ.get("NMP_MODEL") == "swiglu" else ("rmsnorm_matvec", "matvec")
 
 
 def _jobs():
     for shape, (n, k) in SHAPES.items():
-        for kind in ("rmsnorm_matvec", "matvec"):
+        for kind in KINDS:
             rule = _rule_split(n, k, kind)
             for bn, bk, nw in SPLITS + ([rule] if rule not in SPLITS else []):
-                if bk <= k:
+                if bk < 2 * k:  # (up to the whole input in one tile)
                     yield shape, n, k, kind, bn, bk, nw
 
 
 def _compile(job):
     from kestrel.compiler.codegen import compile_kernel
-    from kestrel.kernels.matvec import matvec_kernel, matvec_launch, norm_mode, rmsnorm_matvec_kernel
+    from kestrel.kernels.matvec import (matvec_kernel, matvec_launch, norm_mode, rmsnorm_matvec_kernel,
+                                        rmsnorm_matvec_swiglu_kernel)
     from kestrel.kernels.targets import TARGETS, pow2_at_least
 
     shape, n, k, kind, bn, bk, nw = job
-    rule = matvec_launch(n, k, GROUP, TARGETS["sm_90"])["constexprs"]  # (its PDL_LATE and PRELOAD)
+    pair = kind == "rmsnorm_matvec_swiglu"
+    rule = matvec_launch(n, k, GROUP, TARGETS["sm_90"], pair=pair)["constexprs"]  # (its PDL_LATE and PRELOAD)
     consts = rule | {"N": n, "K": k, "GROUP": GROUP, "BLOCK_N": bn, "BLOCK_K": bk}  # (its PDL_LATE, PRELOAD, ...)
     if kind == "matvec":
         fn, types = matvec_kernel, ["*fp32", "*u8", "*fp32"]
+    elif pair:
+        fn, types = rmsnorm_matvec_swiglu_kernel, ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", "fp32"]
+        consts |= {"P": P, "BLOCK_P": pow2_at_least(P), "NORM": norm_mode(k, bk, GROUP)}
     else:
         fn, types = rmsnorm_matvec_kernel, ["*fp32", "*fp32", "*fp32", "*u8", "*fp32", "fp32"]
         consts |= {"P": P, "BLOCK_P": pow2_at_least(P), "NORM": norm_mode(k, bk, GROUP)}
@@ -86,7 +102,7 @@ def time_all(folder: str, out: str) -> None:
     import torch
 
     from graph_timing import chain_times_us, rotating_copies
-    from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack, rmsnorm_matvec_ref
+    from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack, rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_ref
     from kestrel.runtime import cuda as kc
 
     index = json.load(open(os.path.join(folder, "index.json")))
@@ -97,12 +113,17 @@ def time_all(folder: str, out: str) -> None:
         w = torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)
         buf = q4_pack(w, GROUP)
         deq = q4_unpack(buf, n, k, GROUP)
-        copies = [buf] + [buf.clone() for _ in range(rotating_copies(buf.numel()) - 1)]
+        pair = "rmsnorm_matvec_swiglu" in KINDS  # (the up matrix: a second one, its copies rotating alike)
+        up = q4_pack(torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k), GROUP) if pair else buf
+        copies = [buf] + [buf.clone() for _ in range(rotating_copies(buf.numel() * (2 if pair else 1)) - 1)]
+        ups = [up] + [up.clone() for _ in copies[1:]]
         x = torch.randn(k, generator=gen, device="cuda")
         nw = 0.1 * torch.randn(k, generator=gen, device="cuda")
         ss = torch.zeros(P, device="cuda")
         ss[0] = (x.double() ** 2).sum().float()  # the mean square in one partial, the rest zero
         refs = {"rmsnorm_matvec": rmsnorm_matvec_ref(x, ss, nw, deq, EPS), "matvec": matvec_ref(x, deq)}
+        if pair:
+            refs["rmsnorm_matvec_swiglu"] = rmsnorm_matvec_swiglu_ref(x, ss, nw, deq, q4_unpack(up, n, k, GROUP), EPS)
         for e in (e for e in index if e["shape"] == shape):
             kernel = kc.Kernel(open(os.path.join(folder, e["cubin"]), "rb").read(), e["entry"], e["num_warps"],
                                e["shared"])
@@ -110,6 +131,10 @@ def time_all(folder: str, out: str) -> None:
             if e["kind"] == "matvec":
                 sets = [kc.PackedArgs(e["params"], [x.data_ptr(), b.data_ptr(), o.data_ptr()])
                         for b, o in zip(copies, outs)]
+            elif pair:
+                sets = [kc.PackedArgs(e["params"], [x.data_ptr(), ss.data_ptr(), nw.data_ptr(), b.data_ptr(),
+                                                    u.data_ptr(), o.data_ptr(), EPS])
+                        for b, u, o in zip(copies, ups, outs)]
             else:
                 sets = [kc.PackedArgs(e["params"], [x.data_ptr(), ss.data_ptr(), nw.data_ptr(), b.data_ptr(),
                                                     o.data_ptr(), EPS]) for b, o in zip(copies, outs)]
@@ -118,7 +143,7 @@ def time_all(folder: str, out: str) -> None:
             ref = refs[e["kind"]]
             err = ((outs[0] - ref).abs().max() / ref.abs().max()).item()
             us = statistics.median(chain_times_us(kernel, e["grid"], sets, replays=7, launches=64))
-            gbps = buf.numel() / us / 1e3
+            gbps = buf.numel() * (2 if pair else 1) / us / 1e3
             rows.append({**e, "us": us, "GBps": gbps, "rel_err": err})
             print(f"{shape:>8} {e['kind']:<15} {e['BLOCK_N']:>3} x {e['BLOCK_K']:>5} {e['warps']} warps "
                   f"{us:8.2f} us {gbps:7.0f} GB/s err {err:.1e}{'  (rule)' if e['rule'] else ''}", flush=True)

@@ -604,12 +604,19 @@ def rmsnorm_matvec_launch(n: int, k: int, group: int, partials: int, target, pai
     plus P (the producer's ``partials``), BLOCK_P (P rounded up to a power of two: one vector) and
     NORM (``norm_mode``). A single q4 product with many rows takes the rule's q4_wide_norm_block_n rows
     and q4_wide_norm_warps warps a CTA (each program normalises its x slice once for all its rows); with K at
-    most q4_norm_short_k, q4_norm_short_wide's rows and warps, and with fewer rows the whole of K in one tile."""
+    most q4_norm_short_k, q4_norm_short_wide's rows and warps, and with fewer rows the whole of K in one tile. The
+    q4 gate / up pair: the split of the first q4_pair_norm row whose K bound holds, if any."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = launch["constexprs"]
     r = target.rules["matvec"]
     short = group and not pair and k <= r.q4_norm_short_k  # (q4_norm_short_k: hidden 2048)
-    if group and not pair and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:  # (matvec_launch's many rows)
+    split = next((row[1:] for row in r.q4_pair_norm if k <= row[0]), None) if group and pair else None
+    if split is not None:
+        bn, bk, warps = split
+        bk = max(group, min(bk, pow2_at_least(k)))  # (a small K: its power of two, one tile)
+        launch = {**launch, "grid": [(n + bn - 1) // bn, 1, 1], "num_warps": max(1, min(warps, bn * bk // 1024))}
+        c = {**c, "BLOCK_N": bn, "BLOCK_K": bk}
+    elif group and not pair and n >= 16 * r.q4_wide_ctas_per_sm * target.sms:  # (matvec_launch's many rows)
         bn, warps = r.q4_norm_short_wide if short and r.q4_norm_short_wide else (r.q4_wide_norm_block_n,
                                                                                  r.q4_wide_norm_warps)
         launch = {**launch, "grid": [(n + bn - 1) // bn, 1, 1],
