@@ -53,7 +53,9 @@ class MatvecRule(Rule):
     #                             warps), the first whose max K is at least K, in place of the rule's split; past the
     #                             last, the rule's (bench/norm_matvec_probe.py NMP_MODEL=swiglu, stop 40 call 7, 202
     #                             splits chained: 2B 9.48 -> 6.61 us, 4B 15.90 -> 11.88, 9B 25.70 -> 17.99; 0.8B's
-    #                             8 x 1024 x 4 the best already)
+    #                             8 x 1024 x 4 the best already. Whole step, A B B A, calls 8-9: 2B q4 0.770 -> 0.744,
+    #                             4B 1.526 -> 1.414 ms/token; 9B 1.880 -> 1.882 (32 x 1024 x 4), 1.90 (16 x 1024 x 2),
+    #                             1.94 (8 x 4096 x 4): its K = 4096 keeps the rule's 16 x 512 x 2)
     q4_min_block_n: int         # q4, fewer rows: q4_min_block_n rows per CTA, doubled (to q4_max_block_n) ...
     q4_max_block_n: int
     q4_ctas_per_sm: int         # ... while the grid keeps this many CTAs per SM;
@@ -336,15 +338,16 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         ctas_per_sm=4, max_block_n=16,
         q4_wide_ctas_per_sm=5, q4_wide_block_k=512, q4_min_block_n=4, q4_max_block_n=8, q4_ctas_per_sm=3,
         q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4, q4_norm_short_k=2048,
-        q4_norm_short_wide=(16, 2), q4_pair_norm=((1024, 8, 1024, 4), (2048, 8, 2048, 8), (3072, 16, 512, 2),
-                                                  (4096, 32, 1024, 4)), small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096,
-        small_max_warps=4, small_elems_per_warp=256,
+        q4_norm_short_wide=(16, 2), q4_pair_norm=((1024, 8, 1024, 4), (2048, 8, 2048, 8), (3072, 16, 512, 2)),
+        small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
+        small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         pdl_early_before=("attn_step", "gdn_delta"),
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
                     _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt",
                     _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar",
-                    _RESULTS + "stop38/call10/ab.tar", _RESULTS + "stop40/call7/swiglu.json")),
+                    _RESULTS + "stop38/call10/ab.tar", _RESULTS + "stop40/call7/swiglu.json",
+                    _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;

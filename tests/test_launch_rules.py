@@ -282,9 +282,9 @@ def test_normed_q4_products_at_hidden_2048():
     """matvec.q4_norm_short_k (2048 on sm_90): a normed q4 product with K at most that takes q4_norm_short_wide's
     split with many rows (Qwen3-Next-80B's in_proj, 12352 x 2048: 16 rows, 2 warps) and the whole of K in one tile
     (NORM_TILE: its rstd from that tile, no partials read) with fewer (its attention's q|gate|k|v, 9216 x 2048; the
-    2B's projections); K = 5120 (27B) keeps q4_wide_norm_*, K = 1024 (0.8B) its one tile, the pair and bf16
-    matvec_launch's split; with the field at 0 every shape is as before (stop 38 call 6: 80B-A3B q4 1.875 -> 1.840
-    ms/token, 2B q4 0.787 -> 0.770)."""
+    2B's projections); K = 5120 (27B) keeps q4_wide_norm_*, K = 1024 (0.8B) its one tile, bf16 matvec_launch's
+    split (the q4 pair: matvec.q4_pair_norm's, below); with the field at 0 every shape is as before (stop 38 call 6:
+    80B-A3B q4 1.875 -> 1.840 ms/token, 2B q4 0.787 -> 0.770)."""
     from kestrel.kernels.matvec import NORM_PARTIALS, NORM_TILE, rmsnorm_matvec_launch
 
     t = TARGETS["sm_90"]
@@ -295,14 +295,36 @@ def test_normed_q4_products_at_hidden_2048():
     assert few["grid"] == matvec_launch(9216, 2048, 128, t)["grid"]
     assert rmsnorm_matvec_launch(16480, 5120, 128, 640, t)["constexprs"]["BLOCK_N"] == 32
     assert rmsnorm_matvec_launch(6144, 1024, 128, 256, t)["constexprs"]["BLOCK_K"] == 1024
-    pair = rmsnorm_matvec_launch(6144, 2048, 128, 256, t, pair=True)
-    assert pair["constexprs"]["BLOCK_K"] == matvec_launch(6144, 2048, 128, t, pair=True)["constexprs"]["BLOCK_K"]
     assert rmsnorm_matvec_launch(9216, 2048, 0, 128, t)["constexprs"]["BLOCK_K"] == \
         matvec_launch(9216, 2048, 0, t)["constexprs"]["BLOCK_K"]
     off = dataclasses.replace(t, rules={**t.rules, "matvec": dataclasses.replace(t.rules["matvec"], q4_norm_short_k=0)})
     old = rmsnorm_matvec_launch(9216, 2048, 128, 128, off)
     assert old["constexprs"]["BLOCK_K"] == 1024 and old["constexprs"]["NORM"] == NORM_PARTIALS.value
     assert rmsnorm_matvec_launch(12352, 2048, 128, 128, off)["constexprs"]["BLOCK_N"] == 32
+
+
+def test_normed_q4_pair_split_by_k():
+    """matvec.q4_pair_norm: the normed q4 gate / up pair (rmsnorm_matvec_swiglu) takes the split of the first row
+    whose K bound holds (stop 40 call 7's sweep, calls 8-9's steps): the 2B MLP (6144 x 2048) 8 rows x its whole K
+    x 8 warps (NORM_TILE), the 4B (9216 x 2560) 16 x 512 x 2, the 0.8B (3584 x 1024) 8 x 1024 x 4 as the rule
+    gave before; past the last row (the 9B's K = 4096) and with the field empty the rule's own split, and a small K
+    one tile of its power of two on a warp; bf16 pairs never."""
+    from kestrel.kernels.matvec import NORM_TILE, rmsnorm_matvec_launch
+
+    t = TARGETS["sm_90"]
+
+    def split(n, k, target=t, group=128):
+        r = rmsnorm_matvec_launch(n, k, group, 256, target, pair=True)
+        return r["grid"][0], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_K"], r["num_warps"]
+
+    off = dataclasses.replace(t, rules={**t.rules, "matvec": dataclasses.replace(t.rules["matvec"], q4_pair_norm=())})
+    assert split(6144, 2048) == (768, 8, 2048, 8) != split(6144, 2048, off)
+    assert rmsnorm_matvec_launch(6144, 2048, 128, 256, t, pair=True)["constexprs"]["NORM"] == NORM_TILE.value
+    assert split(9216, 2560) == (576, 16, 512, 2) != split(9216, 2560, off)
+    assert split(3584, 1024) == split(3584, 1024, off) == (448, 8, 1024, 4)
+    assert split(12288, 4096) == split(12288, 4096, off)
+    assert split(96, 64, group=32) == (12, 8, 64, 1)
+    assert split(6144, 2048, group=0) == split(6144, 2048, off, group=0)
 
 
 def test_q4_matvecs_before_attention_and_the_gdn_step_trigger_early(tmp_path, monkeypatch):
