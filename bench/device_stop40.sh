@@ -13,6 +13,9 @@
 #   swiglu  bench/norm_matvec_probe.py NMP_MODEL=swiglu: the normed q4 gate / up pair at the 0.8B / 2B / 4B / 9B MLP
 #           shapes over 202 splits (here: cd bench && NMP_MODEL=swiglu python norm_matvec_probe.py compile
 #           norm-matvec-swiglu; carry bench/norm-matvec-swiglu)
+#   small   bench/norm_matvec_probe.py NMP_MODEL=small: matvec_add at the 0.8B-9B output / down projections and
+#           rmsnorm_matvec at their GDN in_proj over 520 splits (here: cd bench && NMP_MODEL=small python
+#           norm_matvec_probe.py compile norm-matvec-small; carry bench/norm-matvec-small)
 #   pair    the normed q4 gate / up pair on call 7's splits (matvec.q4_pair_norm) against the rule before
 #           (-pair0), A B B A: 2B, 4B, 9B q4; 4 layers of the 2B shape against the CPU reference and under
 #           compute-sanitizer (bash bench/build_stop_plans.sh 2b-q4 4b-q4 9b-q4 2b-q4-pair0 4b-q4-pair0 9b-q4-pair0
@@ -59,6 +62,16 @@ for s in dict.fromkeys(r['shape'] for r in rows):
     best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:4]
     print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
 " "$out/swiglu.json" ;;
+  small)
+    (cd bench && NMP_MODEL=small timeout 300 python3 norm_matvec_probe.py time norm-matvec-small "$out/small.json" \
+      > "$out/small.txt" 2>&1); echo "probe: exit $?"; grep "(rule)" "$out/small.txt"
+    python3 -c "
+import json, sys
+rows = json.load(open(sys.argv[1]))['rows']
+for s in dict.fromkeys(r['shape'] for r in rows):
+    best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:3]
+    print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
+" "$out/small.json" ;;
   pair)
     STEP_TIMEOUT=150 PAIRS="qwen3.5-2b-sm90-q4-pair0:qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4-pair0:qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4-pair0:qwen3.5-9b-sm90-q4" \
       SANITIZE="qwen3.5-small2b4-sm90-q4" E2E="qwen3.5-small2b4-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;

@@ -8,7 +8,9 @@ Here:            python bench/norm_matvec_probe.py compile bench/norm-matvec-pro
 On the device:   cd bench && python3 norm_matvec_probe.py time norm-matvec-probe $OUT/norm-matvec.json
 (NMP_MODEL=80b, both here and there: Qwen3-Next-80B-A3B's shapes at hidden 2048 and a wider sweep of splits;
 NMP_MODEL=swiglu: the normed gate / up pair, rmsnorm_matvec_swiglu_kernel, at the 0.8B, 2B, 4B and 9B q4 MLPs (27B
-runs it on q4_stream), where stop 40's profiles put the 2B pair at 9.1 us a launch in the graph for 12.6 MB)
+runs it on q4_stream), where stop 40's profiles put the 2B pair at 9.1 us a launch in the graph for 12.6 MB;
+NMP_MODEL=small: matvec_add_kernel at the 0.8B-9B output projections and down projections, rmsnorm_matvec_kernel
+at their GDN in_proj, where the q4 rules were read off other shapes)
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ elif os.environ.get("NMP_MODEL") == "swiglu":  # (stop 40) the gate / up pair [I
     P = 256  # (the producer's partials: any count; the probe puts the whole sum in the first)
     SPLITS = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048, 4096) for nw in (1, 2, 4, 8)
               if 1 <= bn * bk // 256 // nw <= 32]
+elif os.environ.get("NMP_MODEL") == "small":  # (stop 40) the 0.8B-9B one-row q4 products but the gate / up pair
+    SHAPES = {"0.8b_out": (1024, 2048), "2b_out": (2048, 2048), "4b_out": (2560, 4096), "9b_out": (4096, 4096),
+              "0.8b_down": (1024, 3584), "2b_down": (2048, 6144), "4b_down": (2560, 9216), "9b_down": (4096, 12288),
+              "0.8b_in": (8224, 1024), "2b_in": (8224, 2048), "4b_in": (12352, 2560), "9b_in": (12352, 4096)}
+    P = 256
+    SPLITS = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048, 4096) for nw in (1, 2, 4, 8)
+              if 1 <= bn * bk // 256 // nw <= 16]
 else:
     SHAPES = {"in_proj": (16480, 5120), "attn_qkv": (14336, 5120)}  # the 27B GDN in_proj, attention q|gate|k|v
     P = 640  # the producer's partial sums of squares (matvec_add's programs at 5120 rows)
@@ -52,9 +61,17 @@ def _rule_split(n: int, k: int, kind: str) -> tuple[int, int, int]:
 KINDS = ("rmsnorm_matvec_swiglu",) if os.environ.get("NMP_MODEL") == "swiglu" else ("rmsnorm_matvec", "matvec")
 
 
+def _kinds(shape: str) -> tuple[str, ...]:
+    """The kernels timed at a shape: NMP_MODEL=small's by the shape's name (the products with the residual add
+    at the output and down projections, the normed one at in_proj), else KINDS."""
+    if os.environ.get("NMP_MODEL") == "small":
+        return ("rmsnorm_matvec",) if shape.endswith("_in") else ("matvec_add",)
+    return KINDS
+
+
 def _jobs():
     for shape, (n, k) in SHAPES.items():
-        for kind in KINDS:
+        for kind in _kinds(shape):
             rule = _rule_split(n, k, kind)
             for bn, bk, nw in SPLITS + ([rule] if rule not in SPLITS else []):
                 if bk < 2 * k:  # (up to the whole input in one tile)
@@ -63,8 +80,8 @@ def _jobs():
 
 def _compile(job):
     from kestrel.compiler.codegen import compile_kernel
-    from kestrel.kernels.matvec import (matvec_kernel, matvec_launch, norm_mode, rmsnorm_matvec_kernel,
-                                        rmsnorm_matvec_swiglu_kernel)
+    from kestrel.kernels.matvec import (matvec_add_kernel, matvec_kernel, matvec_launch, norm_mode,
+                                        rmsnorm_matvec_kernel, rmsnorm_matvec_swiglu_kernel)
     from kestrel.kernels.targets import TARGETS, pow2_at_least
 
     shape, n, k, kind, bn, bk, nw = job
@@ -73,6 +90,8 @@ def _compile(job):
     consts = rule | {"N": n, "K": k, "GROUP": GROUP, "BLOCK_N": bn, "BLOCK_K": bk}  # (its PDL_LATE, PRELOAD, ...)
     if kind == "matvec":
         fn, types = matvec_kernel, ["*fp32", "*u8", "*fp32"]
+    elif kind == "matvec_add":
+        fn, types = matvec_add_kernel, ["*fp32", "*u8", "*fp32", "*fp32", "*fp32", "i32"]
     elif pair:
         fn, types = rmsnorm_matvec_swiglu_kernel, ["*fp32", "*fp32", "*fp32", "*u8", "*u8", "*fp32", "fp32"]
         consts |= {"P": P, "BLOCK_P": pow2_at_least(P), "NORM": norm_mode(k, bk, GROUP)}
@@ -102,7 +121,8 @@ def time_all(folder: str, out: str) -> None:
     import torch
 
     from graph_timing import chain_times_us, rotating_copies
-    from kestrel.kernels.matvec import matvec_ref, q4_pack, q4_unpack, rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_ref
+    from kestrel.kernels.matvec import (matvec_add_ref, matvec_ref, q4_pack, q4_unpack, rmsnorm_matvec_ref,
+                                        rmsnorm_matvec_swiglu_ref)
     from kestrel.runtime import cuda as kc
 
     index = json.load(open(os.path.join(folder, "index.json")))
@@ -121,7 +141,9 @@ def time_all(folder: str, out: str) -> None:
         nw = 0.1 * torch.randn(k, generator=gen, device="cuda")
         ss = torch.zeros(P, device="cuda")
         ss[0] = (x.double() ** 2).sum().float()  # the mean square in one partial, the rest zero
-        refs = {"rmsnorm_matvec": rmsnorm_matvec_ref(x, ss, nw, deq, EPS), "matvec": matvec_ref(x, deq)}
+        r = torch.randn(n, generator=gen, device="cuda")
+        refs = {"rmsnorm_matvec": rmsnorm_matvec_ref(x, ss, nw, deq, EPS), "matvec": matvec_ref(x, deq),
+                "matvec_add": matvec_add_ref(x, deq, r, n)[0]}
         if pair:
             refs["rmsnorm_matvec_swiglu"] = rmsnorm_matvec_swiglu_ref(x, ss, nw, deq, q4_unpack(up, n, k, GROUP), EPS)
         for e in (e for e in index if e["shape"] == shape):
@@ -131,6 +153,10 @@ def time_all(folder: str, out: str) -> None:
             if e["kind"] == "matvec":
                 sets = [kc.PackedArgs(e["params"], [x.data_ptr(), b.data_ptr(), o.data_ptr()])
                         for b, o in zip(copies, outs)]
+            elif e["kind"] == "matvec_add":
+                sq = torch.zeros(e["grid"][0], device="cuda")
+                sets = [kc.PackedArgs(e["params"], [x.data_ptr(), b.data_ptr(), r.data_ptr(), o.data_ptr(),
+                                                    sq.data_ptr(), e["BLOCK_N"]]) for b, o in zip(copies, outs)]
             elif pair:
                 sets = [kc.PackedArgs(e["params"], [x.data_ptr(), ss.data_ptr(), nw.data_ptr(), b.data_ptr(),
                                                     u.data_ptr(), o.data_ptr(), EPS])
