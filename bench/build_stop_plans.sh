@@ -25,6 +25,7 @@
 #     27b-q4-spec3-cBxWxS (gdn_delta.commit_block / _warps / _stages = B, W, S)
 #     2b-bf16-q4early 4b-bf16-q4early (matvec.pdl_early_q4_only=True: bf16 matvecs late as before stop 39)
 #     2b-q4-pair0 4b-q4-pair0 9b-q4-pair0 (matvec.q4_pair_norm = (): the normed q4 gate / up pair's split as before stop 40)
+#     4b-q4-add8 9b-q4-add8 (matvec.q4_ctas_per_sm=2 q4_long_k=16384: stop 40 call 11's sweep, not yet run as a step)
 #     (next80-q4-noroute / next4-q4-noroute, stop 40 call 1: in this script at commit 5cfc1de, which had the rule)
 #     (any subset)
 set -eu
@@ -110,6 +111,8 @@ for p in "$@"; do
     next80-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-nshort0.plan ;;
     2b-q4-pair0|4b-q4-pair0|9b-q4-pair0) m=qwen3.5-${p%-q4-pair0}  # the normed q4 gate / up pair on the rule before stop 40
       python3 bench/build_variant.py "matvec.q4_pair_norm=()" -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pair0.plan ;;
+    4b-q4-add8|9b-q4-add8) m=qwen3.5-${p%-q4-add8}  # the q4 fewer-rows matvecs at 8 rows (4B) and 1024 inputs a tile (9B's down)
+      python3 bench/build_variant.py matvec.q4_ctas_per_sm=2 matvec.q4_long_k=16384 -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-add8.plan ;;
     2b-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3.5-2b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-2b-sm90-q4-nshort0.plan ;;
     next80-q4-g*|next4-q4-g*|next4-q4-spec3-g*) g=${p##*-g}; bn=${g%x*}; nw=${g#*x}  # moe.down_gather = (BLOCK_N, warps)
       case $p in next80*) m=qwen3-next-80b-a3b; x="--max-seq 4096 --prefill-rows 256"; o=qwen3-next-80b-a3b-sm90-q4;;

@@ -16,6 +16,9 @@
 #   small   bench/norm_matvec_probe.py NMP_MODEL=small: matvec_add at the 0.8B-9B output / down projections and
 #           rmsnorm_matvec at their GDN in_proj over 520 splits (here: cd bench && NMP_MODEL=small python
 #           norm_matvec_probe.py compile norm-matvec-small; carry bench/norm-matvec-small)
+#   add8    (prepared, not run: the device budget ran out) call 11's splits for the q4 products with fewer rows as a
+#           whole step, A B B A: matvec.q4_ctas_per_sm=2 (4B's 2560-row products at 8 rows) and q4_long_k=16384 (9B's
+#           down at 1024 inputs a tile) (bash bench/build_stop_plans.sh 4b-q4 9b-q4 4b-q4-add8 9b-q4-add8)
 #   pair    the normed q4 gate / up pair on call 7's splits (matvec.q4_pair_norm) against the rule before
 #           (-pair0), A B B A: 2B, 4B, 9B q4; 4 layers of the 2B shape against the CPU reference and under
 #           compute-sanitizer (bash bench/build_stop_plans.sh 2b-q4 4b-q4 9b-q4 2b-q4-pair0 4b-q4-pair0 9b-q4-pair0
@@ -72,6 +75,9 @@ for s in dict.fromkeys(r['shape'] for r in rows):
     best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:3]
     print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
 " "$out/small.json" ;;
+  add8)
+    STEP_TIMEOUT=100 PAIRS="qwen3.5-4b-sm90-q4:qwen3.5-4b-sm90-q4-add8 qwen3.5-9b-sm90-q4:qwen3.5-9b-sm90-q4-add8" \
+      bash bench/device_preload_ab.sh "$out" ;;
   pair)
     STEP_TIMEOUT=150 PAIRS="qwen3.5-2b-sm90-q4-pair0:qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4-pair0:qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4-pair0:qwen3.5-9b-sm90-q4" \
       SANITIZE="qwen3.5-small2b4-sm90-q4" E2E="qwen3.5-small2b4-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
