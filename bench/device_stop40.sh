@@ -35,6 +35,18 @@ profile() {  # PLAN: kestrel-run --profile, the in-graph table printed
     > "$out/profile-$1.txt" 2>&1; echo "$1: exit $?"; grep -A22 "^in the graph" "$out/profile-$1.txt" | head -24
   grep "^\[gpu\]" "$out/profile-$1.txt" | head -1
 }
+probe() {  # MODE SECONDS: bench/norm_matvec_probe.py NMP_MODEL=MODE on bench/norm-matvec-MODE's cubins (carried); each
+  # shape's rule row and its fastest splits printed
+  (cd bench && NMP_MODEL=$1 timeout $2 python3 norm_matvec_probe.py time norm-matvec-$1 "$out/$1.json" > "$out/$1.txt" 2>&1)
+  echo "probe: exit $?"; grep "(rule)" "$out/$1.txt"
+  python3 -c "
+import json, sys
+rows = json.load(open(sys.argv[1]))['rows']
+for s in dict.fromkeys(r['shape'] for r in rows):
+    best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:4]
+    print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
+" "$out/$1.json"
+}
 case $2 in
   route)
     mkdir -p "$out/e2e"
@@ -55,26 +67,8 @@ case $2 in
              qwen3-next-80b-a3b-sm90-q4; do profile $p; done
     (cd "$out" && tar cf profiles.tar profile-* && rm -f profile-*)  # (a call returns 8 files at most)
     STEP_TIMEOUT=150 SEQ="qwen3.5-27b-sm90-bf16" bash bench/device_preload_ab.sh "$out" ;;
-  swiglu)
-    (cd bench && NMP_MODEL=swiglu timeout 500 python3 norm_matvec_probe.py time norm-matvec-swiglu "$out/swiglu.json" \
-      > "$out/swiglu.txt" 2>&1); echo "probe: exit $?"; grep "(rule)" "$out/swiglu.txt"
-    python3 -c "
-import json, sys
-rows = json.load(open(sys.argv[1]))['rows']
-for s in dict.fromkeys(r['shape'] for r in rows):
-    best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:4]
-    print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
-" "$out/swiglu.json" ;;
-  small)
-    (cd bench && NMP_MODEL=small timeout 300 python3 norm_matvec_probe.py time norm-matvec-small "$out/small.json" \
-      > "$out/small.txt" 2>&1); echo "probe: exit $?"; grep "(rule)" "$out/small.txt"
-    python3 -c "
-import json, sys
-rows = json.load(open(sys.argv[1]))['rows']
-for s in dict.fromkeys(r['shape'] for r in rows):
-    best = sorted((r for r in rows if r['shape'] == s), key=lambda r: r['us'])[:3]
-    print(s, [(r['BLOCK_N'], r['BLOCK_K'], r['warps'], round(r['us'], 2), '%.1e' % r['rel_err']) for r in best])
-" "$out/small.json" ;;
+  swiglu) probe swiglu 500 ;;
+  small) probe small 300 ;;
   add8)
     STEP_TIMEOUT=100 PAIRS="qwen3.5-4b-sm90-q4:qwen3.5-4b-sm90-q4-add8 qwen3.5-9b-sm90-q4:qwen3.5-9b-sm90-q4-add8" \
       bash bench/device_preload_ab.sh "$out" ;;
