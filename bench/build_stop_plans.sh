@@ -26,6 +26,9 @@
 #     2b-bf16-q4early 4b-bf16-q4early (matvec.pdl_early_q4_only=True: bf16 matvecs late as before stop 39)
 #     2b-q4-pair0 4b-q4-pair0 9b-q4-pair0 (matvec.q4_pair_norm = (): the normed q4 gate / up pair's split as before stop 40)
 #     4b-q4-add8 9b-q4-add8 (matvec.q4_ctas_per_sm=2 q4_long_k=16384: stop 40 call 11's sweep, not yet run as a step)
+#     next80-q4-sort next4-q4-sort (moe.topk_sort=True: moe_topk's bitonic top-k form at the rule's warps, stop 41
+#     call 1, when the rule had 1) next80-q4-rounds (moe.topk_sort=False router_warps=1: moe_topk before stop 41)
+#     9b-q4-long12k (matvec.q4_long_k=12288: 9B's down at 2048 inputs a tile, as before stop 41)
 #     (next80-q4-noroute / next4-q4-noroute, stop 40 call 1: in this script at commit 5cfc1de, which had the rule)
 #     (any subset)
 set -eu
@@ -111,6 +114,14 @@ for p in "$@"; do
     next80-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-nshort0.plan ;;
     2b-q4-pair0|4b-q4-pair0|9b-q4-pair0) m=qwen3.5-${p%-q4-pair0}  # the normed q4 gate / up pair on the rule before stop 40
       python3 bench/build_variant.py "matvec.q4_pair_norm=()" -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pair0.plan ;;
+    next80-q4-sort)  # moe_topk's bitonic top-k form
+      python3 bench/build_variant.py moe.topk_sort=True -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-sort.plan ;;
+    next80-q4-rounds)  # moe_topk's serial max rounds at one warp (the rule before stop 41)
+      python3 bench/build_variant.py moe.topk_sort=False moe.router_warps=1 -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-rounds.plan ;;
+    9b-q4-long12k)  # 9B's down at 2048 inputs a tile (the rule before stop 41)
+      python3 bench/build_variant.py matvec.q4_long_k=12288 -- qwen3.5-9b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-9b-sm90-q4-long12k.plan ;;
+    next4-q4-sort) d=$(next4)
+      python3 bench/build_variant.py moe.topk_sort=True -- "$d" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-sort.plan ;;
     4b-q4-add8|9b-q4-add8) m=qwen3.5-${p%-q4-add8}  # the q4 fewer-rows matvecs at 8 rows (4B) and 1024 inputs a tile (9B's down)
       python3 bench/build_variant.py matvec.q4_ctas_per_sm=2 matvec.q4_long_k=16384 -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-add8.plan ;;
     2b-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3.5-2b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-2b-sm90-q4-nshort0.plan ;;

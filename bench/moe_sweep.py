@@ -65,7 +65,8 @@ def rules():
 
 def jobs():
     rule = rules()
-    out = [("topk", dict(rule["topk"]["constexprs"]), nw) for nw in (1, 2, 4)]
+    out = [("topk", dict(rule["topk"]["constexprs"]) | {"SORT": sort}, nw) for sort in (False, True)
+           for nw in (1, 2, 4)]  # (SORT: stop 41's bitonic top-k form)
     base = rule["gate_up"]["constexprs"]
     out += [("gate_up", base | c, nw) for c, nw in gate_up_variants()]
     plain = {k: v for k, v in base.items() if k not in ("P", "BLOCK_P")}  # moe_gate_up (no norm folded in)
@@ -212,7 +213,7 @@ def time_all(folder, out):
         us = statistics.median(launch_times_us(kern, grid, packed, replays=8))
         row = dict(e, us=us, err=err)
         rows.append(row)
-        print(f"{kind:9} {json.dumps({k: v for k, v in c.items() if k.startswith(('BLOCK', 'STAGES'))})} nw={e['num_warps']} "
+        print(f"{kind:9} {json.dumps({k: v for k, v in c.items() if k.startswith(('BLOCK', 'STAGES', 'SORT'))})} nw={e['num_warps']} "
               f"{us:8.2f} us err {err:.1e}{' (rule)' if e['rule'] else ''}", flush=True)
         first.setdefault(kind, row)
     json.dump(rows, open(out, "w"), indent=1)
@@ -220,7 +221,7 @@ def time_all(folder, out):
     for kind in ("topk", "gate_up", "gate_up_plain", "down_add"):
         rs = sorted((r for r in rows if r["kind"] == kind and r["err"] < 1e-3), key=lambda r: r["us"])
         for r in rs[:6] + [r for r in rows if r["kind"] == kind and r["rule"]]:
-            print(f"{kind:9} {json.dumps({k: v for k, v in r['consts'].items() if k.startswith(('BLOCK', 'STAGES'))})} "
+            print(f"{kind:9} {json.dumps({k: v for k, v in r['consts'].items() if k.startswith(('BLOCK', 'STAGES', 'SORT'))})} "
                   f"nw={r['num_warps']} {r['us']:8.2f} us err {r['err']:.1e}{' (rule)' if r['rule'] else ''}")
 
 

@@ -248,10 +248,11 @@ def moe_combine_ref(y_s, pos, weights, x, sgate, shared) -> torch.Tensor:
 
 
 def moe_topk_launch(rows: int, e: int, top_k: int, target) -> dict:
-    """One program per row, the E logits in registers (BLOCK_E = pow2(E))."""
-    return {"grid": [rows, 1, 1], "num_warps": target.rules["moe"].router_warps,
+    """One program per row, the E logits in registers (BLOCK_E = pow2(E)); SORT from the moe rule's topk_sort."""
+    r = target.rules["moe"]
+    return {"grid": [rows, 1, 1], "num_warps": r.router_warps,
             "constexprs": {"E": e, "TOPK": top_k, "BLOCK_E": pow2_at_least(e),
-                           "BLOCK_T": pow2_at_least(max(2, top_k))}}
+                           "BLOCK_T": pow2_at_least(max(2, top_k)), "SORT": r.topk_sort}}
 
 
 def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]:
@@ -332,12 +333,15 @@ def moe_combine_launch(m: int, h: int, top_k: int, target) -> dict:
 
 @triton.jit
 def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SORT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Row program_id(0) of the router's logits [M, E] (the matvec's): softmax in fp32, the TOPK largest
     probabilities, renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights
     [M, TOPK] (f32) of the row written. Each rank is one max over a 64-bit key per expert: the
     probability's bits (a non-negative float orders as its bit pattern) above BLOCK_E - 1 - index, so the
-    largest key is the largest probability and, among equal ones, the lower index (the tie rule)."""
+    largest key is the largest probability and, among equal ones, the lower index (the tie rule). SORT: the
+    BLOCK_T largest keys at once by Triton's bitonic top-k (``tl.topk``: compare-and-swap stages, most of them
+    inside a thread's registers) instead of TOPK serial max rounds; the keys are distinct, so both forms give the
+    same ids in the same order, and the sum runs in rank order either way (bit-identical results)."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     es = tl.arange(0, BLOCK_E)
@@ -348,20 +352,28 @@ def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.conste
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
     key = tl.where(emask, key, -1)
     ts = tl.arange(0, BLOCK_T)
-    ids = tl.zeros([BLOCK_T], tl.int32)
-    vals = tl.zeros([BLOCK_T], tl.float32)
-    total = 0.0
-    for j in tl.static_range(TOPK):
-        top = tl.max(key, axis=0)
-        idx = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
-        m = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        ids = tl.where(ts == j, idx, ids)
-        vals = tl.where(ts == j, m, vals)
-        if j == 0:
-            total = m
-        else:
-            total = total + m
-        key = tl.where(es == idx, -1, key)
+    if SORT:
+        top = tl.topk(key, BLOCK_T)  # the BLOCK_T largest keys, largest first
+        ids = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+        vals = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        total = tl.sum(tl.where(ts == 0, vals, 0.0), axis=0)
+        for j in tl.static_range(1, TOPK):  # in rank order (x + 0 is exact: each sum picks one value)
+            total = total + tl.sum(tl.where(ts == j, vals, 0.0), axis=0)
+    else:
+        ids = tl.zeros([BLOCK_T], tl.int32)
+        vals = tl.zeros([BLOCK_T], tl.float32)
+        total = 0.0
+        for j in tl.static_range(TOPK):
+            top = tl.max(key, axis=0)
+            idx = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+            m = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            ids = tl.where(ts == j, idx, ids)
+            vals = tl.where(ts == j, m, vals)
+            if j == 0:
+                total = m
+            else:
+                total = total + m
+            key = tl.where(es == idx, -1, key)
     if norm_topk != 0:
         vals = vals / total
     tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)

@@ -227,6 +227,7 @@ class MoeRule(Rule):
     grouped_down: tuple         # moe_down_grouped: (BLOCK_N, BLOCK_K, num_warps)
     down_gather: tuple = ()     # moe_down of q4 experts: (BLOCK_N, num_warps) of the gathered form (every routed
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
+    topk_sort: bool = False     # moe_topk: the top-k by one bitonic top-k (SORT) rather than k serial max rounds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,7 +338,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "matvec": MatvecRule(
         ctas_per_sm=4, max_block_n=16,
         q4_wide_ctas_per_sm=5, q4_wide_block_k=512, q4_min_block_n=4, q4_max_block_n=8, q4_ctas_per_sm=3,
-        q4_block_k=1024, q4_long_k=12288, q4_long_block_k=2048, q4_warps=4, q4_norm_short_k=2048,
+        q4_block_k=1024, q4_long_k=16384, q4_long_block_k=2048, q4_warps=4, q4_norm_short_k=2048,
         q4_norm_short_wide=(16, 2), q4_pair_norm=((1024, 8, 1024, 4), (2048, 8, 2048, 8), (3072, 16, 512, 2)),
         small_matrix_bytes=32 << 20, small_max_block_k=2048, small_tile_elems=4096, small_max_warps=4,
         small_elems_per_warp=256,
@@ -347,7 +348,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                     _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt",
                     _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar",
                     _RESULTS + "stop38/call10/ab.tar", _RESULTS + "stop40/call7/swiglu.json",
-                    _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar")),
+                    _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar",
+                    _RESULTS + "stop40/call11/small.json", _RESULTS + "stop41/call1/add8/ab.tar")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;
@@ -396,15 +398,16 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                                   small_short=(8, 256, 2), small_long=(4, 1024, 2),
                                   provenance=(_TUNING + "rows-sweep-h200.json",)),
     # Qwen3-Next's router and grouped expert matvecs (kernels/moe.py): written without a device, not timed
-    # the one-row kernels at the 80B-A3B shape (bench/moe_sweep.py): moe_topk one warp (3.37 us against 3.52
-    # with 4), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
+    # the one-row kernels at the 80B-A3B shape (bench/moe_sweep.py): moe_topk's bitonic form (SORT) at 4 warps
+    # (stop 41 call 1: 2.73 us alone against the serial max rounds' 3.32 at one warp, 3.47 at 4; SORT at one
+    # warp 4.74, and the step with it 1.840 -> 1.914 ms/token: the kernel's time reaches the step), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
     # moe_down: the matvec rule's tiles, its experts unrolled (bf16); q4 gathered (stop 38: 16 rows x 8 warps, 5.99
     # us alone against the unrolled rule's 8.20; the 80B-A3B q4 step 1.992 -> 1.894 ms/token at 8 x 4, 1.875 at 16 x 8)
-    "moe": MoeRule(router_warps=1, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
+    "moe": MoeRule(router_warps=4, topk_sort=True, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), down_gather=(16, 8),
                    provenance=(_TUNING + "moe-sweep-h200.json", _RESULTS + "stop38/call3/moe-sweep-gather.json",
-                               _RESULTS + "stop38/call4/ab.tar")),
+                               _RESULTS + "stop38/call4/ab.tar", _RESULTS + "stop41/call1/topk/moe-sweep-topk.json")),
     # one rule of the 1,019-variant sweep (stop 25 call 1, every variant exact to <= 2.4e-7 of q4_mma_ref): RB 4 x
     # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
     # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,

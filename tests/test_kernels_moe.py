@@ -20,27 +20,28 @@ from kestrel.kernels.targets import ALL_TARGETS, TARGETS, override_rules
 SM90 = TARGETS["sm_90"]
 
 
-def _router(x, w, k, norm):
+def _router(x, w, k, norm, sort=False):
     """The router as the GPU runs it after fuse: the logits (the matvec's product, tested in
-    test_kernels_matvec.py) then moe_topk_kernel."""
+    test_kernels_matvec.py) then moe_topk_kernel (``sort``: its SORT form, one bitonic top-k)."""
     rows, h = x.shape
     e = w.shape[0]
     logits = matvec_ref(x, w).contiguous()
     ids = torch.full((rows, k), -7, dtype=torch.int32)
     wts = torch.full((rows, k), float("nan"))
     c = moe_topk_launch(rows, e, k, SM90)
-    interpret(moe_topk_kernel)[tuple(c["grid"])](logits, ids, wts, k, norm, **c["constexprs"])
+    interpret(moe_topk_kernel)[tuple(c["grid"])](logits, ids, wts, k, norm, **(c["constexprs"] | {"SORT": sort}))
     return ids, wts
 
 
+@pytest.mark.parametrize("sort", [False, True])
 @pytest.mark.parametrize("e,k,norm,dtype", [(8, 2, 1, torch.float32), (60, 10, 1, torch.bfloat16),
                                             (16, 4, 0, torch.float32), (5, 5, 1, torch.bfloat16)])
-def test_router(e, k, norm, dtype):
+def test_router(e, k, norm, dtype, sort):
     g = torch.Generator().manual_seed(e + k)
     h = 96  # not a power of two: a masked K tail
     x = torch.randn(3, h, generator=g)
     w = (torch.randn(e, h, generator=g) * h ** -0.5 * 3).to(dtype)
-    ids, wts = _router(x, w, k, norm)
+    ids, wts = _router(x, w, k, norm, sort)
     ref_ids, ref_wts = moe_router_ref(x, w, k, norm)
     assert torch.equal(ids, ref_ids), (ids, ref_ids)
     assert_close(wts, ref_wts, 1e-6, 1e-7, "routing weights")
@@ -49,18 +50,37 @@ def test_router(e, k, norm, dtype):
     assert len(set(ids[0].tolist())) == k  # k distinct experts
 
 
-def test_router_ties_lower_index_first():
-    """Experts 1, 4 and 6 have equal router rows (equal logits, equal probabilities): the kernel and the
-    reference rank the lower index first."""
+@pytest.mark.parametrize("sort", [False, True])
+def test_router_ties_lower_index_first(sort):
+    """Experts 1, 4 and 6 have equal router rows (equal logits, equal probabilities): the kernel (either form)
+    and the reference rank the lower index first."""
     g = torch.Generator().manual_seed(3)
     h, e = 64, 8
     w = torch.randn(e, h, generator=g) * 0.1
     x = torch.randn(1, h, generator=g)
     w[4] = w[1] = w[6] = x[0] / x[0].norm() * 2  # the largest logit, three times
-    ids, wts = _router(x, w, 2, 1)
+    ids, wts = _router(x, w, 2, 1, sort)
     ref_ids, _ = moe_router_ref(x, w, 2, 1)
     assert ids[0].tolist() == ref_ids[0].tolist() == [1, 4]
     assert wts[0, 0] == wts[0, 1] == 0.5
+
+
+def test_topk_sort_form_equals_the_max_rounds_bit_for_bit():
+    """At the 80B-A3B router (E 512, k 10), with a block of tied logits among the largest: the SORT form's ids and
+    weights are the serial max rounds' bit for bit (the same distinct keys, the sum in rank order)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 512, generator=g)
+    logits[1, 100:140] = logits[1].max()  # 40 experts tied for first place
+    out = []
+    for sort in (False, True):
+        ids = torch.full((2, 10), -7, dtype=torch.int32)
+        wts = torch.full((2, 10), float("nan"))
+        c = moe_topk_launch(2, 512, 10, SM90)
+        interpret(moe_topk_kernel)[tuple(c["grid"])](logits, ids, wts, 10, 1, **(c["constexprs"] | {"SORT": sort}))
+        out.append((ids, wts))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert out[1][0][1].tolist() == list(range(100, 110))
+    assert torch.equal(out[1][0], moe.moe_topk_ref(logits, 10, 1)[0])
 
 
 def test_torch_topk_has_no_fixed_tie_order_but_agrees_without_ties():
@@ -278,8 +298,10 @@ def aot_jobs():
             continue
         t = TARGETS[name]
         r = moe_topk_launch(1, e, k, t)
-        jobs.append([f"moe_topk/{name}", "kestrel.kernels.moe:moe_topk_kernel",
-                     ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"], r["num_warps"], t.cc])
+        for sort in (False, True):  # (both forms: the rule picks one)
+            jobs.append([f"moe_topk/{name}" + ("-sort" if sort else ""), "kestrel.kernels.moe:moe_topk_kernel",
+                         ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"] | {"SORT": sort}, r["num_warps"],
+                         t.cc])
         gr = moe.moe_group_launch(256 * k, e, k, moe.GROUPED_CHUNK, t)
         jobs.append([f"moe_group/{name}", "kestrel.kernels.moe:moe_group_kernel",
                      ["*i32", "*i32", "*i32", "*i32", "i32", "i32"], gr["constexprs"], gr["num_warps"], t.cc])
@@ -337,7 +359,7 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 15 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 16 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
