@@ -80,7 +80,10 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
 
 def _layer_of(op) -> int | None:
     """The decoder layer a launch belongs to (from its weights' and states' names), None outside the
-    layers (embedding, final norm, lm_head, sampling)."""
+    layers (embedding, final norm, lm_head, sampling; the gather with the first layer's norm folded in,
+    ``embedding_rmsnorm``, stays the embedding's)."""
+    if op.kind == "embedding_rmsnorm":
+        return None
     for x in op.ins:
         if isinstance(x, (Weight, State)):
             m = _LAYER.search(x.name)
@@ -116,7 +119,7 @@ def _launch_bytes(op, counted: dict) -> dict:
                 counted[id(x)] = 0
                 rows.append(x.type.nbytes // x.type.shape[0])
             continue
-        if op.kind in ("embedding", "embedding_rows", "embedding_next_rows") and i == 0:
+        if op.kind in ("embedding", "embedding_rmsnorm", "embedding_rows", "embedding_next_rows") and i == 0:
             want = x.type.nbytes // x.type.shape[0] * op.attrs.get("rows", 1)
         elif i in STACKED_EXPERTS.get(op.kind, (0, 0, ()))[2]:  # the routed experts' slices only: top_k of E a row
             at, dims, _ = STACKED_EXPERTS[op.kind]

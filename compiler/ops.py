@@ -101,6 +101,13 @@ def _infer_embedding(ins, a):
     return [_f32((_t(table).shape[1],))]
 
 
+def _infer_embedding_rmsnorm(ins, a):
+    table, tok, w = ins
+    (x,) = _infer_embedding([table, tok], a)
+    _need(_t(w).shape == x.shape, f"embedding_rmsnorm weight {_t(w).shape} vs the row {x.shape}")
+    return [x, x]
+
+
 def _infer_rmsnorm(ins, a):
     x, w = ins
     _need(_t(w).shape == (_t(x).shape[-1],), f"rmsnorm weight {_t(w).shape} vs last axis of {_t(x).shape}")
@@ -848,8 +855,9 @@ def _rmsnorm_matvec(op: Op, t: Target) -> dict:
             **matvec.rmsnorm_matvec_launch(*_matrix(w), op.ins[1].type.shape[0], t, pair=swiglu)}
 
 
-def _embedding(op: Op, t: Target) -> dict:
-    return {"kernel": f"embedding_{op.ins[0].type.dtype}", **embedding.embedding_launch(op.outs[0].type.shape[0], t)}
+def _embedding_rmsnorm(op: Op, t: Target) -> dict:
+    return {"kernel": f"embedding_rmsnorm_{op.ins[0].type.dtype}",
+            **embedding.embedding_rmsnorm_launch(op.outs[0].type.shape[0], t)}
 
 
 def _rmsnorm(op: Op, t: Target) -> dict:
@@ -1032,6 +1040,11 @@ def _onnx_sample(ex, op, logits, *ignored):  # greedy: sample_ref at temperature
     ex.next_token = ex.g.node("ArgMax", [ex.f32(logits)], axis=0, keepdims=1, select_last_index=0)
 
 
+def _onnx_embedding_rmsnorm(ex, op, table, tok, w):
+    x = _onnx_embedding(ex, op, table, tok)
+    return x, ex.rmsnorm(x, ex.f32(w), op.attrs["eps"])
+
+
 def _onnx_add_rmsnorm(ex, op, x, y, w):
     s = ex.g.node("Add", [ex.f32(x), ex.f32(y)])
     return s, ex.rmsnorm(s, ex.f32(w), op.attrs["eps"])
@@ -1200,7 +1213,8 @@ _SPEC_ONNX = NotApplicable("part of the speculative programs; the ONNX step is t
 _MOE_ONNX = NotApplicable("the ONNX export covers the dense Qwen3.5 step; Qwen3-Next's routed experts are not exported")
 
 OPS: dict[str, OpDef] = {d.name: d for d in (
-    OpDef("embedding", "wd", (), _infer_embedding, embedding.embedding_ref, Kernel(embedding.embedding_kernel, _embedding),
+    OpDef("embedding", "wd", (), _infer_embedding, embedding.embedding_ref,
+          NotApplicable("the GPU runs it inside embedding_rmsnorm, with the norm after it (fuse)"),
           _onnx_embedding, doc="row `token` of the table"),
     OpDef("rmsnorm", "tw", ("eps",), _infer_rmsnorm, rmsnorm.rmsnorm_ref, Kernel(rmsnorm.rmsnorm_kernel, _rmsnorm),
           lambda ex, op, x, w: ex.rmsnorm(ex.f32(x), ex.f32(w), op.attrs["eps"]),
@@ -1258,6 +1272,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           inout=(3,), writes_dyn=True,
           doc="tokens[pos+1] = sampled unless still inside the prompt; token = tokens[pos+1]; pos += 1"),
     # --- fused ops (made by passes/fuse.py) ---
+    OpDef("embedding_rmsnorm", "wdw", ("eps",), _infer_embedding_rmsnorm, embedding.embedding_rmsnorm_ref,
+          Kernel(embedding.embedding_rmsnorm_kernel, _embedding_rmsnorm), _onnx_embedding_rmsnorm,
+          doc="x = row `token` of the table; (x, rmsnorm(x, w))"),
     OpDef("add_rmsnorm", "vvw", ("eps",), _infer_add_rmsnorm, rmsnorm.add_rmsnorm_ref,
           Kernel(rmsnorm.add_rmsnorm_kernel, _rmsnorm), _onnx_add_rmsnorm, doc="s = x + y; (s, rmsnorm(s, w))"),
     OpDef("matmul_swiglu", "vww", (), _infer_matmul_swiglu, matvec.matvec_swiglu_ref,

@@ -14,7 +14,9 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      rope, kv_append, attention split over kv heads and the sequence, sigmoid_gate), with the
      scratch states its split needs (``scratch.attn_partials``, ``scratch.attn_tickets``, shared by
      all its layers), made with one split: the target's split count is select_kernels' decision
-  4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm)
+  4. ``add`` feeding an ``rmsnorm``                    -> ``add_rmsnorm`` (residual add + next norm); the
+     one-token ``embedding`` feeding one                -> ``embedding_rmsnorm`` (the gather + the first
+     layer's norm in one program: the norm's launch cost the H200 graphs 6-12 us a token)
   5. sibling ``matmul``s reading the same vector with weights of one dtype -> one ``matmul`` on the
      row-concatenated weight, its result sliced back (slices of a vector are free views; at M rows
      the slices are along the last axis); the same siblings read by another vector (the MTP head's
@@ -237,6 +239,22 @@ def _fuse_add_rmsnorm(p: Program) -> int:
     return count
 
 
+def _fuse_embedding_rmsnorm(p: Program) -> int:
+    g, count = _Graph(p), 0
+    for op in list(p.ops):
+        emb = g.prod(op.ins[0], "embedding") if op.kind == "rmsnorm" else None
+        if emb is None or any(u.kind == "rmsnorm" and u is not op and p.ops.index(u) < p.ops.index(op)
+                              for u in g.users[id(emb.outs[0])]):
+            continue
+        x, n = Value(emb.outs[0].type), op.outs[0]
+        p.ops[p.ops.index(emb)] = Op("embedding_rmsnorm", [x, n], [*emb.ins, op.ins[1]], dict(op.attrs))
+        p.ops.remove(op)
+        _replace_uses(p, emb.outs[0], x)
+        g = _Graph(p)
+        count += 1
+    return count
+
+
 def _concat_name(weights: list[Weight]) -> str:
     names = [w.name for w in weights]
     prefix = names[0].rsplit(".", 1)[0] + "."
@@ -454,7 +472,7 @@ def _split_router(p: Program) -> int:
 
 
 REWRITES = (("matmul_swiglu", _fuse_swiglu), ("moe_gate_up + moe_down", _split_moe), ("moe_topk", _split_router), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
-            ("add_rmsnorm", _fuse_add_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
+            ("add_rmsnorm", _fuse_add_rmsnorm), ("embedding_rmsnorm", _fuse_embedding_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
             ("norm into matmuls", fold_norms_into_matmuls), ("dead ops", _drop_dead))
 
 

@@ -40,7 +40,7 @@ MATRIX_OPERANDS = {"matmul": (1,), "matmul_swiglu": (1, 2), "matmul_add": (1,), 
 # (llama.cpp keeps ffn_gate_inp unquantised too), and the shared expert's one-row gate
 BF16_MATRIX_OPERANDS = {"moe_router": (1,), "moe_experts": (9,), "moe_gate_up": (6,), "rmsnorm_moe_gate_up": (8,),
                         "moe_combine": (4,)}
-TABLE_OPS = ("embedding", "embedding_rows")  # operand 0 is an embedding table
+TABLE_OPS = ("embedding", "embedding_rmsnorm", "embedding_rows")  # operand 0 is an embedding table
 DRAFT_PREFIX = "mtp."  # the draft model's weights (compiler/qwen3_5.py's MTP head and its draft lm_head)
 DRAFT_QUANT_MODES = ("q4",)
 

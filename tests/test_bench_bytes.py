@@ -67,7 +67,8 @@ def test_tied_table_is_charged_whole_at_the_lm_head():
     launches = launch_list(p, {d: 0 for d in p.dyn})
     table = cfg.vocab_size * cfg.hidden_size * 4
     row = cfg.hidden_size * 4
-    assert launches[0]["op"] == "embedding" and launches[0]["bytes"]["fixed"] == row
+    assert launches[0]["op"] == "embedding_rmsnorm" and launches[0]["bytes"]["fixed"] == row + cfg.hidden_size * 4
+    # (the gather's row, and the first layer's norm weight, charged at the gather that norms it)
     head = next(ln for ln in launches if ln["op"] == "matmul" and ln["layer"] is None)
     assert head["bytes"]["fixed"] == table - row
     _, untied = planned(False)

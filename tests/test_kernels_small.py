@@ -8,8 +8,9 @@ import triton.language as tl
 
 from kernel_harness import COMPILE_SCRIPT, assert_close, interpret, split_compile_fixture
 from kestrel.compiler.codegen import compile_kernel, jit_name
-from kestrel.kernels.embedding import (embedding_kernel, embedding_launch, embedding_ref, embedding_rows_kernel,
-                                       embedding_rows_launch, embedding_rows_ref)
+from kestrel.kernels.embedding import (embedding_ref, embedding_rmsnorm_kernel, embedding_rmsnorm_launch,
+                                       embedding_rmsnorm_ref, embedding_rows_kernel, embedding_rows_launch,
+                                       embedding_rows_ref)
 from kestrel.kernels.rmsnorm import (add_rmsnorm_kernel, add_rmsnorm_ref, rmsnorm_kernel, rmsnorm_launch,
                                      rmsnorm_ref)
 from kestrel.kernels.sample import (SCRATCH_HEADER, _uniform, chunk_last_kernel, chunk_last_ref, last_row_kernel,
@@ -30,13 +31,23 @@ def f32(v):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_embedding(dtype):
+@pytest.mark.parametrize("hidden", [1500, 2048])
+def test_embedding_rmsnorm(dtype, hidden):
+    """The gather (exact) and the norm after it, against the references composed; the norm's arithmetic is
+    rmsnorm_kernel's on the same row, bit for bit."""
     g = torch.Generator().manual_seed(1)
-    table = torch.randn(50, 1500, generator=g).to(dtype)
-    out = torch.full((1500,), float("nan"))
-    c = embedding_launch(1500, TARGETS["sm_90"])
-    interpret(embedding_kernel)[tuple(c["grid"])](table, i32(37), out, **c["constexprs"])
-    assert torch.equal(out, embedding_ref(table, 37))
+    table = torch.randn(50, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g) * 0.1
+    x, n = torch.full((hidden,), float("nan")), torch.full((hidden,), float("nan"))
+    c = embedding_rmsnorm_launch(hidden, TARGETS["sm_90"])
+    interpret(embedding_rmsnorm_kernel)[tuple(c["grid"])](table, i32(37), w, x, n, 1e-6, **c["constexprs"])
+    ref_x, ref_n = embedding_rmsnorm_ref(table, 37, w, 1e-6)
+    assert torch.equal(x, embedding_ref(table, 37)) and torch.equal(x, ref_x)
+    assert_close(n, ref_n, 2e-6, 1e-6, "normed row")
+    alone = torch.full((hidden,), float("nan"))
+    r = rmsnorm_launch((hidden,), TARGETS["sm_90"])
+    interpret(rmsnorm_kernel)[tuple(r["grid"])](x, w, alone, 1e-6, **r["constexprs"])
+    assert torch.equal(n, alone)
 
 
 # M-row chunks: (pos, n_prompt) with every row valid, a partial last chunk, none valid, past max_seq
@@ -314,7 +325,8 @@ def aot_jobs():
     """Every kernel of this file at its sm_90 launch, for every target's cc (COMPILE_SCRIPT jobs)."""
     t = TARGETS["sm_90"]
     kernels = [
-        ("embedding_bf16", embedding_kernel, ["*bf16", "*i32", "*fp32"], embedding_launch(5120, t)),
+        ("embedding_rmsnorm_bf16", embedding_rmsnorm_kernel, ["*bf16", "*i32", "*fp32", "*fp32", "*fp32", "fp32"],
+         embedding_rmsnorm_launch(5120, t)),
         ("rmsnorm", rmsnorm_kernel, ["*fp32", "*fp32", "*fp32", "fp32"], rmsnorm_launch((5120,), t)),
         ("add_rmsnorm", add_rmsnorm_kernel, ["*fp32"] * 5 + ["fp32"], rmsnorm_launch((5120,), t)),
         ("sample", sample_kernel, ["*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32", "*i32"],

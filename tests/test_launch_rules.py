@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kestrel.kernels.attention import SMEM_OPTIN, attn_splits, attn_step_launch
-from kestrel.kernels.embedding import embedding_launch
+from kestrel.kernels.embedding import embedding_rmsnorm_launch, embedding_rows_launch
 from kestrel.kernels.gated_delta import gdn_delta_launch, gdn_norm_launch
 from kestrel.kernels.gemm import gemm_launch
 from kestrel.kernels.matvec import matvec_launch
@@ -74,8 +74,10 @@ EXPECTED_SM_90 = [
     (rmsnorm_launch, ((1024,),), L([1, 1, 1], 4, N=1024, BLOCK=1024)),
     (rmsnorm_launch, ((2048,),), L([1, 1, 1], 8, N=2048, BLOCK=2048)),
     (rmsnorm_launch, ((24, 256),), L([24, 1, 1], 4, N=256, BLOCK=256)),
-    (embedding_launch, (5120,), L([5, 1, 1], 4, H=5120, BLOCK=1024)),
-    (embedding_launch, (1500,), L([2, 1, 1], 4, H=1500, BLOCK=1024)),
+    (embedding_rmsnorm_launch, (5120,), L([1, 1, 1], 8, H=5120, BLOCK=8192)),
+    (embedding_rmsnorm_launch, (1024,), L([1, 1, 1], 4, H=1024, BLOCK=1024)),
+    (embedding_rows_launch, (16, 5120, 4096), L([16, 5, 1], 4, H=5120, S=4096, BLOCK=1024)),
+    (embedding_rows_launch, (16, 1500, 4096), L([16, 2, 1], 4, H=1500, S=4096, BLOCK=1024)),
     (sample_launch, (248320,), L([61, 1, 1], 8, V=248320, TILE=4096, CAND=32, BLOCK=2048)),
     (sample_launch, (151936,), L([38, 1, 1], 8, V=151936, TILE=4096, CAND=32, BLOCK=2048)),
     (sample_launch, (16,), L([1, 1, 1], 8, V=16, TILE=16, CAND=16, BLOCK=512)),
@@ -177,7 +179,8 @@ READS = [
     (gdn_delta_launch, (16, 48, 128, 128, 4), "gdn_delta", "max_block_v", 4),
     (gdn_norm_launch, (48, 128, 10240, 4), "gdn_norm", "num_warps", 8),
     (rmsnorm_launch, ((5120,),), "rmsnorm", "wide_warps", 16),
-    (embedding_launch, (5120,), "embedding", "block", 512),
+    (embedding_rows_launch, (16, 5120, 4096), "embedding", "block", 512),
+    (embedding_rmsnorm_launch, (5120,), "rmsnorm", "wide_warps", 16),
     (sample_launch, (248320,), "sample", "tile", 2048),
     (step_end_launch, (4096,), "step_end", "num_warps", 2),
     (gemm_launch, (512, 5120, 17408, 0), "gemm", "bf16_many", (64, 64, 64, 4)),
