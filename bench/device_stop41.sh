@@ -12,6 +12,7 @@
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
 case $2 in
   topk)
     (cd bench && timeout 120 python3 moe_sweep.py time moe-sweep-topk "$out/moe-sweep-topk.json" > "$out/moe-sweep-topk.txt" 2>&1)
@@ -28,5 +29,26 @@ case $2 in
       bash bench/device_preload_ab.sh "$out"
     mkdir -p "$out/e2e"
     STEP_TIMEOUT=300 SANITIZE="qwen3-next-4l-sm90-q4" E2E="qwen3-next-4l-sm90-q4" bash bench/device_preload_ab.sh "$out/e2e" ;;
+  embnorm)  # embedding_rmsnorm (the gather and the first layer's norm in one program) against the step before it
+    # (8d4bd78's compiler: git worktree add /tmp/base 8d4bd78), A B B A; 4 layers of 0.8B (q4) and 80B-A3B (q4)
+    # against the CPU reference, compute-sanitizer on them and on 4 layers of 80B-A3B with K = 3 MTP drafts (the
+    # drafts' embeddings take it too) (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-base 0.8b-bf16 0.8b-bf16-base
+    # next80-q4 next80-q4-base small4-q4 next4-q4 next4-q4-spec3)
+    STEP_TIMEOUT=100 PAIRS="qwen3.5-0.8b-sm90-q4-base:qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-bf16-base:qwen3.5-0.8b-sm90-bf16 qwen3-next-80b-a3b-sm90-q4-base:qwen3-next-80b-a3b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out"
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=240 SANITIZE="qwen3.5-small4-sm90-q4 qwen3-next-4l-sm90-q4-spec3" E2E="qwen3.5-small4-sm90-q4 qwen3-next-4l-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out/e2e" ;;
+  profile)  # llama.cpp built for the next part (kept in /tmp/llamacpp while the machine stays warm: run `next` right
+    # after), and the 80B-A3B q4 plan's --profile (carry .peers and bench/plans; bash bench/build_stop_plans.sh next80-q4)
+    timeout 330 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" > "$out/llamacpp-build.txt" 2>&1; echo "llama.cpp build: exit $?"
+    p=qwen3-next-80b-a3b-sm90-q4
+    timeout 150 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+      > "$out/profile-$p.txt" 2>&1; echo "profile: exit $?"; grep -A22 "^in the graph" "$out/profile-$p.txt" | head -24 ;;
+  next)  # llama.cpp on the whole 80B-A3B shape (Q4_0, bench/llamacpp_next.sh) and Kestrel's 80B-A3B q4 at this stop's
+    # rules in the same call (carry .peers: llamacpp.tar.xz and llamacpp-scripts, a copy of ../shared/peers/llamacpp;
+    # bash bench/build_stop_plans.sh next80-q4), on the warm machine of `profile`
+    PP=512 TG=128 REPS=3 CLEAN=1 timeout 420 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3-next-80b-a3b
+    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
