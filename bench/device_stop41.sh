@@ -50,5 +50,11 @@ case $2 in
     # bash bench/build_stop_plans.sh next80-q4), on the warm machine of `profile`
     PP=512 TG=128 REPS=3 CLEAN=1 timeout 420 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3-next-80b-a3b
     STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
+  final)  # moe_topk's forms again with 8 warps added (carry bench/moe-sweep-topk, compiled as in `topk`), and the dense
+    # q4 / bf16 plans at this stop's rules, A ... A (bash bench/build_stop_plans.sh 2b-q4 4b-q4 9b-q4 27b-q4 27b-bf16)
+    (cd bench && timeout 120 python3 moe_sweep.py time moe-sweep-topk "$out/moe-sweep-topk.json" > "$out/moe-sweep-topk.txt" 2>&1)
+    echo "sweep: exit $?"; grep "^topk" "$out/moe-sweep-topk.txt" | head -8
+    STEP_TIMEOUT=150 SEQ="qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-bf16" \
+      bash bench/device_preload_ab.sh "$out" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac

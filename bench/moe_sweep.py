@@ -66,7 +66,7 @@ def rules():
 def jobs():
     rule = rules()
     out = [("topk", dict(rule["topk"]["constexprs"]) | {"SORT": sort}, nw) for sort in (False, True)
-           for nw in (1, 2, 4)]  # (SORT: stop 41's bitonic top-k form)
+           for nw in (1, 2, 4, 8)]  # (SORT: stop 41's bitonic top-k form)
     base = rule["gate_up"]["constexprs"]
     out += [("gate_up", base | c, nw) for c, nw in gate_up_variants()]
     plain = {k: v for k, v in base.items() if k not in ("P", "BLOCK_P")}  # moe_gate_up (no norm folded in)
