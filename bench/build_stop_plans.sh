@@ -30,6 +30,8 @@
 #     call 1, when the rule had 1) next80-q4-rounds (moe.topk_sort=False router_warps=1: moe_topk before stop 41)
 #     9b-q4-long12k (matvec.q4_long_k=12288: 9B's down at 2048 inputs a tile, as before stop 41)
 #     (stop 41 call 3's -base plans: /tmp/base a worktree of 8d4bd78, before embedding_rmsnorm)
+#     next80-q4-dearly next4-q4-dearly next4-q4-spec3-dearly (moe.down_early=True: moe_down's routed rows loaded
+#     before its PDL wait)
 #     (next80-q4-noroute / next4-q4-noroute, stop 40 call 1: in this script at commit 5cfc1de, which had the rule)
 #     (any subset)
 set -eu
@@ -121,6 +123,10 @@ for p in "$@"; do
       python3 bench/build_variant.py moe.topk_sort=False moe.router_warps=1 -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-rounds.plan ;;
     9b-q4-long12k)  # 9B's down at 2048 inputs a tile (the rule before stop 41)
       python3 bench/build_variant.py matvec.q4_long_k=12288 -- qwen3.5-9b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-9b-sm90-q4-long12k.plan ;;
+    next80-q4-dearly)  # moe_down's routing and routed rows loaded before its PDL wait
+      python3 bench/build_variant.py moe.down_early=True -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-dearly.plan ;;
+    next4-q4-dearly) python3 bench/build_variant.py moe.down_early=True -- "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-dearly.plan ;;
+    next4-q4-spec3-dearly) python3 bench/build_variant.py moe.down_early=True -- "$(next4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-q4-spec3-dearly.plan ;;
     next4-q4-sort) d=$(next4)
       python3 bench/build_variant.py moe.topk_sort=True -- "$d" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-sort.plan ;;
     4b-q4-add8|9b-q4-add8) m=qwen3.5-${p%-q4-add8}  # the q4 fewer-rows matvecs at 8 rows (4B) and 1024 inputs a tile (9B's down)

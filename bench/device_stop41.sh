@@ -56,5 +56,12 @@ case $2 in
     echo "sweep: exit $?"; grep "^topk" "$out/moe-sweep-topk.txt" | head -8
     STEP_TIMEOUT=150 SEQ="qwen3.5-2b-sm90-q4 qwen3.5-4b-sm90-q4 qwen3.5-9b-sm90-q4 qwen3.5-27b-sm90-q4 qwen3.5-27b-sm90-bf16" \
       bash bench/device_preload_ab.sh "$out" ;;
+  dearly)  # moe.down_early (moe_down's routing and routed rows loaded before its PDL wait) against the rule, A B B A,
+    # at 80B-A3B q4; 4 layers of it against the CPU reference, and under compute-sanitizer with K = 3 MTP drafts too
+    # (bash bench/build_stop_plans.sh next80-q4 next80-q4-dearly next4-q4-dearly next4-q4-spec3-dearly)
+    STEP_TIMEOUT=100 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-dearly" bash bench/device_preload_ab.sh "$out"
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=240 SANITIZE="qwen3-next-4l-sm90-q4-dearly qwen3-next-4l-sm90-q4-spec3-dearly" E2E="qwen3-next-4l-sm90-q4-dearly" \
+      bash bench/device_preload_ab.sh "$out/e2e" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac

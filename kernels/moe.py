@@ -287,7 +287,8 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
     """Programs over blocks of the H output rows (a grid row per input row); each sums the k routed
     products in rank order (_moe_down_sum: unrolled, or pipelined when ``down_stages``; q4 experts gathered
     into one tile and summed as a tree when ``down_gather``), then the gated shared one. Tiles from the matvec
-    rule for one expert's [H, I] down projection (the gathered form's from ``down_gather``)."""
+    rule for one expert's [H, I] down projection (the gathered form's from ``down_gather``). EARLY (the gathered
+    form where the rule's ``down_early``): the routing and the routed rows loaded before the PDL wait."""
     rule = target.rules["moe"]
     block_n, block_kd, warps = _tiles(h, inter, groups[0], target, rule.max_block_n)
     stages = rule.down_stages
@@ -298,7 +299,8 @@ def moe_down_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k: i
     return {"grid": [-(-h // block_n), rows, 1], "num_warps": warps,
             "constexprs": {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_D": groups[0],
                            "GROUP_S": groups[1], "BLOCK_N": block_n, "BLOCK_KD": block_kd, "BLOCK_KS": block_ks,
-                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": stages}}
+                           "BLOCK_T": pow2_at_least(max(2, top_k)), "STAGES": stages,
+                           "EARLY": stages < 0 and rule.down_early}}
 
 
 def moe_group_launch(pairs: int, e: int, top_k: int, chunk: int, target) -> dict:
@@ -445,21 +447,30 @@ def rmsnorm_moe_gate_up_kernel(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, s
 
 
 @triton.jit
+def _moe_routing(ids_ptr, wts_ptr, E: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(live, ids, wts) of one row's routing buffer: the ranks j < TOPK, the expert ids clamped into 0..E-1 (no read
+    outside the stacked weights whatever the buffer holds) and their weights."""
+    ts = tl.arange(0, BLOCK_T)
+    live = ts < TOPK
+    ids = tl.load(ids_ptr + ts, mask=live, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), E - 1)
+    wts = tl.load(wts_ptr + ts, mask=live, other=0.0)
+    return live, ids, wts
+
+
+@triton.jit
 def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                   IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr, GROUP_S: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_T: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, early=None):
     """sum_j wts_j * (Wd_{ids_j} act_j)[rc] in rank order, + sigmoid(gate logit) * (Sd act_shared)[rc], for
     one row (ids_ptr / wts_ptr / act at that row), the ids and weights loaded once before the experts'
     products. STAGES = 0: the k experts unrolled, one matvec each (kernels/matvec.py's, its own K loop);
     STAGES > 0: one software-pipelined loop over (expert, K tile), each tile's products summed and weighted
     at once (on the H200 at the 80B-A3B shape the unrolled form was the faster: bench/results/stop23);
-    STAGES < 0 (q4, BLOCK_KD >= I): ``_moe_down_gathered``, the k products summed as a tree over the ranks."""
-    ts = tl.arange(0, BLOCK_T)
-    live = ts < TOPK
-    ids = tl.load(ids_ptr + ts, mask=live, other=0)
-    ids = tl.minimum(tl.maximum(ids, 0), E - 1)  # no read outside the stacked weights whatever the buffer holds
-    wts = tl.load(wts_ptr + ts, mask=live, other=0.0)
+    STAGES < 0 (q4, BLOCK_KD >= I): ``_moe_down_gathered``, the k products summed as a tree over the ranks, on
+    ``early`` = (live, ids, wts, words, scales) where the caller loaded them (before its PDL wait), else loaded
+    here."""
     if GROUP_D > 0:
         CHUNK: tl.constexpr = 32
         SCALE: tl.constexpr = 64.0  # Q4_X_SCALE (kernels/matvec.py)
@@ -470,40 +481,63 @@ def _moe_down_sum(act, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E: tl.constexpr, H:
     KT: tl.constexpr = (I + BLOCK_KD - 1) // BLOCK_KD
     acc = tl.zeros([BLOCK_N], tl.float32)
     if STAGES < 0:  # q4, every expert's rows in one gathered tile
-        acc = _moe_down_gathered(act, ids, wts, live, wd_ptr, rc, E, H, I, GROUP_D, BLOCK_N, BLOCK_KD, BLOCK_T)
-    elif STAGES == 0:  # the experts unrolled, each one matvec (the compiler may issue their loads together)
-        for j in tl.static_range(TOPK):
-            e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
-            w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
-            acc = acc + w * _matvec_rows(act + j * I, wd_ptr, e * H + rc, E * H, I, GROUP_D, BLOCK_N, BLOCK_KD)
-    else:  # one software-pipelined loop over (expert, K tile), STAGES tiles in flight
-        for t in tl.range(0, TOPK * KT, num_stages=STAGES):
-            j = t // KT
-            e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
-            w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
-            part, _ = _matvec_tile(act + j * I, wd_ptr, e * H + rc, (t % KT) * BLOCK_KD, None, 1.0, 0.0, E * H, I,
-                                   GROUP_D, BLOCK_N, BLOCK_KD, CHUNK, I % BLOCK_KD != 0, NORM_NONE)
-            acc = acc + w * (tl.sum(part, axis=1) * SCALE)
+        if early is None:
+            live, ids, wts = _moe_routing(ids_ptr, wts_ptr, E, TOPK, BLOCK_T)
+            words, scale = _moe_down_gathered_loads(ids, live, wd_ptr, rc, E, H, I, GROUP_D, BLOCK_N, BLOCK_KD,
+                                                    BLOCK_T)
+        else:
+            live, ids, wts, words, scale = early
+        acc = _moe_down_gathered(act, wts, live, words, scale, I, BLOCK_N, BLOCK_KD, BLOCK_T)
+    else:
+        ts = tl.arange(0, BLOCK_T)
+        live, ids, wts = _moe_routing(ids_ptr, wts_ptr, E, TOPK, BLOCK_T)
+        if STAGES == 0:  # the experts unrolled, each one matvec (the compiler may issue their loads together)
+            for j in tl.static_range(TOPK):
+                e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
+                w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
+                acc = acc + w * _matvec_rows(act + j * I, wd_ptr, e * H + rc, E * H, I, GROUP_D, BLOCK_N, BLOCK_KD)
+        else:  # one software-pipelined loop over (expert, K tile), STAGES tiles in flight
+            for t in tl.range(0, TOPK * KT, num_stages=STAGES):
+                j = t // KT
+                e = tl.sum(tl.where(ts == j, ids, 0), axis=0)
+                w = tl.sum(tl.where(ts == j, wts, 0.0), axis=0)
+                part, _ = _matvec_tile(act + j * I, wd_ptr, e * H + rc, (t % KT) * BLOCK_KD, None, 1.0, 0.0, E * H,
+                                       I, GROUP_D, BLOCK_N, BLOCK_KD, CHUNK, I % BLOCK_KD != 0, NORM_NONE)
+                acc = acc + w * (tl.sum(part, axis=1) * SCALE)
     s = _matvec_rows(act + TOPK * I, sd_ptr, rc, H, IS, GROUP_S, BLOCK_N, BLOCK_KS)
     gate = tl.load(act + TOPK * I + IS)
     return acc + s / (1.0 + tl.exp(-gate))
 
 
 @triton.jit
-def _moe_down_gathered(act, ids, wts, live, wd_ptr, rc, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr):
-    """sum_j wts_j * (Wd_{ids_j} act_j)[rc] over the ranks j < TOPK (``live``) for a q4 stacked Wd [E * H, I]:
-    every routed expert's rows [BLOCK_N, I] in one gathered tile [BLOCK_T, BLOCK_N, I / 8] of words, so the
-    loads of all k experts are issued together rather than one expert's after another's; each row's product
-    as ``_matvec_tile`` makes it (``_Q4_WORD_DOT`` per word, 32-input chunks scaled, then x 64), the ranks'
-    weighted products summed as a tree (a fixed order: the same at one row and at a verify's K + 1)."""
+def _moe_down_gathered_loads(ids, live, wd_ptr, rc, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                             BLOCK_T: tl.constexpr):
+    """The weights ``_moe_down_gathered`` multiplies: every routed expert's rows [BLOCK_N, I] of a q4 stacked Wd
+    [E * H, I] as one gathered tile [BLOCK_T, BLOCK_N, I / 8] of words, and their f16 scales [BLOCK_T, BLOCK_N,
+    I / 32] (one per 32-input chunk, as f32), so the loads of all k experts are issued together."""
     tl.static_assert(GROUP > 0 and BLOCK_I >= I and I % GROUP == 0)
     W: tl.constexpr = BLOCK_I // 8
-    ts = tl.arange(0, BLOCK_T)
     jw = tl.arange(0, W)
     rows = (ids[:, None] * H + rc[None, :]).to(tl.int64)  # [T, N] rows of the stacked matrix
     words = tl.load(wd_ptr.to(tl.pointer_type(tl.int32)) + rows[:, :, None] * (I // 8) + jw[None, None, :],
                     mask=live[:, None, None] & (jw < I // 8)[None, None, :], other=0)
+    c = tl.arange(0, W // 4)
+    sp = (wd_ptr + E * H * I // 2).to(tl.pointer_type(tl.float16)) + rows[:, :, None] * (I // GROUP)
+    scale = tl.load(sp + (c * 32 // GROUP)[None, None, :], mask=live[:, None, None] & (c < I // 32)[None, None, :],
+                    other=0.0)
+    return words, scale.to(tl.float32)
+
+
+@triton.jit
+def _moe_down_gathered(act, wts, live, words, scale, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    """sum_j wts_j * (Wd_{ids_j} act_j)[rc] over the ranks j < TOPK (``live``), on the words and scales of
+    ``_moe_down_gathered_loads``: each row's product as ``_matvec_tile`` makes it (``_Q4_WORD_DOT`` per word,
+    32-input chunks scaled, then x 64), the ranks' weighted products summed as a tree (a fixed order: the same at
+    one row and at a verify's K + 1)."""
+    W: tl.constexpr = BLOCK_I // 8
+    ts = tl.arange(0, BLOCK_T)
     ks = tl.arange(0, BLOCK_I)
     xq = tl.load(act + ts[:, None] * I + ks[None, :], mask=live[:, None] & (ks < I)[None, :], other=0.0)
     xq = xq * (1.0 / 64.0)  # Q4_X_SCALE
@@ -525,11 +559,7 @@ def _moe_down_gathered(act, ids, wts, live, wd_ptr, rc, E: tl.constexpr, H: tl.c
                                        tl.broadcast_to(x1[:, None, :], shape), tl.broadcast_to(x2[:, None, :], shape),
                                        tl.broadcast_to(x3[:, None, :], shape)], dtype=tl.float32, is_pure=True, pack=1)
     part = tl.sum(tl.reshape(d, [BLOCK_T, BLOCK_N, W // 4, 4]), axis=3)  # one sum per 32-input chunk
-    c = tl.arange(0, W // 4)
-    sp = (wd_ptr + E * H * I // 2).to(tl.pointer_type(tl.float16)) + rows[:, :, None] * (I // GROUP)
-    scale = tl.load(sp + (c * 32 // GROUP)[None, None, :], mask=live[:, None, None] & (c < I // 32)[None, None, :],
-                    other=0.0)
-    y = tl.sum(part * scale.to(tl.float32), axis=2) * 64.0  # Q4_X_SCALE
+    y = tl.sum(part * scale, axis=2) * 64.0  # Q4_X_SCALE
     return tl.sum(y * wts[:, None], axis=0)
 
 
@@ -537,17 +567,41 @@ def _moe_down_gathered(act, ids, wts, live, wd_ptr, rc, E: tl.constexpr, H: tl.c
 def moe_down_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, y_ptr, E: tl.constexpr, H: tl.constexpr,
                     I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, GROUP_D: tl.constexpr,
                     GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr,
-                    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_T: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """y[row, r] = sum_j wts_j * (Wd_{ids_j} act_j)[r] in rank order j = 0..TOPK-1, then
     + sigmoid(gate logit) * (Sd act_shared)[r]: BLOCK_N output rows per program (row = program_id(1)),
-    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order (_moe_down_sum)."""
-    pdl_wait(PDL)
+    stacked Wd [E * H, I] read at rows e * H + r; no atomics, a fixed order (_moe_down_sum). EARLY: the
+    routing and the routed experts' rows loaded before the PDL wait (``_down_early``)."""
     row = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.minimum(r, H - 1)
+    early = _down_early(ids_ptr + row * TOPK, wts_ptr + row * TOPK, wd_ptr, rc, E, H, I, TOPK, GROUP_D, BLOCK_N,
+                        BLOCK_KD, BLOCK_T, STAGES, EARLY)
+    pdl_wait(PDL)
     acc = _moe_down_sum(act_ptr + row * (TOPK * I + IS + 1), ids_ptr + row * TOPK, wts_ptr + row * TOPK, wd_ptr,
-                        sd_ptr, tl.minimum(r, H - 1), E, H, I, IS, TOPK, GROUP_D, GROUP_S, BLOCK_N, BLOCK_KD,
-                        BLOCK_KS, BLOCK_T, STAGES)
+                        sd_ptr, rc, E, H, I, IS, TOPK, GROUP_D, GROUP_S, BLOCK_N, BLOCK_KD, BLOCK_KS, BLOCK_T, STAGES,
+                        early)
     tl.store(y_ptr + row * H + r, acc, mask=r < H)
+
+
+@triton.jit
+def _down_early(ids_ptr, wts_ptr, wd_ptr, rc, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
+                GROUP_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, BLOCK_T: tl.constexpr,
+                STAGES: tl.constexpr, EARLY: tl.constexpr):
+    """With EARLY (the gathered q4 form only), what a moe_down program may read before its PDL wait: the routing
+    buffer and the routed experts' down rows (``_moe_down_gathered_loads``), else None. The routing is written by
+    moe_topk two launches back: the step runs the router's top-k, then moe_gate_up, then moe_down (fuse's
+    split), and a programmatic launch of moe_down starts only once every moe_gate_up program has passed its own
+    wait, which returns once moe_topk has completed with its writes visible (kernels/pdl.py); without programmatic
+    edges the launches run one after another. Weights are written by no kernel of the step."""
+    if EARLY:
+        tl.static_assert(STAGES < 0, "EARLY: the gathered q4 form only")
+        live, ids, wts = _moe_routing(ids_ptr, wts_ptr, E, TOPK, BLOCK_T)
+        words, scale = _moe_down_gathered_loads(ids, live, wd_ptr, rc, E, H, I, GROUP_D, BLOCK_N, BLOCK_KD, BLOCK_T)
+        return live, ids, wts, words, scale
+    else:
+        return None
 
 
 @triton.jit
@@ -555,14 +609,17 @@ def moe_down_add_kernel(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, r_ptr, s_ptr,
                         E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
                         GROUP_D: tl.constexpr, GROUP_S: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                        STAGES: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
     """s = r + moe_down (one row: the residual add after the MoE block, fused as matvec_add_kernel fuses it
     after a matmul) and ss[program] = the sum of s^2 over the program's BLOCK_N rows (``partial_rows``,
-    the op's attribute; not read): the next rmsnorm's partial sums."""
-    pdl_wait(PDL)
+    the op's attribute; not read): the next rmsnorm's partial sums. EARLY as moe_down_kernel's."""
     r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _moe_down_sum(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, tl.minimum(r, H - 1), E, H, I, IS, TOPK, GROUP_D,
-                      GROUP_S, BLOCK_N, BLOCK_KD, BLOCK_KS, BLOCK_T, STAGES)
+    rc = tl.minimum(r, H - 1)
+    early = _down_early(ids_ptr, wts_ptr, wd_ptr, rc, E, H, I, TOPK, GROUP_D, BLOCK_N, BLOCK_KD, BLOCK_T, STAGES,
+                        EARLY)
+    pdl_wait(PDL)
+    y = _moe_down_sum(act_ptr, ids_ptr, wts_ptr, wd_ptr, sd_ptr, rc, E, H, I, IS, TOPK, GROUP_D, GROUP_S, BLOCK_N,
+                      BLOCK_KD, BLOCK_KS, BLOCK_T, STAGES, early)
     live = r < H
     s = tl.load(r_ptr + r, mask=live, other=0.0) + y
     tl.store(s_ptr + r, s, mask=live)

@@ -228,6 +228,7 @@ class MoeRule(Rule):
     down_gather: tuple = ()     # moe_down of q4 experts: (BLOCK_N, num_warps) of the gathered form (every routed
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
     topk_sort: bool = False     # moe_topk: the top-k by one bitonic top-k (SORT) rather than k serial max rounds
+    down_early: bool = False    # moe_down's gathered form: the routing and the routed rows loaded before the PDL wait
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,14 +401,17 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # Qwen3-Next's router and grouped expert matvecs (kernels/moe.py): written without a device, not timed
     # the one-row kernels at the 80B-A3B shape (bench/moe_sweep.py): moe_topk's bitonic form (SORT) at 4 warps
     # (stop 41 call 1: 2.73 us alone against the serial max rounds' 3.32 at one warp, 3.47 at 4; SORT at one
-    # warp 4.74, and the step with it 1.840 -> 1.914 ms/token: the kernel's time reaches the step), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
+    # warp 4.74, and the step with it 1.840 -> 1.914 ms/token: the kernel's time reaches the step; call 6: 8 warps
+    # 3.10); moe_down's routed rows loaded before its PDL wait (down_early; stop 41 call 7, A B B A: 80B-A3B q4
+    # 1.787 -> 1.761 ms/token, where stop 37's L2 prefetch of them had lost 0.8%), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
     # moe_down: the matvec rule's tiles, its experts unrolled (bf16); q4 gathered (stop 38: 16 rows x 8 warps, 5.99
     # us alone against the unrolled rule's 8.20; the 80B-A3B q4 step 1.992 -> 1.894 ms/token at 8 x 4, 1.875 at 16 x 8)
-    "moe": MoeRule(router_warps=4, topk_sort=True, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
+    "moe": MoeRule(router_warps=4, topk_sort=True, down_early=True, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
                    gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), down_gather=(16, 8),
                    provenance=(_TUNING + "moe-sweep-h200.json", _RESULTS + "stop38/call3/moe-sweep-gather.json",
-                               _RESULTS + "stop38/call4/ab.tar", _RESULTS + "stop41/call1/topk/moe-sweep-topk.json")),
+                               _RESULTS + "stop38/call4/ab.tar", _RESULTS + "stop41/call1/topk/moe-sweep-topk.json",
+                               _RESULTS + "stop41/call6/moe-sweep-topk.json", _RESULTS + "stop41/call7/ab.tar")),
     # one rule of the 1,019-variant sweep (stop 25 call 1, every variant exact to <= 2.4e-7 of q4_mma_ref): RB 4 x
     # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
     # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,

@@ -228,6 +228,18 @@ def test_moe_down_gathered_form():
                                                  **d["constexprs"])
     ref_s, ref_ss = moe_down_add_ref(act[0], ids[0], wts[0], w["wd"][1], w["sd"][1], r, 16)
     assert_close(s, ref_s, 2e-5, 1e-6, "moe_down_add gathered")
+    # EARLY (the rule's down_early): the routing and the routed rows loaded before the PDL wait, bit for bit the same
+    early = dict(d["constexprs"], EARLY=True)
+    ye = torch.full((rows, h), float("nan"))
+    interpret(moe_down_kernel)[grid](act, ids, wts, w["wd"][0], w["sd"][0], ye, **early)
+    assert torch.equal(ye, y)
+    se, sse = torch.full((h,), float("nan")), torch.full((h // 16,), float("nan"))
+    interpret(moe_down_add_kernel)[(h // 16, 1)](act[0], ids[0], wts[0], w["wd"][0], w["sd"][0], r, se, sse, 16,
+                                                 **early)
+    assert torch.equal(se, s) and torch.equal(sse, ss)
+    on = dataclasses.replace(SM90, rules={**SM90.rules, "moe": dataclasses.replace(SM90.rules["moe"], down_early=True)})
+    assert moe_down_launch(rows, e, h, inter, shared, k, groups, on)["constexprs"]["EARLY"]
+    assert not moe_down_launch(rows, e, h, inter, shared, k, (0, 0), on)["constexprs"]["EARLY"]  # (gathered q4 only)
     assert_close(ss, ref_ss, 2e-5, 1e-6, "moe_down_add gathered partials")
 
 
@@ -335,6 +347,10 @@ def aot_jobs():
             jobs.append([f"moe_down_add_{q}/{name}", "kestrel.kernels.moe:moe_down_add_kernel",
                          ["*fp32", "*i32", "*fp32", wt, wt, "*fp32", "*fp32", "*fp32", "i32"], da["constexprs"],
                          da["num_warps"], t.cc])
+            if da["constexprs"]["STAGES"] < 0:  # the gathered form with its loads before the PDL wait (EARLY)
+                jobs.append([f"moe_down_add_{q}_early/{name}", "kestrel.kernels.moe:moe_down_add_kernel",
+                             ["*fp32", "*i32", "*fp32", wt, wt, "*fp32", "*fp32", "*fp32", "i32"],
+                             da["constexprs"] | {"EARLY": True}, da["num_warps"], t.cc])
     return jobs
 
 
@@ -359,7 +375,7 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 16 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 17 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
