@@ -29,7 +29,8 @@
 #     next80-q4-sort next4-q4-sort (moe.topk_sort=True: moe_topk's bitonic top-k form at the rule's warps, stop 41
 #     call 1, when the rule had 1) next80-q4-rounds (moe.topk_sort=False router_warps=1: moe_topk before stop 41)
 #     9b-q4-long12k (matvec.q4_long_k=12288: 9B's down at 2048 inputs a tile, as before stop 41)
-#     (stop 41 call 3's -base plans: /tmp/base a worktree of 8d4bd78, before embedding_rmsnorm)
+#     (stop 41 call 3's -base plans: /tmp/base a worktree of 8d4bd78, before embedding_rmsnorm; call 8's: aad81c4,
+#     before moe_down's shared expert loaded early)
 #     next80-q4-dearly next4-q4-dearly next4-q4-spec3-dearly (moe.down_early=True: moe_down's routed rows loaded
 #     before its PDL wait)
 #     (next80-q4-noroute / next4-q4-noroute, stop 40 call 1: in this script at commit 5cfc1de, which had the rule)

@@ -63,5 +63,14 @@ case $2 in
     mkdir -p "$out/e2e"
     STEP_TIMEOUT=240 SANITIZE="qwen3-next-4l-sm90-q4-dearly qwen3-next-4l-sm90-q4-spec3-dearly" E2E="qwen3-next-4l-sm90-q4-dearly" \
       bash bench/device_preload_ab.sh "$out/e2e" ;;
+  shared)  # moe_down's shared expert's words and scales loaded before its wait too (with down_early) against call 7's
+    # rule (git worktree add /tmp/base aad81c4), A B B A; 4 layers of 80B-A3B against the CPU reference, and
+    # compute-sanitizer with and without K = 3 MTP drafts. (The change, no faster, was not kept: its plans need
+    # that uncommitted tree; the record is bench/results/stop41 call 8.)
+    # (bash bench/build_stop_plans.sh next80-q4 next80-q4-base next4-q4 next4-q4-spec3)
+    STEP_TIMEOUT=100 PAIRS="qwen3-next-80b-a3b-sm90-q4-base:qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out"
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=200 SANITIZE="qwen3-next-4l-sm90-q4 qwen3-next-4l-sm90-q4-spec3" E2E="qwen3-next-4l-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out/e2e" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
