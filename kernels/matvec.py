@@ -215,7 +215,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps, **_fp_fusion(group, target),
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
-                           "PRELOAD": not group and n * k * 2 < r.preload_bytes,
+                           "PRELOAD": n * k // 2 < r.q4_preload_bytes if group else n * k * 2 < r.preload_bytes,
                            "L2_PREFETCH": bool(group) and target.cc >= 90 and n * k // 2 <= r.l2_prefetch_bytes,
                            "PAIR_FMA": _pair_fma(group, target)}}
 

@@ -82,7 +82,8 @@ class MatvecRule(Rule):
     #                                 13.116, 9B 4.357 -> 4.315, 4B 2.761 -> 2.755 ms/token, but 2B 1.289 -> 1.320
     #                                 (the load-time trial then kept the all-late graph, slower over a request)
     preload_bytes: int = 32 << 20  # PRELOAD (the first weight tile loaded before the PDL wait): bf16 / f32 matrices
-                                   # of fewer bytes than this (0: none); never q4 (stop 29 call 3)
+                                   # of fewer bytes than this (0: none); q4 ones below q4_preload_bytes
+    q4_preload_bytes: int = 0      # (0: never, as stop 29 call 3 measured it at 0.8B / 27B)
     #                                 from this many weight bytes
 
 
@@ -229,6 +230,9 @@ class MoeRule(Rule):
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
     topk_sort: bool = False     # moe_topk: the top-k by one bitonic top-k (SORT) rather than k serial max rounds
     down_early: bool = False    # moe_down's gathered form: the routing and the routed rows loaded before the PDL wait
+    topk_l2: tuple = ()         # moe_topk_l2 (one row): (programs, level) asking the L2 for the next launches'
+                                # weights (kernels/moe.py; level 1 the experts' gate / up, 2 and their down, 3 and
+                                # the next layer's first matrix); () none: one program
 
 
 @dataclass(frozen=True, kw_only=True)
