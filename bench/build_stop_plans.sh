@@ -26,8 +26,11 @@
 #     2b-bf16-q4early 4b-bf16-q4early (matvec.pdl_early_q4_only=True: bf16 matvecs late as before stop 39)
 #     2b-q4-pair0 4b-q4-pair0 9b-q4-pair0 (matvec.q4_pair_norm = (): the normed q4 gate / up pair's split as before stop 40)
 #     4b-q4-add8 9b-q4-add8 (matvec.q4_ctas_per_sm=2 q4_long_k=16384: stop 40 call 11's sweep, not yet run as a step)
-#     next80-q4-l2L next4-q4-l2L next4-q4-spec3-l2L (moe.topk_l2 = (128, L): moe_topk_l2's L2 hints at level L, stop 42)
-#     next80-q4-q4preN (matvec.q4_preload_bytes = N MiB: q4 matvecs' first tile before the PDL wait, stop 42)
+#     next80-q4-l2L next4-q4-l2L next4-q4-spec3-l2L (moe.topk_l2 = (128, L), stop 42 call 1: in this script at commit
+#     79f3a66, which had moe_topk_l2 and matvec.q4_preload_bytes, the rule field of stop 42 call 2's MODEL-q4-q4preN
+#     plans, since replaced by q4_preload_after) MODEL-q4-preA / -preB / -preAB, e.g. next80-q4-preA 0.8b-q4-preB (matvec.q4_preload_after: the q4
+#     matvecs' first tile before the PDL wait after moe_down_add (A), gdn_norm and attn_step (B), all three, or none (0);
+#     at every size: q4_preload_min_bytes=0)
 #     next80-q4-sort next4-q4-sort (moe.topk_sort=True: moe_topk's bitonic top-k form at the rule's warps, stop 41
 #     call 1, when the rule had 1) next80-q4-rounds (moe.topk_sort=False router_warps=1: moe_topk before stop 41)
 #     9b-q4-long12k (matvec.q4_long_k=12288: 9B's down at 2048 inputs a tile, as before stop 41)
@@ -130,13 +133,11 @@ for p in "$@"; do
       python3 bench/build_variant.py moe.down_early=True -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-dearly.plan ;;
     next4-q4-dearly) python3 bench/build_variant.py moe.down_early=True -- "$(next4)" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-dearly.plan ;;
     next4-q4-spec3-dearly) python3 bench/build_variant.py moe.down_early=True -- "$(next4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-q4-spec3-dearly.plan ;;
-    next80-q4-l2[0-9]|next4-q4-l2[0-9]|next4-q4-spec3-l2[0-9]) l=${p##*-l2}  # moe.topk_l2 = (128, level), stop 42
-      case $p in next80*) m=qwen3-next-80b-a3b; x="--max-seq 4096 --prefill-rows 256"; o=qwen3-next-80b-a3b-sm90-q4;;
-        next4-q4-spec3*) m=$(next4); x="--speculative mtp --draft-tokens 3"; o=qwen3-next-4l-sm90-q4-spec3;;
-        *) m=$(next4); x=""; o=qwen3-next-4l-sm90-q4;; esac
-      python3 bench/build_variant.py "moe.topk_l2=(128,$l)" -- "$m" $R --quant q4 $x -o bench/plans/$o-l2$l.plan ;;
-    next80-q4-q4pre*) n=${p##*-q4pre}  # matvec.q4_preload_bytes = N MiB (q4 first tiles before the PDL wait), stop 42
-      python3 bench/build_variant.py matvec.q4_preload_bytes=$(( n << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-q4pre$n.plan ;;
+    *-q4-preA|*-q4-preB|*-q4-preAB|*-q4-pre0) m=${p%%-*}; v=${p##*-pre}; x="--max-seq 4096"  # matvec.q4_preload_after, stop 42
+      case $v in A) a="('moe_down_add',)";; B) a="('gdn_norm','attn_step')";; AB) a="('moe_down_add','gdn_norm','attn_step')";; 0) a="()";; esac
+      case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
+        next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";; *) m=qwen3.5-$m; o=$m;; esac
+      python3 bench/build_variant.py "matvec.q4_preload_after=$a" matvec.q4_preload_min_bytes=0 -- "$m" $R --quant q4 $x -o bench/plans/$o-sm90-q4-pre$v.plan ;;
     next4-q4-sort) d=$(next4)
       python3 bench/build_variant.py moe.topk_sort=True -- "$d" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-sort.plan ;;
     4b-q4-add8|9b-q4-add8) m=qwen3.5-${p%-q4-add8}  # the q4 fewer-rows matvecs at 8 rows (4B) and 1024 inputs a tile (9B's down)

@@ -293,7 +293,11 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
     ``pdl_early_before`` kinds triggers at its start instead (its late variant is then its launch rule's own form):
     on the H200 the 27B q4 step 5.078 -> 5.004 ms/token with its in_proj and attention projections so
     (bench/results/stop38 call 10); bf16 ones too only when asked (27B, 9B, 4B bf16 0.2-1% faster so, 2B 2.4% slower:
-    bench/results/stop39 calls 1, 5)."""
+    bench/results/stop39 calls 1, 5). A q4 matvec of the one-token step right after an op of the rule's
+    ``q4_preload_after`` kinds (few programs: moe_down_add, gdn_norm, attn_step), of at least ``q4_preload_min_bytes``,
+    loads its first weight tile before its PDL wait (``PRELOAD``, which the launch rule gives only floating-point
+    matrices): its programs become resident while that op runs on few SMs (H200, bench/results/stop42 calls 2-4:
+    80B-A3B q4 1.760 -> 1.728 ms/token, 2B 0.748 -> 0.731, 4B 1.414 -> 1.402, 27B 4.997 -> 4.981)."""
     cc = TARGETS[target].cc
     table, index, of_launch, cubins = [], {}, [], {}
 
@@ -317,6 +321,10 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
             if (n == 0 and consts.get("PDL_LATE") and (consts.get("GROUP") or not rule.pdl_early_q4_only)
                     and j + 1 < len(ops) and ops[j + 1].kind in rule.pdl_early_before):
                 consts = consts | {"PDL_LATE": False}  # (the rule's pdl_early_before)
+            if (n == 0 and consts.get("GROUP") and consts.get("PRELOAD") is False and j > 0
+                    and ops[j - 1].kind in rule.q4_preload_after
+                    and consts["N"] * consts["K"] // 2 >= rule.q4_preload_min_bytes):
+                consts = consts | {"PRELOAD": True}  # (the rule's q4_preload_after)
             i = entry(op, consts)
             if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
                 table[i]["late"] = entry(op, consts | {"PDL_LATE": True})

@@ -31,7 +31,7 @@ import math
 import re
 
 from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Program, State, Value, Weight
-from kestrel.compiler.ops import L2_HINT_OPERANDS, is_view
+from kestrel.compiler.ops import is_view
 
 REPLAY_STATE = "spec.replay"  # the replayed token sequence of controlled acceptance (compiler/qwen3_5.py)
 SPEC_ROW_STATES = (".conv_snap", ".recurrent_rows")  # the verify's per-row states of a Gated DeltaNet layer
@@ -107,14 +107,12 @@ def _launch_bytes(op, counted: dict) -> dict:
     gather read is then part of that). States are read and written (twice their size), the token
     sequence one row each way, a KV cache its rows 0..pos (the per-row bytes); a MoE layer's stacked
     experts the slices of the experts a token routes to (top_k of E; at M rows at most M top_k of them,
-    an upper bound when rows share experts); an L2 hint operand (``L2_HINT_OPERANDS``) nothing; ``scratch.*`` states
+    an upper bound when rows share experts); ``scratch.*`` states
     (a kernel's partials within one launch, L2-resident) none; the speculative verify's conv snapshots and rows'
     updates once (written; gdn_commit's reads of them are not counted)."""
     fixed, rows = 0, []
     for i, x in enumerate(op.ins):
         if not isinstance(x, (Weight, State)) or x.name.startswith(SCRATCH_PREFIX):  # scratch: a kernel's own
-            continue
-        if i in L2_HINT_OPERANDS.get(op.kind, ()):  # only asked of the L2: charged where a launch reads it
             continue
         if isinstance(x, State) and x.name.endswith(("k_cache", "v_cache")):
             if id(x) not in counted:

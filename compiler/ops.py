@@ -609,19 +609,6 @@ def _infer_moe_topk(ins, a):
     return [TensorType("i32", ls[:-1] + (a["top_k"],)), _f32(ls[:-1] + (a["top_k"],))]
 
 
-def _infer_moe_topk_l2(ins, a):
-    logits, wg, wu, wd, sg, su, sd, nxt = ins
-    _need(len(_t(logits).shape) == 1, f"moe_topk_l2 logits {_t(logits)} must be [E] (one row)")
-    (e,) = _t(logits).shape
-    i, h = _t(wg).shape[0] // e, _t(wg).shape[1]
-    _need(_t(wg).shape == _t(wu).shape == (e * i, h) and _t(wd).shape == (e * h, i),
-          f"moe_topk_l2: stacked gate / up {_t(wg).shape} / {_t(wu).shape} and down {_t(wd).shape} must be "
-          f"[E * I, H] and [E * H, I] with E = {e}")
-    _need(_t(sg).shape == _t(su).shape and _t(sd).shape == (h, _t(sg).shape[0]),
-          f"moe_topk_l2: the shared expert's gate / up {_t(sg).shape} and down {_t(sd).shape} do not match")
-    return _infer_moe_topk([logits], a)
-
-
 def _moe_check(x, ids, wg, wu, sg, su, sgate, wd=None, sd=None, experts=None) -> tuple[int, int, int, int, int]:
     """(E, H, I, Is, k) of an MoE block's operands (stacked gate/up [E * I, H], down [E * H, I])."""
     lead, h = _lead(x), _t(x).shape[-1]
@@ -1144,25 +1131,6 @@ def _moe_topk(op: Op, t: Target) -> dict:
     return {"kernel": "moe_topk", **moe.moe_topk_launch(_rows_of(logits), logits.type.shape[-1], op.attrs["top_k"], t)}
 
 
-def _expert_slices(w, experts: int) -> tuple[int, int, int]:
-    """(bytes of one expert's rows, offset of the scales, bytes of one expert's scales) of a stacked expert matrix:
-    its rows contiguous, for q4 all rows' codes then all scales (0, 0 for the scales of a float matrix)."""
-    n, k = w.type.shape
-    rows = n // experts
-    if is_q4(w.type.dtype):
-        return rows * k // 2, n * k // 2, rows * (k // _group(w)) * 2
-    return w.type.nbytes // experts, 0, 0
-
-
-def _moe_topk_l2(op: Op, t: Target) -> dict:
-    logits, wg, wu, wd, sg, su, sd, nxt = op.ins
-    e = logits.type.shape[0]
-    return {"kernel": "moe_topk_l2", **moe.moe_topk_l2_launch(
-        e, op.attrs["top_k"], _expert_slices(wg, e), _expert_slices(wd, e), (sg.type.nbytes, su.type.nbytes,
-                                                                             sd.type.nbytes),
-        0 if nxt is sd else nxt.type.nbytes, t)}
-
-
 def _moe_gate_up(op: Op, t: Target) -> dict:
     x, ids, wg, wu, sg, su, sgate = op.ins
     e = op.attrs["experts"]
@@ -1458,11 +1426,6 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("moe_topk", "v", ("top_k", "norm_topk"), _infer_moe_topk, moe.moe_topk_ref,
           Kernel(moe.moe_topk_kernel, _moe_topk), _MOE_ONNX,
           doc="moe_router after its logits: the top_k experts of softmax(logits) and their weights (the routing buffer)"),
-    OpDef("moe_topk_l2", "vwwwwwww", ("top_k", "norm_topk"), _infer_moe_topk_l2,
-          lambda logits, *hints, top_k, norm_topk: moe.moe_topk_ref(logits, top_k, norm_topk),
-          Kernel(moe.moe_topk_l2_kernel, _moe_topk_l2), _MOE_ONNX,
-          doc="moe_topk at one row; its other operands (the block's stacked gate, up, down, the shared expert's "
-              "gate, up, down, the next layer's first matrix or the shared down again for none) only asked of the L2"),
     OpDef("moe_experts", "vvvwwwwwww", (), _infer_moe_experts, moe.moe_experts_ref,
           NotApplicable("the GPU runs it as moe_gate_up + moe_down, which fuse emits"), _MOE_ONNX,
           doc="sum_j w_j * down_e(silu(gate_e x) * up_e x) over the routed experts e = ids_j (stacked weights "
@@ -1511,14 +1474,9 @@ def is_view(op: Op) -> bool:
     return view is not None and view(op)
 
 
-ROUTERS = ("moe_topk", "moe_topk_l2")  # the ops that turn router logits into a routing buffer (after fuse)
-# operands a launch only asks the L2 for (prefetch hints): nothing computed from them, no bytes charged to it
-L2_HINT_OPERANDS = {"moe_topk_l2": (1, 2, 3, 4, 5, 6, 7)}
-
-
 def routing_logits(program: Program) -> set[int]:
     """The ids of the values moe_topk turns into routing: the router's logits (after fuse split moe_router)."""
-    return {id(op.ins[0]) for op in program.ops if op.kind in ROUTERS}
+    return {id(op.ins[0]) for op in program.ops if op.kind == "moe_topk"}
 
 
 def emit(program: Program, kind: str, *ins, out=None, **attrs):

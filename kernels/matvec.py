@@ -159,7 +159,13 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     H200, same call, kestrel-run --bench (bench/results/stop29 call 3): 0.8B bf16 0.756 -> 0.734 ms/token;
     every matrix preloading, 27B bf16 lost 0.7% (13.34 -> 13.43), 27B q4 gained 0.5% (5.475 -> 5.447) and
     0.8B q4 lost (its programmatic graph 0.528 -> 0.578 ms, so the load-time trial kept plain edges: 0.622), so
-    q4 never preloads.
+    q4 matrices do not preload by this rule; compiler/codegen.py turns PRELOAD on for the one-token step's q4 matvecs
+    right after an op with few programs (``q4_preload_after`` [moe_down_add, gdn_norm, attn_step], from
+    ``q4_preload_min_bytes`` [1.5 MiB]), whose programs then find free SMs: on the H200, A B B A (bench/results/stop42
+    calls 2-4), 80B-A3B q4 1.760 -> 1.728 ms/token (its input projections after the MoE block 1.737, its output
+    projections after the mixers 1.753), 2B 0.748 -> 0.731, 4B 1.414 -> 1.402, 27B 4.997 -> 4.981, 9B 1.864 -> 1.862;
+    0.8B's output projections (1 MiB) lost 11% with it (0.471 -> 0.525), and every q4 matrix below 16 MiB preloading
+    2B 0.7%.
 
     L2_PREFETCH (sm_90 and later): q4 matrices of at most l2_prefetch_bytes [4.5 MiB: the 0.8B ones] ask the L2
     for their program's weight rows and scales before the PDL wait (``_l2_prefetch_rows``: bulk prefetches by one
@@ -215,7 +221,7 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
     return {"grid": [(n + block_n - 1) // block_n, 1, 1], "num_warps": num_warps, **_fp_fusion(group, target),
             "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
-                           "PRELOAD": n * k // 2 < r.q4_preload_bytes if group else n * k * 2 < r.preload_bytes,
+                           "PRELOAD": not group and n * k * 2 < r.preload_bytes,
                            "L2_PREFETCH": bool(group) and target.cc >= 90 and n * k // 2 <= r.l2_prefetch_bytes,
                            "PAIR_FMA": _pair_fma(group, target)}}
 

@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _l2_prefetch_range,
-                                    _matvec_few_rows, _matvec_rows, _matvec_tile, _q4_words_interpreted,
+from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows,
+                                    _matvec_rows, _matvec_tile, _q4_words_interpreted,
                                     _partials_rstd, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
@@ -255,22 +255,6 @@ def moe_topk_launch(rows: int, e: int, top_k: int, target) -> dict:
                            "BLOCK_T": pow2_at_least(max(2, top_k)), "SORT": r.topk_sort}}
 
 
-def moe_topk_l2_launch(e: int, top_k: int, gate_up: tuple, down: tuple, shared: tuple, nxt: int, target) -> dict:
-    """moe_topk_l2_kernel's launch: moe_topk_launch's at one row, with P programs at L2-hint LEVEL from the moe rule's
-    ``topk_l2`` (programs, level); () or level 0: one program, no hints. ``gate_up`` / ``down``: (bytes of one
-    expert's rows, offset of the stacked matrix's scales, bytes of one expert's scales; 0, 0 without scales);
-    ``shared``: the shared expert's gate, up, down bytes; ``nxt``: the next layer's first matrix's bytes (0: none)."""
-    launch = moe_topk_launch(1, e, top_k, target)
-    programs, level = target.rules["moe"].topk_l2 or (1, 0)
-    if level == 0 or target.cc < 90:  # (cp.async.bulk.prefetch: sm_90 and later)
-        programs, level = 1, 0
-    return {**launch, "grid": [programs, 1, 1],
-            "constexprs": {**launch["constexprs"], "P": programs, "LEVEL": level,
-                           "GU": gate_up[0], "GU_AT": gate_up[1], "GU_S": gate_up[2],
-                           "DN": down[0], "DN_AT": down[1], "DN_S": down[2],
-                           "SG": shared[0], "SU": shared[1], "SD": shared[2], "NX": nxt}}
-
-
 def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the matvec launch rule for an [n, k] matrix, BLOCK_N at most
     ``cap`` (a power of two)."""
@@ -350,14 +334,21 @@ def moe_combine_launch(m: int, h: int, top_k: int, target) -> dict:
 
 
 @triton.jit
-def _topk_row(logits_ptr, norm_topk, E: tl.constexpr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-              BLOCK_T: tl.constexpr, SORT: tl.constexpr):
-    """(ranks, ids, weights) of one row of router logits (``moe_topk_kernel``'s arithmetic): softmax in fp32, the
-    TOPK largest probabilities by their 64-bit keys, renormalised by their sum in rank order when norm_topk; ranks
-    j >= TOPK of the [BLOCK_T] results are padding."""
+def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SORT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Row program_id(0) of the router's logits [M, E] (the matvec's): softmax in fp32, the TOPK largest
+    probabilities, renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights
+    [M, TOPK] (f32) of the row written. Each rank is one max over a 64-bit key per expert: the
+    probability's bits (a non-negative float orders as its bit pattern) above BLOCK_E - 1 - index, so the
+    largest key is the largest probability and, among equal ones, the lower index (the tie rule). SORT: the
+    BLOCK_T largest keys at once by Triton's bitonic top-k (``tl.topk``: compare-and-swap stages, most of them
+    inside a thread's registers) instead of TOPK serial max rounds; the keys are distinct, so both forms give the
+    same ids in the same order, and the sum runs in rank order either way (bit-identical results)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
     es = tl.arange(0, BLOCK_E)
     emask = es < E
-    logits = tl.load(logits_ptr + es, mask=emask, other=float("-inf"))
+    logits = tl.load(logits_ptr + row * E + es, mask=emask, other=float("-inf"))
     ex = tl.exp(logits - tl.max(logits, axis=0))
     p = ex / tl.sum(ex, axis=0)
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - es).to(tl.int64)
@@ -387,81 +378,8 @@ def _topk_row(logits_ptr, norm_topk, E: tl.constexpr, TOPK: tl.constexpr, BLOCK_
             key = tl.where(es == idx, -1, key)
     if norm_topk != 0:
         vals = vals / total
-    return ts, ids, vals
-
-
-@triton.jit
-def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SORT: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Row program_id(0) of the router's logits [M, E] (the matvec's): softmax in fp32, the TOPK largest
-    probabilities, renormalised by their sum in rank order when norm_topk; ids [M, TOPK] (i32) and weights
-    [M, TOPK] (f32) of the row written. Each rank is one max over a 64-bit key per expert: the
-    probability's bits (a non-negative float orders as its bit pattern) above BLOCK_E - 1 - index, so the
-    largest key is the largest probability and, among equal ones, the lower index (the tie rule). SORT: the
-    BLOCK_T largest keys at once by Triton's bitonic top-k (``tl.topk``: compare-and-swap stages, most of them
-    inside a thread's registers) instead of TOPK serial max rounds; the keys are distinct, so both forms give the
-    same ids in the same order, and the sum runs in rank order either way (bit-identical results)."""
-    pdl_wait(PDL)
-    row = tl.program_id(0)
-    ts, ids, vals = _topk_row(logits_ptr + row * E, norm_topk, E, TOPK, BLOCK_E, BLOCK_T, SORT)
     tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)
     tl.store(wts_ptr + row * TOPK + ts, vals, mask=ts < TOPK)
-
-
-@triton.jit
-def _l2_share(base, at, nbytes, p, P: tl.constexpr):
-    """Program p of P asks the L2 for its share of bytes [at, at + nbytes) past ``base`` (an int8 pointer):
-    [at + nbytes p / P, at + nbytes (p + 1) / P), rounded inwards to 16 bytes (kernels/matvec.py's
-    ``_l2_prefetch_range``)."""
-    lo = at + nbytes * p // P
-    _l2_prefetch_range(base, lo, at + nbytes * (p + 1) // P - lo)
-
-
-@triton.jit
-def moe_topk_l2_kernel(logits_ptr, wg_ptr, wu_ptr, wd_ptr, sg_ptr, su_ptr, sd_ptr, nx_ptr, ids_ptr, wts_ptr, top_k,
-                       norm_topk, E: tl.constexpr, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                       SORT: tl.constexpr, P: tl.constexpr, LEVEL: tl.constexpr, GU: tl.constexpr,
-                       GU_AT: tl.constexpr, GU_S: tl.constexpr, DN: tl.constexpr, DN_AT: tl.constexpr,
-                       DN_S: tl.constexpr, SG: tl.constexpr, SU: tl.constexpr, SD: tl.constexpr, NX: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """``moe_topk_kernel`` at one row, run by P programs that each also ask the L2 for a 1 / P share of the weights
-    the next launches read (``cp.async.bulk.prefetch.L2``: a hint, nothing waits for it), so those bytes stream
-    while this launch, its boundary and the expert kernel's wait and routing read would leave the DRAM idle.
-    Every program computes the top-k (the same arithmetic, the same result); program 0 stores it.
-
-    Before the PDL wait (weights are written by no kernel of the step), the non-routed weights, whole: LEVEL >= 1
-    the shared expert's gate and up (SG, SU bytes), >= 2 its down (SD), >= 3 the next layer's first matrix (NX
-    bytes at ``nx_ptr``; 0: none). After the top-k, the routed experts' slices in rank order: LEVEL >= 1 each
-    expert's rows of the stacked gate and up (GU bytes at e * GU; q4: GU_S bytes of scales at GU_AT + e * GU_S),
-    >= 2 of the stacked down (DN, DN_AT, DN_S). One program (P = 1) at LEVEL 0 is moe_topk_kernel."""
-    p = tl.program_id(0).to(tl.int64)
-    i8: tl.constexpr = tl.pointer_type(tl.int8)
-    if LEVEL >= 1:
-        _l2_share(sg_ptr.to(i8), 0, SG, p, P)
-        _l2_share(su_ptr.to(i8), 0, SU, p, P)
-    if LEVEL >= 2:
-        _l2_share(sd_ptr.to(i8), 0, SD, p, P)
-    if LEVEL >= 3 and NX > 0:
-        _l2_share(nx_ptr.to(i8), 0, NX, p, P)
-    pdl_wait(PDL)
-    ts, ids, vals = _topk_row(logits_ptr, norm_topk, E, TOPK, BLOCK_E, BLOCK_T, SORT)
-    if p == 0:
-        tl.store(ids_ptr + ts, ids, mask=ts < TOPK)
-        tl.store(wts_ptr + ts, vals, mask=ts < TOPK)
-    if LEVEL >= 1:
-        for j in tl.static_range(TOPK):
-            e = tl.minimum(tl.maximum(tl.sum(tl.where(ts == j, ids, 0), axis=0), 0), E - 1).to(tl.int64)
-            _l2_share(wg_ptr.to(i8), e * GU, GU, p, P)
-            _l2_share(wu_ptr.to(i8), e * GU, GU, p, P)
-            if GU_S > 0:
-                _l2_share(wg_ptr.to(i8), GU_AT + e * GU_S, GU_S, p, P)
-                _l2_share(wu_ptr.to(i8), GU_AT + e * GU_S, GU_S, p, P)
-        if LEVEL >= 2:
-            for j in tl.static_range(TOPK):
-                e = tl.minimum(tl.maximum(tl.sum(tl.where(ts == j, ids, 0), axis=0), 0), E - 1).to(tl.int64)
-                _l2_share(wd_ptr.to(i8), e * DN, DN, p, P)
-                if DN_S > 0:
-                    _l2_share(wd_ptr.to(i8), DN_AT + e * DN_S, DN_S, p, P)
 
 
 @triton.jit

@@ -82,8 +82,12 @@ class MatvecRule(Rule):
     #                                 13.116, 9B 4.357 -> 4.315, 4B 2.761 -> 2.755 ms/token, but 2B 1.289 -> 1.320
     #                                 (the load-time trial then kept the all-late graph, slower over a request)
     preload_bytes: int = 32 << 20  # PRELOAD (the first weight tile loaded before the PDL wait): bf16 / f32 matrices
-                                   # of fewer bytes than this (0: none); q4 ones below q4_preload_bytes
-    q4_preload_bytes: int = 0      # (0: never, as stop 29 call 3 measured it at 0.8B / 27B)
+                                   # of fewer bytes than this (0: none); q4 ones not by size (stop 29 call 3) ...
+    q4_preload_after: tuple = ()   # ... but in the one-token step right after an op of these kinds (few programs:
+    #                                the SMs are free for the matvec's, compiler/codegen.py), from
+    q4_preload_min_bytes: int = 0  # this many bytes of weight. Stop 42 calls 2-4, A B B A: 80B-A3B q4 1.760 -> 1.728
+    #                                ms/token, 2B 0.748 -> 0.731, 4B 1.414 -> 1.402, 27B 4.997 -> 4.981; 0.8B's 1 MiB
+    #                                output projections 0.471 -> 0.525, hence the floor (kernels/matvec.py)
     #                                 from this many weight bytes
 
 
@@ -230,9 +234,6 @@ class MoeRule(Rule):
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
     topk_sort: bool = False     # moe_topk: the top-k by one bitonic top-k (SORT) rather than k serial max rounds
     down_early: bool = False    # moe_down's gathered form: the routing and the routed rows loaded before the PDL wait
-    topk_l2: tuple = ()         # moe_topk_l2 (one row): (programs, level) asking the L2 for the next launches'
-                                # weights (kernels/moe.py; level 1 the experts' gate / up, 2 and their down, 3 and
-                                # the next layer's first matrix); () none: one program
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,12 +350,14 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         small_elems_per_warp=256,
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         pdl_early_before=("attn_step", "gdn_delta"),
+        q4_preload_after=("moe_down_add", "gdn_norm", "attn_step"), q4_preload_min_bytes=3 << 19,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
                     _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt",
                     _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar",
                     _RESULTS + "stop38/call10/ab.tar", _RESULTS + "stop40/call7/swiglu.json",
                     _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar",
-                    _RESULTS + "stop40/call11/small.json", _RESULTS + "stop41/call1/add8/ab.tar")),
+                    _RESULTS + "stop40/call11/small.json", _RESULTS + "stop41/call1/add8/ab.tar",
+                    _RESULTS + "stop42/call2/ab.tar", _RESULTS + "stop42/call3/ab.tar")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;

@@ -43,8 +43,6 @@ order, so the CPU path gives bit-identical logits before and after). Rewrites, i
      grouped by expert instead (moe_group, moe_gate_up_grouped, moe_down_grouped, the shared expert's two
      matmuls, moe_combine: each expert's weights read once for a chunk of its rows); ``moe_router`` ->
      the router's ``matmul`` (its logits) then ``moe_topk`` (softmax, top-k, the routing buffer)
-  (after 7) a one-row ``moe_topk`` whose routing the block's gate / up and down read -> ``moe_topk_l2``, given the
-     weights those launches and the next layer's first matrix read, for its kernel to ask the L2 for them
 
 A chain that does not match its pattern exactly is left as it is (still correct, just unfused).
 ``check`` proves the invariant: every rewrite, run again on the result, finds nothing to do.
@@ -52,7 +50,6 @@ A chain that does not match its pattern exactly is left as it is (still correct,
 from __future__ import annotations
 
 import copy
-import re
 
 from kestrel.compiler.ir import SCRATCH_PREFIX, IRError, Op, Program, TensorType, Value, Weight
 from kestrel.compiler.ops import OPS
@@ -474,39 +471,9 @@ def _split_router(p: Program) -> int:
     return n
 
 
-# the weights of an MoE block's expert ops, by operand: (gate, up, shared gate, shared up) and (down, shared down)
-_GATE_UP_WEIGHTS = {"moe_gate_up": (2, 3, 4, 5), "rmsnorm_moe_gate_up": (4, 5, 6, 7)}
-_DOWN_WEIGHTS = {"moe_down": (3, 4), "moe_down_add": (3, 4)}
-_LAYER_WEIGHT = re.compile(r"(?:^|\.)layers\.\d+\.")
-_MATRIX_AT = {"matmul": 1, "matmul_add": 1, "matmul_swiglu": 1, "rmsnorm_matmul": 3, "rmsnorm_matmul_swiglu": 3}
-
-
-def _l2_hints(p: Program) -> int:
-    """moe_topk at one row -> moe_topk_l2: the same routing, its launch also given the weights the next launches
-    read (the block's stacked gate, up and down, the shared expert's, and the next layer's first matrix, or the
-    shared down again where none follows), which its kernel asks the L2 for while the chain waits on the top-k
-    (kernels/moe.py; how many programs and which weights: the target's moe rule)."""
-    g, n = _Graph(p), 0
-    for op in list(p.ops):
-        if op.kind != "moe_topk" or len(op.ins[0].type.shape) != 1:
-            continue
-        users = g.users.get(id(op.outs[0]), [])
-        gate_up = next((u for u in users if u.kind in _GATE_UP_WEIGHTS), None)
-        down = next((u for u in users if u.kind in _DOWN_WEIGHTS), None)
-        if gate_up is None or down is None:
-            continue
-        wg, wu, sg, su = (gate_up.ins[i] for i in _GATE_UP_WEIGHTS[gate_up.kind])
-        wd, sd = (down.ins[i] for i in _DOWN_WEIGHTS[down.kind])
-        nxt = next((u.ins[_MATRIX_AT[u.kind]] for u in p.ops[p.ops.index(down) + 1:] if u.kind in _MATRIX_AT
-                    and _LAYER_WEIGHT.search(u.ins[_MATRIX_AT[u.kind]].name)), sd)
-        p.ops[p.ops.index(op)] = Op("moe_topk_l2", op.outs, [op.ins[0], wg, wu, wd, sg, su, sd, nxt], dict(op.attrs))
-        n += 1
-    return n
-
-
 REWRITES = (("matmul_swiglu", _fuse_swiglu), ("moe_gate_up + moe_down", _split_moe), ("moe_topk", _split_router), ("gdn_delta + gdn_norm", _fuse_gdn), ("attn_step", _fuse_attention),
             ("add_rmsnorm", _fuse_add_rmsnorm), ("embedding_rmsnorm", _fuse_embedding_rmsnorm), ("sibling matmuls", _concat_siblings), ("row mixers", _fuse_rows),
-            ("norm into matmuls", fold_norms_into_matmuls), ("moe_topk_l2", _l2_hints), ("dead ops", _drop_dead))
+            ("norm into matmuls", fold_norms_into_matmuls), ("dead ops", _drop_dead))
 
 
 def fuse(program: Program) -> Program:

@@ -14,11 +14,10 @@ token states and requires them identical. Every build runs it on the final progr
 **Routing buffers** (Qwen3-Next's MoE, kernels/moe.py): which experts run changes every token, and it
 must reach the expert kernels only as data in device memory. ``check_routing`` (part of
 ``check_dyn_invariance``) proves, for every program with a router: every routing buffer (a
-``moe_router`` result, ``moe_topk``'s or ``moe_topk_l2``'s once fuse split the router) is an arena buffer read
-only by the ops that index stacked experts with it on the device (``ROUTING_READERS``, at their routing operands);
-every expert weight is a layer's stacked matrix (no single expert's weight anywhere in the program), read only by
-those ops or named as an L2 hint (``moe_topk_l2``: nothing computed from it); and the launch of each such op, and of
-each op with L2 hints, is exactly what its launch rule gives from the op's shapes (no constant from anywhere
+``moe_router`` result, ``moe_topk``'s once fuse split the router) is an arena buffer read only by the ops that index stacked experts with it on
+the device (``ROUTING_READERS``, at their routing operands); every expert weight is a layer's stacked
+matrix (no single expert's weight anywhere in the program), read only by those ops; and each such
+op's launch is exactly what its launch rule gives from the op's shapes (no constant from anywhere
 else, such as an expert id, in its grid, constexprs or scalars). With the two-token-state comparison
 this makes the launch list the same for every token whichever experts the router picks.
 """
@@ -30,7 +29,7 @@ import re
 
 from kestrel.compiler.ir import TOKENS_STATE, IRError, Op, Program, Value, Weight
 from kestrel.compiler.launch_plan import launch_list
-from kestrel.compiler.ops import L2_HINT_OPERANDS, OPS, ROUTERS, Kernel
+from kestrel.compiler.ops import OPS, Kernel
 from kestrel.kernels.targets import TARGETS
 
 
@@ -79,7 +78,7 @@ _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 def check_routing(program: Program) -> int:
     """Raise IRError unless every routing buffer reaches the expert kernels only as device data (the
     module docstring); returns the number of routers."""
-    routing = {id(o): op for op in program.ops if op.kind in ("moe_router", *ROUTERS, "moe_group") for o in op.outs}
+    routing = {id(o): op for op in program.ops if op.kind in ("moe_router", "moe_topk", "moe_group") for o in op.outs}
     single = [w.name for w in program.weights.values() if _ONE_EXPERT.search(w.name)]
     if single:
         raise IRError(f"routing: weight {single[0]!r} is one expert's: the experts of a layer must be one stacked "
@@ -90,10 +89,9 @@ def check_routing(program: Program) -> int:
         for j, x in enumerate(op.ins):
             if isinstance(x, Value) and id(x) in routing and j not in reads:
                 raise IRError(f"{where} reads a routing buffer as operand {j}; only the expert kernels may, as data")
-            if isinstance(x, Weight) and ".experts." in x.name and op.kind not in ROUTING_READERS and \
-                    j not in L2_HINT_OPERANDS.get(op.kind, ()):
+            if isinstance(x, Weight) and ".experts." in x.name and op.kind not in ROUTING_READERS:
                 raise IRError(f"{where} reads the stacked experts {x.name!r} without the routing buffer")
-        if not reads and op.kind not in L2_HINT_OPERANDS:
+        if not reads:
             continue
         for j in reads:
             if id(op.ins[j]) not in routing:

@@ -83,31 +83,6 @@ def test_topk_sort_form_equals_the_max_rounds_bit_for_bit():
     assert torch.equal(out[1][0], moe.moe_topk_ref(logits, 10, 1)[0])
 
 
-@pytest.mark.parametrize("programs,level", [(1, 0), (3, 1), (4, 3)])
-def test_topk_l2_form_equals_moe_topk_bit_for_bit(programs, level, monkeypatch):
-    """moe_topk_l2_kernel (one row, P programs that also ask the L2 for the next launches' weights: no-ops in the
-    interpreter) stores moe_topk_kernel's ids and weights bit for bit, whatever P and LEVEL; only program 0 writes."""
-    g = torch.Generator().manual_seed(7)
-    e, k, h, inter = 64, 6, 32, 16
-    logits = torch.randn(e, generator=g)
-    logits[10:14] = logits.max()  # ties among the largest
-    want_ids = torch.full((1, k), -7, dtype=torch.int32)
-    want_wts = torch.full((1, k), float("nan"))
-    c = moe_topk_launch(1, e, k, SM90)
-    interpret(moe_topk_kernel)[tuple(c["grid"])](logits[None], want_ids, want_wts, k, 1, **c["constexprs"])
-    monkeypatch.setitem(TARGETS, "sm_90", TARGETS["sm_90"])  # restored after the test
-    override_rules("sm_90", f"moe.topk_l2=({programs}, {level})")
-    c = moe.moe_topk_l2_launch(e, k, (inter * h // 2, e * inter * h // 2, inter * 2), (h * inter // 2, 0, 0),
-                               (100, 100, 100), 4096, TARGETS["sm_90"])
-    assert c["grid"] == [programs, 1, 1] and c["constexprs"]["LEVEL"] == level
-    w = torch.zeros(1 << 16, dtype=torch.uint8)  # the weights: asked of the L2 only, never read here
-    ids = torch.full((k,), -7, dtype=torch.int32)
-    wts = torch.full((k,), float("nan"))
-    interpret(moe.moe_topk_l2_kernel)[tuple(c["grid"])](logits, w, w, w, w, w, w, w, ids, wts, k, 1, **c["constexprs"])
-    assert torch.equal(ids, want_ids[0]) and torch.equal(wts, want_wts[0])
-    assert ids.tolist()[:4] == [10, 11, 12, 13]
-
-
 def test_torch_topk_has_no_fixed_tie_order_but_agrees_without_ties():
     """Why the reference does not call torch.topk: on the CPU its order among equal values depends on
     the vector (here it puts a higher index first); without ties it equals route_ref's choice."""
@@ -339,12 +314,6 @@ def aot_jobs():
             jobs.append([f"moe_topk/{name}" + ("-sort" if sort else ""), "kestrel.kernels.moe:moe_topk_kernel",
                          ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"] | {"SORT": sort}, r["num_warps"],
                          t.cc])
-        q4 = (inter * h // 2, e * inter * h // 2, inter * h // 128 * 2)  # (one expert's rows, scales at, its scales)
-        l2 = moe.moe_topk_l2_launch(e, k, q4, q4, (inter * h // 2,) * 3, 12352 * h // 2, t)
-        if t.cc >= 90:  # every hint level compiled (the rule picks one); before sm_90 one program, none
-            l2["constexprs"] |= {"P": 128, "LEVEL": 3}
-        jobs.append([f"moe_topk_l2/{name}", "kestrel.kernels.moe:moe_topk_l2_kernel",
-                     ["*fp32"] + ["*u8"] * 7 + ["*i32", "*fp32", "i32", "i32"], l2["constexprs"], l2["num_warps"], t.cc])
         gr = moe.moe_group_launch(256 * k, e, k, moe.GROUPED_CHUNK, t)
         jobs.append([f"moe_group/{name}", "kestrel.kernels.moe:moe_group_kernel",
                      ["*i32", "*i32", "*i32", "*i32", "i32", "i32"], gr["constexprs"], gr["num_warps"], t.cc])
@@ -406,12 +375,12 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 18 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 17 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, magic = res
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
-    for kind in ("moe_topk", "moe_topk_l2", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add", "moe_group",
+    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add", "moe_group",
                  "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"):
         assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind

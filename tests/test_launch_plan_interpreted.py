@@ -417,7 +417,7 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
     kinds = [op.kind for op in cpu.program.ops]
     # (the one-token step folds the norms and residual adds around the MoE blocks into them: fuse's rule 7)
-    assert kinds.count("moe_topk_l2") == kinds.count("moe_gate_up") + kinds.count("rmsnorm_moe_gate_up") == \
+    assert kinds.count("moe_topk") == kinds.count("moe_gate_up") + kinds.count("rmsnorm_moe_gate_up") == \
         kinds.count("moe_down") + kinds.count("moe_down_add") == 2
     assert kinds.count("rmsnorm_moe_gate_up") == 2 and kinds.count("moe_down_add") == 1
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
@@ -436,7 +436,7 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     bound = 3e-2 if rows else 1e-4
     launch_ops = [op for op in cpu.program.ops if not is_view(op)]
     split = max(i for i, op in enumerate(launch_ops) if op.kind in ("moe_down", "moe_down_add")) + 1
-    router = [op for op in launch_ops if op.kind == "moe_topk_l2"][-1]
+    router = [op for op in launch_ops if op.kind == "moe_topk"][-1]
     for step in range(1 if rows else 3):
         gpu.run(gpu.b.launches[:split])  # up to the last MoE block: its routing buffer is still live
         ids = gpu.view(gpu.b.regions["act"] + router.outs[0].loc[1], "*i32")[:3].clone()

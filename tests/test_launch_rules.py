@@ -379,3 +379,31 @@ def test_pdl_early_before_takes_floating_point_matvecs_only_when_asked(tmp_path,
                    and ks[x["kernel_index"]]["constexprs"].get("PDL_LATE") is False)
 
     assert early_count(True) == 0 and early_count(False) > 0
+
+
+@pytest.mark.parametrize("model,after", [("tiny", ("gdn_norm", "attn_step")), ("tiny-next", ("moe_down_add",))])
+def test_q4_matvecs_right_after_the_listed_ops_load_their_first_tile_before_the_wait(model, after, tmp_path,
+                                                                                     monkeypatch):
+    """matvec.q4_preload_after (compiler/codegen.py): the one-token step's q4 matvecs right after an op of those
+    kinds are compiled with PRELOAD (their late variants too), every other q4 matvec without; the field empty
+    (the default before stop 42), or q4_preload_min_bytes above their weights' bytes: none."""
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.compiler.build import build
+    from kestrel.kernels.targets import override_rules
+
+    def preloads(kinds, min_bytes=0):
+        monkeypatch.setitem(TARGETS, "sm_90", TARGETS["sm_90"])  # restored after the test
+        override_rules("sm_90", f"matvec.q4_preload_after={kinds!r} matvec.q4_preload_min_bytes={min_bytes}")
+        path = tmp_path / f"{model}-{len(kinds)}.plan"
+        build(model, str(path), target="sm_90", quant="q4", log=lambda m: None, progress=False)
+        lp = load_plan(str(path)).launch_plan
+        ks, ops = lp["kernels"], [x["op"] for x in lp["launches"]]
+        q4 = {i: ks[x["kernel_index"]] for i, x in enumerate(lp["launches"])
+              if ks[x["kernel_index"]]["constexprs"].get("GROUP") and "PRELOAD" in ks[x["kernel_index"]]["constexprs"]}
+        return {i for i, k in q4.items() if k["constexprs"]["PRELOAD"]}, q4, ops, ks
+
+    on, q4, ops, ks = preloads(after)
+    assert on and on == {i for i in q4 if i > 0 and ops[i - 1] in after}
+    assert all(ks[q4[i]["late"]]["constexprs"]["PRELOAD"] for i in on if "late" in q4[i])
+    assert preloads(())[0] == set()
+    assert preloads(after, 1 << 30)[0] == set()

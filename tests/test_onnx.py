@@ -189,7 +189,7 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
                        "concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
                        "gdn_rows_snap", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_commit",
                        "spec_filter", "draft_sample", "spec_sample_rows", "replay_drafts",
-                       "moe_router", "moe_topk", "moe_topk_l2", "moe_experts", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up",
+                       "moe_router", "moe_topk", "moe_experts", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up",
                        "moe_down_add", "moe_group", "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"}
     assert kinds | {"gdn_delta", "gdn_norm"} | no_onnx == set(OPS)
 

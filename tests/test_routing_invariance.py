@@ -31,8 +31,7 @@ def test_launch_list_same_whichever_experts_run(plan):
     before = launch_list(program)
     cpu = CpuStep(plan)
     cpu.begin([7, 100, 3], 0.0, 1.0, 0)
-    routers = [op for op in cpu.program.ops if op.kind == "moe_topk_l2"]  # (one row: the L2-hint form)
-    assert len(routers) == 4
+    routers = [op for op in cpu.program.ops if op.kind == "moe_topk"]
     chosen = []
     for _ in range(6):
         cpu.run()
@@ -83,27 +82,8 @@ def test_fails_on_a_single_experts_weight(plan):
 
 def test_fails_when_the_routing_buffer_is_read_as_something_else(plan):
     program = parse_program(plan.program_text)
-    router = next(op for op in program.ops if op.kind == "moe_topk_l2")
+    router = next(op for op in program.ops if op.kind == "moe_topk")
     w = next(op for op in program.ops if op.outs and op.outs[0] is router.ins[0]).ins[-1]  # the router's weight (its last operand)
     program.ops.insert(program.ops.index(router) + 1, Op("matmul", [router.outs[1]], [router.outs[0], w]))
     with pytest.raises(IRError, match="reads a routing buffer"):
-        check_routing(program)
-
-
-def test_the_l2_hint_launch_is_checked_as_the_expert_launches_are(plan):
-    """moe_topk_l2 names the block's stacked experts (as L2 hints): it may, and its launch must still be exactly
-    its rule's (an expert's offset in its constexprs fails), and it takes no routing buffer as an operand."""
-    program = parse_program(plan.program_text)
-    op = next(op for op in program.ops if op.kind == "moe_topk_l2")
-    assert [w.name.rsplit(".", 1)[-1] for w in op.ins[1:4]] == ["gate_proj", "up_proj", "down_proj"]
-    check_routing(program)
-    op.launch = dict(op.launch, GU_AT=op.launch["GU_AT"] + 3 * op.launch["GU"])  # this token's expert 3
-    with pytest.raises(IRError, match="baked into a kernel argument"):
-        check_routing(program)
-    program = parse_program(plan.program_text)
-    matmul = next(op for op in program.ops if op.kind in ("matmul", "rmsnorm_matmul") and ".experts." not in
-                  op.ins[-1].name)
-    gate_up = _gate_up(program)
-    matmul.ins[-1] = gate_up.ins[4 if gate_up.kind == "rmsnorm_moe_gate_up" else 2]  # the stacked gate, no routing
-    with pytest.raises(IRError, match="without the routing buffer"):
         check_routing(program)
