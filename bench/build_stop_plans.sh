@@ -31,7 +31,7 @@
 #     plans, since replaced by q4_preload_after) MODEL-q4-preA / -preB / -preAB, e.g. next80-q4-preA 0.8b-q4-preB (matvec.q4_preload_after: the q4
 #     matvecs' first tile before the PDL wait after moe_down_add (A), gdn_norm and attn_step (B), all three, or none (0);
 #     at every size: q4_preload_min_bytes=0) MODEL-q4-wkN, e.g. next80-q4-wk4096 small2b4-q4-wk4096
-#     (matvec.q4_preload_whole_k = N: those preloading with K a power of two up to N take all of K in the first tile)
+#     (matvec.q4_preload_whole_k = N, stop 42 call 6: in this script at commit 192dc67, which had the field)
 #     next80-q4-sort next4-q4-sort (moe.topk_sort=True: moe_topk's bitonic top-k form at the rule's warps, stop 41
 #     call 1, when the rule had 1) next80-q4-rounds (moe.topk_sort=False router_warps=1: moe_topk before stop 41)
 #     9b-q4-long12k (matvec.q4_long_k=12288: 9B's down at 2048 inputs a tile, as before stop 41)
@@ -139,10 +139,6 @@ for p in "$@"; do
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
         next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";; *) m=qwen3.5-$m; o=$m;; esac
       python3 bench/build_variant.py "matvec.q4_preload_after=$a" matvec.q4_preload_min_bytes=0 -- "$m" $R --quant q4 $x -o bench/plans/$o-sm90-q4-pre$v.plan ;;
-    *-q4-wk*) m=${p%%-*}; n=${p##*-wk}; x="--max-seq 4096"  # matvec.q4_preload_whole_k = N, stop 42
-      case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
-        next4) m=$(next4); o=qwen3-next-4l; x="";; small2b4) m=$(small2b4); o=qwen3.5-small2b4; x="";; *) m=qwen3.5-$m; o=$m;; esac
-      python3 bench/build_variant.py matvec.q4_preload_whole_k=$n -- "$m" $R --quant q4 $x -o bench/plans/$o-sm90-q4-wk$n.plan ;;
     next4-q4-sort) d=$(next4)
       python3 bench/build_variant.py moe.topk_sort=True -- "$d" $R --quant q4 -o bench/plans/qwen3-next-4l-sm90-q4-sort.plan ;;
     4b-q4-add8|9b-q4-add8) m=qwen3.5-${p%-q4-add8}  # the q4 fewer-rows matvecs at 8 rows (4B) and 1024 inputs a tile (9B's down)

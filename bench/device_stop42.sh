@@ -57,7 +57,7 @@ case $2 in
       > "$out/profile-$p.txt" 2>&1; echo "profile: exit $?"; grep -A22 "^in the graph" "$out/profile-$p.txt" | head -24
     STEP_TIMEOUT=300 SANITIZE="qwen3.5-small2b4-sm90-q4 qwen3-next-4l-sm90-q4-spec3" E2E="qwen3.5-small2b4-sm90-q4 qwen3-next-4l-sm90-q4" \
       bash bench/device_preload_ab.sh "$out" ;;
-  wk)  # matvec.q4_preload_whole_k = 4096 (the preloading q4 matvecs with K a power of two up to 4096 take all of K in
+  wk)  # (commit 192dc67, which had the field) matvec.q4_preload_whole_k = 4096 (the preloading q4 matvecs with K a power of two up to 4096 take all of K in
     # their first tile, so every weight byte of a program is loaded before its wait) against the rule, A B B A, at
     # 80B-A3B, 2B, 4B q4; 4 layers of the 2B shape with it against the CPU reference, compute-sanitizer (bash
     # bench/build_stop_plans.sh next80-q4 next80-q4-wk4096 2b-q4 2b-q4-wk4096 4b-q4 4b-q4-wk4096 small2b4-q4-wk4096)

@@ -325,9 +325,6 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
                     and ops[j - 1].kind in rule.q4_preload_after
                     and consts["N"] * consts["K"] // 2 >= rule.q4_preload_min_bytes):
                 consts = consts | {"PRELOAD": True}  # (the rule's q4_preload_after)
-                k = consts["K"]
-                if consts["BLOCK_K"] < k <= rule.q4_preload_whole_k and k & (k - 1) == 0:
-                    consts = consts | {"BLOCK_K": k}  # every weight byte of the program loaded before the wait
             i = entry(op, consts)
             if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
                 table[i]["late"] = entry(op, consts | {"PDL_LATE": True})
