@@ -38,7 +38,7 @@ CASES = [
     # hidden 2048 at the rule's own launch: the whole input in one 2048-input tile (matvec.q4_norm_short_k)
     ("q4g128", 2048, 128, 12, {"BLOCK_N": 16}, None),
     # q4 with the first tile loaded before the wait (compiler/codegen.py's q4_preload_after): one of several tiles,
-    # and all of K in it (q4_preload_whole_k)
+    # and all of K in it
     ("q4g64", 192, 256, 37, {"BLOCK_N": 16, "BLOCK_K": 64, "PRELOAD": True}, {"BLOCK_N": 16, "BLOCK_K": 64,
                                                                               "PRELOAD": True}),
     ("q4g128", 384, 1024, 10, {"BLOCK_N": 4, "BLOCK_K": 1024, "PRELOAD": True}, {"BLOCK_N": 8, "BLOCK_K": 512,
