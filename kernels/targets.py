@@ -356,7 +356,9 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                     _RESULTS + "stop38/call10/ab.tar", _RESULTS + "stop40/call7/swiglu.json",
                     _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar",
                     _RESULTS + "stop40/call11/small.json", _RESULTS + "stop41/call1/add8/ab.tar",
-                    _RESULTS + "stop42/call2/ab.tar", _RESULTS + "stop42/call3/ab.tar")),
+                    _RESULTS + "stop42/README.md", _RESULTS + "stop42/call3/bench-qwen3-next-80b-a3b-sm90-q4-preAB-1.json",
+                    _RESULTS + "stop42/call3/bench-qwen3.5-0.8b-sm90-q4-preB-1.json",
+                    _RESULTS + "stop42/call4/bench-qwen3.5-4b-sm90-q4-preB-1.json")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
     # (ptxas -v, SASS of the loop: 168 registers at 27B bf16, no spills) and timed on the H200 in stop 20
     # (27B at 4000 rows 22.3 us against the per-query-head kernel's 38.4, whose reports are listed too;
