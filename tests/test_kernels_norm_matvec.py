@@ -65,6 +65,30 @@ def _produce(kind, h, k0, override, g):
     return s[:h], ss[:p]
 
 
+@pytest.mark.parametrize("kind,block_k", [("q4g64", 64), ("q4g128", 1024)])
+def test_q4_preload_gives_the_same_bits(kind, block_k):
+    """PRELOAD (compiler/codegen.py's q4_preload_after) only moves the first weight tile's load before the wait:
+    matvec_add's s and partials and rmsnorm_matvec's y are bit for bit those without it."""
+    g = torch.Generator().manual_seed(block_k)
+    h, k0, n = 256, 1024, 24
+    w, _, group = make_weight(kind, h, k0, g)
+    x, r = torch.randn(k0, generator=g), torch.randn(h, generator=g)
+    wn, _, _ = make_weight(kind, n, h, g)
+    nw = 0.5 * torch.randn(h, generator=g)
+    out = []
+    for pre in (False, True):
+        c = consts_for(h, k0, group, {"BLOCK_N": 8, "BLOCK_K": block_k, "PRELOAD": pre})
+        p = math.ceil(h / 8)
+        s, ss = torch.empty(h), torch.empty(p)
+        interpret(matvec_add_kernel)[(p,)](x, w, r, s, ss, 8, **c)
+        cn = rmsnorm_matvec_launch(n, h, group, p, TARGETS["sm_90"])["constexprs"] | {"BLOCK_N": 8, "BLOCK_K": group,
+                                                                                     "PRELOAD": pre}
+        y = torch.empty(n)
+        interpret(rmsnorm_matvec_kernel)[(n // 8,)](s, ss, nw, wn, y, EPS, **cn)
+        out.append((s, ss, y))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 def test_norm_mode_picks():
     """The input in one tile: its own sum (any dtype); more tiles: fp weights sum along the loop, q4
     takes the producer's partials; and the launch carries it (27B / 0.8B shapes on sm_90)."""
