@@ -8,7 +8,7 @@
 #     0.8b-bf16-spec3 0.8b-bf16-spec3-nomma 0.8b-bf16-nopre 27b-q4 27b-bf16 0.8b-bf16-gdnnopre 0.8b-q4-gdnnopre
 #     27b-q4-gdnnopre next80-q4-decode next80-q4-decode-gdnnopre 27b-q4-norm32 next4-q4-spec3
 #     27b-q4-pf24 27b-q4-pf64 0.8b-q4-pf24 27b4-q4-pf64 0.8b-bf16-pf24 2b-q4 4b-q4 9b-q4 2b-q4-pfN 4b-q4-pfN 9b-q4-pfN
-#     0.8b-q4-pfN next80-q4-decode-pfN (pfN: matvec.l2_prefetch_bytes = N MiB) small4-q4
+#     0.8b-q4-pfN next80-q4-decode-pfN next80-q4-pfN (pfN: matvec.l2_prefetch_bytes = N MiB) small4-q4
 #     MODEL-QUANT-lateN, e.g. 2b-q4-late1 next80-q4-late1 27b-bf16-late1 (matvec.pdl_late_bytes = N MiB)
 #     0.8b-q4-attnold 0.8b-bf16-attnold 27b-q4-attnold
 #     next80-q4-attnold (attn_step's queries as 16 rows: attention.narrow_queries=False)
@@ -113,6 +113,7 @@ for p in "$@"; do
     27b4-q4-pf64) python3 bench/build_variant.py matvec.l2_prefetch_bytes=67108864 -- "$(l27b4)" $R --quant q4 -o bench/plans/qwen3.5-27b-4l-sm90-q4-pf64.plan ;;
     0.8b-bf16-pf24) python3 bench/build_variant.py matvec.l2_prefetch_bytes=25165824 -- qwen3.5-0.8b $R --quant bf16 -o bench/plans/qwen3.5-0.8b-sm90-bf16-pf24.plan ;;
     2b-q4|4b-q4|9b-q4) kestrelc build qwen3.5-${p%-q4} $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-${p%-q4}-sm90-q4.plan ;;
+    next80-q4-pf*) python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- qwen3-next-80b-a3b $R --quant q4 --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-sm90-q4-pf${p##*-pf}.plan ;;
     0.8b-q4-pf*|2b-q4-pf*|4b-q4-pf*|9b-q4-pf*) m=qwen3.5-${p%-q4-pf*}
       python3 bench/build_variant.py matvec.l2_prefetch_bytes=$(( ${p##*-pf} << 20 )) -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-pf${p##*-pf}.plan ;;
     *-q4-late*|*-bf16-late*) m=${p%%-*}; q=${p#*-}; q=${q%%-*}; x=""

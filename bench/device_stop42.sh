@@ -63,5 +63,10 @@ case $2 in
     # bench/build_stop_plans.sh next80-q4 next80-q4-wk4096 2b-q4 2b-q4-wk4096 4b-q4 4b-q4-wk4096 small2b4-q4-wk4096)
     STEP_TIMEOUT=100 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-wk4096 qwen3.5-2b-sm90-q4:qwen3.5-2b-sm90-q4-wk4096 qwen3.5-4b-sm90-q4:qwen3.5-4b-sm90-q4-wk4096" \
       SANITIZE="qwen3.5-small2b4-sm90-q4-wk4096" E2E="qwen3.5-small2b4-sm90-q4-wk4096" bash bench/device_preload_ab.sh "$out" ;;
+  pf)  # (prepared, not run: no machine was lent for it in stop 42) the output projections that preload (80B-A3B's 4 MiB, 2B's 2 MiB) without the L2 prefetch of their rows as
+    # well (matvec.l2_prefetch_bytes = 1 MiB: the 0.8B's smaller matrices only), A B B A (bash bench/build_stop_plans.sh
+    # next80-q4 next80-q4-pf1 2b-q4 2b-q4-pf1)
+    STEP_TIMEOUT=60 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-pf1 qwen3.5-2b-sm90-q4:qwen3.5-2b-sm90-q4-pf1" \
+      bash bench/device_preload_ab.sh "$out" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
