@@ -23,8 +23,8 @@ expert id is ever a kernel argument: the launch list is the same for every token
 run (hoist_dynamic's ``check_routing`` proves it on every build).
 
 **Ties.** Among equal probabilities the lower expert index ranks first (a stable descending sort;
-``moe_topk_kernel`` implements the same rule with an argmax that takes the first maximal index, k
-times). torch.topk on the CPU does *not* follow a fixed rule for ties (its order depends on the
+``moe_topk_kernel`` implements the same rule on distinct 64-bit keys, the probability's bits above the complement
+of the index: the k largest keys, by one bitonic top-k or by k maxima, are the k first in that order). torch.topk on the CPU does *not* follow a fixed rule for ties (its order depends on the
 vector length and k: ``tests/test_kernels_moe.py`` shows a case), so the transformers oracle can choose
 another of several exactly tied experts; with real-valued logits exact ties of fp32 probabilities do
 not occur in practice, and where none occurs the sets and their order are torch.topk's.

@@ -356,7 +356,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                     _RESULTS + "stop38/call10/ab.tar", _RESULTS + "stop40/call7/swiglu.json",
                     _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar",
                     _RESULTS + "stop40/call11/small.json", _RESULTS + "stop41/call1/add8/ab.tar",
-                    _RESULTS + "stop42/README.md", _RESULTS + "stop42/call3/bench-qwen3-next-80b-a3b-sm90-q4-preAB-1.json",
+                    _RESULTS + "stop42/README.md",
+                    _RESULTS + "stop42/call3/bench-qwen3-next-80b-a3b-sm90-q4-preAB-1.json",
                     _RESULTS + "stop42/call3/bench-qwen3.5-0.8b-sm90-q4-preB-1.json",
                     _RESULTS + "stop42/call4/bench-qwen3.5-4b-sm90-q4-preB-1.json")),
     # the grouped decode kernel (one program per kv head and split): rules of thumb checked statically
@@ -406,16 +407,17 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "matvec_rows": MatvecRowsRule(q4_ctas_per_sm=2, q4_block_k=1024, q4_warps=4, small_short_k=2048,
                                   small_short=(8, 256, 2), small_long=(4, 1024, 2),
                                   provenance=(_TUNING + "rows-sweep-h200.json",)),
-    # Qwen3-Next's router and grouped expert matvecs (kernels/moe.py): written without a device, not timed
-    # the one-row kernels at the 80B-A3B shape (bench/moe_sweep.py): moe_topk's bitonic form (SORT) at 4 warps
+    # Qwen3-Next's router and expert kernels (kernels/moe.py), timed on the H200: the one-row kernels at the 80B-A3B
+    # shape (bench/moe_sweep.py): moe_topk's bitonic form (SORT) at 4 warps
     # (stop 41 call 1: 2.73 us alone against the serial max rounds' 3.32 at one warp, 3.47 at 4; SORT at one
     # warp 4.74, and the step with it 1.840 -> 1.914 ms/token: the kernel's time reaches the step; call 6: 8 warps
     # 3.10); moe_down's routed rows loaded before its PDL wait (down_early; stop 41 call 7, A B B A: 80B-A3B q4
-    # 1.787 -> 1.761 ms/token, where stop 37's L2 prefetch of them had lost 0.8%), moe_gate_up's best of 58 tiles (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
+    # 1.787 -> 1.761 ms/token, where stop 37's L2 prefetch of them had lost 0.8%), moe_gate_up's best of 58 tiles
+    # (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
     # moe_down: the matvec rule's tiles, its experts unrolled (bf16); q4 gathered (stop 38: 16 rows x 8 warps, 5.99
     # us alone against the unrolled rule's 8.20; the 80B-A3B q4 step 1.992 -> 1.894 ms/token at 8 x 4, 1.875 at 16 x 8)
-    "moe": MoeRule(router_warps=4, topk_sort=True, down_early=True, max_block_n=16, down_stages=0, gate_up_block_n=8, gate_up_max_k=2048,
-                   gate_up_warps=4, group_warps=4, combine_block=1024,
+    "moe": MoeRule(router_warps=4, topk_sort=True, down_early=True, max_block_n=16, down_stages=0, gate_up_block_n=8,
+                   gate_up_max_k=2048, gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), down_gather=(16, 8),
                    provenance=(_TUNING + "moe-sweep-h200.json", _RESULTS + "stop38/call3/moe-sweep-gather.json",
                                _RESULTS + "stop38/call4/ab.tar", _RESULTS + "stop41/call1/topk/moe-sweep-topk.json",
