@@ -21,10 +21,14 @@ import sys
 
 SHAPES = {"0.8b": (8, 2), "27b": (24, 4), "80b-a3b": (16, 2)}  # query / kv heads, head_dim 256
 D, S = 256, int(os.environ.get("KESTREL_ATTN_S", "8192"))
-POSITIONS = tuple(int(p) for p in os.environ.get("KESTREL_ATTN_POS", "44 1000 4000").split())
+POSITIONS = tuple(int(p) for p in os.environ.get("KESTREL_ATTN_POS", "44 100 1000 4000").split())
 EPS, THETA, ROTARY = 1e-6, 1e7, 64
 # the rule's launch with these changed: (name, constexprs, warps); "BLOCK_H" as a value: the launch's BLOCK_H
-VARIANTS = [("rule", {}, None), ("16 query rows", {"BLOCK_Q": "BLOCK_H"}, None)]
+VARIANTS = [("rule", {}, None), ("short16", {"SHORT_ROWS": 128, "SHORT_S": 16}, None),
+            ("short32", {"SHORT_ROWS": 128, "SHORT_S": 32}, None),
+            ("short64", {"SHORT_ROWS": 128, "SHORT_S": 64}, None), ("short32 8 warps", {"SHORT_ROWS": 128, "SHORT_S": 32}, 8)]
+# (stop 43: SHORT_ROWS, one program a query head at short contexts, against the rule's grouped form; the grid has at
+# least REP programs a kv head where it is on)
 # (stop 37 call 1 timed EARLY, pos and its RoPE angles before the PDL wait; call 2 PREFETCH_ROWS, the split's first
 # K / V rows asked of the L2: both gone, see bench/results/stop37/README.md)
 TYPES = ["*fp32"] * 5 + ["*bf16"] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
@@ -43,6 +47,8 @@ def _jobs():
             if "MERGE_SMALL" in c["constexprs"]:  # (a tree before the chunked combine: no MERGE_*)
                 c["constexprs"]["MERGE_SMALL"] = min(c["constexprs"]["MERGE_SMALL"], c["constexprs"]["MERGE_CH"])
             c["num_warps"] = warps or c["num_warps"]
+            c["grid"] = [nkv, max(c["constexprs"]["SPLITS"], nh // nkv) if c["constexprs"].get("SHORT_ROWS")
+                         else c["constexprs"]["SPLITS"], 1]
             yield model, name, c
 
 

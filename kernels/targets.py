@@ -140,6 +140,10 @@ class AttentionRule(Rule):
     #                             GdnDeltaRule.fp_fusion
     narrow_queries: bool = True  # BLOCK_Q: the group's queries normed and roped as REP rows (a power of two), then
     #                              repeated to the BLOCK_H rows of the mma tile (else all BLOCK_H rows computed)
+    short_rows: int = 0         # SHORT_ROWS: at positions up to this, one program a query head (fp32 FMA products
+    #                             over short_block_s-row tiles, the first loaded with the inputs) instead of the
+    #                             group's mma tile; 0: never
+    short_block_s: int = 32     # SHORT_S
 
 
 @dataclass(frozen=True, kw_only=True)

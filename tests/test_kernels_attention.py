@@ -3,6 +3,7 @@ copies of the caches (fresh random inputs, bf16 and fp32 caches; GQA groups of 1
 heads per kv head), and AOT compilation for every target at tiny shapes and at the real 27B shape with
 the launch rule's constexprs. The interpreter runs the bf16 path with DOT_FP32 (its bf16 dots are
 wrong): the same exact bf16 parts of q and of the weights, through fp32 dots."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -52,13 +53,19 @@ def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):
     return out
 
 
-def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None):
+def with_attention(target, **fields):
+    """``target`` with its attention rule's ``fields`` replaced (a rule not on by default, e.g. short_rows)."""
+    return dataclasses.replace(target, rules={**target.rules,
+                                              "attention": dataclasses.replace(target.rules["attention"], **fields)})
+
+
+def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None, target=None):
     inputs = make_inputs(nh, nkv, d, s, pos, dtype, seed)
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
-    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, TARGETS["sm_90"]), CACHE[dtype],
-                         TARGETS["sm_90"])
+    target = target or TARGETS["sm_90"]
+    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, target), CACHE[dtype], target)
     consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s, "SPLIT_ROWS": block_s} if block_s else {}),
                   **(extra or {}))
     before_k, before_v = kc.clone(), vc.clone()
@@ -136,6 +143,23 @@ def test_attn_step_query_rows(dtype):
                            extra={"BLOCK_Q": block_q})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("nh,nkv,splits", [(8, 2, 8), (6, 2, 2), (4, 4, 4)], ids=["rep4", "rep3-grid", "rep1"])
+def test_attn_step_one_program_a_head(nh, nkv, splits, dtype):
+    """``attention.short_rows`` (SHORT_ROWS): at positions up to it one program a query head (``_attn_head``, FMA
+    products over SHORT_S-row tiles), else the grouped form, in one kernel. Positions: row p alone (0), inside the
+    first tile, its last row, one past it, several tiles, SHORT_ROWS itself and one past it (the grouped form, merging
+    splits), with the cache NaN from row p on (the first tile is loaded before p is known: its rows past p must
+    never count) and SHORT_S 16; REP = 3 on two splits (the grid widened to REP programs a kv head, the programs past
+    the splits idle in the grouped form) and REP = 1."""
+    target = with_attention(TARGETS["sm_90"], short_rows=40, short_block_s=16)
+    c = attn_step_launch(nh, nkv, 32, 100, splits, CACHE[dtype], target)
+    assert c["grid"] == [nkv, max(splits, nh // nkv), 1] and c["constexprs"]["SHORT_ROWS"] == 40
+    for pos in (0, 5, 15, 16, 33, 40, 41, 99):
+        check_step(nh, nkv, 32, 100, pos, 8 if pos % 2 else 16, dtype, seed=7 * pos + nh, block_s=16, splits=splits,
+                   target=target)
+
+
 def test_attn_step_clamps_pos():
     """pos past the cache end behaves as S - 1: nothing outside the cache is read or written."""
     nh, nkv, d, s = 4, 2, 32, 40
@@ -183,6 +207,10 @@ def aot_jobs(dt):
     launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape in AOT_SHAPES
                 for t in TARGETS.values()]
     ccs = [t.cc for _ in AOT_SHAPES for t in TARGETS.values()]
+    for t in TARGETS.values():  # the one-program-a-head form compiled in (attention.short_rows), at 27B's shape
+        launches.append(attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt,
+                                         with_attention(t, short_rows=128)))
+        ccs.append(t.cc)
     return [(f"attn_step_{dt}", types, c["constexprs"], c["num_warps"], cc) for c, cc in zip(launches, ccs)]
 
 

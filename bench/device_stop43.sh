@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Stop 43's device calls, one part a call (each under the 10-minute limit); everything under OUTDIR.
+#   attn    attn_step's one program a query head at short contexts (attention.short_rows = 128; 32 rows a tile, -head16:
+#           16), off in the rule until measured: the kernel alone (bench/attn_step_probe.py: the rule's grouped form
+#           against short16 / 32 / 64 and 8 warps at positions 44 / 100 / 1000 / 4000; python3 bench/attn_step_probe.py
+#           compile bench/attn-step-probe here), the whole step against the rule at 0.8B q4 (A B C C B A with -head16),
+#           80B-A3B and 27B q4 (A B B A); the verify's row 0 against the one-token step op by op on 4 layers of
+#           80B-A3B q4 with K = 3 drafts; 4 layers of the 0.8B shape against the CPU reference; compute-sanitizer on it
+#           and on 4 layers of 80B-A3B with K = 3 drafts (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-head
+#           0.8b-q4-head16 next80-q4 next80-q4-head 27b-q4 27b-q4-head small4-q4-head next4-q4-spec3-head; about
+#           20 MB of plans with the probe's 1.9 MB: the working tree's 42 MB leaves room for no more)
+# There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART
+set -u
+out=$1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+case $2 in
+  attn)
+    (cd bench && timeout 120 python3 attn_step_probe.py time attn-step-probe "$out/attn-step.json" > "$out/attn-step.txt" 2>&1)
+    echo "probe: exit $?"; tail -20 "$out/attn-step.txt"
+    timeout 120 python3 bench/device_row_diff.py "$out/row-diff.json" bench/plans/qwen3-next-4l-sm90-q4-spec3-head.plan \
+      > "$out/row-diff.txt" 2>&1
+    echo "row diff: exit $?"; grep -E "outputs compared|^  " "$out/row-diff.txt" | head -10
+    STEP_TIMEOUT=100 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-head qwen3.5-0.8b-sm90-q4-head16" \
+      PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-head qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4-head" \
+      bash bench/device_preload_ab.sh "$out"
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=150 SANITIZE="qwen3.5-small4-sm90-q4-head qwen3-next-4l-sm90-q4-spec3-head" E2E="qwen3.5-small4-sm90-q4-head" \
+      bash bench/device_preload_ab.sh "$out/e2e" ;;
+  *) echo "unknown part $2"; exit 2 ;;
+esac
