@@ -9,7 +9,10 @@
 #           and on 4 layers of 80B-A3B with K = 3 drafts (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-head
 #           0.8b-q4-head16 next80-q4 next80-q4-head 27b-q4 27b-q4-head small4-q4-head next4-q4-spec3-head; about
 #           20 MB of plans with the probe's 1.9 MB: the working tree's 42 MB leaves room for no more)
-# There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART
+#   profile, next  llama.cpp's 80B-A3B figure in the same call as Kestrel's (~750 s of device time: the build and
+#           the profiles in one call, the GGUF and the runs in the next, on the still-warm machine)
+# There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART (profile and next:
+# carry .peers and bench/plans)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
@@ -26,5 +29,19 @@ case $2 in
     mkdir -p "$out/e2e"
     STEP_TIMEOUT=150 SANITIZE="qwen3.5-small4-sm90-q4-head qwen3-next-4l-sm90-q4-spec3-head" E2E="qwen3.5-small4-sm90-q4-head" \
       bash bench/device_preload_ab.sh "$out/e2e" ;;
+  profile)  # llama.cpp built for the next part (kept in /tmp/llamacpp while the machine stays warm: run `next` right
+    # after), and the 80B-A3B q4 plan's --profile at the rule and with the head form (carry .peers and bench/plans;
+    # bash bench/build_stop_plans.sh next80-q4 next80-q4-head)
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    timeout 330 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" > "$out/llamacpp-build.txt" 2>&1; echo "llama.cpp build: exit $?"
+    for p in qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-head; do
+      timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+        > "$out/profile-$p.txt" 2>&1; echo "profile $p: exit $?"; grep -A22 "^in the graph" "$out/profile-$p.txt" | head -24
+    done ;;
+  next)  # llama.cpp on the whole 80B-A3B shape (Q4_0, bench/llamacpp_next.sh) and Kestrel's 80B-A3B q4 in the same call
+    # (carry .peers: llamacpp.tar.xz and llamacpp-scripts, a copy of ../shared/peers/llamacpp; bash
+    # bench/build_stop_plans.sh next80-q4 next80-q4-head), on the warm machine of `profile`
+    PP=512 TG=128 REPS=3 CLEAN=1 timeout 420 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3-next-80b-a3b
+    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-head" bash bench/device_preload_ab.sh "$out" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
