@@ -237,6 +237,9 @@ class MoeRule(Rule):
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
     topk_sort: bool = False     # moe_topk: the top-k by one bitonic top-k (SORT) rather than k serial max rounds
     down_early: bool = False    # moe_down's gathered form: the routing and the routed rows loaded before the PDL wait
+    gate_up_early: bool = False  # rmsnorm_moe_gate_up with its input in one tile: the normed input (and the shared
+    #                              expert's tiles) made before the PDL wait, a routed program's gate / up words and
+    #                              scales loaded at once after it (EARLY)
 
 
 @dataclass(frozen=True, kw_only=True)

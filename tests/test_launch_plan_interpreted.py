@@ -394,20 +394,25 @@ def mini_next_checkpoint(tmp_path_factory):
     return _write_checkpoint(str(tmp_path_factory.mktemp("mini-next")), MINI_NEXT, 11)
 
 
-@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4-triton", 16), ("q4", 0)])
+@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4-triton", 16), ("q4", 0), ("q4-early", 0)])
 def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_next_checkpoint, tmp_path, monkeypatch):
     """A Qwen3-Next sm_90 plan's launch lists in the interpreter against the CPU path. With rows: the M-row
     step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
     4-token prompt whose rows route to different experts),
     then a one-token step (within the M-row GEMM's bf16 rounding, as the dense test); q4: one-token steps
-    from the first prompt token (within 1e-4). Each step's last routing buffer holds the experts the CPU
-    reference chose, the same tokens come out."""
+    from the first prompt token (within 1e-4); q4-early: the same with two forms not on by default
+    (KESTREL_RULES), rmsnorm_moe_gate_up's EARLY and attn_step's one program a query head. Each step's last
+    routing buffer holds the experts the CPU reference chose, the same tokens come out."""
     from conftest import run_cli
     from kestrel.compiler.ops import is_view
 
     mma = quant == "q4" and rows == 16  # the grouped q4 experts on the tensor-core kernel (emulated here) ...
     if quant == "q4-triton":  # ... or, turned off (KESTREL_RULES), on the few-rows grouped kernels
         monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=0 q4_mma.grouped_rows=0")
+        quant = "q4"
+    early = quant == "q4-early"
+    if early:
+        monkeypatch.setenv("KESTREL_RULES", "moe.gate_up_early=True attention.short_rows=8")
         quant = "q4"
     path = str(tmp_path / f"mini-next-{quant}.plan")
     r = run_cli("kestrelc", "build", mini_next_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
@@ -422,6 +427,8 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     assert kinds.count("rmsnorm_moe_gate_up") == 2 and kinds.count("moe_down_add") == 1
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
     assert mma == ({"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids), sorted(ids)
+    consts = {k["id"].split("_q4")[0].split("_bf16")[0]: k["constexprs"] for k in plan.launch_plan["kernels"]}
+    assert consts["rmsnorm_moe_gate_up"]["EARLY"] == early and consts["attn_step"]["SHORT_ROWS"] == (8 if early else 0)
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
     if rows >= 16:
