@@ -40,11 +40,12 @@
 #     next80-q4-dearly next4-q4-dearly next4-q4-spec3-dearly (moe.down_early=True: moe_down's routed rows loaded
 #     before its PDL wait)
 #     (next80-q4-noroute / next4-q4-noroute, stop 40 call 1: in this script at commit 5cfc1de, which had the rule)
-#     MODEL-QUANT-head / -head16, e.g. next80-q4-head 0.8b-bf16-head16 next4-q4-spec3-head (stop 43:
-#     attention.short_rows=128, attn_step's one program a query head up to position 128; -head16: 16-row tiles)
-#     next80-q4-eg next80-q4-headeg next4-q4-eg (stop 43: moe.gate_up_early=True, rmsnorm_moe_gate_up's
-#     normed input and shared tiles before the PDL wait, a routed program's words and scales at once; -headeg: and
-#     attention.short_rows=128)
+#     MODEL-QUANT-FORM[+FORM...] (stop 43's forms, off in the rules until timed): head (attention.short_rows=128:
+#     attn_step's one program a query head up to position 128), head16 (the same with 16-row tiles), eg
+#     (moe.gate_up_early: rmsnorm_moe_gate_up's normed input before the PDL wait, a routed program's words and scales
+#     in one round trip), tog (matvec.q4_one_tile_together: a one-tile q4 matrix's words and scales at once), e.g.
+#     0.8b-q4-head 0.8b-q4-head16 0.8b-q4-tog 0.8b-q4-head+tog next80-q4-eg next80-q4-head+eg+tog small4-q4-head+tog
+#     next4-q4-eg+tog; and next4-q4-spec3-head
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -163,17 +164,17 @@ for p in "$@"; do
     0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
       x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
       base_build $m $R --quant $q --max-seq 4096 $x -o "$PWD/bench/plans/$m-sm90-$q-base.plan" ;;
-    *-q4-head|*-bf16-head|*-q4-head16|*-bf16-head16) m=${p%%-*}; q=${p#*-}; q=${q%%-*}; v=${p##*-}; x="--max-seq 4096"
-      a="attention.short_rows=128"; [ $v = head16 ] && a="$a attention.short_block_s=16"  # stop 43
+    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
+      m=${p%%-*}; q=${p#*-}; q=${q%%-*}; v=${p#*-*-}; x="--max-seq 4096"; a=""
+      for f in $(echo "$v" | tr + ' '); do case $f in
+        head) a="$a attention.short_rows=128";; head16) a="$a attention.short_rows=128 attention.short_block_s=16";;
+        eg) a="$a moe.gate_up_early=True";; tog) a="$a matvec.q4_one_tile_together=True";;
+        *) echo "$p: unknown form $f (head, head16, eg, tog)"; exit 2;; esac; done
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
-        next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";; *) m=qwen3.5-$m; o=$m;; esac
+        next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";;
+        small2b4) m=$(small2b4); o=qwen3.5-small2b4; x="";; *) m=qwen3.5-$m; o=$m;; esac
       python3 bench/build_variant.py $a -- "$m" $R --quant $q $x -o bench/plans/$o-sm90-$q-$v.plan ;;
     next4-q4-spec3-head) python3 bench/build_variant.py attention.short_rows=128 -- "$(next4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-q4-spec3-head.plan ;;
-    *-q4-eg|*-q4-headeg) m=${p%%-*}; v=${p##*-}; x="--max-seq 4096"  # stop 43: moe.gate_up_early
-      a="moe.gate_up_early=True"; [ $v = headeg ] && a="$a attention.short_rows=128"
-      case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; next4) m=$(next4); o=qwen3-next-4l; x="${x#--max-seq 4096}";;
-        *) echo "$p: a Qwen3-Next plan (next80, next4)"; exit 2;; esac
-      python3 bench/build_variant.py $a -- "$m" $R --quant q4 $x -o bench/plans/$o-sm90-q4-$v.plan ;;
     small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
     27b-q4-spec3-base|27b-bf16-spec3-base|0.8b-bf16-spec3-base) m=qwen3.5-${p%%-*}; q=${p#*-}; q=${q%%-*}
       x="--max-seq 4096 --speculative mtp --draft-tokens 3"; [ $p = 27b-bf16-spec3-base ] && x="$x --draft-quant q4"

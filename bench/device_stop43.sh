@@ -10,6 +10,7 @@
 #           0.8b-q4-head16 next80-q4 next80-q4-head 27b-q4 27b-q4-head small4-q4-head next4-q4-spec3-head; about
 #           20 MB of plans with the probe's 1.9 MB: the working tree's 42 MB leaves room for no more)
 #   moe     rmsnorm_moe_gate_up's EARLY (moe.gate_up_early) at 80B-A3B q4, with and without the head form (below)
+#   tog     the one-tile q4 matvecs' loads together (matvec.q4_one_tile_together) at 0.8B, 2B, 80B-A3B (below)
 #   profile, next  llama.cpp's 80B-A3B figure in the same call as Kestrel's (~750 s of device time: the build and
 #           the profiles in one call, the GGUF and the runs in the next, on the still-warm machine)
 # There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART (profile and next:
@@ -32,17 +33,29 @@ case $2 in
       bash bench/device_preload_ab.sh "$out/e2e" ;;
   moe)  # rmsnorm_moe_gate_up's EARLY (moe.gate_up_early, off in the rule until measured: the normed input and the
     # shared expert's tiles before the PDL wait, a routed program's gate / up words and scales in one round trip after
-    # it, where the tile loop takes four), alone and with the head form (-headeg): 80B-A3B q4 A B C C B A and the
-    # --profile of -headeg; 4 layers of 80B-A3B with it against the CPU reference and under compute-sanitizer (bash
-    # bench/build_stop_plans.sh next80-q4 next80-q4-eg next80-q4-headeg next4-q4-eg)
+    # it, where the tile loop takes four), alone and with the head form (-head+eg): 80B-A3B q4 A B C C B A and the
+    # --profile of -head+eg; 4 layers of 80B-A3B with it against the CPU reference and under compute-sanitizer (bash
+    # bench/build_stop_plans.sh next80-q4 next80-q4-eg next80-q4-head+eg next4-q4-eg)
     ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
-    p=qwen3-next-80b-a3b-sm90-q4-headeg
+    p=qwen3-next-80b-a3b-sm90-q4-head+eg
     timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
       > "$out/profile-$p.txt" 2>&1; echo "profile: exit $?"; grep -A22 "^in the graph" "$out/profile-$p.txt" | head -24
-    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-eg qwen3-next-80b-a3b-sm90-q4-headeg" \
+    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-eg qwen3-next-80b-a3b-sm90-q4-head+eg" \
       bash bench/device_preload_ab.sh "$out"
     mkdir -p "$out/e2e"
     STEP_TIMEOUT=300 SANITIZE="qwen3-next-4l-sm90-q4-eg" E2E="qwen3-next-4l-sm90-q4-eg" bash bench/device_preload_ab.sh "$out/e2e" ;;
+  tog)  # the one-tile q4 matvecs' TOGETHER (matvec.q4_one_tile_together, off in the rule until measured: words and
+    # scales of both matrices at once after the PDL wait, where the tile takes x, then the words, the scales after the
+    # products, the up projection's after the gate's): 0.8B q4 A B C C B A with the head form (-head+tog), 2B q4 and
+    # 80B-A3B q4 with every stop-43 form (-head+eg+tog) A B B A; 4 layers of the 0.8B and 2B shapes with it against the
+    # CPU reference and under compute-sanitizer (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-tog 0.8b-q4-head+tog
+    # 2b-q4 2b-q4-tog next80-q4 next80-q4-head+eg+tog small4-q4-tog small2b4-q4-tog)
+    STEP_TIMEOUT=100 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-tog qwen3.5-0.8b-sm90-q4-head+tog" \
+      PAIRS="qwen3.5-2b-sm90-q4:qwen3.5-2b-sm90-q4-tog qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-head+eg+tog" \
+      bash bench/device_preload_ab.sh "$out"
+    mkdir -p "$out/e2e"
+    STEP_TIMEOUT=150 SANITIZE="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" \
+      E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" bash bench/device_preload_ab.sh "$out/e2e" ;;
   profile)  # llama.cpp built for the next part (kept in /tmp/llamacpp while the machine stays warm: run `next` right
     # after), and the 80B-A3B q4 plan's --profile at the rule and with the head form (carry .peers and bench/plans;
     # bash bench/build_stop_plans.sh next80-q4 next80-q4-head)

@@ -223,7 +223,13 @@ def matvec_launch(n: int, k: int, group: int, target, pair: bool = False) -> dic
                            "PDL_LATE": (n * k // 2 if group else n * k * 2) >= r.pdl_late_bytes,
                            "PRELOAD": not group and n * k * 2 < r.preload_bytes,
                            "L2_PREFETCH": bool(group) and target.cc >= 90 and n * k // 2 <= r.l2_prefetch_bytes,
-                           "PAIR_FMA": _pair_fma(group, target)}}
+                           "PAIR_FMA": _pair_fma(group, target), "TOGETHER": _together(k, block_k, group, target)}}
+
+
+def _together(k: int, block_k: int, group: int, target) -> bool:
+    """The constexpr ``TOGETHER``: q4 weights of one tile (K == BLOCK_K) where ``target.rules["matvec"]`` says
+    ``q4_one_tile_together``."""
+    return bool(group) and k == block_k and target.rules["matvec"].q4_one_tile_together
 
 
 def _fp_fusion(group: int, target) -> dict:
@@ -453,6 +459,18 @@ def _tile_scales(w_ptr, rows, k0, N: tl.constexpr, K: tl.constexpr, GROUP: tl.co
 
 
 @triton.jit
+def _first_scales(w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  LOAD: tl.constexpr):
+    """A one-tile q4 matrix's scales (``_tile_scales``) loaded now where LOAD, else None (and for bf16 / f32)."""
+    if LOAD and GROUP > 0:
+        tl.static_assert(K == BLOCK_K, "the scales of a matrix in one tile")
+        scales = _tile_scales(w_ptr, rows, 0, N, K, GROUP, BLOCK_K, False)
+    else:
+        scales = None
+    return scales
+
+
+@triton.jit
 def _first_tile(w_ptr, rows, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
     """The first weight tile ``_matvec_rows`` multiplies (inputs [0, BLOCK_K), masked when K < BLOCK_K), loaded
     now where PRELOAD (the kernels call it before their PDL wait), else None."""
@@ -552,16 +570,22 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
 def matvec_kernel(x_ptr, w_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
                   PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                  L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
+                  L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False,
+                  TOGETHER: tl.constexpr = False):
     """y[n] = sum_k W[n, k] * x[k] (fp32 accumulation). W [N, K] row-major: fp32 or bf16 (by the
     pointer type), or the q4 byte buffer described above when GROUP > 0. Grid: ceil(N / BLOCK_N)
     programs of BLOCK_N rows each, each looping over K in BLOCK_K tiles. PRELOAD: the first weight tile
     is loaded before the PDL wait (``matvec_launch``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
     _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA)
+    if TOGETHER and not PRELOAD:  # the words and scales of the one tile at once, first after the wait
+        w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, True)
+        s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, True)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA,
+                     s0=s0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -572,7 +596,8 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False,
                          PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                         L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
+                         L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False,
+                         TOGETHER: tl.constexpr = False):
     """y = silu(Wg @ x) * (Wu @ x) for two weights of one dtype and shape [N, K] (as matvec_kernel);
     the same split: each program computes BLOCK_N rows of both products, gate then up. (One K loop
     streaming both weights' tiles together was measured for q4 and lost: 27B q4 5.56 ms/token against
@@ -580,11 +605,19 @@ def matvec_swiglu_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N: tl.constexpr, K: tl.co
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, PRELOAD)
+    s0 = _first_scales(wg_ptr, rows_in, N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
+    w1 = _first_tile(wu_ptr, rows_in, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
+    s1 = _first_scales(wu_ptr, rows_in, N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
     _l2_prefetch_rows(wg_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     _l2_prefetch_rows(wu_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA)
-    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, PAIR_FMA=PAIR_FMA)
+    if TOGETHER and not PRELOAD:  # both matrices' words and scales of the one tile at once, first after the wait
+        w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, True)
+        s0 = _first_scales(wg_ptr, rows_in, N, K, GROUP, BLOCK_K, True)
+        w1 = _first_tile(wu_ptr, rows_in, K, GROUP, BLOCK_K, True)
+        s1 = _first_scales(wu_ptr, rows_in, N, K, GROUP, BLOCK_K, True)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA, s0=s0)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, w0=w1, PAIR_FMA=PAIR_FMA, s0=s1)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
@@ -658,7 +691,8 @@ def rmsnorm_matvec_launch(n: int, k: int, group: int, partials: int, target, pai
     elif short:  # fewer rows: the whole input in one tile, normed from that tile
         c = {**c, "BLOCK_K": max(group, pow2_at_least(k))}
     return {**launch, "constexprs": {**c, "P": partials, "BLOCK_P": pow2_at_least(partials),
-                                     "NORM": norm_mode(k, c["BLOCK_K"], group)}}
+                                     "NORM": norm_mode(k, c["BLOCK_K"], group),
+                                     "TOGETHER": _together(k, c["BLOCK_K"], group, target)}}
 
 
 def norm_mode(k: int, block_k: int, group: int) -> int:
@@ -684,15 +718,21 @@ def _partials_rstd(ss_ptr, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.co
 def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.constexpr, K: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
                       PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                      L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
+                      L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False,
+                      TOGETHER: tl.constexpr = False):
     """s = r + W @ x (matvec_kernel's product, the same split) and ss[program] = the sum of s^2 over
     the program's rows (``partial_rows`` = BLOCK_N, the op's attribute; not read). PRELOAD as
     matvec_kernel's."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
     _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
-    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA)
+    if TOGETHER and not PRELOAD:  # the words and scales of the one tile at once, first after the wait
+        w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, True)
+        s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, True)
+    y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, w0=w0, PAIR_FMA=PAIR_FMA,
+                     s0=s0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     live = rows < N
@@ -706,18 +746,23 @@ def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.conste
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
                           BLOCK_P: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
                           PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                          L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
+                          L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False,
+                          TOGETHER: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
     (matvec_add_kernel's); matvec_kernel's split and PRELOAD."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
+    s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
     _l2_prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
+    if TOGETHER and not PRELOAD:  # the words and scales of the one tile at once, first after the wait
+        w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, True)
+        s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, True)
     rstd = 1.0
     if NORM == NORM_PARTIALS:
         rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
     y = _matvec_rows(x_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM,
-                     w0, PAIR_FMA)
+                     w0, PAIR_FMA, s0=s0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     tl.store(y_ptr + rows, y, mask=rows < N)
@@ -729,20 +774,31 @@ def rmsnorm_matvec_swiglu_kernel(x_ptr, ss_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, e
                                  BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
                                  PDL: tl.constexpr = False,
                                  PDL_LATE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                                 L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False):
+                                 L2_PREFETCH: tl.constexpr = False, PAIR_FMA: tl.constexpr = False,
+                                 TOGETHER: tl.constexpr = False):
     """y = silu(Wg @ n) * (Wu @ n), n = rmsnorm(x) as rmsnorm_matvec_kernel makes it; the split and
     PRELOAD of matvec_swiglu_kernel."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_in = tl.minimum(rows, N - 1)
     w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, PRELOAD)
+    s0 = _first_scales(wg_ptr, rows_in, N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
+    w1 = _first_tile(wu_ptr, rows_in, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
+    s1 = _first_scales(wu_ptr, rows_in, N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
     _l2_prefetch_rows(wg_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     _l2_prefetch_rows(wu_ptr, tl.program_id(0) * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
     pdl_wait(PDL, not PDL_LATE)
+    if TOGETHER and not PRELOAD:  # both matrices' words and scales of the one tile at once, first after the wait
+        w0 = _first_tile(wg_ptr, rows_in, K, GROUP, BLOCK_K, True)
+        s0 = _first_scales(wg_ptr, rows_in, N, K, GROUP, BLOCK_K, True)
+        w1 = _first_tile(wu_ptr, rows_in, K, GROUP, BLOCK_K, True)
+        s1 = _first_scales(wu_ptr, rows_in, N, K, GROUP, BLOCK_K, True)
     rstd = 1.0
     if NORM == NORM_PARTIALS:
         rstd = _partials_rstd(ss_ptr, eps, K, P, BLOCK_P)
-    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, w0, PAIR_FMA)
-    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, None, PAIR_FMA)
+    g = _matvec_rows(x_ptr, wg_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, w0, PAIR_FMA,
+                     s0=s0)
+    u = _matvec_rows(x_ptr, wu_ptr, rows_in, N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, rstd, eps, NORM, w1, PAIR_FMA,
+                     s0=s1)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
     y = g / (1.0 + tl.exp(-g)) * u
@@ -808,7 +864,7 @@ def matvec_rows_launch(m: int, n: int, k: int, group: int, target, pair: bool = 
     shape (an experiment: bench/results/stop33)."""
     launch = matvec_launch(n, k, group, target, pair=pair)
     c = dict(launch["constexprs"])
-    del c["PDL_LATE"], c["PRELOAD"], c["L2_PREFETCH"]
+    del c["PDL_LATE"], c["PRELOAD"], c["L2_PREFETCH"], c["TOGETHER"]
     num_warps = launch["num_warps"]
     rr = target.rules["matvec_rows"]
     r = target.rules["matvec"]

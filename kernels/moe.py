@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows,
-                                    _matvec_rows, _matvec_tile, _normed, _q4_words_interpreted,
-                                    _partials_rstd, _tile_scales, _tile_weights, matvec_launch, matvec_ref)
+                                    _first_scales, _matvec_rows, _matvec_tile, _normed, _q4_words_interpreted,
+                                    _partials_rstd, _tile_weights, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
@@ -462,16 +462,6 @@ def rmsnorm_moe_gate_up_kernel(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, s
 
 
 @triton.jit
-def _one_tile_scales(w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A one-tile q4 matrix's scales for rows ``rows`` (``_tile_scales``); None for bf16 / f32 weights."""
-    if GROUP > 0:
-        scales = _tile_scales(w_ptr, rows, 0, N, K, GROUP, BLOCK_K, False)
-    else:
-        scales = None
-    return scales
-
-
-@triton.jit
 def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, eps,
                    E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
                    GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -497,8 +487,8 @@ def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_pt
         rows = e * I + tl.minimum(r, I - 1)
         wg = _tile_weights(wg_ptr, rows, 0, H, GROUP_G, BLOCK_K, False)
         wu = _tile_weights(wu_ptr, rows, 0, H, GROUP_G, BLOCK_K, False)
-        sg = _one_tile_scales(wg_ptr, rows, E * I, H, GROUP_G, BLOCK_K)
-        su = _one_tile_scales(wu_ptr, rows, E * I, H, GROUP_G, BLOCK_K)
+        sg = _first_scales(wg_ptr, rows, E * I, H, GROUP_G, BLOCK_K, True)
+        su = _first_scales(wu_ptr, rows, E * I, H, GROUP_G, BLOCK_K, True)
         g = _matvec_rows(x_ptr, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS,
                          wg, x0=xn, s0=sg)
         u = _matvec_rows(x_ptr, wu_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS,
@@ -509,8 +499,8 @@ def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_pt
         rows = tl.minimum(r, IS - 1)
         wg = _tile_weights(sg_ptr, rows, 0, H, GROUP_S, BLOCK_K, False)
         wu = _tile_weights(su_ptr, rows, 0, H, GROUP_S, BLOCK_K, False)
-        sg = _one_tile_scales(sg_ptr, rows, IS, H, GROUP_S, BLOCK_K)
-        su = _one_tile_scales(su_ptr, rows, IS, H, GROUP_S, BLOCK_K)
+        sg = _first_scales(sg_ptr, rows, IS, H, GROUP_S, BLOCK_K, True)
+        su = _first_scales(su_ptr, rows, IS, H, GROUP_S, BLOCK_K, True)
         pdl_wait(PDL)
         g = _matvec_rows(x_ptr, sg_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS, wg,
                          x0=xn, s0=sg)
@@ -519,7 +509,7 @@ def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_pt
         tl.store(out + TOPK * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < IS)
     else:
         w = _tile_weights(sgate_ptr, ns * 0, 0, H, GROUP_GATE, BLOCK_K, False)
-        s = _one_tile_scales(sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_K)
+        s = _first_scales(sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_K, True)
         pdl_wait(PDL)
         y = _matvec_rows(x_ptr, sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps,
                          NORM_PARTIALS, w, x0=xn, s0=s)

@@ -88,6 +88,10 @@ class MatvecRule(Rule):
     q4_preload_min_bytes: int = 0  # this many bytes of weight. Stop 42 calls 2-4, A B B A: 80B-A3B q4 1.760 -> 1.728
     #                                ms/token, 2B 0.748 -> 0.731, 4B 1.414 -> 1.402, 27B 4.997 -> 4.981; 0.8B's 1 MiB
     #                                output projections 0.471 -> 0.525, hence the floor (kernels/matvec.py)
+    q4_one_tile_together: bool = False  # TOGETHER: a q4 matrix of one tile (K == BLOCK_K) has its words and scales (the
+    #                                    swiglu kernels: of both matrices) loaded at once, right after the PDL wait
+    #                                    (before it with PRELOAD), not the scales after the products, a matrix after
+    #                                    the other (off until timed, stop 43)
 
 
 @dataclass(frozen=True, kw_only=True)

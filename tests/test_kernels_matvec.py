@@ -112,7 +112,8 @@ def test_launch_rule_real_shapes(target, group):
     for name, (n, k) in REAL_SHAPES.items():
         c = matvec_launch(n, k, group, t)
         e = c["constexprs"]
-        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PDL_LATE", "PRELOAD", "L2_PREFETCH", "PAIR_FMA"}
+        assert set(e) == {"N", "K", "GROUP", "BLOCK_N", "BLOCK_K", "PDL_LATE", "PRELOAD", "L2_PREFETCH", "PAIR_FMA",
+                          "TOGETHER"}
         assert not e["L2_PREFETCH"]  # (27B matrices: larger than the rule's l2_prefetch_bytes)
         assert (e["N"], e["K"], e["GROUP"]) == (n, k, group)
         assert c["grid"] == [math.ceil(n / e["BLOCK_N"]), 1, 1]

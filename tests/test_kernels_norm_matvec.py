@@ -3,6 +3,7 @@ matvec_add_kernel (s = r + W x and per-program partial sums of s^2) and rmsnorm_
 rmsnorm_matvec_swiglu_kernel (W @ rmsnorm(s) from those partials), in Triton's interpreter against
 the torch references for f32, bf16 and q4 weights, chained the way a plan chains them; AOT
 compilation for every target at the 27B shapes (one subprocess, the suite runs interpreted)."""
+import dataclasses
 import json
 import math
 import os
@@ -12,8 +13,9 @@ import torch
 
 from kernel_harness import assert_close, interpret, run_aot_main
 from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, matvec_add_kernel, matvec_add_ref,
-                                    matvec_launch, matvec_ref, norm_mode, rmsnorm_matvec_kernel, rmsnorm_matvec_launch,
-                                    rmsnorm_matvec_ref, rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
+                                    matvec_kernel, matvec_launch, matvec_ref, matvec_swiglu_kernel, norm_mode,
+                                    rmsnorm_matvec_kernel, rmsnorm_matvec_launch, rmsnorm_matvec_ref,
+                                    rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref
 from kestrel.kernels.targets import TARGETS
 from test_kernels_matvec import consts_for, make_weight
@@ -89,6 +91,56 @@ def test_q4_preload_gives_the_same_bits(kind, block_k):
     assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
+@pytest.mark.parametrize("kind", ["q4g32", "q4g128"])
+def test_q4_one_tile_together_gives_the_same_bits(kind):
+    """TOGETHER (``matvec.q4_one_tile_together``): a one-tile q4 matrix's words and scales, both matrices' in the
+    swiglu kernels, loaded at once after the wait (before it with PRELOAD): the five one-row kernels give bit for
+    bit what they give without it (matvec, matvec_swiglu, matvec_add with its partials, rmsnorm_matvec from the
+    partials and from its own tile, rmsnorm_matvec_swiglu). The launch rule sets it only where K is one tile."""
+    g = torch.Generator().manual_seed(int(kind[3:]))
+    group = int(kind[3:])
+    h, n = 256, 24
+    w, _, _ = make_weight(kind, h, h, g)
+    wg, _, _ = make_weight(kind, n, h, g)
+    wu, _, _ = make_weight(kind, n, h, g)
+    x, r = torch.randn(h, generator=g), torch.randn(h, generator=g)
+    nw = 0.5 * torch.randn(h, generator=g)
+    runs = {}
+    for pre in (False, True):
+        for tog in (False, True):
+            c = consts_for(h, h, group, {"BLOCK_N": 8, "BLOCK_K": h, "PRELOAD": pre, "TOGETHER": tog})
+            p = h // 8
+            out = {}
+            out["y"], out["sw"] = torch.empty(h), torch.empty(n)
+            interpret(matvec_kernel)[(p,)](x, w, out["y"], **c)
+            interpret(matvec_swiglu_kernel)[(n // 8,)](x, wg, wu, out["sw"], **(c | {"N": n}))
+            out["s"], out["ss"] = torch.empty(h), torch.empty(p)
+            interpret(matvec_add_kernel)[(p,)](x, w, r, out["s"], out["ss"], 8, **c)
+            for mode in (NORM_PARTIALS, NORM_TILE):
+                cn = rmsnorm_matvec_launch(n, h, group, p, TARGETS["sm_90"])["constexprs"] | {
+                    "BLOCK_N": 8, "BLOCK_K": h, "PRELOAD": pre, "TOGETHER": tog, "NORM": mode.value}
+                out[f"n{mode.value}"], out[f"nsw{mode.value}"] = torch.empty(n), torch.empty(n)
+                interpret(rmsnorm_matvec_kernel)[(n // 8,)](out["s"], out["ss"], nw, wg, out[f"n{mode.value}"], EPS,
+                                                            **cn)
+                interpret(rmsnorm_matvec_swiglu_kernel)[(n // 8,)](out["s"], out["ss"], nw, wg, wu,
+                                                                   out[f"nsw{mode.value}"], EPS, **cn)
+            runs[pre, tog] = out
+    base = runs[False, False]
+    for key, out in runs.items():
+        for name, v in out.items():
+            assert torch.equal(v, base[name]), f"{kind} PRELOAD, TOGETHER = {key}: {name} differs"
+    t = TARGETS["sm_90"]
+    on = dataclasses.replace(t, rules={**t.rules, "matvec": dataclasses.replace(t.rules["matvec"],
+                                                                                q4_one_tile_together=True)})
+    for launch, together in ((rmsnorm_matvec_launch(6144, 2048, 128, 8, on, pair=True), True),  # 2B's gate / up
+                             (rmsnorm_matvec_launch(8224, 1024, 128, 8, on), True),  # 0.8B's in_proj
+                             (matvec_launch(2048, 6144, 128, on), False),  # several tiles
+                             (rmsnorm_matvec_launch(6144, 2048, 0, 8, on, pair=True), False),  # bf16
+                             (rmsnorm_matvec_launch(6144, 2048, 128, 8, t, pair=True), False)):  # off in the rule
+        c = launch["constexprs"]
+        assert c["TOGETHER"] == together and (c["K"] == c["BLOCK_K"] or not together), c
+
+
 def test_norm_mode_picks():
     """The input in one tile: its own sum (any dtype); more tiles: fp weights sum along the loop, q4
     takes the producer's partials; and the launch carries it (27B / 0.8B shapes on sm_90)."""
@@ -151,6 +203,8 @@ H, INTER, IN_PROJ = 5120, 17408, 16480
 
 def _jobs():
     jobs = [(t, kernel, 128) for t in TARGETS for kernel in ("add", "norm", "norm_swiglu")]
+    # (q4-together: matvec.q4_one_tile_together at the 2B shape, hidden 2048, where the products are one tile)
+    jobs += [(t, kernel, "q4-together") for t in TARGETS for kernel in ("add", "norm", "norm_swiglu")]
     return jobs + [("sm_90", kernel, 0) for kernel in ("add", "norm", "norm_swiglu")]
 
 
@@ -158,18 +212,23 @@ def _compile(job):
     from kestrel.compiler.codegen import compile_kernel
 
     target, kernel, group = job
+    together = group == "q4-together"
+    group = 128 if together else group
+    h, inter, in_proj = (2048, 2048, 6144) if together else (H, INTER, IN_PROJ)
     t, wt = TARGETS[target], "*u8" if group else "*bf16"
     if kernel == "add":  # down_proj: s = r + W x, ss
-        c = matvec_launch(H, INTER, group, t)
+        c = matvec_launch(h, inter, group, t)
         fn, types = matvec_add_kernel, ["*fp32", wt, "*fp32", "*fp32", "*fp32", "i32"]
         consts = c["constexprs"]
     else:
-        n = INTER if kernel == "norm_swiglu" else IN_PROJ
-        p = math.ceil(H / matvec_launch(H, INTER, group, t)["constexprs"]["BLOCK_N"])
-        c = rmsnorm_matvec_launch(n, H, group, p, t, pair=kernel == "norm_swiglu")
+        n = inter if kernel == "norm_swiglu" else in_proj
+        p = math.ceil(h / matvec_launch(h, inter, group, t)["constexprs"]["BLOCK_N"])
+        c = rmsnorm_matvec_launch(n, h, group, p, t, pair=kernel == "norm_swiglu")
         consts = c["constexprs"]
         fn = rmsnorm_matvec_swiglu_kernel if kernel == "norm_swiglu" else rmsnorm_matvec_kernel
         types = ["*fp32", "*fp32", "*fp32"] + [wt] * (2 if kernel == "norm_swiglu" else 1) + ["*fp32", "fp32"]
+    if together:
+        consts = consts | {"BLOCK_K": h, "TOGETHER": True}
     ck = compile_kernel(f"{kernel}_{group}", fn, types, consts, c["num_warps"], t.cc,
                         aligned=[ty.startswith("*") for ty in types])
     return {"job": list(job), "cubin": len(ck.cubin), "shared": ck.shared, "arch": ck.arch,
@@ -188,7 +247,7 @@ def aot():
     return {tuple(d["job"]): d for d in run_aot_main("test_kernels_norm_matvec")}
 
 
-@pytest.mark.parametrize("job", _jobs(), ids=lambda j: f"{j[0]}-{j[1]}-{'q4g128' if j[2] else 'bf16'}")
+@pytest.mark.parametrize("job", _jobs(), ids=lambda j: f"{j[0]}-{j[1]}-{'q4g128' if j[2] == 128 else j[2] or 'bf16'}")
 def test_aot_compile(aot, job):
     d = aot[job]
     assert d["cubin"] > 0 and d["params"] == d["types"]

@@ -400,8 +400,9 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
     4-token prompt whose rows route to different experts),
     then a one-token step (within the M-row GEMM's bf16 rounding, as the dense test); q4: one-token steps
-    from the first prompt token (within 1e-4); q4-early: the same with two forms not on by default
-    (KESTREL_RULES), rmsnorm_moe_gate_up's EARLY and attn_step's one program a query head. Each step's last
+    from the first prompt token (within 1e-4); q4-early: the same with three forms not on by default
+    (KESTREL_RULES), rmsnorm_moe_gate_up's EARLY, attn_step's one program a query head and the one-tile q4
+    matvecs' TOGETHER. Each step's last
     routing buffer holds the experts the CPU reference chose, the same tokens come out."""
     from conftest import run_cli
     from kestrel.compiler.ops import is_view
@@ -412,7 +413,8 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
         quant = "q4"
     early = quant == "q4-early"
     if early:
-        monkeypatch.setenv("KESTREL_RULES", "moe.gate_up_early=True attention.short_rows=8")
+        monkeypatch.setenv("KESTREL_RULES", "moe.gate_up_early=True attention.short_rows=8 "
+                                            "matvec.q4_one_tile_together=True")
         quant = "q4"
     path = str(tmp_path / f"mini-next-{quant}.plan")
     r = run_cli("kestrelc", "build", mini_next_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
@@ -429,6 +431,7 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
     assert mma == ({"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids), sorted(ids)
     consts = {k["id"].split("_q4")[0].split("_bf16")[0]: k["constexprs"] for k in plan.launch_plan["kernels"]}
     assert consts["rmsnorm_moe_gate_up"]["EARLY"] == early and consts["attn_step"]["SHORT_ROWS"] == (8 if early else 0)
+    assert any(c.get("TOGETHER") for c in consts.values()) == early
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
     if rows >= 16:

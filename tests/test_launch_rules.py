@@ -26,18 +26,18 @@ def L(grid, num_warps, **constexprs):
 
 
 EXPECTED_SM_90 = [
-    (matvec_launch, (1024, 1024, 0), L([1024, 1, 1], 4, N=1024, K=1024, GROUP=0, BLOCK_N=1, BLOCK_K=1024, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (6144, 1024, 0), L([1536, 1, 1], 4, N=6144, K=1024, GROUP=0, BLOCK_N=4, BLOCK_K=1024, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (1024, 3584, 0), L([1024, 1, 1], 4, N=1024, K=3584, GROUP=0, BLOCK_N=1, BLOCK_K=2048, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (248320, 1024, 0), L([15520, 1, 1], 4, N=248320, K=1024, GROUP=0, BLOCK_N=16, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (5120, 17408, 0), L([640, 1, 1], 2, N=5120, K=17408, GROUP=0, BLOCK_N=8, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (17408, 5120, 0), L([1088, 1, 1], 4, N=17408, K=5120, GROUP=0, BLOCK_N=16, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (5120, 17408, 128), L([640, 1, 1], 4, N=5120, K=17408, GROUP=128, BLOCK_N=8, BLOCK_K=2048, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (34816, 5120, 32), L([2176, 1, 1], 1, N=34816, K=5120, GROUP=32, BLOCK_N=16, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (6144, 1024, 64), L([768, 1, 1], 4, N=6144, K=1024, GROUP=64, BLOCK_N=8, BLOCK_K=1024, PDL_LATE=False, PRELOAD=False, L2_PREFETCH=True, PAIR_FMA=False)),
-    (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False)),
-    (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32, PDL_LATE=False, PRELOAD=False, L2_PREFETCH=True, PAIR_FMA=False)),
-    (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False)),
+    (matvec_launch, (1024, 1024, 0), L([1024, 1, 1], 4, N=1024, K=1024, GROUP=0, BLOCK_N=1, BLOCK_K=1024, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (6144, 1024, 0), L([1536, 1, 1], 4, N=6144, K=1024, GROUP=0, BLOCK_N=4, BLOCK_K=1024, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (1024, 3584, 0), L([1024, 1, 1], 4, N=1024, K=3584, GROUP=0, BLOCK_N=1, BLOCK_K=2048, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (248320, 1024, 0), L([15520, 1, 1], 4, N=248320, K=1024, GROUP=0, BLOCK_N=16, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (5120, 17408, 0), L([640, 1, 1], 2, N=5120, K=17408, GROUP=0, BLOCK_N=8, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (17408, 5120, 0), L([1088, 1, 1], 4, N=17408, K=5120, GROUP=0, BLOCK_N=16, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (5120, 17408, 128), L([640, 1, 1], 4, N=5120, K=17408, GROUP=128, BLOCK_N=8, BLOCK_K=2048, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (34816, 5120, 32), L([2176, 1, 1], 1, N=34816, K=5120, GROUP=32, BLOCK_N=16, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (6144, 1024, 64), L([768, 1, 1], 4, N=6144, K=1024, GROUP=64, BLOCK_N=8, BLOCK_K=1024, PDL_LATE=False, PRELOAD=False, L2_PREFETCH=True, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (392, 128, 0), L([392, 1, 1], 1, N=392, K=128, GROUP=0, BLOCK_N=1, BLOCK_K=128, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (64, 32, 32), L([16, 1, 1], 1, N=64, K=32, GROUP=32, BLOCK_N=4, BLOCK_K=32, PDL_LATE=False, PRELOAD=False, L2_PREFETCH=True, PAIR_FMA=False, TOGETHER=False)),
+    (matvec_launch, (8192, 7, 0), L([1024, 1, 1], 1, N=8192, K=7, GROUP=0, BLOCK_N=8, BLOCK_K=8, PDL_LATE=False, PRELOAD=True, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False)),
     (attn_splits, (2, 4096), 32),
     (attn_splits, (2, 131072), 64),
     (attn_splits, (4, 4096), 32),
@@ -92,7 +92,7 @@ EXPECTED_SM_90 = [
 # sm_120 (untuned: sm_90's rows, but 170 SMs and 99 KiB of opt-in shared memory): where it differs (attention
 # at D = 256: half the rows per tile, so that two K/V tile pairs fit in the pipeline)
 SM_120_DIFFERS = {
-    (matvec_launch, (5120, 17408, 0)): L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False),
+    (matvec_launch, (5120, 17408, 0)): L([1280, 1, 1], 1, N=5120, K=17408, GROUP=0, BLOCK_N=4, BLOCK_K=512, PDL_LATE=True, PRELOAD=False, L2_PREFETCH=False, PAIR_FMA=False, TOGETHER=False),
     (attn_step_launch, (8, 2, 256, 4096, 32, "bf16")):
         L([2, 32, 1], 4, NH=8, NKV=2, D=256, S=4096, SPLITS=32, BLOCK_H=16, BLOCK_Q=4, BLOCK_D=256, BLOCK_S=32, SPLIT_ROWS=64, PIPE_BYTES=68608,
           MERGE_CH=32, MERGE_STAGES=2, MERGE_SMALL=0, MERGE_SMALL_STAGES=4, DOT_FP32=False,
@@ -189,6 +189,7 @@ READS = [
     (attn_step_launch, (24, 4, 256, 4096, 32, "f32"), "attention", "fma_num_warps", 4),
     (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"), "attention", "min_tiles_in_flight", 3),
     (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"), "attention", "short_rows", 128),
+    (matvec_launch, (6144, 1024, 64), "matvec", "q4_one_tile_together", True),
     (attn_step_launch, (24, 4, 256, 4096, 32, "bf16"), "attention", "short_block_s", 16),
     (gdn_delta_launch, (16, 48, 128, 128, 4), "gdn_delta", "max_block_v", 4),
     (gdn_norm_launch, (48, 128, 10240, 4), "gdn_norm", "num_warps", 8),
