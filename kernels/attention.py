@@ -541,6 +541,22 @@ def _head_tile(qs, kt, vt, rows, pos, m_i, l_j, acc):
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, rows, end, g, d, dmask, NKV: tl.constexpr, D: tl.constexpr,
+             MASK_D: tl.constexpr):
+    """The K and V rows ``rows`` of kv head g, [len(rows), BLOCK_D] in the cache dtype; rows past ``end`` (in a last
+    tile) re-read row end - 1 (< p: written, finite; the caller gives them weight 0), so the copies need no row
+    mask. MASK_D: BLOCK_D > D (the lanes past D read as 0)."""
+    offs = (tl.minimum(rows, end - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
+    if MASK_D:
+        kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
+        vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
+    else:
+        kt = tl.load(k_cache_ptr + offs)
+        vt = tl.load(v_cache_ptr + offs)
+    return kt, vt
+
+
+@triton.jit
 def _attn_head(q, kr, vr, kt0, vt0, gate, k_cache_ptr, v_cache_ptr, out_ptr, pos, g, h, d, dmask, scale,
                NKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SHORT_S: tl.constexpr):
     """Query head h's attention at position ``pos`` alone (attn_step_kernel's short form), from its roped query q
@@ -554,16 +570,9 @@ def _attn_head(q, kr, vr, kt0, vt0, gate, k_cache_ptr, v_cache_ptr, out_ptr, pos
     l_j = tl.where(s_off == 0, 1.0, 0.0)
     acc = vr
     m_i, l_j, acc = _head_tile(qs, kt0, vt0, s_off, pos, m_i, l_j, acc)
-    MASK_D: tl.constexpr = BLOCK_D != D
     for start in tl.range(SHORT_S, pos, SHORT_S, num_stages=2):
         rows = start + s_off
-        offs = (tl.minimum(rows, pos - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
-        if MASK_D:
-            kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-            vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-        else:
-            kt = tl.load(k_cache_ptr + offs)
-            vt = tl.load(v_cache_ptr + offs)
+        kt, vt = _kv_tile(k_cache_ptr, v_cache_ptr, rows, pos, g, d, dmask, NKV, D, BLOCK_D != D)
         m_i, l_j, acc = _head_tile(qs, kt, vt, rows, pos, m_i, l_j, acc)
     tl.store(out_ptr + h * D + d, acc / tl.sum(l_j, axis=0) * tl.sigmoid(gate), mask=dmask)
 
@@ -656,14 +665,7 @@ def _attn_row(q, kr, vr, writer, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, tic
     for start in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         rows = start + s_off
         rmask = rows < hi
-        # rows past hi (in the last tile) re-read row hi - 1 (< p: written, finite) and get weight 0
-        offs = (tl.minimum(rows, hi - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
-        if MASK_D:
-            kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-            vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-        else:
-            kt = tl.load(k_cache_ptr + offs)
-            vt = tl.load(v_cache_ptr + offs)
+        kt, vt = _kv_tile(k_cache_ptr, v_cache_ptr, rows, hi, g, d, dmask, NKV, D, MASK_D)
         if BF16:  # S = Q K^T from the exact bf16 parts of Q (three short mma chains)
             if DOT_FP32:
                 kt = kt.to(tl.float32)
