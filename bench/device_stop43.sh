@@ -11,6 +11,7 @@
 #           20 MB of plans with the probe's 1.9 MB: the working tree's 42 MB leaves room for no more)
 #   moe     rmsnorm_moe_gate_up's EARLY (moe.gate_up_early) at 80B-A3B q4, with and without the head form (below)
 #   tog     the one-tile q4 matvecs' loads together (matvec.q4_one_tile_together) at 0.8B, 2B, 80B-A3B (below)
+#   ab, checks  the shortest route: every form's whole-step A/B in one call, then their correctness in another
 #   profile, next  llama.cpp's 80B-A3B figure in the same call as Kestrel's (~750 s of device time: the build and
 #           the profiles in one call, the GGUF and the runs in the next, on the still-warm machine)
 # There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART (profile and next:
@@ -56,6 +57,24 @@ case $2 in
     mkdir -p "$out/e2e"
     STEP_TIMEOUT=150 SANITIZE="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" \
       E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" bash bench/device_preload_ab.sh "$out/e2e" ;;
+  ab)  # the three forms' whole-step A/B in one call (graph, greedy): 0.8B q4 and 80B-A3B q4 A B C D D C B A, 2B q4
+    # A B B A (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-head 0.8b-q4-tog 0.8b-q4-head+tog next80-q4 next80-q4-head
+    # next80-q4-eg next80-q4-head+eg+tog 2b-q4 2b-q4-tog: ~20 MB of plans); `checks` then runs their correctness
+    mkdir -p "$out/small" "$out/next"
+    STEP_TIMEOUT=100 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-head qwen3.5-0.8b-sm90-q4-tog qwen3.5-0.8b-sm90-q4-head+tog" \
+      bash bench/device_preload_ab.sh "$out/small"
+    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-head qwen3-next-80b-a3b-sm90-q4-eg qwen3-next-80b-a3b-sm90-q4-head+eg+tog" \
+      PAIRS="qwen3.5-2b-sm90-q4:qwen3.5-2b-sm90-q4-tog" bash bench/device_preload_ab.sh "$out/next" ;;
+  checks)  # the three forms on against the CPU reference (4 layers of the 0.8B and 2B shapes, of 80B-A3B), under
+    # compute-sanitizer, and the verify's row 0 against the one-token step with the head form (bash
+    # bench/build_stop_plans.sh small4-q4-head+tog small2b4-q4-tog next4-q4-head+eg+tog next4-q4-spec3-head; about
+    # 500 s of the 600 a call may take: the 4-layer 80B-A3B e2e alone took ~140 s in stop 42)
+    timeout 120 python3 bench/device_row_diff.py "$out/row-diff.json" bench/plans/qwen3-next-4l-sm90-q4-spec3-head.plan \
+      > "$out/row-diff.txt" 2>&1
+    echo "row diff: exit $?"; grep -E "outputs compared|^  " "$out/row-diff.txt" | head -10
+    STEP_TIMEOUT=200 SANITIZE="qwen3.5-small4-sm90-q4-head+tog qwen3-next-4l-sm90-q4-spec3-head" \
+      E2E="qwen3.5-small4-sm90-q4-head+tog qwen3.5-small2b4-sm90-q4-tog qwen3-next-4l-sm90-q4-head+eg+tog" \
+      bash bench/device_preload_ab.sh "$out" ;;
   profile)  # llama.cpp built for the next part (kept in /tmp/llamacpp while the machine stays warm: run `next` right
     # after), and the 80B-A3B q4 plan's --profile at the rule and with the head form (carry .peers and bench/plans;
     # bash bench/build_stop_plans.sh next80-q4 next80-q4-head)
