@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows,
-                                    _first_scales, _matvec_rows, _matvec_tile, _normed, _q4_words_interpreted,
-                                    _partials_rstd, _tile_weights, matvec_launch, matvec_ref)
+                                    _first_scales, _first_tile, _matvec_rows, _matvec_tile, _normed,
+                                    _partials_rstd, _q4_words_interpreted, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
@@ -485,8 +485,8 @@ def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_pt
         e = tl.load(ids_ptr + row * TOPK + j)
         e = tl.minimum(tl.maximum(e, 0), E - 1)
         rows = e * I + tl.minimum(r, I - 1)
-        wg = _tile_weights(wg_ptr, rows, 0, H, GROUP_G, BLOCK_K, False)
-        wu = _tile_weights(wu_ptr, rows, 0, H, GROUP_G, BLOCK_K, False)
+        wg = _first_tile(wg_ptr, rows, H, GROUP_G, BLOCK_K, True)
+        wu = _first_tile(wu_ptr, rows, H, GROUP_G, BLOCK_K, True)
         sg = _first_scales(wg_ptr, rows, E * I, H, GROUP_G, BLOCK_K, True)
         su = _first_scales(wu_ptr, rows, E * I, H, GROUP_G, BLOCK_K, True)
         g = _matvec_rows(x_ptr, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS,
@@ -497,8 +497,8 @@ def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_pt
     elif pid < TOPK * NB_I + NB_S:
         r = (pid - TOPK * NB_I) * BLOCK_N + ns
         rows = tl.minimum(r, IS - 1)
-        wg = _tile_weights(sg_ptr, rows, 0, H, GROUP_S, BLOCK_K, False)
-        wu = _tile_weights(su_ptr, rows, 0, H, GROUP_S, BLOCK_K, False)
+        wg = _first_tile(sg_ptr, rows, H, GROUP_S, BLOCK_K, True)
+        wu = _first_tile(su_ptr, rows, H, GROUP_S, BLOCK_K, True)
         sg = _first_scales(sg_ptr, rows, IS, H, GROUP_S, BLOCK_K, True)
         su = _first_scales(su_ptr, rows, IS, H, GROUP_S, BLOCK_K, True)
         pdl_wait(PDL)
@@ -508,7 +508,7 @@ def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_pt
                          x0=xn, s0=su)
         tl.store(out + TOPK * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < IS)
     else:
-        w = _tile_weights(sgate_ptr, ns * 0, 0, H, GROUP_GATE, BLOCK_K, False)
+        w = _first_tile(sgate_ptr, ns * 0, H, GROUP_GATE, BLOCK_K, True)
         s = _first_scales(sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_K, True)
         pdl_wait(PDL)
         y = _matvec_rows(x_ptr, sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps,
