@@ -11,8 +11,9 @@ engine runner) advances pos and feeds the next token. Every op kind that can app
 not, is exported as the ONNX sequence that computes what its torch reference in kernels/*.py computes,
 in fp32 and in the same order (zero-centred RMSNorm x * rsqrt(mean(x^2) + eps) * (1 + w); the gated
 norm w * norm(x) * silu(z); partial NeoX RoPE with the reference's fp32 inverse frequencies; the
-Gated DeltaNet conv window and delta rule; GQA attention), so onnxruntime reproduces the CPU
-reference path (tests/test_onnx.py: same greedy tokens, logits within 1e-4).
+Gated DeltaNet conv window and delta rule; GQA attention; Qwen3-Next's routing (Softmax, TopK: equal values
+lower index first, as the reference) and its experts' rows gathered from the stacked matrices by the TopK ids),
+so onnxruntime reproduces the CPU reference path (tests/test_onnx.py: same greedy tokens, logits within 1e-4).
 
 Graph interface (every shape static; TensorRT builds it with fixed shapes):
 
@@ -121,6 +122,14 @@ class _Graph:
         self.nodes.append(self.helper.make_node(op_type, inputs, [name], name=name, **attrs))
         return name
 
+    def node_outs(self, op_type: str, inputs: list[str], n: int, **attrs) -> list[str]:
+        """One node with n outputs (TopK's values and indices)."""
+        self.count += 1
+        name = f"{self.scope}/{op_type}_{self.count}"
+        outs = [f"{name}.{i}" for i in range(n)]
+        self.nodes.append(self.helper.make_node(op_type, inputs, outs, name=name, **attrs))
+        return outs
+
     def const(self, array: np.ndarray) -> str:
         """A small constant initializer (shapes, indices, scalars), shared by value."""
         from onnx import numpy_helper
@@ -169,6 +178,10 @@ class _Exporter:
             t = self.read_state(x)
             return t if x.type.dtype == "f32" else self.cast(t, "f32")
         raise UnsupportedError(f"ONNX export: operand {x!r} is not a tensor")
+
+    def value(self, v: Value) -> str:
+        """A value's tensor in its own dtype (the routing ids stay i32)."""
+        return self.env[id(v)]
 
     def read_state(self, s: State) -> str:
         return self.state.setdefault(s.name, s.name)
@@ -227,6 +240,22 @@ class _Exporter:
 
     def matmul(self, x: str, w: Weight) -> str:  # matvec_ref: W [N, K] @ x [K], fp32
         return self.g.node("MatMul", [self.f32(w), x])
+
+    def expert_rows(self, w: Weight, ids: str, experts: int) -> str:
+        """The routed experts' blocks of a stacked matrix w [E * R, C] (expert e: rows e R .. e R + R - 1):
+        [k, R, C] fp32 for ids [k]; gathered before the cast, so a bf16 stack is never made fp32 whole."""
+        rows, cols = w.type.shape
+        stack = self.reshape(self.weight_init(w), [experts, rows // experts, cols])
+        blocks = self.g.node("Gather", [stack, ids], axis=0)
+        return blocks if self.weight_dtype(w) == "f32" else self.cast(blocks, "f32")
+
+    def rank_sum(self, x: str, n: int, axis: int) -> str:
+        """x's n slices along axis summed one after another, first to last (the references' rank order; a
+        ReduceSum's order is the runtime's)."""
+        total = self.slice(x, axis, 0, 1)
+        for j in range(1, n):
+            total = self.g.node("Add", [total, self.slice(x, axis, j, j + 1)])
+        return self.g.node("Squeeze", [total, self.g.i64([axis])])
 
     def conv_window(self, x: str, conv_state: State) -> str:  # [state | x]: [C, K], oldest first
         return self.g.node("Concat", [self.f32(conv_state), self.unsqueeze(x, [1])], axis=1)

@@ -1055,14 +1055,16 @@ def _onnx_matmul_swiglu(ex, op, x, wg, wu):
     return ex.g.node("Mul", [ex.silu(ex.matmul(x, wg)), ex.matmul(x, wu)])
 
 
-def _onnx_matmul_add(ex, op, x, w, r):
-    """s = r + W x; ss: the sums of s^2 over groups of partial_rows rows (ReduceSumSquare)."""
-    s = ex.g.node("Add", [ex.f32(r), ex.matmul(ex.f32(x), w)])
+def _residual_partials(ex, op, s: str):
+    """(s, ss): ss the sums of s^2 over groups of partial_rows rows (ReduceSumSquare), the next norm's partials."""
     n, rows = op.outs[0].type.shape[0], op.attrs["partial_rows"]
     if n % rows:
-        raise IRError(f"matmul_add: ONNX export needs partial_rows ({rows}) to divide the rows ({n})")
-    ss = ex.g.node("ReduceSumSquare", [ex.reshape(s, [n // rows, rows])], axes=[1], keepdims=0)
-    return s, ss
+        raise IRError(f"{op.kind}: ONNX export needs partial_rows ({rows}) to divide the rows ({n})")
+    return s, ex.g.node("ReduceSumSquare", [ex.reshape(s, [n // rows, rows])], axes=[1], keepdims=0)
+
+
+def _onnx_matmul_add(ex, op, x, w, r):  # s = r + W x, and its partial sums of squares
+    return _residual_partials(ex, op, ex.g.node("Add", [ex.f32(r), ex.matmul(ex.f32(x), w)]))
 
 
 def _onnx_rmsnorm_matmul(ex, op, s, ss, nw, *ws):  # the partials are the GPU's way to the mean: unused
@@ -1095,6 +1097,80 @@ def _onnx_gdn_step(ex, op, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, nor
     o = ex.gdn_core(hk, ex.f32(b), ex.f32(a), mixed, a_log, dt_bias, rec, op.attrs["l2_eps"], op.attrs["scale"])
     out = ex.gated_rmsnorm(o, ex.reshape(ex.f32(z), [hv, dv]), ex.f32(norm_w), op.attrs["eps"])
     return ex.reshape(out, [hv * dv])
+
+
+def _onnx_topk(ex, op, logits: str):
+    """moe_topk_ref of an fp32 logits tensor: softmax, TopK (ONNX ranks equal values lower index first: the
+    reference's tie rule), the weights divided by their sum in rank order when norm_topk; ids as the IR's i32."""
+    g, k = ex.g, op.attrs["top_k"]
+    vals, ids = g.node_outs("TopK", [g.node("Softmax", [logits], axis=-1), g.i64([k])], 2, axis=-1, largest=1,
+                            sorted=1)
+    if op.attrs["norm_topk"]:
+        vals = g.node("Div", [vals, ex.unsqueeze(ex.rank_sum(vals, k, -1), [-1])])
+    return ex.cast(ids, "i32"), vals
+
+
+def _onnx_moe_topk(ex, op, logits):
+    return _onnx_topk(ex, op, ex.f32(logits))
+
+
+def _onnx_moe_router(ex, op, x, w):  # moe_router_ref: the logits as matmul's, then moe_topk's
+    return _onnx_topk(ex, op, ex.matmul(ex.f32(x), w))
+
+
+def _one_token(op, x) -> None:
+    if len(x.type.shape) != 1:
+        raise IRError(f"{op.kind}: the ONNX step is the one-token step (input {list(x.type.shape)})")
+
+
+def _onnx_gate_up(ex, op, x: str, ids, wg, wu, sg, su, sgate, experts: int) -> str:
+    """moe_gate_up_ref of an fp32 x [H]: [silu(Wg_e x) * (Wu_e x) for e in ids] | silu(Sg x) * (Su x) | Ws . x,
+    each routed expert's rows gathered from the stacked matrices by the routing ids."""
+    g, (k,) = ex.g, ids.type.shape
+    gate, up = (g.node("MatMul", [ex.expert_rows(w, ex.value(ids), experts), x]) for w in (wg, wu))  # [k, I]
+    routed = ex.reshape(g.node("Mul", [ex.silu(gate), up]), [k * (wg.type.shape[0] // experts)])
+    shared = g.node("Mul", [ex.silu(ex.matmul(x, sg)), ex.matmul(x, su)])
+    return g.node("Concat", [routed, shared, ex.matmul(x, sgate)], axis=0)
+
+
+def _onnx_moe_gate_up(ex, op, x, ids, wg, wu, sg, su, sgate):
+    _one_token(op, x)
+    return _onnx_gate_up(ex, op, ex.f32(x), ids, wg, wu, sg, su, sgate, op.attrs["experts"])
+
+
+def _onnx_rmsnorm_moe_gate_up(ex, op, s, ss, nw, ids, wg, wu, sg, su, sgate):  # ss: the GPU's way to the mean
+    _one_token(op, s)
+    n = ex.rmsnorm(ex.f32(s), ex.f32(nw), op.attrs["eps"])
+    return _onnx_gate_up(ex, op, n, ids, wg, wu, sg, su, sgate, op.attrs["experts"])
+
+
+def _onnx_down(ex, op, a: str, ids, weights, wd, sd) -> str:
+    """moe_down_ref of an fp32 act: sum_j weights_j (Wd_{ids_j} act_j) in rank order + sigmoid(act[-1]) (Sd act_s)."""
+    g = ex.g
+    (h, s), (k,), inter = sd.type.shape, ids.type.shape, wd.type.shape[1]
+    routed = ex.reshape(ex.slice(a, 0, 0, k * inter), [k, inter, 1])
+    prod = ex.reshape(g.node("MatMul", [ex.expert_rows(wd, ex.value(ids), wd.type.shape[0] // h), routed]), [k, h])
+    y = ex.rank_sum(g.node("Mul", [prod, ex.reshape(ex.f32(weights), [k, 1])]), k, 0)
+    shared = ex.matmul(ex.slice(a, 0, k * inter, k * inter + s), sd)
+    gate = g.node("Sigmoid", [ex.slice(a, 0, k * inter + s, k * inter + s + 1)])
+    return g.node("Add", [y, g.node("Mul", [gate, shared])])
+
+
+def _onnx_moe_down(ex, op, act, ids, weights, wd, sd):
+    _one_token(op, act)
+    return _onnx_down(ex, op, ex.f32(act), ids, weights, wd, sd)
+
+
+def _onnx_moe_down_add(ex, op, act, ids, weights, wd, sd, r):  # s = r + moe_down; ss as matmul_add's
+    _one_token(op, act)
+    return _residual_partials(ex, op, ex.g.node("Add", [ex.f32(r), _onnx_down(ex, op, ex.f32(act), ids, weights, wd, sd)]))
+
+
+def _onnx_moe_experts(ex, op, x, ids, weights, wg, wu, wd, sg, su, sd, sgate):  # moe_experts_ref: down(gate_up)
+    _one_token(op, x)
+    experts = wd.type.shape[0] // x.type.shape[0]
+    act = _onnx_gate_up(ex, op, ex.f32(x), ids, wg, wu, sg, su, sgate, experts)
+    return _onnx_down(ex, op, act, ids, weights, wd, sd)
 
 
 def _onnx_attn_step(ex, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_step_ref (the split: a GPU detail)
@@ -1210,7 +1286,6 @@ _ROWS_ONNX = NotApplicable("the ONNX step is the one-token step")
 _IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
 _VIEW = NotApplicable("a view: the result aliases its input, no data moves")
 _SPEC_ONNX = NotApplicable("part of the speculative programs; the ONNX step is the one-token step")
-_MOE_ONNX = NotApplicable("the ONNX export covers the dense Qwen3.5 step; Qwen3-Next's routed experts are not exported")
 
 OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("embedding", "wd", (), _infer_embedding, embedding.embedding_ref,
@@ -1420,39 +1495,40 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="gdn_rows_norm storing the conv window after each valid row but the last"),
     # --- Qwen3-Next's mixture-of-experts MLP (kernels/moe.py: semantics, routing buffer, tie rule) ---
     OpDef("moe_router", "vw", ("top_k", "norm_topk"), _infer_moe_router, moe.moe_router_ref,
-          NotApplicable("the GPU runs it as the router's matmul (the logits) + moe_topk, which fuse emits"), _MOE_ONNX,
+          NotApplicable("the GPU runs it as the router's matmul (the logits) + moe_topk, which fuse emits"), _onnx_moe_router,
           doc="the routing buffer: the top_k experts of softmax(Wr @ x) (i32 ids, largest first, lower index "
               "first among ties) and their f32 weights (renormalised to sum 1 when norm_topk)"),
     OpDef("moe_topk", "v", ("top_k", "norm_topk"), _infer_moe_topk, moe.moe_topk_ref,
-          Kernel(moe.moe_topk_kernel, _moe_topk), _MOE_ONNX,
+          Kernel(moe.moe_topk_kernel, _moe_topk), _onnx_moe_topk,
           doc="moe_router after its logits: the top_k experts of softmax(logits) and their weights (the routing buffer)"),
     OpDef("moe_experts", "vvvwwwwwww", (), _infer_moe_experts, moe.moe_experts_ref,
-          NotApplicable("the GPU runs it as moe_gate_up + moe_down, which fuse emits"), _MOE_ONNX,
+          NotApplicable("the GPU runs it as moe_gate_up + moe_down, which fuse emits"), _onnx_moe_experts,
           doc="sum_j w_j * down_e(silu(gate_e x) * up_e x) over the routed experts e = ids_j (stacked weights "
               "indexed by the ids read from the routing buffer) + sigmoid(Ws . x) * shared expert(x)"),
     OpDef("moe_gate_up", "vvwwwww", ("experts",), _infer_moe_gate_up, moe.moe_gate_up_ref,
-          Kernel(moe.moe_gate_up_kernel, _moe_gate_up), _MOE_ONNX,
+          Kernel(moe.moe_gate_up_kernel, _moe_gate_up), _onnx_moe_gate_up,
           doc="[silu(gate_e x) * (up_e x) for e in ids] | the shared expert's | its gate logit Ws . x"),
     OpDef("moe_down", "vvvww", (), _infer_moe_down, moe.moe_down_ref, Kernel(moe.moe_down_kernel, _moe_down),
-          _MOE_ONNX, doc="sum_j w_j * down_{ids_j}(act_j) in rank order + sigmoid(gate logit) * shared down"),
+          _onnx_moe_down, doc="sum_j w_j * down_{ids_j}(act_j) in rank order + sigmoid(gate logit) * shared down"),
     OpDef("moe_group", "v", ("experts", "chunk"), _infer_moe_group, moe.moe_group_ref, Kernel(moe.moe_group_kernel, _moe_group),
-          _MOE_ONNX, doc="M rows: the (row, slot) pairs sorted by expert (src rows, pos of each pair) and the chunk "
+          _ROWS_ONNX, doc="M rows: the (row, slot) pairs sorted by expert (src rows, pos of each pair) and the chunk "
                          "table (expert, first pair, pairs) cutting each expert's run every `chunk` pairs"),
     OpDef("moe_gate_up_grouped", "vvvww", ("experts", "chunk"), _infer_moe_gate_up_grouped, moe.moe_gate_up_grouped_ref,
           Kernel(moe.moe_gate_up_grouped_kernel, _moe_grouped,
-                 variants=(("q4mma_gate_up_grouped_", q4_mma.q4mma_gate_up_grouped),)), _MOE_ONNX,
+                 variants=(("q4mma_gate_up_grouped_", q4_mma.q4mma_gate_up_grouped),)), _ROWS_ONNX,
           doc="M rows grouped: act_s[i] = silu(Wg_e x[src[i]]) * (Wu_e x[src[i]]) per chunk of expert e"),
     OpDef("moe_down_grouped", "vvw", ("experts", "chunk"), _infer_moe_down_grouped, moe.moe_down_grouped_ref,
           Kernel(moe.moe_down_grouped_kernel, _moe_grouped,
-                 variants=(("q4mma_down_grouped_", q4_mma.q4mma_down_grouped),)), _MOE_ONNX,
+                 variants=(("q4mma_down_grouped_", q4_mma.q4mma_down_grouped),)), _ROWS_ONNX,
           doc="M rows grouped: y_s[i] = Wd_e act_s[i] per chunk of expert e"),
     OpDef("moe_combine", "vvvvwv", (), _infer_moe_combine, moe.moe_combine_ref, Kernel(moe.moe_combine_kernel, _moe_combine),
-          _MOE_ONNX, doc="y[r] = sum_j w[r, j] y_s[pos[r k + j]] in rank order + sigmoid(Ws . x[r]) shared[r]"),
+          _ROWS_ONNX, doc="y[r] = sum_j w[r, j] y_s[pos[r k + j]] in rank order + sigmoid(Ws . x[r]) shared[r]"),
     OpDef("moe_down_add", "vvvwwv", ("partial_rows",), _infer_moe_down_add, moe.moe_down_add_ref,
-          Kernel(moe.moe_down_add_kernel, _moe_down), _MOE_ONNX,
+          Kernel(moe.moe_down_add_kernel, _moe_down), _onnx_moe_down_add,
           doc="s = r + moe_down(...); ss: the next rmsnorm's partial sums of s^2 (as matmul_add's)"),
     OpDef("rmsnorm_moe_gate_up", "vvwvwwwww", ("experts", "eps"), _infer_rmsnorm_moe_gate_up,
-          moe.rmsnorm_moe_gate_up_ref, Kernel(moe.rmsnorm_moe_gate_up_kernel, _rmsnorm_moe_gate_up), _MOE_ONNX,
+          moe.rmsnorm_moe_gate_up_ref, Kernel(moe.rmsnorm_moe_gate_up_kernel, _rmsnorm_moe_gate_up),
+          _onnx_rmsnorm_moe_gate_up,
           doc="moe_gate_up of rmsnorm(s, nw) (the mean square from moe_down_add's / matmul_add's partials ss)"),
     OpDef("gdn_commit", "ssssdd", (), _infer_gdn_commit, gated_delta.gdn_commit_ref,
           Kernel(gated_delta.gdn_commit_kernel, _gdn_commit), _SPEC_ONNX, inout=(0, 2),
