@@ -465,7 +465,7 @@ def export_onnx(model: str, out: str, quant: str = "none", q4_group: int | None 
     nbytes = os.path.getsize(real) + (os.path.getsize(data_path) if data_path else 0)
     n_nodes = len(proto.graph.node)
     log(f"kestrelc: wrote {out}{' + ' + os.path.basename(data_path) if data_path else ''}: {nbytes / 1e6:.1f} MB "
-        f"({n_nodes} ONNX nodes, opset {onnx_export.OPSET}, quant {quant}, max_seq {m.max_seq}; inputs "
+        f"({n_nodes} ONNX nodes, opset {proto.opset_import[0].version}, quant {quant}, max_seq {m.max_seq}; inputs "
         f"{', '.join(list(sig.inputs)[:2])} + {len(sig.states)} states){'; onnx.checker: ok' if check else ''}")
     return ExportResult(out, data_path, nbytes, n_nodes, sig, print_program(program), m)
 

@@ -34,10 +34,15 @@ step_end uses), nor is the GPU kernels' attention scratch (``scratch.*``); the `
 
 Precision (``--quant``): ``none``: FLOAT initializers. ``bf16``: matrices and the embedding table as
 BFLOAT16 initializers, each followed by a Cast to float (the math stays fp32, as in Kestrel's
-kernels), KV caches bf16. ``q4``: each q4 matrix is dequantized at export to the FLOAT values the
-CPU reference multiplies by ((q - 8) * scale, exact in fp32), so a q4 ONNX is as large as an fp32
-one; KV caches bf16. Weights whose ONNX bytes exceed 1 GiB (or on request) go to one external data
-file next to the model, written one tensor at a time, so memory stays bounded.
+kernels), KV caches bf16. ``q4``: each q4 matrix stays 4-bit: its codes q - 8 as an INT4 initializer
+``NAME`` [N, K] and its group scales as FLOAT ``NAME.scale`` [N, K / G], made fp32 by a blocked
+DequantizeLinear (axis 1, block_size G): (q - 8) * scale, exact in fp32, the values the CPU reference
+multiplies by. ONNX's Gather takes no INT4, so the stacked expert matrices of Qwen3-Next, whose routed
+rows are gathered before they are dequantised, keep their codes as INT8 (the same values, a byte each).
+INT4 and block_size need opset 21 (IR version 10), so a q4 graph is opset 21 and the others opset 17;
+a q4 file is ~0.53 bytes a weight (~0.9 for expert stacks) where the fp32 values took 4. KV caches bf16.
+Weights whose ONNX bytes exceed 1 GiB (or on request) go to one external data file next to the model,
+written one tensor at a time, so memory stays bounded.
 """
 from __future__ import annotations
 
@@ -54,10 +59,12 @@ from kestrel.artifacts.plan import STATE_OUT_SUFFIX, producer_version
 from kestrel.compiler.ir import Dyn, Op, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ops import OPS, NotApplicable
 from kestrel.kernels.attention import rope_inv_freq
-from kestrel.kernels.matvec import q4_unpack
+from kestrel.kernels.matvec import q4_codes
 
 OPSET = 17  # ReduceMean takes axes as an attribute here; widely supported by TensorRT's ONNX parser
 IR_VERSION = 8  # the ONNX IR version of opset 17 (onnx 1.12): readable by older consumers
+OPSET_Q4 = 21  # INT4 tensors and DequantizeLinear's block_size (onnx 1.16); reductions take axes as inputs
+IR_VERSION_Q4 = 10
 EXTERNAL_THRESHOLD = 1 << 30  # weights above this many bytes go to an external data file
 EXTERNAL_ALIGN = 4096
 
@@ -72,25 +79,34 @@ def import_onnx():
 def _elem(dtype: str) -> int:
     from onnx import TensorProto as T
 
-    return {"f32": T.FLOAT, "bf16": T.BFLOAT16, "f16": T.FLOAT16, "i32": T.INT32}[dtype]
+    return {"f32": T.FLOAT, "bf16": T.BFLOAT16, "f16": T.FLOAT16, "i32": T.INT32, "int4": T.INT4,
+            "int8": T.INT8}[dtype]
 
 
-def onnx_weight_dtype(w: Weight) -> str:
-    """The dtype a weight has in the ONNX graph: q4 is dequantized to f32, the rest keep theirs."""
-    return "f32" if is_q4(w.type.dtype) else w.type.dtype
+def onnx_opset(program: Program) -> tuple[int, int]:
+    """(opset, IR version) of the program's graph: 21 / 10 where a weight is q4 (INT4), else 17 / 8."""
+    if any(is_q4(w.type.dtype) for w in program.weights.values()):
+        return OPSET_Q4, IR_VERSION_Q4
+    return OPSET, IR_VERSION
 
 
 def onnx_weight_bytes(w: Weight) -> int:
-    return w.type.numel * (4 if onnx_weight_dtype(w) == "f32" else 2)
-
-
-def onnx_weight_data(w: Weight, raw) -> bytes | memoryview:
-    """``raw``: the weight's bytes as the plan stores them (compiler/weights.weight_bytes). Returns the
-    little-endian bytes of the ONNX initializer: the same bytes, or for q4 the dequantized floats."""
+    """A weight's bytes in the ONNX file (q4: at most, with INT8 codes and fp32 scales)."""
     if is_q4(w.type.dtype):
-        buf = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
-        return memoryview(q4_unpack(buf, *w.type.shape, q4_group(w.type.dtype)).contiguous().numpy()).cast("B")
-    return raw
+        return w.type.numel + w.type.numel // q4_group(w.type.dtype) * 4
+    return w.type.numel * (4 if w.type.dtype == "f32" else 2)
+
+
+def q4_onnx_data(w: Weight, raw, bits: int) -> tuple[bytes, bytes]:
+    """``raw``: a q4 weight's bytes as the plan stores them (compiler/weights.weight_bytes). Returns the
+    little-endian bytes of its ONNX codes (q - 8: INT4, two a byte, the first in the low nibble, as ONNX
+    packs them; or INT8) and of its FLOAT scales [N, K / G]."""
+    buf = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+    codes, scales = q4_codes(buf, *w.type.shape, q4_group(w.type.dtype))
+    flat = codes.reshape(-1).numpy()
+    if bits == 4:
+        flat = ((flat[0::2] & 15) | ((flat[1::2] & 15) << 4)).astype(np.uint8)
+    return flat.tobytes(), scales.contiguous().numpy().tobytes()
 
 
 @dataclass
@@ -153,10 +169,12 @@ class _Exporter:
     """Walks the program op by op, keeping the current ONNX tensor of every state (ops update states
     in place in the IR; here each update is a new tensor and later readers see it)."""
 
-    def __init__(self, program: Program, weight_init):
+    def __init__(self, program: Program, weight_init, q4_init=None, opset: int = OPSET):
         self.p = program
         self.g = _Graph()
-        self.weight_init = weight_init  # Weight -> initializer name (made on first use)
+        self.weight_init = weight_init  # Weight (not q4) -> initializer name (made on first use)
+        self.q4_init = q4_init  # (q4 Weight, bits) -> (codes, scales) initializer names (made on first use)
+        self.opset = opset
         self.env: dict[int, str] = {}  # id(Value) -> tensor
         self.state: dict[str, str] = {}  # state name -> current tensor
         self.w32: dict[str, str] = {}  # weight name -> its fp32 tensor
@@ -171,8 +189,12 @@ class _Exporter:
             return self.env[id(x)]
         if isinstance(x, Weight):
             if x.name not in self.w32:
-                t = self.weight_init(x)
-                self.w32[x.name] = t if onnx_weight_dtype(x) == "f32" else self.cast(t, "f32")
+                if is_q4(x.type.dtype):
+                    codes, scales = self.q4_init(x, 4)
+                    self.w32[x.name] = self.dequantize(codes, scales, 1, q4_group(x.type.dtype))
+                else:
+                    t = self.weight_init(x)
+                    self.w32[x.name] = t if x.type.dtype == "f32" else self.cast(t, "f32")
             return self.w32[x.name]
         if isinstance(x, State):
             t = self.read_state(x)
@@ -199,9 +221,9 @@ class _Exporter:
     def cast(self, t: str, dtype: str) -> str:
         return self.g.node("Cast", [t], to=_elem(dtype))
 
-    @staticmethod
-    def weight_dtype(w: Weight) -> str:
-        return onnx_weight_dtype(w)
+    def dequantize(self, codes: str, scales: str, axis: int, group: int) -> str:
+        """(codes) * scales, each scale over ``group`` codes along axis: fp32, as the scales."""
+        return self.g.node("DequantizeLinear", [codes, scales], axis=axis, block_size=group)
 
     # --- primitives: each mirrors one torch reference ------------------------------------------
     def reshape(self, x: str, shape) -> str:
@@ -216,6 +238,12 @@ class _Exporter:
     def reduce_sum(self, x: str, axis: int, keepdims: int) -> str:
         return self.g.node("ReduceSum", [x, self.g.i64([axis])], keepdims=keepdims)
 
+    def reduce(self, op_type: str, x: str, axis: int, keepdims: int) -> str:
+        """ReduceMean / ReduceSumSquare: axes an attribute up to opset 17, an input from 18."""
+        if self.opset >= 18:
+            return self.g.node(op_type, [x, self.g.i64([axis])], keepdims=keepdims)
+        return self.g.node(op_type, [x], axes=[axis], keepdims=keepdims)
+
     def silu(self, x: str) -> str:  # F.silu: x * sigmoid(x)
         return self.g.node("Mul", [x, self.g.node("Sigmoid", [x])])
 
@@ -224,7 +252,7 @@ class _Exporter:
 
     def norm(self, x: str, eps: float) -> str:  # x * rsqrt(mean(x^2, -1) + eps)
         g = self.g
-        ms = g.node("ReduceMean", [g.node("Mul", [x, x])], axes=[-1], keepdims=1)
+        ms = self.reduce("ReduceMean", g.node("Mul", [x, x]), -1, 1)
         return g.node("Mul", [x, self.rsqrt(g.node("Add", [ms, g.f32(eps)]))])
 
     def rmsnorm(self, x: str, w: str, eps: float) -> str:  # rmsnorm_ref: norm(x) * (1 + w)
@@ -243,11 +271,18 @@ class _Exporter:
 
     def expert_rows(self, w: Weight, ids: str, experts: int) -> str:
         """The routed experts' blocks of a stacked matrix w [E * R, C] (expert e: rows e R .. e R + R - 1):
-        [k, R, C] fp32 for ids [k]; gathered before the cast, so a bf16 stack is never made fp32 whole."""
+        [k, R, C] fp32 for ids [k]; gathered before the cast (bf16) or the dequantisation (q4: INT8 codes and
+        their scales gathered alike), so a stack is never made fp32 whole."""
         rows, cols = w.type.shape
-        stack = self.reshape(self.weight_init(w), [experts, rows // experts, cols])
-        blocks = self.g.node("Gather", [stack, ids], axis=0)
-        return blocks if self.weight_dtype(w) == "f32" else self.cast(blocks, "f32")
+        r = rows // experts
+        if is_q4(w.type.dtype):
+            group = q4_group(w.type.dtype)
+            codes, scales = self.q4_init(w, 8)
+            blocks = [self.g.node("Gather", [self.reshape(t, [experts, r, c]), ids], axis=0)
+                      for t, c in ((codes, cols), (scales, cols // group))]
+            return self.dequantize(*blocks, 2, group)
+        blocks = self.g.node("Gather", [self.reshape(self.weight_init(w), [experts, r, cols]), ids], axis=0)
+        return blocks if w.type.dtype == "f32" else self.cast(blocks, "f32")
 
     def rank_sum(self, x: str, n: int, axis: int) -> str:
         """x's n slices along axis summed one after another, first to last (the references' rank order; a
@@ -400,24 +435,38 @@ def export_program(program: Program, produce, *, external: _ExternalData | None 
     from onnx import TensorProto, helper
 
     initializers: list = []
-    made: dict[str, str] = {}
+    made: dict[str, object] = {}
+    opset, ir_version = onnx_opset(program)
+
+    def initializer(name: str, dtype: str, dims, data) -> str:
+        t = TensorProto(name=name, data_type=_elem(dtype), dims=list(dims))
+        if external is not None:
+            offset, length = external.write(data)
+            for key, value in (("location", external.location), ("offset", offset), ("length", length)):
+                t.external_data.add(key=key, value=str(value))
+            t.data_location = TensorProto.EXTERNAL
+        else:
+            t.raw_data = bytes(data)
+        initializers.append(t)
+        return name
 
     def weight_init(w: Weight) -> str:
+        if is_q4(w.type.dtype):  # q4 weights are read through q4_init (codes and scales)
+            raise UnsupportedError(f"ONNX export: q4 weight {w.name} read as a whole tensor (an op's lowering "
+                                   f"must dequantise it: _Exporter.f32 / expert_rows)")
         if w.name not in made:
-            data = onnx_weight_data(w, produce(w.name))
-            t = TensorProto(name=w.name, data_type=_elem(onnx_weight_dtype(w)), dims=list(w.type.shape))
-            if external is not None:
-                offset, length = external.write(data)
-                for key, value in (("location", external.location), ("offset", offset), ("length", length)):
-                    t.external_data.add(key=key, value=str(value))
-                t.data_location = TensorProto.EXTERNAL
-            else:
-                t.raw_data = bytes(data)
-            initializers.append(t)
-            made[w.name] = w.name
+            made[w.name] = initializer(w.name, w.type.dtype, w.type.shape, produce(w.name))
         return made[w.name]
 
-    ex = _Exporter(program, weight_init)
+    def q4_init(w: Weight, bits: int) -> tuple[str, str]:
+        if w.name not in made:
+            codes, scales = q4_onnx_data(w, produce(w.name), bits)
+            (n, k), group = w.type.shape, q4_group(w.type.dtype)
+            made[w.name] = (initializer(w.name, f"int{bits}", (n, k), codes),
+                            initializer(w.name + ".scale", "f32", (n, k // group), scales))
+        return made[w.name]
+
+    ex = _Exporter(program, weight_init, q4_init, opset)
     for i, op in enumerate(program.ops):
         ex.export_op(i, op)
     g = ex.g
@@ -446,13 +495,13 @@ def export_program(program: Program, produce, *, external: _ExternalData | None 
         output(s.name + STATE_OUT_SUFFIX, ex.state[s.name], _elem(s.type.dtype), s.type.shape, s.type.dtype)
         sig.states.append((s.name, s.name + STATE_OUT_SUFFIX))
     names = [x.name for x in inputs + outputs]
-    clash = {n for n in names if names.count(n) > 1} | (set(names) & set(made))
+    clash = {n for n in names if names.count(n) > 1} | (set(names) & {t.name for t in initializers})
     if clash:
         raise UnsupportedError(f"ONNX export: graph input/output names collide: {sorted(clash)[:3]}")
     graph = helper.make_graph(g.nodes, "kestrel_step", inputs, outputs, initializer=initializers + g.initializers,
                               doc_string="One Kestrel decode step (see compiler/onnx_export.py): feed <state>.out "
                                          "back as <state>, next_token as token at pos + 1.")
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version,
                               producer_name="kestrel", producer_version=producer_version(),
                               doc_string="Kestrel step IR exported to ONNX")
     meta = {"kestrel.step": json.dumps(sig.to_json(), sort_keys=True)}

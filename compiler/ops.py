@@ -1026,7 +1026,7 @@ def _gdn_commit(op: Op, t: Target) -> dict:
 def _onnx_embedding(ex, op, table, tok):  # embedding_ref: row token, as fp32
     t = ex.weight_init(table)
     row = ex.reshape(ex.g.node("Gather", [t, ex.dyn(tok)], axis=0), [table.type.shape[1]])
-    return row if ex.weight_dtype(table) == "f32" else ex.cast(row, "f32")
+    return row if table.type.dtype == "f32" else ex.cast(row, "f32")
 
 
 def _onnx_conv1d_step(ex, op, x, st, w):  # conv1d_step_ref: output, then the shift
@@ -1060,7 +1060,7 @@ def _residual_partials(ex, op, s: str):
     n, rows = op.outs[0].type.shape[0], op.attrs["partial_rows"]
     if n % rows:
         raise IRError(f"{op.kind}: ONNX export needs partial_rows ({rows}) to divide the rows ({n})")
-    return s, ex.g.node("ReduceSumSquare", [ex.reshape(s, [n // rows, rows])], axes=[1], keepdims=0)
+    return s, ex.reduce("ReduceSumSquare", ex.reshape(s, [n // rows, rows]), 1, 0)
 
 
 def _onnx_matmul_add(ex, op, x, w, r):  # s = r + W x, and its partial sums of squares

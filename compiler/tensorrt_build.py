@@ -2,7 +2,8 @@
 
 Written against the documented TensorRT (>= 10) Python API and NOT RUN on these machines: TensorRT
 cannot be installed here. ``trt.Builder`` + ``trt.OnnxParser`` on the ONNX step, a strongly typed
-network (the precision is the graph's: bf16 weights cast to fp32, fp32 math; TF32 off; TensorRT
+network (the precision is the graph's: bf16 weights cast to fp32, q4 codes dequantised to fp32 by the graph's
+blocked DequantizeLinear, fp32 math; TF32 off; TensorRT
 10.12 deprecates and 11 removes the BF16/FP16 builder flags), fixed shapes, then
 ``builder.build_serialized_network``. compiler/build.py stores the bytes as the plan part
 ENGINE_PART; runtime/tensorrt.py runs them.

@@ -215,10 +215,23 @@ def test_onnx_step_passes_checker_and_strict_shape_inference(exported):
     assert kv and all(i.type.tensor_type.shape.dim[0].dim_value == MAX_SEQ for i in kv)
     want = onnx.TensorProto.FLOAT if quant == "none" else onnx.TensorProto.BFLOAT16
     assert all(i.type.tensor_type.elem_type == want for i in kv)
-    init = {t.name: t.data_type for t in model.graph.initializer}
-    for w in prog.weights.values():  # q4 dequantized at export; bf16 kept as BFLOAT16
-        assert init[w.name] == (onnx.TensorProto.BFLOAT16 if w.type.dtype == "bf16" else onnx.TensorProto.FLOAT)
+    from kestrel.compiler.ir import q4_group
+
+    init = {t.name: t for t in model.graph.initializer}
+    T = onnx.TensorProto
+    for w in prog.weights.values():  # bf16 kept as BFLOAT16; q4 as 4-bit codes (8-bit in expert stacks) + scales
+        t = init[w.name]
+        if w.type.dtype.startswith("q4"):
+            n, k = w.type.shape
+            bits = 8 if ".mlp.experts." in w.name else 4
+            assert t.data_type == (T.INT8 if bits == 8 else T.INT4) and list(t.dims) == [n, k]
+            assert len(t.raw_data) == n * k * bits // 8
+            scale = init[w.name + ".scale"]
+            assert scale.data_type == T.FLOAT and list(scale.dims) == [n, k // q4_group(w.type.dtype)]
+        else:
+            assert t.data_type == (T.BFLOAT16 if w.type.dtype == "bf16" else T.FLOAT)
     assert any(w.type.dtype.startswith("q4") for w in prog.weights.values()) == (quant == "q4")
+    assert model.opset_import[0].version == (21 if quant == "q4" else 17)  # INT4 and block_size: opset 21
 
 
 def _with_gdn_step(prog):
@@ -315,15 +328,17 @@ def test_program_after_hoist_dynamic_is_refused():
         export_program(hoist_dynamic(prog), lambda n: raw[n])
 
 
-def test_external_data_gives_the_same_step(tmp_path):
+@pytest.mark.parametrize("preset,quant", [("tiny", "none"), ("tiny-next", "q4")])
+def test_external_data_gives_the_same_step(tmp_path, preset, quant):
     from kestrel.compiler.build import export_onnx as export
 
     out = str(tmp_path / "step.onnx")
-    r = export("tiny", out, max_seq=MAX_SEQ, external=True, log=lambda m: None)
-    assert r.data_path == out + ".data" and os.path.getsize(r.data_path) > 1e6
+    r = export(preset, out, quant=quant, max_seq=MAX_SEQ, external=True, log=lambda m: None)
+    _, _, model, sig = _tiny(quant, preset)
+    weights = sum(len(t.raw_data) for t in model.graph.initializer if not t.name.startswith("const."))
+    assert r.data_path == out + ".data" and os.path.getsize(r.data_path) >= weights > 300_000
     assert os.path.getsize(out) < 200_000  # the model refers to the weights, it does not hold them
     s = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
-    _, _, model, sig = _tiny("none")
     a = ort_decode(s, r.signature, PROMPT, 2)
     b = ort_decode(session(model), sig, PROMPT, 2)
     assert all(ta == tb and np.array_equal(la, lb) for (ta, la), (tb, lb) in zip(a, b))
