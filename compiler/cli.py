@@ -158,6 +158,10 @@ def inspect(plan_path, as_json, verify):
         f"          attention {m['num_attention_heads']}/{m['num_key_value_heads']} heads of {m['head_dim']}; "
         f"gdn {m['linear_num_key_heads']}/{m['linear_num_value_heads']} heads of "
         f"{m['linear_key_head_dim']}/{m['linear_value_head_dim']}; tied embeddings: {m['tie_word_embeddings']}",
+        *([f"          mixture of experts in {m['mlp_types'].count('moe')} of {m['num_hidden_layers']} layers: "
+           f"{m['num_experts']} experts of {m['moe_intermediate_size']}, top {m['num_experts_per_tok']}"
+           f"{' (weights renormalised)' if m.get('norm_topk_prob') else ''}, shared expert "
+           f"{m['shared_expert_intermediate_size']}"] if m.get("num_experts") else []),
         f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
         *([f"backend   TensorRT {s['backend']['tensorrt_version']} engine for compute capability "
            f"{s['backend']['compute_capability']}"] if s["backend"]["backend"] == "tensorrt" else []),

@@ -191,3 +191,15 @@ def test_inspect(tiny_plan):
     s = json.loads(run_cli("kestrelc", "inspect", tiny_plan, "--json").stdout)
     assert s["program"]["op_counts"]["gdn_delta"] == 3 and s["program"]["op_counts"]["gdn_norm"] == 3 and s["max_seq"] == 256
     assert s["program"]["dyn_slots"]["pos"] == "i32"
+    assert "mixture of experts" not in r.stdout
+
+
+def test_inspect_names_the_experts(tmp_path):
+    from kestrel.compiler.build import build
+
+    path = str(tmp_path / "next.plan")
+    build("tiny-next", path, max_seq=64, log=lambda m: None, progress=False)
+    r = run_cli("kestrelc", "inspect", path)
+    assert r.returncode == 0, r.stderr
+    assert ("mixture of experts in 4 of 4 layers: 8 experts of 64, top 2 (weights renormalised), shared expert 96"
+            in r.stdout)
