@@ -58,8 +58,8 @@ from kestrel.artifacts.errors import OutputError, UnsupportedError, import_optio
 from kestrel.artifacts.plan import STATE_OUT_SUFFIX, producer_version
 from kestrel.compiler.ir import Dyn, Op, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ops import OPS, NotApplicable
-from kestrel.kernels.attention import rope_inv_freq
 from kestrel.compiler.weights import Q4_BAND_ELEMENTS
+from kestrel.kernels.attention import rope_inv_freq
 from kestrel.kernels.matvec import q4_codes
 
 OPSET = 17  # ReduceMean takes axes as an attribute here; widely supported by TensorRT's ONNX parser
