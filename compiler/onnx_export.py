@@ -278,19 +278,23 @@ class _Exporter:
     def matmul(self, x: str, w: Weight) -> str:  # matvec_ref: W [N, K] @ x [K], fp32
         return self.g.node("MatMul", [self.f32(w), x])
 
-    def expert_rows(self, w: Weight, ids: str, experts: int) -> str:
+    def expert_rows(self, w: Weight, ids: Value, experts: int) -> str:
         """The routed experts' blocks of a stacked matrix w [E * R, C] (expert e: rows e R .. e R + R - 1):
         [k, R, C] fp32 for ids [k]; gathered before the cast (bf16) or the dequantisation (q4: INT8 codes and
-        their scales gathered alike), so a stack is never made fp32 whole."""
-        rows, cols = w.type.shape
+        their scales gathered alike, then Cast and Mul per group: DequantizeLinear's block form is the INT4
+        weight path, TensorRT's included, not INT8's), so a stack is never made fp32 whole."""
+        (rows, cols), (k,) = w.type.shape, ids.type.shape
         r = rows // experts
         if is_q4(w.type.dtype):
             group = q4_group(w.type.dtype)
             codes, scales = self.q4_init(w, 8)
-            blocks = [self.g.node("Gather", [self.reshape(t, [experts, r, c]), ids], axis=0)
-                      for t, c in ((codes, cols), (scales, cols // group))]
-            return self.dequantize(*blocks, 2, group)
-        blocks = self.g.node("Gather", [self.reshape(self.weight_init(w), [experts, r, cols]), ids], axis=0)
+            q, sc = (self.g.node("Gather", [self.reshape(t, [experts, r, c]), self.value(ids)], axis=0)
+                     for t, c in ((codes, cols), (scales, cols // group)))
+            blocks = self.g.node("Mul", [self.reshape(self.cast(q, "f32"), [k, r, cols // group, group]),
+                                         self.unsqueeze(sc, [3])])
+            return self.reshape(blocks, [k, r, cols])
+        blocks = self.g.node("Gather", [self.reshape(self.weight_init(w), [experts, r, cols]), self.value(ids)],
+                             axis=0)
         return blocks if w.type.dtype == "f32" else self.cast(blocks, "f32")
 
     def rank_sum(self, x: str, n: int, axis: int) -> str:

@@ -1127,7 +1127,7 @@ def _onnx_gate_up(ex, op, x: str, ids, wg, wu, sg, su, sgate, experts: int) -> s
     """moe_gate_up_ref of an fp32 x [H]: [silu(Wg_e x) * (Wu_e x) for e in ids] | silu(Sg x) * (Su x) | Ws . x,
     each routed expert's rows gathered from the stacked matrices by the routing ids."""
     g, (k,) = ex.g, ids.type.shape
-    gate, up = (g.node("MatMul", [ex.expert_rows(w, ex.value(ids), experts), x]) for w in (wg, wu))  # [k, I]
+    gate, up = (g.node("MatMul", [ex.expert_rows(w, ids, experts), x]) for w in (wg, wu))  # [k, I]
     routed = ex.reshape(g.node("Mul", [ex.silu(gate), up]), [k * (wg.type.shape[0] // experts)])
     shared = g.node("Mul", [ex.silu(ex.matmul(x, sg)), ex.matmul(x, su)])
     return g.node("Concat", [routed, shared, ex.matmul(x, sgate)], axis=0)
@@ -1149,7 +1149,7 @@ def _onnx_down(ex, op, a: str, ids, weights, wd, sd) -> str:
     g = ex.g
     (h, s), (k,), inter = sd.type.shape, ids.type.shape, wd.type.shape[1]
     routed = ex.reshape(ex.slice(a, 0, 0, k * inter), [k, inter, 1])
-    prod = ex.reshape(g.node("MatMul", [ex.expert_rows(wd, ex.value(ids), wd.type.shape[0] // h), routed]), [k, h])
+    prod = ex.reshape(g.node("MatMul", [ex.expert_rows(wd, ids, wd.type.shape[0] // h), routed]), [k, h])
     y = ex.rank_sum(g.node("Mul", [prod, ex.reshape(ex.f32(weights), [k, 1])]), k, 0)
     shared = ex.matmul(ex.slice(a, 0, k * inter, k * inter + s), sd)
     gate = g.node("Sigmoid", [ex.slice(a, 0, k * inter + s, k * inter + s + 1)])
