@@ -63,24 +63,33 @@ def fill_runs(n_words: int, seed: int, q4_weights=()) -> list[tuple[int, int, in
     return runs
 
 
+REF_PIECE_WORDS = 1 << 16  # fill_random_ref hashes a run this many words at a time (256 KB arrays: in cache)
+
+
 def fill_random_ref(n_words: int, seed: int, q4_weights=()) -> np.ndarray:
-    """The whole region as the runtime's fill launches leave it (fill_runs)."""
+    """The whole region as the runtime's fill launches leave it (fill_runs), hashed in pieces of
+    REF_PIECE_WORDS words: the temporaries stay in cache where a whole run's took ~8 bytes a word."""
     out = np.zeros(n_words, dtype=np.uint32)
     for lo, n, s, mask, bits in fill_runs(n_words, seed, q4_weights):
-        out[lo:lo + n] = _fill_chunk(n, s, mask, bits)
+        for a in range(0, n, REF_PIECE_WORDS):
+            m = min(REF_PIECE_WORDS, n - a)
+            out[lo + a:lo + a + m] = _fill_chunk(m, s, mask, bits, first=a)
     return out
 
 
-def _fill_chunk(n_words: int, seed: int, mask: int = MASK, bits: int = BITS) -> np.ndarray:
-    i = np.arange(n_words, dtype=np.uint64)
-    x = ((np.uint64(seed) * np.uint64(0x9E3779B1) + i * np.uint64(0x85EBCA77) + np.uint64(0x165667B1))
-         & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+def _fill_chunk(n_words: int, seed: int, mask: int = MASK, bits: int = BITS, first: int = 0) -> np.ndarray:
+    """Words first .. first + n_words - 1 of a run of seed ``seed``: counter_hash in uint32 arithmetic (numpy's
+    uint32 products wrap as the device's do), in place on one array."""
+    x = np.arange(first, first + n_words, dtype=np.uint32)  # a run is under 2^32 words (CHUNK_WORDS)
+    x *= np.uint32(0x85EBCA77)
+    x += np.uint32((seed * 0x9E3779B1 + 0x165667B1) & 0xFFFFFFFF)
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x ^= x >> np.uint32(shift)
+        x *= np.uint32(mul)
     x ^= x >> np.uint32(16)
-    x *= np.uint32(0x85EBCA6B)
-    x ^= x >> np.uint32(13)
-    x *= np.uint32(0xC2B2AE35)
-    x ^= x >> np.uint32(16)
-    return (x & np.uint32(mask)) | np.uint32(bits)
+    x &= np.uint32(mask)
+    x |= np.uint32(bits)
+    return x
 
 
 @triton.jit

@@ -86,12 +86,22 @@ def q4_pack(w: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat([word.reshape(-1).view(torch.uint8), scales.contiguous().view(torch.uint8).reshape(-1)])
 
 
+Q4_CODES_BAND = 1 << 24  # q4_codes unpacks this many weights at a time (its temporaries: a few bytes each)
+
+
 def q4_codes(buf: torch.Tensor, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The q4 byte buffer -> (q - 8 as int8 [N, K], scales float32 [N, K/G])."""
-    words = buf[: n * k // 2].contiguous().view(torch.int32).reshape(n, k // 8, 1).to(torch.int64) & 0xFFFFFFFF
-    q = (words >> (4 * torch.tensor(Q4_NIBBLE, device=buf.device))) & 15
+    """The q4 byte buffer -> (q - 8 as int8 [N, K], scales float32 [N, K/G]), a band of rows at a time, in bytes:
+    nibble p of a little-endian word is the low (p even) or high half of its byte p // 2."""
+    words = buf[: n * k // 2].contiguous().reshape(n, k // 8, 4)
+    order = torch.tensor(Q4_NIBBLE, device=buf.device)
+    q = torch.empty(n, k, dtype=torch.int8, device=buf.device)
+    band = max(1, Q4_CODES_BAND // k)
+    for lo in range(0, n, band):
+        b = words[lo:lo + band]
+        nibbles = torch.stack([b & 15, b >> 4], -1).reshape(-1, k // 8, 8)  # [..., p]: nibble p
+        q[lo:lo + band] = (nibbles.index_select(2, order).view(torch.int8) - 8).reshape(-1, k)
     scales = buf[n * k // 2:].contiguous().view(torch.float16).reshape(n, k // group).float()
-    return (q.reshape(n, k) - 8).to(torch.int8), scales
+    return q, scales
 
 
 def q4_unpack(buf: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:

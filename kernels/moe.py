@@ -58,11 +58,10 @@ from kestrel.kernels.targets import pow2_at_least
 def weight_rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Rows lo..hi of a weight as the references take it (a q4 weight keeps its codes and scales, so
     ``matvec_ref`` computes the q4 product exactly as the GPU does)."""
-    part = w[lo:hi]
+    part = w[lo:hi]  # a new view object: its own attributes
     q4 = getattr(w, "q4", None)
     if q4 is not None:
         q, scales, group = q4
-        part = part.clone()
         part.q4 = (q[lo:hi], scales[lo:hi], group)
     return part
 

@@ -19,18 +19,25 @@ from kestrel.compiler.ir_text import parse_program
 from kestrel.compiler.ops import OPS, is_view
 from kestrel.compiler.launch_plan import REPLAY_STATE as REPLAY
 from kestrel.kernels.fill import fill_random_ref
-from kestrel.kernels.matvec import q4_unpack
+from kestrel.kernels.matvec import q4_codes
 from kestrel.kernels.sample import step_end_ref
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32}
 
 
 def weight_tensor(raw, w: Weight) -> torch.Tensor:
-    """A weight as the reference kernels take it: its stored dtype, or dequantised fp32 for q4."""
+    """A weight as the reference kernels take it: its stored dtype; for q4 its codes and scales as ``q`` (the
+    products read only those: ``matvec_ref``, ``moe.weight_rows``), on an [N, K] tensor of NaN that takes no
+    memory (stride 0), so any other use of a q4 weight's values shows as NaN. ~1 byte a weight where the
+    dequantised fp32 copy beside the codes took 5: 4 layers of the 80B-A3B shape load in 12.5 GB (peak, random
+    weights), where they did not fit this 24 GB machine."""
     arr = np.frombuffer(raw, dtype=np.uint8).copy()  # own the bytes: the file map may close
     t = torch.from_numpy(arr)
     if is_q4(w.type.dtype):
-        return q4_unpack(t, *w.type.shape, q4_group(w.type.dtype))
+        n, k = w.type.shape
+        lean = torch.full((1, 1), float("nan")).expand(n, k)
+        lean.q4 = (*q4_codes(t, n, k, q4_group(w.type.dtype)), q4_group(w.type.dtype))
+        return lean
     return t.view(TORCH_DTYPES[w.type.dtype]).reshape(w.type.shape)
 
 

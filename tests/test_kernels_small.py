@@ -412,3 +412,18 @@ def test_fill_random_q4_scales_keep_a_product_near_its_input():
                                                                       BLOCK=FILL_BLOCK)
             assert (out.numpy().view("u4") == refilled).all()
         assert buf.numel() == nbytes
+
+
+def test_fill_random_ref_in_pieces_equals_whole_runs(monkeypatch):
+    """fill_random_ref hashes each run a piece at a time (bounded memory at 80B-A3B's 4 GB of weights): pieces of
+    7 words, across the chunk and scale runs, give the words of pieces as large as the runs."""
+    from kestrel.kernels import fill
+
+    q4 = [(256, 8, 512, 128)]
+    whole = fill.fill_random_ref(3000, 7, q4)
+    monkeypatch.setattr(fill, "REF_PIECE_WORDS", 7)
+    assert np.array_equal(fill.fill_random_ref(3000, 7, q4), whole)
+    monkeypatch.setattr(fill, "CHUNK_WORDS", 1000)  # several chunks (their seeds differ): pieces inside each
+    several = fill.fill_random_ref(3000, 7, q4)
+    monkeypatch.setattr(fill, "REF_PIECE_WORDS", 1 << 22)
+    assert np.array_equal(fill.fill_random_ref(3000, 7, q4), several) and not np.array_equal(several, whole)

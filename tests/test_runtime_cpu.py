@@ -203,3 +203,27 @@ def test_inspect_names_the_experts(tmp_path):
     assert r.returncode == 0, r.stderr
     assert ("mixture of experts in 4 of 4 layers: 8 experts of 64, top 2 (weights renormalised), shared expert 96"
             in r.stdout)
+
+
+def test_q4_weights_on_the_cpu_path_keep_codes_not_floats():
+    """runtime/cpu.py weight_tensor: a q4 weight is its codes and scales (``q4``), on an [N, K] view of one NaN (no
+    fp32 copy: 4 layers of the 80B-A3B shape fit this machine's memory), and products through it are
+    q4_matvec_ref's; a q4 weight's values read any other way are NaN, not numbers."""
+    import torch
+
+    from kestrel.compiler.ir import TensorType, Weight
+    from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_matvec_ref, q4_pack
+    from kestrel.kernels.moe import weight_rows
+    from kestrel.runtime.cpu import weight_tensor
+
+    n, k, group = 48, 256, 64
+    buf = q4_pack(torch.randn(n, k, generator=torch.Generator().manual_seed(2)), group)
+    w = weight_tensor(buf.numpy().tobytes(), Weight("w", TensorType(f"q4g{group}", (n, k))))
+    assert w.shape == (n, k) and w.stride() == (0, 0) and w.untyped_storage().nbytes() == 4
+    q, s = q4_codes(buf, n, k, group)
+    assert torch.equal(w.q4[0], q) and torch.equal(w.q4[1], s) and w.q4[2] == group
+    x = torch.randn(k, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(matvec_ref(x, w), q4_matvec_ref(x, q, s, group))
+    part = weight_rows(w, 16, 32)  # an expert's rows (kernels/moe.py)
+    assert torch.equal(matvec_ref(x, part), q4_matvec_ref(x, q[16:32], s[16:32], group))
+    assert torch.isnan(w.float() @ x).all()
