@@ -58,7 +58,6 @@ from kestrel.artifacts.errors import OutputError, UnsupportedError, import_optio
 from kestrel.artifacts.plan import STATE_OUT_SUFFIX, producer_version
 from kestrel.compiler.ir import Dyn, Op, Program, State, Value, Weight, is_q4, q4_group
 from kestrel.compiler.ops import OPS, NotApplicable
-from kestrel.compiler.weights import Q4_BAND_ELEMENTS
 from kestrel.kernels.attention import rope_inv_freq
 from kestrel.kernels.matvec import q4_codes
 
@@ -102,20 +101,12 @@ def q4_onnx_data(w: Weight, raw, bits: int) -> tuple[bytes, bytes]:
     """``raw``: a q4 weight's bytes as the plan stores them (compiler/weights.weight_bytes). Returns the
     little-endian bytes of its ONNX codes (q - 8: INT4, two a byte, the first in the low nibble, as ONNX
     packs them; or INT8) and of its FLOAT scales [N, K / G]."""
-    (n, k), group = w.type.shape, q4_group(w.type.dtype)
-    raw = np.frombuffer(raw, dtype=np.uint8)
-    words, scale_bytes = raw[:n * k // 2], raw[n * k // 2:]
-    band = max(1, Q4_BAND_ELEMENTS // k)  # rows unpacked at a time: the int64 temporaries stay bounded
-    out = bytearray()
-    for lo in range(0, n, band):
-        rows = min(band, n - lo)
-        buf = torch.from_numpy(np.concatenate([words[lo * k // 2:(lo + rows) * k // 2],
-                                               scale_bytes[lo * k // group * 2:(lo + rows) * k // group * 2]]))
-        flat = q4_codes(buf, rows, k, group)[0].reshape(-1).numpy()
-        if bits == 4:
-            flat = ((flat[0::2] & 15) | ((flat[1::2] & 15) << 4)).astype(np.uint8)
-        out += flat.tobytes()
-    return bytes(out), np.frombuffer(scale_bytes, dtype=np.float16).astype(np.float32).tobytes()
+    codes, scales = q4_codes(torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()), *w.type.shape,
+                             q4_group(w.type.dtype))  # (banded: a byte a weight at most)
+    flat = codes.reshape(-1).numpy()
+    if bits == 4:
+        flat = (flat[0::2] & 15) | ((flat[1::2] & 15) << 4)
+    return flat.astype(np.uint8 if bits == 4 else np.int8).tobytes(), scales.numpy().tobytes()
 
 
 @dataclass

@@ -315,3 +315,19 @@ def test_q4_reference_row_blocks_are_the_rows_products():
     rows = [0, Q4_REF_ROWS - 1, Q4_REF_ROWS, 2 * Q4_REF_ROWS - 1, 2 * Q4_REF_ROWS, n - 1]
     one = torch.cat([q4_matvec_ref(x, q[r:r + 1], scales[r:r + 1], group) for r in rows])
     assert y.shape == (n,) and y.dtype == torch.float32 and torch.equal(y[rows], one)
+
+
+@pytest.mark.parametrize("band_rows", [1, 5, 1000])
+def test_q4_codes_are_the_quantised_codes(monkeypatch, band_rows):
+    """q4_codes (bytes, a band of rows at a time) gives back q4_quantize's codes - 8 and scales from the packed
+    layout: each nibble found through Q4_NIBBLE, whatever the band."""
+    from kestrel.kernels import matvec
+    from kestrel.kernels.matvec import q4_codes, q4_quantize
+
+    n, k, group = 13, 256, 64
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(9))
+    q, scales = q4_quantize(w, group)
+    monkeypatch.setattr(matvec, "Q4_CODES_BAND", band_rows * k)
+    got_q, got_s = q4_codes(q4_pack(w, group), n, k, group)
+    assert got_q.dtype == torch.int8 and torch.equal(got_q, (q.to(torch.int16) - 8).to(torch.int8))
+    assert torch.equal(got_s, scales.float())
