@@ -92,7 +92,7 @@ Q4_CODES_BAND = 1 << 24  # q4_codes unpacks this many weights at a time (its tem
 def q4_codes(buf: torch.Tensor, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The q4 byte buffer -> (q - 8 as int8 [N, K], scales float32 [N, K/G]), a band of rows at a time, in bytes:
     nibble p of a little-endian word is the low (p even) or high half of its byte p // 2."""
-    words = buf[: n * k // 2].contiguous().reshape(n, k // 8, 4)
+    words = buf[: n * k // 2].contiguous().view(torch.uint8).reshape(n, k // 8, 4)  # (logical shifts)
     order = torch.tensor(Q4_NIBBLE, device=buf.device)
     q = torch.empty(n, k, dtype=torch.int8, device=buf.device)
     band = max(1, Q4_CODES_BAND // k)

@@ -26,7 +26,7 @@ TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 
 
 def weight_tensor(raw, w: Weight) -> torch.Tensor:
-    """A weight as the reference kernels take it: its stored dtype; for q4 its codes and scales as ``q`` (the
+    """A weight as the reference kernels take it: its stored dtype; for q4 its codes and scales as ``q4`` (the
     products read only those: ``matvec_ref``, ``moe.weight_rows``), on an [N, K] tensor of NaN that takes no
     memory (stride 0), so any other use of a q4 weight's values shows as NaN. ~1 byte a weight where the
     dequantised fp32 copy beside the codes took 5: 4 layers of the 80B-A3B shape load in 12.5 GB (peak, random
