@@ -38,9 +38,11 @@ kernels), KV caches bf16. ``q4``: each q4 matrix stays 4-bit: its codes q - 8 as
 ``NAME`` [N, K] and its group scales as FLOAT ``NAME.scale`` [N, K / G], made fp32 by a blocked
 DequantizeLinear (axis 1, block_size G): (q - 8) * scale, exact in fp32, the values the CPU reference
 multiplies by. ONNX's Gather takes no INT4, so the stacked expert matrices of Qwen3-Next, whose routed
-rows are gathered before they are dequantised, keep their codes as INT8 (the same values, a byte each).
-INT4 and block_size need opset 21 (IR version 10), so a q4 graph is opset 21 and the others opset 17;
-a q4 file is ~0.53 bytes a weight (~0.9 for expert stacks) where the fp32 values took 4. KV caches bf16.
+rows are gathered before they are dequantised, keep their codes q as UINT8 nibble pairs ``NAME`` [N, K / 2]
+(input 2j in the low nibble, 2j + 1 in the high one: the INT4 bytes' order), unpacked after the Gather by
+integer Div / Mul / Sub, then (q - 8) * scale in fp32: the same values. INT4 and block_size need opset 21 (IR
+version 10), so a q4 graph is opset 21 and the others opset 17; a q4 file is ~0.53 bytes a weight where the
+fp32 values took 4. KV caches bf16.
 Weights whose ONNX bytes exceed 1 GiB (or on request) go to one external data file next to the model,
 written one tensor at a time, so memory stays bounded.
 """
@@ -80,7 +82,7 @@ def _elem(dtype: str) -> int:
     from onnx import TensorProto as T
 
     return {"f32": T.FLOAT, "bf16": T.BFLOAT16, "f16": T.FLOAT16, "i32": T.INT32, "int4": T.INT4,
-            "int8": T.INT8}[dtype]
+            "u8": T.UINT8}[dtype]
 
 
 def onnx_opset(program: Program) -> tuple[int, int]:
@@ -91,22 +93,21 @@ def onnx_opset(program: Program) -> tuple[int, int]:
 
 
 def onnx_weight_bytes(w: Weight) -> int:
-    """A weight's bytes in the ONNX file (q4: at most, with INT8 codes and fp32 scales)."""
+    """A weight's bytes in the ONNX file (q4: 4-bit codes and fp32 scales)."""
     if is_q4(w.type.dtype):
-        return w.type.numel + w.type.numel // q4_group(w.type.dtype) * 4
+        return w.type.numel // 2 + w.type.numel // q4_group(w.type.dtype) * 4
     return w.type.numel * (4 if w.type.dtype == "f32" else 2)
 
 
-def q4_onnx_data(w: Weight, raw, bits: int) -> tuple[bytes, bytes]:
+def q4_onnx_data(w: Weight, raw, form: str) -> tuple[bytes, bytes]:
     """``raw``: a q4 weight's bytes as the plan stores them (compiler/weights.weight_bytes). Returns the
-    little-endian bytes of its ONNX codes (q - 8: INT4, two a byte, the first in the low nibble, as ONNX
-    packs them; or INT8) and of its FLOAT scales [N, K / G]."""
+    little-endian bytes of its ONNX codes, two a byte, input 2j in the low nibble (ONNX's INT4 order): ``int4``
+    q - 8 (two's complement nibbles), ``nibbles`` q itself (UINT8 pairs, for the expert stacks); and of its
+    FLOAT scales [N, K / G]."""
     codes, scales = q4_codes(torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()), *w.type.shape,
                              q4_group(w.type.dtype))  # (banded: a byte a weight at most)
-    flat = codes.reshape(-1).numpy()
-    if bits == 4:
-        flat = (flat[0::2] & 15) | ((flat[1::2] & 15) << 4)
-    return flat.astype(np.uint8 if bits == 4 else np.int8).tobytes(), scales.numpy().tobytes()
+    flat = codes.reshape(-1).numpy().astype(np.uint8) + np.uint8(0 if form == "int4" else 8)
+    return ((flat[0::2] & 15) | ((flat[1::2] & 15) << 4)).tobytes(), scales.numpy().tobytes()
 
 
 @dataclass
@@ -173,7 +174,7 @@ class _Exporter:
         self.p = program
         self.g = _Graph()
         self.weight_init = weight_init  # Weight (not q4) -> initializer name (made on first use)
-        self.q4_init = q4_init  # (q4 Weight, bits) -> (codes, scales) initializer names (made on first use)
+        self.q4_init = q4_init  # (q4 Weight, form) -> (codes, scales) initializer names (made on first use)
         self.opset = opset
         self.env: dict[int, str] = {}  # id(Value) -> tensor
         self.state: dict[str, str] = {}  # state name -> current tensor
@@ -190,7 +191,7 @@ class _Exporter:
         if isinstance(x, Weight):
             if x.name not in self.w32:
                 if is_q4(x.type.dtype):
-                    codes, scales = self.q4_init(x, 4)
+                    codes, scales = self.q4_init(x, "int4")
                     self.w32[x.name] = self.dequantize(codes, scales, 1, q4_group(x.type.dtype))
                 else:
                     t = self.weight_init(x)
@@ -271,19 +272,23 @@ class _Exporter:
 
     def expert_rows(self, w: Weight, ids: Value, experts: int) -> str:
         """The routed experts' blocks of a stacked matrix w [E * R, C] (expert e: rows e R .. e R + R - 1):
-        [k, R, C] fp32 for ids [k]; gathered before the cast (bf16) or the dequantisation (q4: INT8 codes and
-        their scales gathered alike, then Cast and Mul per group: DequantizeLinear's block form is the INT4
-        weight path, TensorRT's included, not INT8's), so a stack is never made fp32 whole."""
+        [k, R, C] fp32 for ids [k]; gathered before the cast (bf16) or the dequantisation (q4: the UINT8 nibble
+        pairs and their scales gathered alike, the nibbles split by integer arithmetic, q - 8 times each group's
+        scale), so a stack is never made fp32 whole."""
         (rows, cols), (k,) = w.type.shape, ids.type.shape
         r = rows // experts
         if is_q4(w.type.dtype):
-            group = q4_group(w.type.dtype)
-            codes, scales = self.q4_init(w, 8)
-            q, sc = (self.g.node("Gather", [self.reshape(t, [experts, r, c]), self.value(ids)], axis=0)
-                     for t, c in ((codes, cols), (scales, cols // group)))
-            blocks = self.g.node("Mul", [self.reshape(self.cast(q, "f32"), [k, r, cols // group, group]),
-                                         self.unsqueeze(sc, [3])])
-            return self.reshape(blocks, [k, r, cols])
+            g, group = self.g, q4_group(w.type.dtype)
+            packed, scales = self.q4_init(w, "nibbles")
+            pairs, sc = (g.node("Gather", [self.reshape(t, [experts, r, c]), self.value(ids)], axis=0)
+                         for t, c in ((packed, cols // 2), (scales, cols // group)))
+            pairs = self.cast(pairs, "i32")
+            high = g.node("Div", [pairs, g.const(np.array(16, np.int32))])
+            low = g.node("Sub", [pairs, g.node("Mul", [high, g.const(np.array(16, np.int32))])])
+            q = self.reshape(g.node("Concat", [self.unsqueeze(low, [3]), self.unsqueeze(high, [3])], axis=3),
+                             [k, r, cols // group, group])
+            values = self.cast(g.node("Sub", [q, g.const(np.array(8, np.int32))]), "f32")
+            return self.reshape(g.node("Mul", [values, self.unsqueeze(sc, [3])]), [k, r, cols])
         blocks = self.g.node("Gather", [self.reshape(self.weight_init(w), [experts, r, cols]), self.value(ids)],
                              axis=0)
         return blocks if w.type.dtype == "f32" else self.cast(blocks, "f32")
@@ -462,11 +467,12 @@ def export_program(program: Program, produce, *, external: _ExternalData | None 
             made[w.name] = initializer(w.name, w.type.dtype, w.type.shape, produce(w.name))
         return made[w.name]
 
-    def q4_init(w: Weight, bits: int) -> tuple[str, str]:
+    def q4_init(w: Weight, form: str) -> tuple[str, str]:
         if w.name not in made:
-            codes, scales = q4_onnx_data(w, produce(w.name), bits)
+            codes, scales = q4_onnx_data(w, produce(w.name), form)
             (n, k), group = w.type.shape, q4_group(w.type.dtype)
-            made[w.name] = (initializer(w.name, f"int{bits}", (n, k), codes),
+            made[w.name] = (initializer(w.name, "int4" if form == "int4" else "u8",
+                                        (n, k) if form == "int4" else (n, k // 2), codes),
                             initializer(w.name + ".scale", "f32", (n, k // group), scales))
         return made[w.name]
 

@@ -202,9 +202,10 @@ def test_onnx_topk_breaks_ties_as_the_reference(norm_topk):
     np.testing.assert_allclose(got_w, want_w.numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_q4_onnx_codes_are_the_plans(monkeypatch, bits):
-    """q4_onnx_data: a q4 matrix's codes (q - 8; INT4 two a byte, the first in the low nibble) and fp32 scales,
+@pytest.mark.parametrize("form", ["int4", "nibbles"])
+def test_q4_onnx_codes_are_the_plans(monkeypatch, form):
+    """q4_onnx_data: a q4 matrix's codes (two a byte, the first in the low nibble: INT4's q - 8, or the expert
+    stacks' unsigned q) and fp32 scales,
     made by q4_codes a band of rows at a time (bounded memory at 80B-A3B's 0.5 G-element expert stacks; here
     bands of 3 rows of 11), dequantise to q4_unpack's values."""
     import torch
@@ -219,11 +220,13 @@ def test_q4_onnx_codes_are_the_plans(monkeypatch, bits):
     w = Weight("w", TensorType(f"q4g{group}", (n, k)))
     want = q4_unpack(buf, n, k, group).numpy()  # in one band
     monkeypatch.setattr(matvec, "Q4_CODES_BAND", 3 * k)
-    codes, scales = onnx_export.q4_onnx_data(w, buf.numpy().tobytes(), bits)
-    got = np.frombuffer(codes, dtype=np.int8 if bits == 8 else np.uint8)
-    if bits == 4:  # sign-extend each nibble, low nibble first
-        got = np.stack([got & 15, got >> 4], -1).reshape(-1).astype(np.int8)
+    codes, scales = onnx_export.q4_onnx_data(w, buf.numpy().tobytes(), form)
+    got = np.frombuffer(codes, dtype=np.uint8)
+    got = np.stack([got & 15, got >> 4], -1).reshape(-1).astype(np.int8)  # low nibble first
+    if form == "int4":  # two's complement nibbles
         got = np.where(got > 7, got - 16, got).astype(np.int8)
+    else:
+        got = got - 8
     got_s = np.frombuffer(scales, dtype=np.float32).reshape(n, k // group)
     deq = got.reshape(n, k // group, group).astype(np.float32) * got_s[:, :, None]
     assert np.array_equal(deq.reshape(n, k), want)
@@ -247,13 +250,15 @@ def test_onnx_step_passes_checker_and_strict_shape_inference(exported):
 
     init = {t.name: t for t in model.graph.initializer}
     T = onnx.TensorProto
-    for w in prog.weights.values():  # bf16 kept as BFLOAT16; q4 as 4-bit codes (8-bit in expert stacks) + scales
+    for w in prog.weights.values():  # bf16 kept as BFLOAT16; q4 as 4-bit codes (expert stacks: nibble pairs) + scales
         t = init[w.name]
         if w.type.dtype.startswith("q4"):
             n, k = w.type.shape
-            bits = 8 if ".mlp.experts." in w.name else 4
-            assert t.data_type == (T.INT8 if bits == 8 else T.INT4) and list(t.dims) == [n, k]
-            assert len(t.raw_data) == n * k * bits // 8
+            if ".mlp.experts." in w.name:
+                assert t.data_type == T.UINT8 and list(t.dims) == [n, k // 2]
+            else:
+                assert t.data_type == T.INT4 and list(t.dims) == [n, k]
+            assert len(t.raw_data) == n * k // 2
             scale = init[w.name + ".scale"]
             assert scale.data_type == T.FLOAT and list(scale.dims) == [n, k // q4_group(w.type.dtype)]
         else:
