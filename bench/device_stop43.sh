@@ -12,6 +12,10 @@
 #   moe     rmsnorm_moe_gate_up's EARLY (moe.gate_up_early) at 80B-A3B q4, with and without the head form (below)
 #   tog     the one-tile q4 matvecs' loads together (matvec.q4_one_tile_together) at 0.8B, 2B, 80B-A3B (below)
 #   ab, checks  the shortest route: every form's whole-step A/B in one call, then their correctness in another
+#   gnw     (stop 44) gdn_norm's warps, 4 by a rule of thumb never timed, against 1 and 2 (one value head of 128 a
+#           program: its sum of squares inside one warp instead of across four): 0.8B q4 and 80B-A3B q4 A B C C B A,
+#           4 layers of the 0.8B shape with 1 warp against the CPU reference (bash bench/build_stop_plans.sh 0.8b-q4
+#           0.8b-q4-gnw1 0.8b-q4-gnw2 next80-q4 next80-q4-gnw1 next80-q4-gnw2 small4-q4-gnw1: ~17 MB)
 #   profile, next  llama.cpp's 80B-A3B figure in the same call as Kestrel's (~750 s of device time: the build and
 #           the profiles in one call, the GGUF and the runs in the next, on the still-warm machine)
 # There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART (profile and next:
@@ -65,6 +69,13 @@ case $2 in
       bash bench/device_preload_ab.sh "$out/small"
     STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-head qwen3-next-80b-a3b-sm90-q4-eg qwen3-next-80b-a3b-sm90-q4-head+eg+tog" \
       PAIRS="qwen3.5-2b-sm90-q4:qwen3.5-2b-sm90-q4-tog" bash bench/device_preload_ab.sh "$out/next" ;;
+  gnw)  # gdn_norm.num_warps 1 and 2 against the rule's 4 (stop 44; see the head of this file)
+    mkdir -p "$out/small" "$out/next" "$out/e2e"
+    STEP_TIMEOUT=100 SEQ="qwen3.5-0.8b-sm90-q4 qwen3.5-0.8b-sm90-q4-gnw1 qwen3.5-0.8b-sm90-q4-gnw2" \
+      bash bench/device_preload_ab.sh "$out/small"
+    STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-gnw1 qwen3-next-80b-a3b-sm90-q4-gnw2" \
+      bash bench/device_preload_ab.sh "$out/next"
+    STEP_TIMEOUT=150 E2E="qwen3.5-small4-sm90-q4-gnw1" bash bench/device_preload_ab.sh "$out/e2e" ;;
   checks)  # the three forms on against the CPU reference (4 layers of the 0.8B and 2B shapes, of 80B-A3B), under
     # compute-sanitizer, and the verify's row 0 against the one-token step with the head form (bash
     # bench/build_stop_plans.sh small4-q4-head+tog small2b4-q4-tog next4-q4-head+eg+tog next4-q4-spec3-head; about
