@@ -67,13 +67,20 @@ REF_PIECE_WORDS = 1 << 16  # fill_random_ref hashes a run this many words at a t
 
 
 def fill_random_ref(n_words: int, seed: int, q4_weights=()) -> np.ndarray:
-    """The whole region as the runtime's fill launches leave it (fill_runs), hashed in pieces of
+    """The whole region as the runtime's fill launches leave it (fill_runs)."""
+    return fill_random_words(0, n_words, fill_runs(n_words, seed, q4_weights))
+
+
+def fill_random_words(lo: int, hi: int, runs) -> np.ndarray:
+    """Words lo .. hi - 1 of the region the fill ``runs`` (fill_runs, in launch order: a later run overwrites)
+    leave, made without the rest of it (the CPU path builds a random plan weight by weight), hashed in pieces of
     REF_PIECE_WORDS words: the temporaries stay in cache where a whole run's took ~8 bytes a word."""
-    out = np.zeros(n_words, dtype=np.uint32)
-    for lo, n, s, mask, bits in fill_runs(n_words, seed, q4_weights):
-        for a in range(0, n, REF_PIECE_WORDS):
-            m = min(REF_PIECE_WORDS, n - a)
-            out[lo + a:lo + a + m] = _fill_chunk(m, s, mask, bits, first=a)
+    out = np.zeros(hi - lo, dtype=np.uint32)
+    for first, n, s, mask, bits in runs:
+        a, b = max(first, lo), min(first + n, hi)
+        for p in range(a, b, REF_PIECE_WORDS):
+            m = min(REF_PIECE_WORDS, b - p)
+            out[p - lo:p - lo + m] = _fill_chunk(m, s, mask, bits, first=p - first)
     return out
 
 

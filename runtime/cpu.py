@@ -18,7 +18,7 @@ from kestrel.compiler.ir import (TOKENS_STATE, Dyn, IRError, Program, State, Val
 from kestrel.compiler.ir_text import parse_program
 from kestrel.compiler.ops import OPS, is_view
 from kestrel.compiler.launch_plan import REPLAY_STATE as REPLAY
-from kestrel.kernels.fill import fill_random_ref
+from kestrel.kernels.fill import fill_random_words, fill_runs
 from kestrel.kernels.matvec import q4_codes
 from kestrel.kernels.sample import step_end_ref
 
@@ -29,7 +29,7 @@ def weight_tensor(raw, w: Weight) -> torch.Tensor:
     """A weight as the reference kernels take it: its stored dtype; for q4 its codes and scales as ``q4`` (the
     products read only those: ``matvec_ref``, ``moe.weight_rows``), on an [N, K] tensor of NaN that takes no
     memory (stride 0), so any other use of a q4 weight's values shows as NaN. ~1 byte a weight where the
-    dequantised fp32 copy beside the codes took 5: 4 layers of the 80B-A3B shape load in 12.5 GB (peak, random
+    dequantised fp32 copy beside the codes took 5: 4 layers of the 80B-A3B shape load in 8.4 GB (peak, random
     weights), where they did not fit this 24 GB machine."""
     arr = np.frombuffer(raw, dtype=np.uint8).copy()  # own the bytes: the file map may close
     t = torch.from_numpy(arr)
@@ -39,6 +39,14 @@ def weight_tensor(raw, w: Weight) -> torch.Tensor:
         lean.q4 = (*q4_codes(t, n, k, q4_group(w.type.dtype)), q4_group(w.type.dtype))
         return lean
     return t.view(TORCH_DTYPES[w.type.dtype]).reshape(w.type.shape)
+
+
+def _filled(w: Weight, runs) -> np.ndarray:
+    """A random plan's weight: its bytes of the region the fill runs leave, made for it alone (the whole region,
+    41.6 GB at 80B-A3B q4, is never held)."""
+    lo, hi = w.loc[1] // 4, -(-(w.loc[1] + w.type.nbytes) // 4)
+    start = w.loc[1] - 4 * lo
+    return fill_random_words(lo, hi, runs).view(np.uint8)[start:start + w.type.nbytes]
 
 
 class CpuStep:
@@ -68,9 +76,8 @@ class CpuStep:
             if plan.random_weights is not None:  # the same words the GPU's fill launches write
                 rw = plan.random_weights  # q4_scales: since stop 33 (older plans: the scales as the chunks left them)
                 q4 = q4_placements(every.values()) if rw.get("q4_scales") else ()
-                words = fill_random_ref(program.arena["weights"] // 4, rw["seed"], q4).view(np.uint8)
-                weights = {name: weight_tensor(words[w.loc[1]:w.loc[1] + w.type.nbytes], w)
-                           for name, w in every.items()}
+                runs = fill_runs(program.arena["weights"] // 4, rw["seed"], q4)
+                weights = {name: weight_tensor(_filled(w, runs), w) for name, w in every.items()}
             else:
                 weights = {name: weight_tensor(plan.read(name), w) for name, w in every.items()}
         self.program = prog = program

@@ -427,3 +427,17 @@ def test_fill_random_ref_in_pieces_equals_whole_runs(monkeypatch):
     several = fill.fill_random_ref(3000, 7, q4)
     monkeypatch.setattr(fill, "REF_PIECE_WORDS", 1 << 22)
     assert np.array_equal(fill.fill_random_ref(3000, 7, q4), several) and not np.array_equal(several, whole)
+
+
+def test_fill_random_words_are_the_regions_slices(monkeypatch):
+    """fill_random_words (the CPU path fills a random plan weight by weight): any range of words equals that slice
+    of the whole region, across chunk boundaries (several chunks) and the q4 scale runs laid over them."""
+    from kestrel.kernels import fill
+
+    monkeypatch.setattr(fill, "CHUNK_WORDS", 1000)
+    monkeypatch.setattr(fill, "REF_PIECE_WORDS", 64)
+    q4 = [(256, 8, 512, 128), (4096, 16, 256, 64)]
+    whole = fill.fill_random_ref(3000, 11, q4)
+    runs = fill.fill_runs(3000, 11, q4)
+    for lo, hi in ((0, 3000), (0, 1), (999, 1001), (64, 600), (1030, 1100), (1500, 2999), (2999, 3000)):
+        assert np.array_equal(fill.fill_random_words(lo, hi, runs), whole[lo:hi]), (lo, hi)
