@@ -16,6 +16,9 @@
 #           program: its sum of squares inside one warp instead of across four): 0.8B q4 and 80B-A3B q4 A B C C B A,
 #           4 layers of the 0.8B shape with 1 warp against the CPU reference (bash bench/build_stop_plans.sh 0.8b-q4
 #           0.8b-q4-gnw1 0.8b-q4-gnw2 next80-q4 next80-q4-gnw1 next80-q4-gnw2 small4-q4-gnw1: ~17 MB)
+#   full80  (stop 44) the whole 80B-A3B q4 plan against the CPU reference, 8 new tokens (graph, streaming, the CPU path
+#           at full depth: since stop 44 it holds q4 weights as codes, ~82 GB of the host's 128; never tried; bash
+#           bench/build_stop_plans.sh next80-q4)
 #   profile, next  llama.cpp's 80B-A3B figure in the same call as Kestrel's (~750 s of device time: the build and
 #           the profiles in one call, the GGUF and the runs in the next, on the still-warm machine)
 # There: run(carry=["bench/plans", "bench/attn-step-probe"]): bash bench/device_stop43.sh $OUT PART (profile and next:
@@ -76,6 +79,8 @@ case $2 in
     STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-gnw1 qwen3-next-80b-a3b-sm90-q4-gnw2" \
       bash bench/device_preload_ab.sh "$out/next"
     STEP_TIMEOUT=150 E2E="qwen3.5-small4-sm90-q4-gnw1" bash bench/device_preload_ab.sh "$out/e2e" ;;
+  full80)  # the whole 80B-A3B q4 plan against the CPU reference (stop 44; see the head of this file)
+    KESTREL_E2E_NEW=8 STEP_TIMEOUT=560 E2E="qwen3-next-80b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
   checks)  # the three forms on against the CPU reference (4 layers of the 0.8B and 2B shapes, of 80B-A3B), under
     # compute-sanitizer, and the verify's row 0 against the one-token step with the head form (bash
     # bench/build_stop_plans.sh small4-q4-head+tog small2b4-q4-tog next4-q4-head+eg+tog next4-q4-spec3-head; about
