@@ -1123,7 +1123,7 @@ def _one_token(op, x) -> None:
         raise IRError(f"{op.kind}: the ONNX step is the one-token step (input {list(x.type.shape)})")
 
 
-def _onnx_gate_up(ex, op, x: str, ids, wg, wu, sg, su, sgate, experts: int) -> str:
+def _onnx_gate_up(ex, x: str, ids, wg, wu, sg, su, sgate, experts: int) -> str:
     """moe_gate_up_ref of an fp32 x [H]: [silu(Wg_e x) * (Wu_e x) for e in ids] | silu(Sg x) * (Su x) | Ws . x,
     each routed expert's rows gathered from the stacked matrices by the routing ids."""
     g, (k,) = ex.g, ids.type.shape
@@ -1135,16 +1135,16 @@ def _onnx_gate_up(ex, op, x: str, ids, wg, wu, sg, su, sgate, experts: int) -> s
 
 def _onnx_moe_gate_up(ex, op, x, ids, wg, wu, sg, su, sgate):
     _one_token(op, x)
-    return _onnx_gate_up(ex, op, ex.f32(x), ids, wg, wu, sg, su, sgate, op.attrs["experts"])
+    return _onnx_gate_up(ex, ex.f32(x), ids, wg, wu, sg, su, sgate, op.attrs["experts"])
 
 
 def _onnx_rmsnorm_moe_gate_up(ex, op, s, ss, nw, ids, wg, wu, sg, su, sgate):  # ss: the GPU's way to the mean
     _one_token(op, s)
     n = ex.rmsnorm(ex.f32(s), ex.f32(nw), op.attrs["eps"])
-    return _onnx_gate_up(ex, op, n, ids, wg, wu, sg, su, sgate, op.attrs["experts"])
+    return _onnx_gate_up(ex, n, ids, wg, wu, sg, su, sgate, op.attrs["experts"])
 
 
-def _onnx_down(ex, op, a: str, ids, weights, wd, sd) -> str:
+def _onnx_down(ex, a: str, ids, weights, wd, sd) -> str:
     """moe_down_ref of an fp32 act: sum_j weights_j (Wd_{ids_j} act_j) in rank order + sigmoid(act[-1]) (Sd act_s)."""
     g = ex.g
     (h, s), (k,), inter = sd.type.shape, ids.type.shape, wd.type.shape[1]
@@ -1158,19 +1158,20 @@ def _onnx_down(ex, op, a: str, ids, weights, wd, sd) -> str:
 
 def _onnx_moe_down(ex, op, act, ids, weights, wd, sd):
     _one_token(op, act)
-    return _onnx_down(ex, op, ex.f32(act), ids, weights, wd, sd)
+    return _onnx_down(ex, ex.f32(act), ids, weights, wd, sd)
 
 
 def _onnx_moe_down_add(ex, op, act, ids, weights, wd, sd, r):  # s = r + moe_down; ss as matmul_add's
     _one_token(op, act)
-    return _residual_partials(ex, op, ex.g.node("Add", [ex.f32(r), _onnx_down(ex, op, ex.f32(act), ids, weights, wd, sd)]))
+    y = _onnx_down(ex, ex.f32(act), ids, weights, wd, sd)
+    return _residual_partials(ex, op, ex.g.node("Add", [ex.f32(r), y]))
 
 
 def _onnx_moe_experts(ex, op, x, ids, weights, wg, wu, wd, sg, su, sd, sgate):  # moe_experts_ref: down(gate_up)
     _one_token(op, x)
     experts = wd.type.shape[0] // x.type.shape[0]
-    act = _onnx_gate_up(ex, op, ex.f32(x), ids, wg, wu, sg, su, sgate, experts)
-    return _onnx_down(ex, op, act, ids, weights, wd, sd)
+    act = _onnx_gate_up(ex, ex.f32(x), ids, wg, wu, sg, su, sgate, experts)
+    return _onnx_down(ex, act, ids, weights, wd, sd)
 
 
 def _onnx_attn_step(ex, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_step_ref (the split: a GPU detail)
