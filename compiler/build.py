@@ -440,7 +440,7 @@ class ExportResult:
 
 def export_onnx(model: str, out: str, quant: str = "none", q4_group: int | None = None, max_seq: int | None = None,
                 external: bool | None = None, log=print, dump_ir_after: str | None = None, dump=print,
-                check: bool = True) -> ExportResult:
+                check: bool = True, progress: bool = True) -> ExportResult:
     """``kestrelc export-onnx``: checkpoint or preset -> step.onnx (+ step.onnx.data for large models).
 
     ``external``: None decides by size (weights above 1 GiB go to ``OUT.data``), True / False force it.
@@ -456,10 +456,22 @@ def export_onnx(model: str, out: str, quant: str = "none", q4_group: int | None 
         for notice in m.ck.notices:
             log(f"note: {notice}")
         program = step_program(m.cfg, m.max_seq, quant, q4_group, on_pass=ir_dumper(dump_ir_after, dump))
-        proto, sig, data_path = onnx_export.write_onnx(
-            program, lambda name: weight_bytes(program.weights[name], m.ck.read), real, external,
-            metadata={"kestrel.quant": quant, "kestrel.max_seq": m.max_seq, "kestrel.source": m.source,
-                      "kestrel.model": m.cfg.to_json()})
+        # the weights as they are read, made and written, one at a time (as the build's bar; hidden off a terminal)
+        bar = tqdm(total=program.weight_bytes(), unit="B", unit_scale=True, desc="weights",
+                   disable=None if progress else True, leave=False)
+
+        def produce(name: str):
+            data = weight_bytes(program.weights[name], m.ck.read)
+            bar.update(program.weights[name].type.nbytes)
+            return data
+
+        try:
+            proto, sig, data_path = onnx_export.write_onnx(
+                program, produce, real, external,
+                metadata={"kestrel.quant": quant, "kestrel.max_seq": m.max_seq, "kestrel.source": m.source,
+                          "kestrel.model": m.cfg.to_json()})
+        finally:
+            bar.close()
     if check:
         onnx.checker.check_model(real, full_check=True)
     nbytes = os.path.getsize(real) + (os.path.getsize(data_path) if data_path else 0)

@@ -80,7 +80,8 @@ def _refuse(message: str):
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, help="Path of the .onnx file to write.")
 @click.option("--quant", type=click.Choice(["none", "bf16", "q4"]), default="none", show_default=True,
-              help="Weight precision: none (fp32), bf16 (bf16 initializers, fp32 math) or q4 (dequantized to fp32).")
+              help="Weight precision: none (fp32), bf16 (bf16 initializers, fp32 math) or q4 (4-bit codes and scales, "
+                   "dequantized in the graph; opset 21).")
 @click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Inputs per f16 scale for --quant q4.")
 @click.option("--max-seq", type=int, default=None, help="KV-cache rows. Default: min(4096, max_position_embeddings).")

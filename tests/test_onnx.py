@@ -504,3 +504,28 @@ def test_kestrel_run_on_an_engine_plan(tmp_path):
         r = run_cli("kestrel-run", path, "--prompt-ids", "1,2", "--max-new-tokens", "4")
         assert r.returncode == BackendMissingError.exit_code and "TensorRT is not installed" in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_export_shows_progress_over_every_weight(tmp_path, monkeypatch):
+    """export-onnx is long work at real sizes (a 27B checkpoint read, made q4 and written): a progress bar over the
+    weights' bytes, as the build's (tqdm hides it off a terminal), advanced by every weight to the total."""
+    from kestrel.compiler import build
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, disable=None, **kw):
+            self.total, self.done, self.disable, self.closed = total, 0, disable, False
+            bars.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(build, "tqdm", Bar)
+    build.export_onnx("tiny-next", str(tmp_path / "x.onnx"), quant="q4", max_seq=MAX_SEQ, log=lambda m: None)
+    build.export_onnx("tiny", str(tmp_path / "y.onnx"), max_seq=MAX_SEQ, log=lambda m: None, progress=False)
+    assert [b.disable for b in bars] == [None, True] and all(b.closed for b in bars)
+    assert all(b.done == b.total > 1e5 for b in bars)
