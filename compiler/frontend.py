@@ -3,7 +3,8 @@
 Accepted: ``config.json`` with model_type ``qwen3_5_text`` (text model; weights under ``model.*``)
 or ``qwen3_5`` (the multimodal wrapper: text settings under ``text_config``, weights under
 ``model.language_model.*``; vision tower and MTP head are skipped with a one-line notice), and the
-weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. With
+weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``, unquantized or as an
+FP8 release (compiler/fp8_checkpoint.py: its e4m3 matrices are dequantized by their block scales as read). With
 ``mtp=True`` (``kestrelc build --speculative mtp``) the multi-token-prediction head (``mtp.*``: the
 drafter of speculative decoding, ``mtp_expected_tensors``) is read and validated like the text model;
 a checkpoint without one is refused with NoDraftHeadError.
@@ -24,6 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kestrel.artifacts.errors import CheckpointError, ConfigError, NoDraftHeadError, UnsupportedError
+from kestrel.compiler.fp8_checkpoint import (FP8_DTYPE, SCALE_DTYPES, SCALE_SUFFIX, Fp8Blocks, dequantize,
+                                             parse_quantization)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next")
 CHECKPOINT_DTYPES = ("F32", "BF16", "F16")
@@ -370,14 +373,18 @@ def mtp_expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 class Checkpoint:
     """A validated checkpoint: ``tensors`` maps plan-relative names to (file, hf name, dtype, shape)."""
 
-    def __init__(self, folder: str, cfg: ModelConfig, mtp: bool = False, mtp_layers: int | None = None):
+    def __init__(self, folder: str, cfg: ModelConfig, mtp: bool = False, mtp_layers: int | None = None,
+                 fp8: Fp8Blocks | None = None):
         """``mtp``: the MTP head is read too (its tensors under their checkpoint names, ``mtp.*``);
-        ``mtp_layers``: the config's ``mtp_num_hidden_layers`` (None: not given)."""
-        self.folder, self.cfg = folder, cfg
+        ``mtp_layers``: the config's ``mtp_num_hidden_layers`` (None: not given); ``fp8``: the block shape of
+        an FP8 release (compiler/fp8_checkpoint.py), whose F8_E4M3 matrices are dequantized as they are read."""
+        self.folder, self.cfg, self.fp8 = folder, cfg, fp8
         self.prefix = "model.language_model." if cfg.model_type == "qwen3_5" else "model."
         self.notices: list[str] = []
+        self.scales: dict[str, tuple[str, str, str, tuple]] = {}  # FP8 matrix (plan-relative) -> its block scale
         self._handles: dict = {}
         index = self._index()
+        scales = self._split_scales(index)
         skipped: dict[str, int] = {}
         expected = dict(expected_tensors(cfg))
         self.mtp = mtp
@@ -410,6 +417,12 @@ class Checkpoint:
                 raise CheckpointError(f"{folder}: unexpected tensor {hf_name!r}: not part of a {cfg.model_type} "
                                       f"model with this config (is config.json the right one?)")
             self.tensors[rel] = (fname, hf_name, dtype, shape)
+            if hf_name in scales:
+                self.scales[rel] = scales.pop(hf_name)
+        orphan = next((name for name in scales if name not in index), None)  # the rest scale skipped tensors
+        if orphan:
+            raise CheckpointError(f"{folder}: unexpected tensor {orphan + SCALE_SUFFIX!r}: an FP8 block scale without "
+                                  f"its matrix {orphan!r}")
         if not cfg.tie_word_embeddings:
             expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
         missing = [rel for rel in expected if rel not in self.tensors]
@@ -422,11 +435,52 @@ class Checkpoint:
             if tuple(got) != tuple(shape):
                 raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {list(got)}, "
                                       f"expected {list(shape)} from config.json")
-            if dtype not in CHECKPOINT_DTYPES:
-                raise CheckpointError(f"{folder}: tensor {hf_name!r} has dtype {dtype}; "
-                                      f"supported: {', '.join(CHECKPOINT_DTYPES)}")
+            if dtype == FP8_DTYPE or rel in self.scales:
+                self._check_fp8(rel, hf_name, dtype, got)
+            elif dtype not in CHECKPOINT_DTYPES:
+                raise CheckpointError(f"{folder}: tensor {hf_name!r} has dtype {dtype}; supported: "
+                                      f"{', '.join(CHECKPOINT_DTYPES)} (and {FP8_DTYPE} with block scales in an FP8 "
+                                      f"release)")
         for what, n in skipped.items():
             self.notices.append(f"skipping the {what} ({n} tensors): Kestrel compiles the text model")
+        if self.scales:
+            self.notices.append(f"FP8 checkpoint: {len(self.scales)} matrices in e4m3 with {fp8.rows}x{fp8.cols} "
+                                f"block scales, each dequantized to fp32 as it is read (then --quant applies)")
+
+    def _split_scales(self, index: dict) -> dict[str, tuple[str, str, str, tuple]]:
+        """Take the FP8 block scales out of ``index``: {matrix's hf name: (file, scale's hf name, dtype, shape)}."""
+        names = [n for n in index if n.endswith(".weight" + SCALE_SUFFIX)]
+        if names and self.fp8 is None:
+            raise CheckpointError(f"{self.folder}: tensor {names[0]!r} is an FP8 block scale, but config.json has no "
+                                  f"quantization_config with quant_method 'fp8'; restore the release's config.json")
+        scales = {}
+        for name in names:
+            fname, dtype, shape = index.pop(name)
+            scales[name[:-len(SCALE_SUFFIX)]] = (fname, name, dtype, shape)
+        return scales
+
+    def _check_fp8(self, rel: str, hf_name: str, dtype: str, shape: tuple) -> None:
+        if dtype != FP8_DTYPE:
+            raise CheckpointError(f"{self.folder}: tensor {hf_name!r} has an FP8 block scale but dtype {dtype}; "
+                                  f"only {FP8_DTYPE} matrices are scaled")
+        if self.fp8 is None:
+            raise CheckpointError(f"{self.folder}: tensor {hf_name!r} has dtype {FP8_DTYPE}, but config.json has no "
+                                  f"quantization_config with quant_method 'fp8'; restore the release's config.json")
+        if rel not in self.scales:
+            raise CheckpointError(f"{self.folder}: FP8 tensor {hf_name!r} has no block scale "
+                                  f"{hf_name + SCALE_SUFFIX!r}; the checkpoint is incomplete")
+        _, scale_name, scale_dtype, scale_shape = self.scales[rel]
+        if len(shape) != 2:
+            raise CheckpointError(f"{self.folder}: FP8 tensor {hf_name!r} has shape {list(shape)}; block scales "
+                                  f"apply to matrices")
+        want = self.fp8.scale_shape(shape)
+        if tuple(scale_shape) != want:
+            raise CheckpointError(f"{self.folder}: tensor {scale_name!r} has shape {list(scale_shape)}, expected "
+                                  f"{list(want)} ({list(shape)} in {self.fp8.rows}x{self.fp8.cols} blocks, "
+                                  f"weight_block_size in config.json)")
+        if scale_dtype not in SCALE_DTYPES:
+            raise CheckpointError(f"{self.folder}: tensor {scale_name!r} has dtype {scale_dtype}; FP8 block scales "
+                                  f"are {', '.join(SCALE_DTYPES)}")
 
     def _index(self) -> dict[str, tuple[str, str, tuple]]:
 
@@ -473,17 +527,24 @@ class Checkpoint:
         return index
 
     def read(self, rel: str):
-        """Load one tensor (as stored) from its shard; only that tensor is in memory."""
+        """Load one tensor (as stored; an FP8 matrix dequantized to fp32) from its shard; only that tensor is in
+        memory."""
 
         fname, hf_name, _, _ = self.tensors[rel]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
-        t = self._handles[fname].get_tensor(hf_name)
+        t = self._get(fname, hf_name)
+        if rel in self.scales:
+            scale_file, scale_name = self.scales[rel][:2]
+            t = dequantize(t, self._get(scale_file, scale_name), self.fp8)
         if not torch.isfinite(t).all():  # scanned as it streams through: a NaN or Inf never reaches a plan
             bad = int((~torch.isfinite(t)).sum())
             raise CheckpointError(f"{os.path.join(self.folder, fname)}: tensor {hf_name!r} holds {bad} non-finite "
                                   f"values (NaN or Inf); fix or re-export the checkpoint")
         return t
+
+    def _get(self, fname: str, hf_name: str):
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
+        return self._handles[fname].get_tensor(hf_name)
 
     def files(self) -> list[str]:
         """Every file of the checkpoint a build reads (an output must never be one of them)."""
@@ -498,4 +559,5 @@ class Checkpoint:
 
 def open_checkpoint(folder: str, mtp: bool = False) -> Checkpoint:
     raw, cfg = read_config(folder)
-    return Checkpoint(folder, cfg, mtp, mtp_layers_in(raw))
+    fp8 = parse_quantization(raw, os.path.join(folder, "config.json"))
+    return Checkpoint(folder, cfg, mtp, mtp_layers_in(raw), fp8)

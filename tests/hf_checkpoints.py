@@ -100,6 +100,54 @@ def make_multimodal_checkpoint(folder: str, seed: int = 0):
     return model
 
 
+# The matrices an FP8 release stores in e4m3 (Qwen's modules_to_not_convert keep the rest: embeddings, lm_head,
+# norms, the router, the shared expert's gate, the conv taps, the GDN's b / a projections, A_log, dt_bias).
+FP8_KEPT = ("in_proj_ba.weight", "in_proj_a.weight", "in_proj_b.weight")
+
+
+def make_fp8_release(folder: str, block=(16, 16), scale_dtype=torch.bfloat16) -> dict:
+    """Turn the checkpoint in ``folder`` (a single model.safetensors) into a fine-grained FP8 release as Qwen
+    ships them: every projection matrix (``*proj*.weight``) under the layers (and the MTP head) as float8 e4m3
+    codes with ``*.weight_scale_inv`` [ceil(N / bm), ceil(K / bn)] scales (amax / 448 per block), the
+    quantization_config in config.json. Returns {name: the dequantized fp32 matrix} (what a reader must get)."""
+    import json
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors, values = load_file(path), {}
+    bm, bn = block
+    for name in [n for n in tensors if n.endswith(".weight") and "proj" in n.split(".")[-2]
+                 and not n.endswith(FP8_KEPT) and tensors[n].dim() == 2]:
+        w = tensors[name].float()
+        n, k = w.shape
+        padded = torch.zeros(math.ceil(n / bm) * bm, math.ceil(k / bn) * bn)
+        padded[:n, :k] = w
+        blocks = padded.reshape(padded.shape[0] // bm, bm, padded.shape[1] // bn, bn)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-8).to(scale_dtype)
+        full = scale.float().repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:n, :k]
+        codes = (w / full).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale_inv"] = codes, scale
+        values[name] = codes.float() * full
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [bm, bn]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    return values
+
+
+def load_fp8_release(folder: str, cls_name: str):
+    """transformers' own reading of an FP8 release on a machine without a GPU: it dequantizes every e4m3 matrix
+    by its block scales (integrations/finegrained_fp8.py Fp8Dequantize), here into fp32 parameters."""
+    import transformers
+
+    return getattr(transformers, cls_name).from_pretrained(folder, dtype=torch.float32).eval()
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n_new: int) -> tuple[list[int], torch.Tensor]:
     """transformers' own greedy decode (its KV / recurrent cache path): tokens and per-step logits."""

@@ -6,7 +6,8 @@ max|kestrel - hf| / max|hf| over the vocabulary (an elementwise ratio is meaning
 import pytest
 import torch
 
-from hf_checkpoints import CONFIGS, hf_greedy, make_multimodal_checkpoint, make_text_checkpoint
+from hf_checkpoints import (CONFIGS, hf_greedy, load_fp8_release, make_fp8_release, make_multimodal_checkpoint,
+                            make_text_checkpoint)
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler.build import build
 from kestrel.runtime.cpu import CpuStep
@@ -50,6 +51,18 @@ def check_against_hf(model, ckpt, tmp_path, prefill_rows=None):
 def test_text_checkpoints_match_transformers(name, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     model = make_text_checkpoint(ckpt, name)
+    check_against_hf(model, ckpt, tmp_path)
+
+
+def test_fp8_release_matches_transformers(tmp_path):
+    """A Qwen3.5 checkpoint in the FP8 releases' format (e4m3 projections, bf16 block scales): transformers
+    dequantizes it on this GPU-less machine, and Kestrel's plan built from the same folder matches it."""
+    ckpt = str(tmp_path / "ckpt")
+    make_text_checkpoint(ckpt, "base")
+    values = make_fp8_release(ckpt, block=(32, 16))  # blocks of 32 rows by 16 columns
+    model = load_fp8_release(ckpt, "Qwen3_5ForCausalLM")
+    name = "model.layers.3.self_attn.q_proj.weight"
+    assert torch.equal(model.state_dict()[name], values[name])
     check_against_hf(model, ckpt, tmp_path)
 
 

@@ -3,7 +3,9 @@ gated attention + sparse mixture-of-experts MLPs) on checkpoints it saved itself
 tokens for 32 steps and every step's logits within 1e-4 relative (test_oracle.py's measure)."""
 import pytest
 
-from hf_checkpoints import NEXT_CONFIGS, make_next_checkpoint
+import torch
+
+from hf_checkpoints import NEXT_CONFIGS, load_fp8_release, make_fp8_release, make_next_checkpoint
 from test_oracle import check_against_hf
 
 
@@ -19,3 +21,18 @@ def test_next_prefill_rows_match_transformers(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     model = make_next_checkpoint(ckpt, "e8k2")
     check_against_hf(model, ckpt, tmp_path, prefill_rows=3)
+
+
+def test_next_fp8_release_matches_transformers(tmp_path):
+    """A checkpoint in the format of Qwen's Qwen3-Next FP8 releases (e4m3 projections, experts included, with
+    bf16 block scales; compiler/fp8_checkpoint.py): transformers dequantizes it on this GPU-less machine, and
+    Kestrel's plan built from the same folder matches it."""
+    ckpt = str(tmp_path / "ckpt")
+    original = make_next_checkpoint(ckpt, "e8k2").state_dict()
+    values = make_fp8_release(ckpt)
+    assert sum(".experts." in n for n in values) == 4 * 8 * 3  # every routed expert's three matrices
+    model = load_fp8_release(ckpt, "Qwen3NextForCausalLM")
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert torch.equal(model.state_dict()[name], values[name])  # the oracle reads the codes as Kestrel does
+    assert not torch.equal(original[name], values[name])  # and they are not the bf16 release's values
+    check_against_hf(model, ckpt, tmp_path)

@@ -1,0 +1,140 @@
+"""Fine-grained FP8 checkpoints (compiler/fp8_checkpoint.py) as a build's input: the plan an FP8 release builds is
+the plan of a checkpoint holding its dequantized values, byte for byte; a broken FP8 release, or a checkpoint
+quantized some other way, is refused in one line before any work. (tests/test_oracle*.py run FP8 releases against
+transformers' own dequantizing reader.)"""
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_cli
+from hf_checkpoints import make_fp8_release
+from kestrel.artifacts.errors import CheckpointError, ConfigError, UnsupportedError
+from kestrel.artifacts.plan import load_plan
+from kestrel.compiler.build import build
+from kestrel.compiler.fp8_checkpoint import Fp8Blocks, dequantize
+from kestrel.compiler.frontend import open_checkpoint
+from kestrel.compiler.presets import synthesize
+
+BLOCK = (24, 40)  # divides none of tiny's widths: every matrix has partial blocks at its edges
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return synthesize("tiny", str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def fp8_release(tiny_checkpoint, tmp_path_factory):
+    """(tiny as an FP8 release with f32 scales, {matrix: its dequantized fp32 values})."""
+    folder = str(tmp_path_factory.mktemp("fp8") / "ckpt")
+    shutil.copytree(tiny_checkpoint, folder)
+    return folder, make_fp8_release(folder, block=BLOCK, scale_dtype=torch.float32)
+
+
+def _weights(path):
+    plan = load_plan(path)
+    try:
+        return {name: bytes(plan.read(name)) for name in plan.weight_names}
+    finally:
+        plan.close()
+
+
+@pytest.mark.parametrize("quant", ["none", "q4"])
+def test_fp8_release_builds_the_dequantized_checkpoints_plan(quant, tiny_checkpoint, fp8_release, tmp_path):
+    folder, values = fp8_release
+    plain = str(tmp_path / "plain")
+    shutil.copytree(tiny_checkpoint, plain)
+    tensors = load_file(os.path.join(plain, "model.safetensors"))
+    tensors.update(values)
+    save_file(tensors, os.path.join(plain, "model.safetensors"))
+    logs = []
+    build(folder, str(tmp_path / "fp8.plan"), target="cpu", quant=quant, log=logs.append, progress=False)
+    build(plain, str(tmp_path / "plain.plan"), target="cpu", quant=quant, log=lambda m: None, progress=False)
+    got, want = _weights(str(tmp_path / "fp8.plan")), _weights(str(tmp_path / "plain.plan"))
+    assert got.keys() == want.keys() and len(values) >= 8
+    assert [n for n in got if got[n] != want[n]] == []
+    assert any(f"FP8 checkpoint: {len(values)} matrices in e4m3 with 24x40 block scales" in m for m in logs), logs
+
+
+def test_dequantize_partial_blocks():
+    """Each element times its own block's scale, including the short blocks at the right and bottom edges."""
+    q = torch.randn(50, 70).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 2) + 0.5
+    got = dequantize(q, s, Fp8Blocks(24, 40))
+    for i, j in [(0, 0), (23, 39), (24, 40), (47, 0), (48, 69), (49, 41)]:
+        assert got[i, j] == q[i, j].float() * s[i // 24, j // 40]  # fp32 product
+
+
+def _edit(folder, tensors=None, config=None):
+    if tensors:
+        path = os.path.join(folder, "model.safetensors")
+        t = load_file(path)
+        tensors(t)
+        save_file(t, path)
+    if config:
+        path = os.path.join(folder, "config.json")
+        raw = json.load(open(path))
+        config(raw)
+        json.dump(raw, open(path, "w"))
+
+
+Q = "model.layers.3.self_attn.q_proj.weight"
+S = Q + "_scale_inv"
+CASES = {
+    "no_quantization_config": (dict(config=lambda c: c.pop("quantization_config")), CheckpointError,
+                               "FP8 block scale, but config.json has no quantization_config"),
+    "missing_scale": (dict(tensors=lambda t: t.pop(S)), CheckpointError,
+                      f"FP8 tensor '{Q}' has no block scale '{S}'"),
+    "scale_shape": (dict(tensors=lambda t: t.update({S: torch.ones(3, 3)})), CheckpointError,
+                    re.escape(f"'{S}' has shape [3, 3], expected [") + r"\d+, \d+\] \(\[\d+, \d+\] in 24x40 blocks"),
+    "scale_dtype": (dict(tensors=lambda t: t.update({S: t[S].to(torch.int32)})), CheckpointError,
+                    "FP8 block scales are F32, BF16, F16"),
+    "scale_of_a_plain_tensor": (dict(tensors=lambda t: t.update({"model.norm.weight_scale_inv": torch.ones(1, 1)})),
+                                CheckpointError, "'model.norm.weight' has an FP8 block scale but dtype F32"),
+    "orphan_scale": (dict(tensors=lambda t: t.update({"model.layers.0.extra.weight_scale_inv": torch.ones(1, 1)})),
+                     CheckpointError, "an FP8 block scale without its matrix 'model.layers.0.extra.weight'"),
+    "e5m2": (dict(tensors=lambda t: t.update({Q: t[Q].to(torch.float8_e5m2)})), CheckpointError,
+             "has an FP8 block scale but dtype F8_E5M2"),
+    "gptq": (dict(config=lambda c: c["quantization_config"].update(quant_method="gptq")), UnsupportedError,
+             "quantized \\(quantization_config quant_method 'gptq'\\); Kestrel reads unquantized"),
+    "static_activations": (dict(config=lambda c: c["quantization_config"].update(activation_scheme="static")),
+                           UnsupportedError,
+                           "activation_scheme 'static'"),
+    "per_tensor": (dict(config=lambda c: c["quantization_config"].pop("weight_block_size")), UnsupportedError,
+                   "per-tensor FP8 \\(no weight_block_size\\)"),
+    "bad_block": (dict(config=lambda c: c["quantization_config"].update(weight_block_size=[128])), ConfigError,
+                  "weight_block_size must be two positive integers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_broken_fp8_release(case, fp8_release, tmp_path):
+    edits, err, pattern = CASES[case]
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(fp8_release[0], folder)
+    _edit(folder, **edits)
+    with pytest.raises(err, match=pattern):
+        open_checkpoint(folder)
+
+
+def test_fp8_codes_that_are_nan_are_refused_in_one_line(fp8_release, tmp_path):
+    """e4m3's NaN code (0x7f) in a matrix: the build stops naming the tensor (exit 4), the plan not written."""
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(fp8_release[0], folder)
+
+    def poison(t):
+        codes = t[Q].view(torch.uint8).clone()
+        codes[1, 2] = 0x7F
+        t[Q] = codes.view(torch.float8_e4m3fn)
+    _edit(folder, tensors=poison)
+    out = tmp_path / "m.plan"
+    r = run_cli("kestrelc", "build", folder, "-o", str(out), "--target", "cpu")
+    assert r.returncode == CheckpointError.exit_code, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"tensor '{Q}' holds 1 non-finite values" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
