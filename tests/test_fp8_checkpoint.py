@@ -28,12 +28,15 @@ def tiny_checkpoint(tmp_path_factory):
     return synthesize("tiny", str(tmp_path_factory.mktemp("tiny")))
 
 
+def _release(src, folder):
+    """(a copy of ``src`` as an FP8 release with f32 scales, {matrix: its dequantized fp32 values})."""
+    shutil.copytree(src, folder)
+    return folder, make_fp8_release(folder, block=BLOCK, scale_dtype=torch.float32)
+
+
 @pytest.fixture(scope="module")
 def fp8_release(tiny_checkpoint, tmp_path_factory):
-    """(tiny as an FP8 release with f32 scales, {matrix: its dequantized fp32 values})."""
-    folder = str(tmp_path_factory.mktemp("fp8") / "ckpt")
-    shutil.copytree(tiny_checkpoint, folder)
-    return folder, make_fp8_release(folder, block=BLOCK, scale_dtype=torch.float32)
+    return _release(tiny_checkpoint, str(tmp_path_factory.mktemp("fp8") / "ckpt"))
 
 
 def _weights(path):
@@ -44,21 +47,28 @@ def _weights(path):
         plan.close()
 
 
-@pytest.mark.parametrize("quant", ["none", "q4"])
-def test_fp8_release_builds_the_dequantized_checkpoints_plan(quant, tiny_checkpoint, fp8_release, tmp_path):
-    folder, values = fp8_release
+@pytest.mark.parametrize("preset, quant, extra", [
+    ("tiny", "none", {}), ("tiny", "q4", {}),
+    # Qwen3-Next: every routed expert's and the MTP head's matrices in FP8, the draft model in q4 too
+    ("tiny-next-mtp", "q4", dict(speculative="mtp", draft_tokens=2)),
+])
+def test_fp8_release_builds_the_dequantized_checkpoints_plan(preset, quant, extra, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint if preset == "tiny" else synthesize(preset, str(tmp_path / "src"))
+    folder, values = _release(src, str(tmp_path / "fp8"))
     plain = str(tmp_path / "plain")
-    shutil.copytree(tiny_checkpoint, plain)
+    shutil.copytree(src, plain)
     tensors = load_file(os.path.join(plain, "model.safetensors"))
     tensors.update(values)
     save_file(tensors, os.path.join(plain, "model.safetensors"))
     logs = []
-    build(folder, str(tmp_path / "fp8.plan"), target="cpu", quant=quant, log=logs.append, progress=False)
-    build(plain, str(tmp_path / "plain.plan"), target="cpu", quant=quant, log=lambda m: None, progress=False)
+    build(folder, str(tmp_path / "fp8.plan"), target="cpu", quant=quant, log=logs.append, progress=False, **extra)
+    build(plain, str(tmp_path / "plain.plan"), target="cpu", quant=quant, log=lambda m: None, progress=False, **extra)
     got, want = _weights(str(tmp_path / "fp8.plan")), _weights(str(tmp_path / "plain.plan"))
     assert got.keys() == want.keys() and len(values) >= 8
     assert [n for n in got if got[n] != want[n]] == []
     assert any(f"FP8 checkpoint: {len(values)} matrices in e4m3 with 24x40 block scales" in m for m in logs), logs
+    if preset != "tiny":
+        assert any(".experts." in n for n in values) and any(n.startswith("mtp.") for n in values)
 
 
 def test_dequantize_partial_blocks():
