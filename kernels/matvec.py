@@ -53,25 +53,33 @@ Q4_SCALE_CANDIDATES = [-9.0 + 0.2 * i for i in range(11)]
 
 
 def q4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q uint8 [N, K] in 0..15, scales float16 [N, K/G])."""
+    """w [N, K] float -> (q uint8 [N, K] in 0..15, scales float16 [N, K/G]).
+
+    Per candidate c only its squared error is computed in a full-size buffer reused in place (clamp(round(w /
+    d), -8, 7) is q - 8 exactly: |round(w / d)| <= 9, integers exact in fp32); each group keeps the index of its
+    first strictly best candidate, whose codes are made once more at the end from the same operands: the same
+    bytes as keeping every candidate's codes, in a third of the passes over the weights."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     m = torch.gather(g, -1, g.abs().argmax(dim=-1, keepdim=True))
-    best_q, best_err = None, None
-    for c in Q4_SCALE_CANDIDATES:
+    buf = torch.empty_like(g)
+    invs, best, best_err = [], None, None
+    for i, c in enumerate(Q4_SCALE_CANDIDATES):
         d = m / c
         inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-        q = torch.clamp(torch.round(g * inv) + 8, 0, 15)
-        err = ((q - 8) * d - g).pow(2).sum(-1, keepdim=True)
-        if best_q is None:
-            best_q, best_err = q, err
+        invs.append(inv)
+        torch.mul(g, inv, out=buf).round_().clamp_(-8, 7).mul_(d).sub_(g)  # (q - 8) d - w
+        err = buf.mul_(buf).sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = torch.zeros_like(err, dtype=torch.int64), err
         else:
-            better = err < best_err
-            best_q, best_err = torch.where(better, q, best_q), torch.minimum(err, best_err)
-    qs = best_q - 8
-    den = qs.pow(2).sum(-1, keepdim=True)
+            best = torch.where(err < best_err, i, best)
+            best_err = torch.minimum(err, best_err)
+    inv = torch.gather(torch.cat(invs, -1), -1, best)
+    qs = torch.mul(g, inv, out=buf).round_().clamp_(-8, 7)
+    den = (qs * qs).sum(-1, keepdim=True)
     d = torch.where(den > 0, (g * qs).sum(-1, keepdim=True) / den.clamp_min(1), torch.zeros_like(den))
-    return best_q.to(torch.uint8).reshape(n, k), d.to(torch.float16).reshape(n, k // group)
+    return (qs + 8).to(torch.uint8).reshape(n, k), d.to(torch.float16).reshape(n, k // group)
 
 
 def q4_pack(w: torch.Tensor, group: int) -> torch.Tensor:

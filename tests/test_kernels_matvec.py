@@ -331,3 +331,57 @@ def test_q4_codes_are_the_quantised_codes(monkeypatch, band_rows):
     got_q, got_s = q4_codes(q4_pack(w, group), n, k, group)
     assert got_q.dtype == torch.int8 and torch.equal(got_q, (q.to(torch.int16) - 8).to(torch.int8))
     assert torch.equal(got_s, scales.float())
+
+
+def _q4_quantize_spec(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantisation rule as kernels/matvec.py states it, every candidate's codes kept: for each group, of the
+    scales m / c the first with the least squared error, its codes q = clamp(round(w / d) + 8, 0, 15), then d
+    refitted by least squares for them."""
+    from kestrel.kernels.matvec import Q4_SCALE_CANDIDATES
+
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    m = torch.gather(g, -1, g.abs().argmax(dim=-1, keepdim=True))
+    best_q, best_err = None, None
+    for c in Q4_SCALE_CANDIDATES:
+        d = m / c
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = torch.clamp(torch.round(g * inv) + 8, 0, 15)
+        err = ((q - 8) * d - g).pow(2).sum(-1, keepdim=True)
+        if best_q is None:
+            best_q, best_err = q, err
+        else:
+            better = err < best_err
+            best_q, best_err = torch.where(better, q, best_q), torch.minimum(err, best_err)
+    qs = best_q - 8
+    den = qs.pow(2).sum(-1, keepdim=True)
+    d = torch.where(den > 0, (g * qs).sum(-1, keepdim=True) / den.clamp_min(1), torch.zeros_like(den))
+    return best_q.to(torch.uint8).reshape(n, k), d.to(torch.float16).reshape(n, k // group)
+
+
+@pytest.mark.parametrize("n, k, group", [(40, 256, 128), (33, 96, 32), (9, 192, 64)])
+def test_q4_quantize_is_the_stated_rule(n, k, group):
+    """q4_quantize (errors in one reused buffer, the best candidate's codes made once at the end) gives the bytes
+    of the rule kept candidate by candidate, on gaussian rows and on the groups where the choice is delicate: all
+    zero, subnormal, integer-valued (ties between candidates), an infinity, values near fp32's range."""
+    from kestrel.kernels.matvec import q4_quantize
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    w[0, :group] = 0
+    w[1, :group] = 1e-44
+    w[2, :group] = torch.round(torch.randn(group, generator=torch.Generator().manual_seed(1)) * 4)
+    w[3, 5] = float("inf")
+    w[4] *= 1e30
+    w[5] = torch.randint(-3, 4, (k,), generator=torch.Generator().manual_seed(2)).float() * 0.5
+    q, scales = q4_quantize(w, group)
+    want_q, want_s = _q4_quantize_spec(w, group)
+    assert torch.equal(q, want_q) and torch.equal(scales.view(torch.int16), want_s.view(torch.int16))
+
+
+def test_q4_bands_are_the_whole_matrix(monkeypatch):
+    """The build quantises a matrix a band of rows at a time (compiler/weights.py): the same bytes as whole."""
+    from kestrel.compiler import weights
+
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(weights, "Q4_BAND_ELEMENTS", 5 * 256)
+    assert torch.equal(weights._q4_pack_bands(w, 64), q4_pack(w, 64))
