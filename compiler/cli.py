@@ -154,7 +154,7 @@ def inspect(plan_path, as_json, verify):
         f"target    {s['target']}   quant {s['quant']}   max_seq {s['max_seq']}",
         f"source    {s['source'].get('name') or s['source'].get('path')} ({s['source']['kind']})",
         f"model     {m['model_type']}: {m['num_hidden_layers']} layers ({kinds['linear_attention']} gated-deltanet, "
-        f"{kinds['full_attention']} attention), hidden {m['hidden_size']}, mlp {m['intermediate_size']}, "
+        f"{kinds['full_attention']} attention), hidden {m['hidden_size']}, mlp {m['intermediate_size'] or 'none'}, "
         f"vocab {m['vocab_size']}",
         f"          attention {m['num_attention_heads']}/{m['num_key_value_heads']} heads of {m['head_dim']}; "
         f"gdn {m['linear_num_key_heads']}/{m['linear_num_value_heads']} heads of "

@@ -28,7 +28,12 @@ from kestrel.artifacts.errors import CheckpointError, ConfigError, NoDraftHeadEr
 from kestrel.compiler.fp8_checkpoint import (FP8_DTYPE, SCALE_DTYPES, SCALE_SUFFIX, Fp8Blocks, dequantize,
                                              parse_quantization)
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+# the multimodal wrappers: text settings under text_config, the text model's weights under model.language_model.*
+WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# Qwen3.5's mixture-of-experts models (Qwen3.5-35B-A3B and larger): Qwen3.5's layers (unfused GDN projections) with
+# Qwen3-Next's sparse MoE block in every layer, its router always renormalising the top-k weights
+QWEN35_MOE_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHECKPOINT_DTYPES = ("F32", "BF16", "F16")
 # Parts of a multimodal checkpoint the text step does not use.
 MTP_PREFIX = "mtp."
@@ -132,10 +137,10 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     text = raw
-    if mt == "qwen3_5":
+    if mt in WRAPPER_MODEL_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, dict):
-            raise ConfigError(f"{where}: model_type 'qwen3_5' needs a 'text_config' table")
+            raise ConfigError(f"{where}: model_type {mt!r} needs a 'text_config' table")
         where = f"{where} text_config"
     g = lambda k, kind=int, **kw: _get(text, k, kind, where, **kw)  # noqa: E731
 
@@ -179,9 +184,13 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     moe = {}
     if mt == "qwen3_next":
         moe = _parse_moe(text, g, n_layers, where)
+    elif mt in QWEN35_MOE_TYPES:
+        moe = _parse_moe(text, g, n_layers, where, every_layer=True)
+    # a Qwen3.5 MoE model has no dense MLP (its config has no intermediate_size)
+    intermediate = g("intermediate_size", default=0, positive=False) if mt in QWEN35_MOE_TYPES else g("intermediate_size")
     cfg = ModelConfig(
         model_type=mt, vocab_size=g("vocab_size"), hidden_size=hidden,
-        intermediate_size=g("intermediate_size"), num_hidden_layers=n_layers, layer_types=tuple(layer_types),
+        intermediate_size=intermediate, num_hidden_layers=n_layers, layer_types=tuple(layer_types),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rope_theta=theta, partial_rotary_factor=prf, rms_norm_eps=g("rms_norm_eps", float, default=1e-6),
         linear_conv_kernel_dim=g("linear_conv_kernel_dim", default=4),
@@ -199,25 +208,30 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     return cfg
 
 
-def _parse_moe(text: dict, g, n_layers: int, where: str) -> dict:
-    """Qwen3-Next's MLP settings (transformers' Qwen3NextDecoderLayer): layer i is a sparse MoE block iff
+def _parse_moe(text: dict, g, n_layers: int, where: str, every_layer: bool = False) -> dict:
+    """The MoE MLP settings. Qwen3-Next (transformers' Qwen3NextDecoderLayer): layer i is a sparse MoE block iff
     i is not in ``mlp_only_layers``, num_experts > 0 and (i + 1) % decoder_sparse_step == 0; otherwise a
-    dense MLP of ``intermediate_size``."""
-    n_exp = g("num_experts", positive=False, default=512)  # transformers' defaults where a key is absent
-    step = g("decoder_sparse_step", default=1)
-    only = text.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ConfigError(f"{where}: 'mlp_only_layers' must be a list of layer indices")
-    types = tuple("moe" if (i not in only and n_exp > 0 and (i + 1) % step == 0) else "dense"
-                  for i in range(n_layers))
+    dense MLP of ``intermediate_size``. Qwen3.5 MoE (``every_layer``; Qwen3_5MoeDecoderLayer): every layer is
+    a sparse MoE block and the router always renormalises (Qwen3_5MoeTopKRouter; its config has no
+    mlp_only_layers, decoder_sparse_step or norm_topk_prob, and transformers ignores them)."""
+    n_exp = g("num_experts", positive=every_layer, default=256 if every_layer else 512)
+    if every_layer:
+        types, norm = ("moe",) * n_layers, True
+    else:
+        step = g("decoder_sparse_step", default=1)
+        only = text.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ConfigError(f"{where}: 'mlp_only_layers' must be a list of layer indices")
+        types = tuple("moe" if (i not in only and n_exp > 0 and (i + 1) % step == 0) else "dense"
+                      for i in range(n_layers))
+        norm = text.get("norm_topk_prob", True)
+        if not isinstance(norm, bool):
+            raise ConfigError(f"{where}: 'norm_topk_prob' must be true or false, got {norm!r}")
     if "moe" not in types:
         return {"mlp_types": types}
-    k = g("num_experts_per_tok", default=10)
+    k = g("num_experts_per_tok", default=10 if not every_layer else 8)
     if k > n_exp:
         raise ConfigError(f"{where}: num_experts_per_tok {k} is more than num_experts {n_exp}")
-    norm = text.get("norm_topk_prob", True)
-    if not isinstance(norm, bool):
-        raise ConfigError(f"{where}: 'norm_topk_prob' must be true or false, got {norm!r}")
     return {"mlp_types": types, "num_experts": n_exp, "num_experts_per_tok": k,
             "moe_intermediate_size": g("moe_intermediate_size", default=512),
             "shared_expert_intermediate_size": g("shared_expert_intermediate_size", default=512),
@@ -339,7 +353,7 @@ def moe_expected_tensors(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int,
 def mtp_layers_in(raw: dict) -> int | None:
     """``mtp_num_hidden_layers`` of a config.json (the text config of the multimodal wrapper), or None
     when it does not say."""
-    text = raw.get("text_config") if raw.get("model_type") == "qwen3_5" else raw
+    text = raw.get("text_config") if raw.get("model_type") in WRAPPER_MODEL_TYPES else raw
     v = text.get("mtp_num_hidden_layers") if isinstance(text, dict) else None
     if v is None:
         v = raw.get("mtp_num_hidden_layers")
@@ -379,12 +393,14 @@ class Checkpoint:
         ``mtp_layers``: the config's ``mtp_num_hidden_layers`` (None: not given); ``fp8``: the block shape of
         an FP8 release (compiler/fp8_checkpoint.py), whose F8_E4M3 matrices are dequantized as they are read."""
         self.folder, self.cfg, self.fp8 = folder, cfg, fp8
-        self.prefix = "model.language_model." if cfg.model_type == "qwen3_5" else "model."
+        self.prefix = "model.language_model." if cfg.model_type in WRAPPER_MODEL_TYPES else "model."
         self.notices: list[str] = []
         self.scales: dict[str, tuple[str, str, str, tuple]] = {}  # FP8 matrix (plan-relative) -> its block scale
         self._handles: dict = {}
         index = self._index()
         scales = self._split_scales(index)
+        self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (fused tensor, expert, rows)
+        self._split_fused_experts(index)
         skipped: dict[str, int] = {}
         expected = dict(expected_tensors(cfg))
         self.mtp = mtp
@@ -446,6 +462,30 @@ class Checkpoint:
         if self.scales:
             self.notices.append(f"FP8 checkpoint: {len(self.scales)} matrices in e4m3 with {fp8.rows}x{fp8.cols} "
                                 f"block scales, each dequantized to fp32 as it is read (then --quant applies)")
+
+    def _split_fused_experts(self, index: dict) -> None:
+        """Experts stored fused, as transformers' own Qwen3NextExperts holds them (``mlp.experts.gate_up_proj``
+        [E, 2I, H]: each expert's gate rows then its up rows; ``mlp.experts.down_proj`` [E, H, I]), become the
+        per-expert tensors the rest of the compiler names (``mlp.experts.{e}.gate_proj.weight`` ...), each read
+        as its slice of the fused tensor (``read``); a checkpoint may store either layout, not both."""
+        cfg = self.cfg
+        for name in [n for n in index if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            fname, dtype, shape = index.pop(name)
+            base, proj = name.rsplit(".", 1)
+            e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+            parts = {"gate_up_proj": [("gate_proj", 0, i), ("up_proj", i, 2 * i)], "down_proj": [("down_proj", 0, h)]}
+            want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
+            if cfg.num_experts == 0 or tuple(shape) != want:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {list(shape)}, expected {list(want)} "
+                                      f"(fused experts) from config.json")
+            for x in range(e):
+                for part, lo, hi in parts[proj]:
+                    virtual = f"{base}.{x}.{part}.weight"
+                    if virtual in index:
+                        raise CheckpointError(f"{self.folder}: experts stored twice: {name!r} and {virtual!r}; keep "
+                                              f"one layout")
+                    index[virtual] = (fname, dtype, (hi - lo,) + tuple(shape[2:]))
+                    self.views[virtual] = (name, x, lo, hi)
 
     def _split_scales(self, index: dict) -> dict[str, tuple[str, str, str, tuple]]:
         """Take the FP8 block scales out of ``index``: {matrix's hf name: (file, scale's hf name, dtype, shape)}."""
@@ -531,7 +571,11 @@ class Checkpoint:
         memory."""
 
         fname, hf_name, _, _ = self.tensors[rel]
-        t = self._get(fname, hf_name)
+        if hf_name in self.views:
+            fused, x, lo, hi = self.views[hf_name]
+            t = self._slice(fname, fused)[x:x + 1, lo:hi][0]
+        else:
+            t = self._get(fname, hf_name)
         if rel in self.scales:
             scale_file, scale_name = self.scales[rel][:2]
             t = dequantize(t, self._get(scale_file, scale_name), self.fp8)
@@ -541,10 +585,16 @@ class Checkpoint:
                                   f"values (NaN or Inf); fix or re-export the checkpoint")
         return t
 
-    def _get(self, fname: str, hf_name: str):
+    def _handle(self, fname: str):
         if fname not in self._handles:
             self._handles[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
-        return self._handles[fname].get_tensor(hf_name)
+        return self._handles[fname]
+
+    def _get(self, fname: str, hf_name: str):
+        return self._handle(fname).get_tensor(hf_name)
+
+    def _slice(self, fname: str, hf_name: str):
+        return self._handle(fname).get_slice(hf_name)
 
     def files(self) -> list[str]:
         """Every file of the checkpoint a build reads (an output must never be one of them)."""

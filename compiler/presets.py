@@ -1,6 +1,6 @@
 """Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot,
-``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``), and their
-Qwen3-Next counterparts ``tiny-next`` and ``tiny-next-mtp``.
+``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``), their
+Qwen3-Next counterparts ``tiny-next`` and ``tiny-next-mtp``, and ``tiny-moe``, the Qwen3.5 MoE layout.
 
 ``tiny`` is written in the same Hugging Face format a downloaded checkpoint has (config.json,
 model.safetensors, tokenizer.json) and then compiled through the ordinary frontend, so the preset
@@ -63,6 +63,12 @@ PRESETS["tiny-next"] = dict(PRESETS["tiny"], architectures=["Qwen3NextForCausalL
                             mlp_only_layers=[])
 # ``tiny-next`` with a multi-token-prediction head (random): its layer is full attention with the sparse MoE MLP
 PRESETS["tiny-next-mtp"] = dict(PRESETS["tiny-next"], mtp_num_hidden_layers=1)
+# Qwen3.5 MoE (model_type qwen3_5_moe_text) at tiny size: ``tiny``'s layers (unfused GDN projections) with the
+# sparse MoE block of ``tiny-next`` in every layer and no dense MLP (no intermediate_size); the router always
+# renormalises
+PRESETS["tiny-moe"] = dict({k: v for k, v in PRESETS["tiny"].items() if k != "intermediate_size"},
+                           architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
 
 
 def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:
@@ -107,7 +113,19 @@ QWEN3_NEXT_SHAPES: dict[str, dict] = {
                                shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
                                mlp_only_layers=[], full_attention_interval=4, mtp_num_hidden_layers=1),
 }
-SHAPES: dict[str, dict] = QWEN35_SHAPES | QWEN3_NEXT_SHAPES  # every shapes-only preset (--weights random)
+# Qwen3.5-35B-A3B (model_type qwen3_5_moe; its text model): Qwen3.5's shared settings (``_qwen35``: head_dim 256,
+# GDN 16 key heads of 128, RoPE theta 1e7 on a quarter of the dims, 262144 positions, vocab 248320, one MTP
+# layer) with hidden 2048, 40 layers (30 GDN + 10 attention), attention 16 / 2 heads, GDN 32 value heads, and in
+# every layer a sparse MoE block of 256 experts of 512, top 8 renormalised, a shared expert of 512; untied.
+# transformers' Qwen3_5MoeTextConfig defaults (documented as this model's shape) and a training framework's shape
+# script agree on these; not checked against the released config.json. ~35B parameters, ~3B active.
+QWEN35_MOE_SHAPES: dict[str, dict] = {
+    "qwen3.5-35b-a3b": dict({k: v for k, v in _qwen35(2048, 0, 40, 16, 2, 32, tied=False).items()
+                             if k != "intermediate_size"},
+                            model_type="qwen3_5_moe_text", num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
+}
+SHAPES: dict[str, dict] = QWEN35_SHAPES | QWEN3_NEXT_SHAPES | QWEN35_MOE_SHAPES  # the shapes-only presets
 
 
 def byte_level_tokenizer_json() -> str:

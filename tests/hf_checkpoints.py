@@ -60,6 +60,53 @@ def make_next_checkpoint(folder: str, name: str, seed: int = 0):
     return model
 
 
+# Qwen3.5 MoE (model_type qwen3_5_moe_text, or the multimodal qwen3_5_moe): Qwen3.5's layers (unfused GDN projections)
+# with Qwen3-Next's sparse MoE block in every layer, the router always renormalising. name -> (config overrides on
+# QWEN35_MOE_BASE, save options, experts stored fused as transformers holds them, the multimodal wrapper).
+QWEN35_MOE_BASE = {k: v for k, v in BASE.items() if k != "intermediate_size"} | dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+QWEN35_MOE_CONFIGS = {
+    "e8k2": ({}, {}, False, False),
+    "e16k4_fused_odd": (dict(num_experts=16, num_experts_per_tok=4, num_hidden_layers=5, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=32), {}, True, False),
+    "e6k3_multimodal_sharded": (dict(num_experts=6, num_experts_per_tok=3, linear_num_value_heads=8, hidden_size=96,
+                                     num_attention_heads=6, num_key_value_heads=2), {"max_shard_size": "60KB"},
+                                False, True),
+}
+
+
+def make_qwen35_moe_checkpoint(folder: str, name: str, seed: int = 0):
+    """A Qwen3.5 MoE checkpoint saved by transformers (Qwen3_5MoeForCausalLM, or Qwen3_5MoeForConditionalGeneration
+    with a vision tower): save_pretrained writes the experts one tensor each; the fused configurations then store
+    them as transformers holds them in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    overrides, save_opts, fused, wrapper = QWEN35_MOE_CONFIGS[name]
+    text = {**QWEN35_MOE_BASE, **overrides}
+    torch.manual_seed(seed)
+    if wrapper:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=4, num_position_embeddings=16)
+        cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    else:
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text)).eval()
+    _redraw(model, seed)
+    model.save_pretrained(folder, **save_opts)
+    if fused:
+        path = os.path.join(folder, "model.safetensors")
+        t = load_file(path)
+        for layer in range(text["num_hidden_layers"]):
+            p = f"model.layers.{layer}.mlp.experts."
+            n = text["num_experts"]
+            gate_up = [torch.cat([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)]
+            t[p + "gate_up_proj"] = torch.stack(gate_up)
+            t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+        save_file(t, path, metadata={"format": "pt"})
+    return model
+
+
 def _redraw(model: torch.nn.Module, seed: int) -> None:
     sd = model.state_dict()
     fresh = random_weights({k: tuple(v.shape) for k, v in sd.items()}, seed)

@@ -143,6 +143,62 @@ def test_qwen3_next_config_errors(tmp_path):
                      r"\(H200 SXM\) has 150\.8 GB: build with --quant q4", r.stderr), r.stderr
 
 
+def _fuse_experts(t, layer=0, n=8, down_shape=None):
+    """Layer ``layer``'s experts of tiny-moe stored fused, as transformers holds them."""
+    p = f"model.layers.{layer}.mlp.experts."
+    t[p + "gate_up_proj"] = np.stack([np.concatenate([t.pop(f"{p}{e}.gate_proj.weight"),
+                                                      t.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)])
+    down = np.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+    t[p + "down_proj"] = down if down_shape is None else np.zeros(down_shape, np.float32)
+
+
+QWEN35_MOE_CASES = {
+    "fused_misshapen": (lambda t: _fuse_experts(t, down_shape=(8, 128, 32)),
+                        re.escape("'model.layers.0.mlp.experts.down_proj' has shape [8, 128, 32], expected [8, 128, 64] "
+                                  "(fused experts)")),
+    "fused_and_per_expert": (lambda t: (_fuse_experts(t), t.update({"model.layers.0.mlp.experts.3.up_proj.weight":
+                                                                    np.zeros((64, 128), np.float32)})),
+                             "experts stored twice: 'model.layers.0.mlp.experts.gate_up_proj' and "
+                             "'model.layers.0.mlp.experts.3.up_proj.weight'"),
+    "missing_expert": (lambda t: _pop(t, "model.layers.2.mlp.experts.5.down_proj.weight"),
+                       re.escape("missing tensor 'model.layers.2.mlp.experts.5.down_proj.weight' (expected shape [128, 64])")),
+    "fused_gdn": (lambda t: _set(t, "model.layers.0.linear_attn.in_proj_qkvz.weight", np.zeros((2, 2), np.float32)),
+                  "unexpected tensor 'model.layers.0.linear_attn.in_proj_qkvz.weight'"),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_checkpoint(tmp_path_factory):
+    return synthesize("tiny-moe", str(tmp_path_factory.mktemp("q35moe")))
+
+
+@pytest.mark.parametrize("case", sorted(QWEN35_MOE_CASES))
+def test_broken_qwen35_moe_checkpoint(case, qwen35_moe_checkpoint, tmp_path):
+    """Qwen3.5 MoE: fused experts of the wrong shape or stored in both layouts, a missing expert, Qwen3-Next's fused
+    GDN projection: named in one line (exit 4), before anything is written."""
+    _refused_in_one_line(qwen35_moe_checkpoint, *QWEN35_MOE_CASES[case], tmp_path)
+
+
+def test_qwen35_moe_fused_experts_build_the_per_expert_plan(qwen35_moe_checkpoint, tmp_path):
+    """Experts stored fused (gate_up_proj [E, 2I, H], down_proj [E, H, I]) build the plan of the same experts stored
+    one tensor each, byte for byte (only the source path differs)."""
+    import shutil
+
+    from kestrel.artifacts.plan import load_plan
+    from kestrel.compiler.build import build
+
+    fused = str(tmp_path / "fused")
+    shutil.copytree(qwen35_moe_checkpoint, fused)
+    edit_tensors(fused, lambda t: [_fuse_experts(t, layer) for layer in range(4)])
+    parts = []
+    for src, name in ((qwen35_moe_checkpoint, "a"), (fused, "b")):
+        build(src, str(tmp_path / f"{name}.plan"), target="cpu", quant="q4", log=lambda m: None, progress=False)
+        plan = load_plan(str(tmp_path / f"{name}.plan"))
+        parts.append({n: bytes(plan.read(n)) for n in plan.weight_names})
+        plan.close()
+    assert parts[0] == parts[1] and len(parts[0]) > 10
+
+
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory):
     return synthesize("tiny", str(tmp_path_factory.mktemp("good")))

@@ -389,14 +389,28 @@ MINI_NEXT = dict(MINI, model_type="qwen3_next", num_experts=6, num_experts_per_t
                  shared_expert_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
 
+# Qwen3.5 MoE at interpreter size: MINI's layers (unfused GDN projections) with MINI_NEXT's MoE block in both
+MINI_Q35_MOE = dict({k: v for k, v in MINI_NEXT.items() if k not in ("intermediate_size", "norm_topk_prob",
+                                                                     "decoder_sparse_step", "mlp_only_layers")},
+                    model_type="qwen3_5_moe_text")
+
+
 @pytest.fixture(scope="module")
 def mini_next_checkpoint(tmp_path_factory):
     return _write_checkpoint(str(tmp_path_factory.mktemp("mini-next")), MINI_NEXT, 11)
 
 
-@pytest.mark.parametrize("quant,rows", [("bf16", 4), ("q4", 16), ("q4-triton", 16), ("q4", 0), ("q4-early", 0)])
-def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_next_checkpoint, tmp_path, monkeypatch):
-    """A Qwen3-Next sm_90 plan's launch lists in the interpreter against the CPU path. With rows: the M-row
+@pytest.fixture(scope="module")
+def mini_q35_moe_checkpoint(tmp_path_factory):
+    return _write_checkpoint(str(tmp_path_factory.mktemp("mini-q35-moe")), MINI_Q35_MOE, 12)
+
+
+@pytest.mark.parametrize("quant,rows,model", [("bf16", 4, "next"), ("q4", 16, "next"), ("q4-triton", 16, "next"),
+                                              ("q4", 0, "next"), ("q4-early", 0, "next"), ("bf16", 4, "q35_moe"),
+                                              ("q4", 0, "q35_moe")])
+def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, model, request, tmp_path, monkeypatch):
+    """A Qwen3-Next sm_90 plan's launch lists (``q35_moe``: a Qwen3.5 MoE plan's, its GDN projections unfused) in
+    the interpreter against the CPU path. With rows: the M-row
     step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
     4-token prompt whose rows route to different experts),
     then a one-token step (within the M-row GEMM's bf16 rounding, as the dense test); q4: one-token steps
@@ -416,8 +430,8 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, mini_ne
         monkeypatch.setenv("KESTREL_RULES", "moe.gate_up_early=True attention.short_rows=8 "
                                             "matvec.q4_one_tile_together=True")
         quant = "q4"
-    path = str(tmp_path / f"mini-next-{quant}.plan")
-    r = run_cli("kestrelc", "build", mini_next_checkpoint, "-o", path, "--target", "sm_90", "--quant", quant,
+    path = str(tmp_path / f"mini-{model}-{quant}.plan")
+    r = run_cli("kestrelc", "build", request.getfixturevalue(f"mini_{model}_checkpoint"), "-o", path, "--target", "sm_90", "--quant", quant,
                 "--max-seq", "16", "--prefill-rows", str(rows))
     assert r.returncode == 0, r.stderr
     plan = load_plan(path)

@@ -5,7 +5,8 @@ import pytest
 
 import torch
 
-from hf_checkpoints import NEXT_CONFIGS, load_fp8_release, make_fp8_release, make_next_checkpoint
+from hf_checkpoints import (NEXT_CONFIGS, QWEN35_MOE_CONFIGS, load_fp8_release, make_fp8_release, make_next_checkpoint,
+                            make_qwen35_moe_checkpoint)
 from test_oracle import check_against_hf
 
 
@@ -35,4 +36,14 @@ def test_next_fp8_release_matches_transformers(tmp_path):
     name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
     assert torch.equal(model.state_dict()[name], values[name])  # the oracle reads the codes as Kestrel does
     assert not torch.equal(original[name], values[name])  # and they are not the bf16 release's values
+    check_against_hf(model, ckpt, tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN35_MOE_CONFIGS))
+def test_qwen35_moe_checkpoints_match_transformers(name, tmp_path):
+    """Qwen3.5's mixture-of-experts models (qwen3_5_moe_text, the multimodal qwen3_5_moe): Qwen3.5's layers with
+    Qwen3-Next's MoE block in every layer; experts one tensor each (as save_pretrained writes them) or fused as
+    transformers holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    ckpt = str(tmp_path / "ckpt")
+    model = make_qwen35_moe_checkpoint(ckpt, name)
     check_against_hf(model, ckpt, tmp_path)

@@ -36,3 +36,18 @@ def test_random_weights_build_records_a_seed(name, tmp_path):
     info = json.loads(run_cli("kestrelc", "inspect", path, "--json").stdout)
     assert info["weights"] == {"kind": "random", "seed": 5, "q4_scales": True}  # (q4 scales: kernels/fill.py)
     assert info["bytes"] < 1 << 20 < info["program"]["weight_bytes"]  # a seed, not gigabytes of weights
+
+
+@pytest.mark.parametrize("name, total, active", [("qwen3.5-35b-a3b", (34.0, 35.5), (2.7, 3.2)),
+                                                 ("qwen3-next-80b-a3b", (79.0, 80.5), (3.0, 3.8))])
+def test_moe_parameter_counts(name, total, active):
+    """The MoE shapes' parameters as their names say: all of them, and those one token reads (the routed experts'
+    top-k share, the embedding table's one row not counted)."""
+    from kestrel.compiler.presets import SHAPES
+
+    cfg = parse_config(SHAPES[name], name)
+    n = sum(w.type.numel for w in lower(cfg, 16).weights.values())
+    experts = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+    read = n - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts) - cfg.vocab_size * cfg.hidden_size
+    assert total[0] <= n / 1e9 <= total[1] and active[0] <= read / 1e9 <= active[1], (n, read)
+    assert set(cfg.mlp_types) == {"moe"} and cfg.layer_types.count("full_attention") * 4 == len(cfg.layer_types)
