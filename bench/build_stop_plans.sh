@@ -48,6 +48,8 @@
 #     next4-q4-eg+tog; and next4-q4-spec3-head; stop 44's gnw1, gnw2 (gdn_norm.num_warps = 1 / 2, a rule of thumb's 4
 #     never timed: its one value head of 128 reduced inside one or two warps), e.g. 0.8b-q4-gnw1 next80-q4-gnw2
 #     small4-q4-gnw1
+#     stop 45: 35b-q4 35b-bf16 (Qwen3.5-35B-A3B, qwen3_5_moe: every layer a MoE block of 256 experts, top 8),
+#     moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3 (4 layers of its shape with its MTP layer: GPU against CPU)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -76,6 +78,11 @@ small2b4() {  # 4 layers of the 2B shape (hidden 2048: the normed q4 products' s
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-2b']); c['num_hidden_layers'] = 4; c['vocab_size'] = 4096; c['eos_token_id'] = 4095; c['tie_word_embeddings'] = False; c.pop('mtp_num_hidden_layers', None); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
   echo "$d"
 }
+moe35x4() {  # 4 layers of the Qwen3.5-35B-A3B shape (3 Gated DeltaNet + 1 attention, every MLP a MoE block, and
+  # its MTP layer): GPU against CPU
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-35b-a3b']); c['num_hidden_layers'] = 4; c['mtp_num_hidden_layers'] = 1; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+  echo "$d"
+}
 base_build() {  # kestrelc build ARGS... by the compiler of the worktree at /tmp/base (the -base plans)
   rm -rf /tmp/basepkg; mkdir -p /tmp/basepkg/kestrel
   for s in compiler passes kernels artifacts runtime; do ln -s /tmp/base/$s /tmp/basepkg/kestrel/$s; done
@@ -84,6 +91,9 @@ base_build() {  # kestrelc build ARGS... by the compiler of the worktree at /tmp
 for p in "$@"; do
   case $p in
     next4-bf16) kestrelc build "$(next4)" $R --quant bf16 -o bench/plans/qwen3-next-4l-sm90-bf16.plan ;;
+    35b-q4|35b-bf16) kestrelc build qwen3.5-35b-a3b $R --quant ${p#35b-} --max-seq 4096 --prefill-rows 256 -o bench/plans/qwen3.5-35b-a3b-sm90-${p#35b-}.plan ;;
+    moe35x4-q4|moe35x4-bf16) kestrelc build "$(moe35x4)" $R --quant ${p#moe35x4-} -o bench/plans/qwen3.5-moe35-4l-sm90-${p#moe35x4-}.plan ;;
+    moe35x4-q4-spec3) kestrelc build "$(moe35x4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-moe35-4l-sm90-q4-spec3.plan ;;
     tiny-next-q4-m16) kestrelc build tiny-next --target sm_90 --quant q4 --prefill-rows 16 -o bench/plans/tiny-next-sm90-q4-m16.plan ;;
     tiny-next-bf16-m16) kestrelc build tiny-next --target sm_90 --quant bf16 --prefill-rows 16 -o bench/plans/tiny-next-sm90-bf16-m16.plan ;;
     tiny-mtp-bf16-spec3) kestrelc build tiny-mtp --target sm_90 --quant bf16 --speculative mtp --draft-tokens 3 -o bench/plans/tiny-mtp-sm90-bf16-spec3.plan ;;

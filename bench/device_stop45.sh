@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Stop 45's device call: Qwen3.5 MoE (model_type qwen3_5_moe; new in stop 45, never run on a GPU) at the 35B-A3B
+# shape, everything under OUTDIR (ab.tar from device_preload_ab.sh, profile and prefill files beside it):
+#   q35moe  4 layers of the shape (and its MTP layer) against the CPU reference in q4 and bf16 (graph == streaming,
+#           dump bytes, the CPU path's tokens and logits), compute-sanitizer on the q4 plan and its K = 3
+#           speculative plan; the whole 35B-A3B decode at q4 and bf16 (kestrel-run --bench, greedy, 3 rounds each,
+#           q4 bf16 bf16 q4), the q4 plan's --profile (its honest roofline: the bytes one token reads, the 8 routed
+#           experts' only) and its prefill at 512 and 2,048 prompt tokens
+#           (bash bench/build_stop_plans.sh 35b-q4 35b-bf16 moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3: ~11 MB)
+# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe
+set -u
+out=$1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+case $2 in
+  q35moe)
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    mkdir -p "$out/e2e" "$out/decode"
+    STEP_TIMEOUT=200 SANITIZE="qwen3.5-moe35-4l-sm90-q4 qwen3.5-moe35-4l-sm90-q4-spec3" \
+      E2E="qwen3.5-moe35-4l-sm90-q4 qwen3.5-moe35-4l-sm90-bf16" bash bench/device_preload_ab.sh "$out/e2e"
+    STEP_TIMEOUT=120 PAIRS="qwen3.5-35b-a3b-sm90-q4:qwen3.5-35b-a3b-sm90-bf16" bash bench/device_preload_ab.sh "$out/decode"
+    p=qwen3.5-35b-a3b-sm90-q4
+    timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
+      > "$out/profile-$p.txt" 2>&1; echo "profile: exit $?"; grep -A22 "^in the graph" "$out/profile-$p.txt" | head -24
+    timeout 150 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 64 --rounds 3 \
+      --prompt-lengths 512,2048 --bench "$out/prefill-$p.json" > "$out/prefill-$p.txt" 2>&1
+    echo "prefill: exit $?"; tail -8 "$out/prefill-$p.txt" ;;
+  *) echo "unknown part $2"; exit 2 ;;
+esac
