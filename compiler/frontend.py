@@ -475,6 +475,9 @@ class Checkpoint:
             e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
             parts = {"gate_up_proj": [("gate_proj", 0, i), ("up_proj", i, 2 * i)], "down_proj": [("down_proj", 0, h)]}
             want = (e, 2 * i, h) if proj == "gate_up_proj" else (e, h, i)
+            if dtype == FP8_DTYPE:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} holds fused experts in FP8; Kestrel reads FP8 "
+                                      f"experts one tensor each (as Qwen's FP8 releases store them)")
             if cfg.num_experts == 0 or tuple(shape) != want:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {list(shape)}, expected {list(want)} "
                                       f"(fused experts) from config.json")

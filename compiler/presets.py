@@ -1,6 +1,7 @@
 """Built-in models: ``tiny``, a seeded Qwen3.5-architecture checkpoint synthesized on the spot,
 ``tiny-mtp``, the same with a multi-token-prediction head (``mtp.*``, for ``--speculative mtp``), their
-Qwen3-Next counterparts ``tiny-next`` and ``tiny-next-mtp``, and ``tiny-moe``, the Qwen3.5 MoE layout.
+Qwen3-Next counterparts ``tiny-next`` and ``tiny-next-mtp``, and ``tiny-moe`` / ``tiny-moe-mtp``, the Qwen3.5 MoE
+layout.
 
 ``tiny`` is written in the same Hugging Face format a downloaded checkpoint has (config.json,
 model.safetensors, tokenizer.json) and then compiled through the ordinary frontend, so the preset
@@ -69,6 +70,8 @@ PRESETS["tiny-next-mtp"] = dict(PRESETS["tiny-next"], mtp_num_hidden_layers=1)
 PRESETS["tiny-moe"] = dict({k: v for k, v in PRESETS["tiny"].items() if k != "intermediate_size"},
                            architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", num_experts=8,
                            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+# ``tiny-moe`` with a multi-token-prediction head (random): its layer full attention with the sparse MoE MLP
+PRESETS["tiny-moe-mtp"] = dict(PRESETS["tiny-moe"], mtp_num_hidden_layers=1)
 
 
 def _qwen35(hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, gdn_value_heads: int, tied: bool) -> dict:

@@ -148,3 +148,21 @@ def test_fp8_codes_that_are_nan_are_refused_in_one_line(fp8_release, tmp_path):
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and f"tensor '{Q}' holds 1 non-finite values" in errors[0], r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_fused_fp8_experts_are_refused(tmp_path):
+    """Experts fused in one 3-D FP8 tensor (no FP8 release stores them so) are refused naming the tensor."""
+    folder = synthesize("tiny-moe", str(tmp_path / "ckpt"))
+    make_fp8_release(folder, block=BLOCK, scale_dtype=torch.float32)
+
+    def fuse(t):
+        p = "model.layers.0.mlp.experts."
+        t[p + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}{e}.gate_proj.weight").float(),
+                                                        t.pop(f"{p}{e}.up_proj.weight").float()])
+                                             for e in range(8)]).to(torch.float8_e4m3fn)
+        for e in range(8):
+            for proj in ("gate_proj", "up_proj"):
+                t.pop(f"{p}{e}.{proj}.weight_scale_inv")
+    _edit(folder, tensors=fuse)
+    with pytest.raises(CheckpointError, match="'model.layers.0.mlp.experts.gate_up_proj' holds fused experts in FP8"):
+        open_checkpoint(folder)

@@ -183,15 +183,16 @@ def _states(step, names):
 
 
 @pytest.mark.parametrize("preset,weights", [("tiny-mtp", "checkpoint"), ("tiny-mtp", "random"),
-                                            ("tiny-next-mtp", "random")])
+                                            ("tiny-next-mtp", "random"), ("tiny-moe-mtp", "random")])
 def test_random_weights_rollback_every_iteration_states_bit_identical(tiny_mtp, preset, weights):
     """Random drafts are rejected: every iteration rolls its Gated DeltaNet layers back. After the
     speculative run, every state equals a plain run's at the same position, bit for bit. tiny-next-mtp:
     Qwen3-Next (fused GDN projections, MoE blocks; the head's layer a MoE block) with K = 3, the prompt
-    in M-row chunks of 16 (its MoE grouped by expert; the head's over the chunk too) and 8."""
+    in M-row chunks of 16 (its MoE grouped by expert; the head's over the chunk too) and 8; tiny-moe-mtp: the
+    same with Qwen3.5 MoE's layers (unfused GDN projections, a MoE block in every layer and the head's)."""
     path, d = tiny_mtp
-    if preset == "tiny-next-mtp":
-        path = _build(preset, d / "next.plan", 3, max_seq=96, prefill_rows=16, weights="random", seed=3)
+    if preset in ("tiny-next-mtp", "tiny-moe-mtp"):
+        path = _build(preset, d / f"{preset}.plan", 3, max_seq=96, prefill_rows=16, weights="random", seed=3)
     elif weights == "random":
         path = _build("tiny-mtp", d / "random.plan", 2, max_seq=96, prefill_rows=8, weights="random", seed=7)
     spec, plain = _steps(path)
