@@ -25,8 +25,8 @@ from kestrel.artifacts.output import not_an_input, output_file
 from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREFILL_PROGRAM_PART, SPEC_PROGRAM_PART,
                                     PlanInfo, write_plan)
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
-from kestrel.compiler.frontend import (Checkpoint, mtp_layers_in, open_checkpoint, parse_config, read_chat_template,
-                                      read_config)
+from kestrel.compiler.frontend import (Checkpoint, find_checkpoint, mtp_layers_in, open_checkpoint, parse_config,
+                                      read_chat_template, read_config)
 from kestrel.compiler.ir import Program, q4_placements
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import SPEC_ROW_STATES, launch_plan
@@ -127,9 +127,10 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
                 ck = ShapesOnly(parse_config(raw, f"preset {model}"))
                 source = {"kind": "preset", "name": model}
             else:
-                raw, cfg = read_config(model)
-                ck = ShapesOnly(cfg, os.path.join(model, "config.json"))
-                source = {"kind": "checkpoint-config", "path": os.path.abspath(model)}
+                folder, hub = find_checkpoint(model)
+                raw, cfg = read_config(folder)
+                ck = ShapesOnly(cfg, os.path.join(folder, "config.json"))
+                source = {"kind": "checkpoint-config", "path": os.path.abspath(folder), **(hub or {})}
             if mtp and not mtp_layers_in(raw):
                 raise NoDraftHeadError(f"{model}: --speculative mtp needs the model's multi-token-prediction head "
                                        f"and its config names none (mtp_num_hidden_layers): build without "
@@ -143,7 +144,9 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
             except NoDraftHeadError as e:
                 raise NoDraftHeadError(e.message.replace(tmp, f"preset {model}")) from None
         else:
-            ck, source = open_checkpoint(model, mtp), {"kind": "checkpoint", "path": os.path.abspath(model)}
+            folder, hub = find_checkpoint(model)
+            ck = open_checkpoint(folder, mtp)
+            source = {"kind": "checkpoint", "path": os.path.abspath(folder), **(hub or {})}
         stack.callback(ck.close)
         tokenizer_json = None
         tok_path = os.path.join(ck.folder, "tokenizer.json") if ck.folder else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -187,7 +188,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     elif mt in QWEN35_MOE_TYPES:
         moe = _parse_moe(text, g, n_layers, where, every_layer=True)
     # a Qwen3.5 MoE model has no dense MLP (its config has no intermediate_size)
-    intermediate = g("intermediate_size", default=0, positive=False) if mt in QWEN35_MOE_TYPES else g("intermediate_size")
+    moe_only = mt in QWEN35_MOE_TYPES
+    intermediate = g("intermediate_size", default=0, positive=False) if moe_only else g("intermediate_size")
     cfg = ModelConfig(
         model_type=mt, vocab_size=g("vocab_size"), hidden_size=hidden,
         intermediate_size=intermediate, num_hidden_layers=n_layers, layer_types=tuple(layer_types),
@@ -236,6 +238,32 @@ def _parse_moe(text: dict, g, n_layers: int, where: str, every_layer: bool = Fal
             "moe_intermediate_size": g("moe_intermediate_size", default=512),
             "shared_expert_intermediate_size": g("shared_expert_intermediate_size", default=512),
             "norm_topk_prob": norm}
+
+
+# ORG/NAME or ORG/NAME@REVISION: a Hugging Face model repository
+HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
+
+
+def find_checkpoint(model: str) -> tuple[str, dict | None]:
+    """(folder, None) for a path; for a Hugging Face repository id that is not a path (``Qwen/Qwen3.5-27B``,
+    ``ORG/NAME@REVISION``), (its snapshot folder in the local Hugging Face cache, {"repo", "revision"}). Nothing
+    is downloaded: a build never fetches tens of gigabytes on its own; `hf download` does, once."""
+    if os.path.exists(model) or not HF_REPO_ID.fullmatch(model):
+        return model, None
+    repo, _, revision = model.partition("@")
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise ConfigError(f"{model}: no such checkpoint folder (or preset name); a Hugging Face repository id needs "
+                          f"the huggingface_hub package (pip install huggingface_hub) or give the folder") from None
+    try:
+        folder = snapshot_download(repo, revision=revision or None, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise ConfigError(f"{model}: no such checkpoint folder (or preset name), and not in the Hugging Face cache "
+                          f"({constants.HF_HUB_CACHE}); download it first (hf download {repo}"
+                          f"{' --revision ' + revision if revision else ''}) or give its folder") from None
+    return folder, {"repo": repo, "revision": os.path.basename(os.path.normpath(folder))}
 
 
 def read_config(folder: str) -> tuple[dict, ModelConfig]:
