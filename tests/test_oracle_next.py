@@ -3,7 +3,12 @@ gated attention + sparse mixture-of-experts MLPs) on checkpoints it saved itself
 tokens for 32 steps and every step's logits within 1e-4 relative (test_oracle.py's measure)."""
 import pytest
 
+import glob
+import json
+import os
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from hf_checkpoints import (NEXT_CONFIGS, QWEN35_MOE_CONFIGS, load_fp8_release, make_fp8_release, make_next_checkpoint,
                             make_qwen35_moe_checkpoint)
@@ -46,4 +51,23 @@ def test_qwen35_moe_checkpoints_match_transformers(name, tmp_path):
     transformers holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
     ckpt = str(tmp_path / "ckpt")
     model = make_qwen35_moe_checkpoint(ckpt, name)
+    check_against_hf(model, ckpt, tmp_path)
+
+
+def test_qwen35_moe_fp8_release_matches_transformers(tmp_path):
+    """Qwen3.5 MoE in the FP8 releases' format, as the multimodal wrapper (Qwen3.5-35B-A3B-FP8's layout: experts one
+    e4m3 tensor each with bf16 block scales, the vision tower's matrices in FP8 too, skipped with their scales)."""
+    ckpt = str(tmp_path / "ckpt")
+    make_qwen35_moe_checkpoint(ckpt, "e6k3_multimodal_sharded")
+    # make_fp8_release edits one model.safetensors: merge the shards first
+    tensors = {}
+    for f in sorted(glob.glob(os.path.join(ckpt, "model-*.safetensors"))):
+        tensors.update(load_file(f))
+        os.remove(f)
+    os.remove(os.path.join(ckpt, "model.safetensors.index.json"))
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    values = make_fp8_release(ckpt)
+    assert any(".experts.0.down_proj" in n for n in values) and any("visual" in n for n in values)
+    model = load_fp8_release(ckpt, "Qwen3_5MoeForConditionalGeneration")
+    assert json.load(open(os.path.join(ckpt, "config.json")))["model_type"] == "qwen3_5_moe"
     check_against_hf(model, ckpt, tmp_path)
