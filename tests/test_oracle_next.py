@@ -1,12 +1,12 @@
 """Kestrel's CPU reference path (fp32) against transformers' Qwen3-Next (qwen3_next: Gated DeltaNet +
 gated attention + sparse mixture-of-experts MLPs) on checkpoints it saved itself: the same greedy
-tokens for 32 steps and every step's logits within 1e-4 relative (test_oracle.py's measure)."""
-import pytest
-
+tokens for 32 steps and every step's logits within 1e-4 relative (test_oracle.py's measure). Also Qwen3.5's MoE
+models (qwen3_5_moe_text / qwen3_5_moe) and FP8 releases of both."""
 import glob
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
