@@ -7,7 +7,9 @@
 #           q4 bf16 bf16 q4), the q4 plan's --profile (its honest roofline: the bytes one token reads, the 8 routed
 #           experts' only) and its prefill at 512 and 2,048 prompt tokens
 #           (bash bench/build_stop_plans.sh 35b-q4 35b-bf16 moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3: ~11 MB)
-# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe
+#   full35  the whole 35B-A3B q4 plan against the CPU reference, 8 new tokens (graph, streaming, the CPU path at full
+#           depth, its q4 weights as codes: ~36 GB of the host's 128; bash bench/build_stop_plans.sh 35b-q4)
+# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe (or full35)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
@@ -24,5 +26,7 @@ case $2 in
     timeout 150 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 64 --rounds 3 \
       --prompt-lengths 512,2048 --bench "$out/prefill-$p.json" > "$out/prefill-$p.txt" 2>&1
     echo "prefill: exit $?"; tail -8 "$out/prefill-$p.txt" ;;
+  full35)
+    KESTREL_E2E_NEW=8 STEP_TIMEOUT=560 E2E="qwen3.5-35b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
