@@ -8,7 +8,7 @@
 #           experts' only) and its prefill at 512 and 2,048 prompt tokens
 #           (bash bench/build_stop_plans.sh 35b-q4 35b-bf16 moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3: ~11 MB)
 #   full35  the whole 35B-A3B q4 plan against the CPU reference, 8 new tokens (graph, streaming, the CPU path at full
-#           depth, its q4 weights as codes: ~36 GB of the host's 128; bash bench/build_stop_plans.sh 35b-q4)
+#           depth, its q4 weights as codes: ~37 GB of the host's 128; bash bench/build_stop_plans.sh 35b-q4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe (or full35)
 set -u
 out=$1

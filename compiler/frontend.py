@@ -1,10 +1,12 @@
-"""Frontend: read a Hugging Face Qwen3.5 checkpoint folder, validate it all, open tensors lazily.
+"""Frontend: read a Hugging Face Qwen3.5 / Qwen3-Next checkpoint folder, validate it all, open tensors lazily.
 
-Accepted: ``config.json`` with model_type ``qwen3_5_text`` (text model; weights under ``model.*``)
-or ``qwen3_5`` (the multimodal wrapper: text settings under ``text_config``, weights under
-``model.language_model.*``; vision tower and MTP head are skipped with a one-line notice), and the
-weights as ``model.safetensors`` or shards listed in ``model.safetensors.index.json``, unquantized or as an
-FP8 release (compiler/fp8_checkpoint.py: its e4m3 matrices are dequantized by their block scales as read). With
+Accepted: ``config.json`` with model_type ``qwen3_5_text`` (text model; weights under ``model.*``),
+``qwen3_next``, ``qwen3_5_moe_text`` (Qwen3.5's MoE models), or the multimodal wrappers ``qwen3_5`` /
+``qwen3_5_moe`` (text settings under ``text_config``, weights under ``model.language_model.*``; vision tower
+and MTP head are skipped with a one-line notice); a Hugging Face repository id is found in the local cache
+(``find_checkpoint``); and the weights as ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``, unquantized or as an FP8 release (compiler/fp8_checkpoint.py: its e4m3 matrices
+are dequantized by their block scales as read), a MoE model's experts one tensor each or fused. With
 ``mtp=True`` (``kestrelc build --speculative mtp``) the multi-token-prediction head (``mtp.*``: the
 drafter of speculative decoding, ``mtp_expected_tensors``) is read and validated like the text model;
 a checkpoint without one is refused with NoDraftHeadError.
@@ -364,9 +366,9 @@ def mlp_expected_tensors(cfg: ModelConfig, p: str, layer: int) -> list[tuple[str
 
 
 def moe_expected_tensors(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
-    """A Qwen3-Next sparse MoE block's tensors (under ``p``, ``layers.N.mlp.``) as checkpoints store them (one
-    tensor per expert and projection: transformers' save_pretrained writes them so, and the released
-    checkpoints are so): the router ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the
+    """A sparse MoE block's tensors (under ``p``, ``layers.N.mlp.``) as checkpoints store them (one tensor per
+    expert and projection: transformers' save_pretrained writes them so, and the released Qwen3-Next checkpoints
+    are so; experts stored fused instead are read as these names, ``Checkpoint._split_fused_experts``): the router ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the
     shared expert's gate/up [Is, H] and down [H, Is], and ``mlp.shared_expert_gate`` [1, H]."""
     h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out = [(p + "gate.weight", (cfg.num_experts, h))]
