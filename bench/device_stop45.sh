@@ -9,7 +9,10 @@
 #           (bash bench/build_stop_plans.sh 35b-q4 35b-bf16 moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3: ~11 MB)
 #   full35  the whole 35B-A3B q4 plan against the CPU reference, 8 new tokens (graph, streaming, the CPU path at full
 #           depth, its q4 weights as codes: ~37 GB of the host's 128; bash bench/build_stop_plans.sh 35b-q4)
-# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe (or full35)
+#   peer35  llama.cpp on the whole 35B-A3B shape (Q4_0 GGUF by bench/mkgguf_next.py, ~19.7 GB; the build ~4 min on a
+#           fresh machine) and Kestrel's 35B-A3B q4 in the same call (carry .peers: llamacpp.tar.xz and
+#           llamacpp-scripts; bash bench/build_stop_plans.sh 35b-q4)
+# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe (or full35; peer35 also carries .peers)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
@@ -28,5 +31,8 @@ case $2 in
     echo "prefill: exit $?"; tail -8 "$out/prefill-$p.txt" ;;
   full35)
     KESTREL_E2E_NEW=8 STEP_TIMEOUT=560 E2E="qwen3.5-35b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
+  peer35)
+    PP=512 TG=128 REPS=3 CLEAN=1 timeout 480 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$out" qwen3.5-35b-a3b
+    STEP_TIMEOUT=100 SEQ="qwen3.5-35b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On the device: llama.cpp on a random-weight Qwen3-Next Q4_0 GGUF, side by side with Kestrel.
+# On the device: llama.cpp on a random-weight Qwen3-Next or Qwen3.5 MoE Q4_0 GGUF, side by side with Kestrel.
 #   bash bench/llamacpp_next.sh TARBALL OUTDIR MODEL[:LAYERS] ...
-#     MODEL: a qwen3_next preset (qwen3-next-80b-a3b, tiny-next; needs kestrel importable) or a config.json
-#     path; :LAYERS keeps the first LAYERS layers (qwen3-next-80b-a3b:12 -> 9 GDN + 3 attention layers)
+#     MODEL: a qwen3_next preset (qwen3-next-80b-a3b, tiny-next) or qwen3_5_moe_text preset (qwen3.5-35b-a3b,
+#     tiny-moe; needs kestrel importable), or a config.json path; :LAYERS keeps the first LAYERS layers
+#     (qwen3-next-80b-a3b:12 -> 9 GDN + 3 attention layers)
 #   env: TG=128 PP=512 REPS=3 (llama-bench -n/-p/-r); GRAPHS_OFF=1 also runs with CUDA graphs off
 # Builds llama-bench for sm_90 with ../shared/peers/llamacpp/device.sh (or its carried copy in
 # .peers/llamacpp-scripts; called with no model it only
@@ -10,8 +11,9 @@
 # bench/mkgguf_next.py into /tmp/llamacpp (kept likewise; Q4_0 written directly, no requantize), runs
 # `llama-bench -p PP -n TG -ngl 99 -fa 0 -r REPS -o json` into OUTDIR/llamacpp-<name>-q4_0[-nographs].json
 # and prints one line per test. <name>: the preset or config file's name, -<LAYERS>l when cut.
-# Sizes (Q4_0, output Q6_K): 0.93 GB a layer + 0.43 GB (embedding, output): 12 layers 11.6 GB, 48 (the
-# full 80B) 45.2 GB; the disk is 64 GB, so remove other GGUFs in /tmp/llamacpp first (CLEAN=1 does).
+# Sizes (Q4_0, output Q6_K): qwen3-next-80b-a3b 0.93 GB a layer + 0.43 GB (embedding, output): 12 layers
+# 11.6 GB, 48 (the full 80B) 45.2 GB; qwen3.5-35b-a3b 0.475 GB a layer + 0.70 GB: 4 layers 2.61 GB, 40
+# (the full 35B-A3B) 19.7 GB; the disk is 64 GB, so remove other GGUFs in /tmp/llamacpp first (CLEAN=1 does).
 set -u
 tarball=$1; out=$2; shift 2
 here=$(cd "$(dirname "$0")" && pwd); root=$(dirname "$here")

@@ -1,23 +1,29 @@
-"""A random-weight Q4_0 GGUF at a Qwen3-Next model's real shape, written by llama.cpp's own converter.
+"""A random-weight Q4_0 GGUF at a Qwen3-Next or Qwen3.5 MoE model's real shape, written by llama.cpp's own converter.
 
 usage: python3 bench/mkgguf_next.py LLAMA_DIR MODEL OUT.gguf [--layers N] [--seed 0] [--check]
        python3 bench/mkgguf_next.py LLAMA_DIR --self-check
   LLAMA_DIR: llama.cpp's source tree (its gguf-py and conversion package are imported from there).
-  MODEL: a preset of kestrel.compiler.presets with model_type qwen3_next (qwen3-next-80b-a3b, tiny-next)
-  or a config.json path (model_type qwen3_next); --layers N keeps the first N layers (the same shape,
-  less depth: 12 of the 80B's 48 is 9 Gated DeltaNet + 3 attention layers; at least one attention
-  layer, so N >= 4: llama.cpp aborts on a qwen3next model without one).
+  MODEL: a preset of kestrel.compiler.presets with model_type qwen3_next (qwen3-next-80b-a3b, tiny-next) or
+  qwen3_5_moe_text (qwen3.5-35b-a3b, tiny-moe), or a config.json path (either model_type, top level or
+  text_config); --layers N keeps the first N layers (the same shape, less depth: 12 of the 80B's 48 is
+  9 Gated DeltaNet + 3 attention layers; at least one attention layer, so N >= 4: llama.cpp aborts on a
+  qwen3next / qwen35moe model without one).
 
-Tensor names and shapes come from transformers' Qwen3NextForCausalLM built on the meta device, and go
-through llama.cpp's Qwen3NextModel converter class unchanged (its renames, the in_proj_qkvz split into
-attn_qkv + attn_gate, the fused experts split into ffn_gate_exps / ffn_up_exps / ffn_down_exps,
-A_log -> ssm_a, dt_bias -> ssm_dt.bias, conv1d squeezed, norms + 1, its hparams). Only the values are
-ours, and the converter runs lazily, so nothing is held in memory: each tensor is made when it is
-written (the 80B's 45 GB streams through about 0.55 GB resident, the same at any depth).
+Tensor names and shapes come from transformers' Qwen3NextForCausalLM / Qwen3_5MoeForCausalLM built on the
+meta device, and go through llama.cpp's Qwen3NextModel / Qwen3_5MoeTextModel converter class unchanged
+(arch qwen3next / qwen35moe; its renames, qwen3next's in_proj_qkvz split into attn_qkv + attn_gate and
+in_proj_ba into ssm_ba, qwen35moe's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a into attn_qkv /
+attn_gate / ssm_beta / ssm_alpha with the V heads reordered to tiled order, the fused experts split into
+ffn_gate_exps / ffn_up_exps / ffn_down_exps, A_log -> ssm_a, dt_bias -> ssm_dt.bias, conv1d squeezed,
+norms + 1, its hparams; qwen35moe's rope.dimension_sections [11, 11, 10, 0] when the config has no
+mrope_section; no MTP layer). Only the values are ours, and the converter runs lazily, so nothing is held
+in memory: each tensor is made when it is written (the 80B's 45 GB streams through about 0.55 GB resident,
+the same at any depth; the 35B-A3B's likewise).
 
 Types are what `llama-quantize ... Q4_0` gives (llama-quant.cpp, no imatrix): every 2-D and 3-D weight
 Q4_0, output.weight Q6_K (Q8_0 when its rows are not a multiple of 256; token_embd.weight too when the
-embeddings are tied), and what llama-quantize does not
+embeddings are tied), attn_k / attn_v / attn_qkv Q8_0 in a model of exactly 8 experts (tiny-next, tiny-moe;
+llama-quant.cpp's n_expert == 8 rule), and what llama-quantize does not
 quantize left as the converter writes it: ffn_gate_inp (router), ffn_gate_inp_shexp, ssm_conv1d, norms
 and 1-D tensors F32. A row not a multiple of 32 would be F16 (llama-quantize's fallback). Quantized
 tensors are written directly as random blocks (Q4_0: f16 scale 0.01, random nibbles: weights in
@@ -26,12 +32,14 @@ speed; the router is random normal (std 0.02, so tokens spread over the experts 
 would send every token to the same experts and flatter batched prompt processing); the GDN conv is
 random (std 0.5) and its output norm ones, so the Gated DeltaNet carries nonzero values; other F32
 tensors are zeros (the converter adds 1 to the RMSNorm weights; A_log 0 gives ssm_a = -1). Logits came
-out finite at 48 layers on llama.cpp's CPU backend. The vocabulary is synthetic (one token per id).
-Timing only: the values are meaningless.
+out finite at 48 layers on llama.cpp's CPU backend (the 80B). The vocabulary is synthetic (one token per
+id). Timing only: the values are meaningless. Sizes (Q4_0, output Q6_K): the 80B 45.2 GB; the 35B-A3B
+0.475 GB a layer + 0.70 GB (embedding, output): 4 layers 2.61 GB (76 tensors), 40 19.7 GB.
 
---self-check: the block makers' layouts round-trip through gguf-py's dequantize, then tiny-next is
-written and read back with gguf-py's reader against the tensors and keys llama.cpp's qwen3next loader
-asks for (src/models/qwen3next.cpp). Needs LLAMA_DIR only, no build.
+--self-check: the block makers' layouts round-trip through gguf-py's dequantize, then tiny-next and
+tiny-moe are written and read back with gguf-py's reader against the tensors and keys llama.cpp's
+qwen3next and qwen35moe loaders ask for (src/models/qwen3next.cpp, src/models/qwen35moe.cpp). Needs
+LLAMA_DIR only, no build.
 """
 from __future__ import annotations
 
@@ -50,6 +58,11 @@ import torch
 POOL_BYTES = 32 << 20  # the repeated pool of blocks, per type
 
 
+# model_type -> (the transformers class the converter is registered for, llama.cpp's arch: the loader to check against)
+ARCHS = {"qwen3_next": ("Qwen3NextForCausalLM", "qwen3next"),
+         "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "qwen35moe")}
+
+
 def load_config(model: str, layers: int | None) -> dict:
     if model.endswith(".json"):
         cfg = json.load(open(model))
@@ -59,9 +72,9 @@ def load_config(model: str, layers: int | None) -> dict:
         if model not in PRESETS and model not in SHAPES:
             raise SystemExit(f"unknown preset {model!r}")
         cfg = dict(PRESETS.get(model) or SHAPES[model])
-    if cfg.get("model_type") != "qwen3_next":
-        raise SystemExit(f"{model}: model_type {cfg.get('model_type')!r}, this writer is for qwen3_next "
-                         "(dense qwen3_5: ../shared/peers/llamacpp/mkgguf.py)")
+    if cfg.get("model_type") not in ARCHS:
+        raise SystemExit(f"{model}: model_type {cfg.get('model_type')!r}, this writer is for qwen3_next and "
+                         "qwen3_5_moe_text (dense qwen3_5: ../shared/peers/llamacpp/mkgguf.py)")
     if layers is not None:
         if not 1 <= layers <= cfg["num_hidden_layers"]:
             raise SystemExit(f"--layers {layers}: the model has {cfg['num_hidden_layers']}")
@@ -72,16 +85,18 @@ def load_config(model: str, layers: int | None) -> dict:
         cfg["num_hidden_layers"] // cfg.get("full_attention_interval", 4)
     if n_attn == 0:  # seen: llama-bench aborts, GGML_ASSERT(buffer) in llama_kv_cache::set_input_k_idxs
         raise SystemExit(f"{model}: {cfg['num_hidden_layers']} layers hold no full-attention layer, and llama.cpp "
-                         "cannot run a qwen3next model without one: keep at least full_attention_interval (4)")
-    cfg["architectures"] = ["Qwen3NextForCausalLM"]
+                         f"cannot run a {ARCHS[cfg['model_type']][1]} model without one: keep at least "
+                         "full_attention_interval (4)")
+    cfg["architectures"] = [ARCHS[cfg["model_type"]][0]]
     cfg.setdefault("bos_token_id", None)
     return cfg
 
 
 def hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    import transformers
+    model_cls = getattr(transformers, cfg["architectures"][0])  # config_class: Qwen3NextConfig, Qwen3_5MoeTextConfig
     with torch.device("meta"):
-        m = Qwen3NextForCausalLM(Qwen3NextConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+        m = model_cls(model_cls.config_class(**{k: v for k, v in cfg.items() if k != "architectures"}))
     shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
         shapes.pop("lm_head.weight", None)  # a tied checkpoint has none; llama.cpp then reads token_embd
@@ -151,7 +166,10 @@ def build_converter(llama: str, cfg: dict, out: pathlib.Path, seed: int, name: s
         return _orig_quantize(data, qtype)
     gguf.quants.quantize = quantize
 
-    cls = get_model_class("Qwen3NextForCausalLM")
+    # Qwen3NextModel, or Qwen3_5MoeTextModel (QWEN35MOE: the same conversion on Qwen3NextModel, plus the V heads
+    # reordered to tiled order and rope.dimension_sections written, [11, 11, 10, 0] when the config has no
+    # mrope_section). Ours is a subclass, so a second model in one process starts from the class as registered.
+    base = get_model_class(cfg["architectures"][0])
     from conversion.base import LazyTorchTensor
     gen = torch.Generator().manual_seed(seed)
 
@@ -164,50 +182,51 @@ def build_converter(llama: str, cfg: dict, out: pathlib.Path, seed: int, name: s
             return torch.ones(shape, dtype=torch.float32)
         return torch.zeros(shape, dtype=torch.float32)
 
-    def index_tensors(self, remote_hf_model_id=None):
-        return {k: (lambda k=k, s=s: LazyTorchTensor(meta=LazyTorchTensor.meta_with_dtype_and_shape(torch.float32, s),
-                                                        func=lambda: values(k, s)))
-                for k, s in shapes.items()}
-    cls.index_tensors = index_tensors
-
     # The type of each tensor, as llama-quantize Q4_0 leaves it. The converter asks tensor_force_quant
-    # right after modify_tensors yields the tensor, so the wrapper below records the shape it needs.
+    # right after modify_tensors yields the tensor, so modify_tensors below records the shape it needs.
     last_shape: dict[str, tuple[int, ...]] = {}
-    _orig_modify = cls.modify_tensors
-
-    def modify_tensors(self, data_torch, name, bid):
-        for new_name, t in _orig_modify(self, data_torch, name, bid):
-            last_shape[new_name] = tuple(t.shape)
-            yield new_name, t
-    cls.modify_tensors = modify_tensors
     tied = bool(cfg.get("tie_word_embeddings"))
     keep_f32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.SSM_CONV1D)
+    bump_q8 = cfg["num_experts"] == 8  # llama-quant.cpp: n_expert == 8 -> attn_v (+ attn_qkv) and attn_k Q8_0
 
-    def tensor_force_quant(self, name, new_name, bid, n_dims):
-        if n_dims < 2 or new_name.endswith("_norm.weight") or not new_name.endswith(".weight") or \
-                any(self.match_model_tensor_name(new_name, key, bid) for key in keep_f32):
-            return False  # the converter makes these F32, and llama-quantize leaves them so
-        ne0 = last_shape[new_name][-1]
-        if new_name == "output.weight" or (tied and new_name == "token_embd.weight"):  # llama-quantize's rule
-            return Q.Q6_K if ne0 % 256 == 0 else Q.Q8_0
-        return Q.Q4_0 if ne0 % 32 == 0 else Q.F16
-    cls.tensor_force_quant = tensor_force_quant
+    class Random(base):
+        model_arch = base.model_arch
+        no_mtp = True  # the MTP layer is not in transformers' model (nor in ours); llama-bench does not use it
 
-    def set_vocab(self):
-        n = cfg["vocab_size"]
-        self.gguf_writer.add_tokenizer_model("gpt2")
-        self.gguf_writer.add_tokenizer_pre("qwen2")
-        self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
-        self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
-        self.gguf_writer.add_token_merges(["<t1> <t2>"])
-        self.gguf_writer.add_eos_token_id(cfg["eos_token_id"])
-        self.gguf_writer.add_bos_token_id(cfg["eos_token_id"])
-    cls.set_vocab = set_vocab
-    cls.no_mtp = True  # Qwen3-Next's MTP layer is not in transformers' model; llama-bench does not use it
+        def index_tensors(self, remote_hf_model_id=None):
+            return {k: (lambda k=k, s=s: LazyTorchTensor(
+                meta=LazyTorchTensor.meta_with_dtype_and_shape(torch.float32, s), func=lambda: values(k, s)))
+                for k, s in shapes.items()}
+
+        def modify_tensors(self, data_torch, name, bid):
+            for new_name, t in super().modify_tensors(data_torch, name, bid):
+                last_shape[new_name] = tuple(t.shape)
+                yield new_name, t
+
+        def tensor_force_quant(self, name, new_name, bid, n_dims):
+            if n_dims < 2 or new_name.endswith("_norm.weight") or not new_name.endswith(".weight") or \
+                    any(self.match_model_tensor_name(new_name, key, bid) for key in keep_f32):
+                return False  # the converter makes these F32, and llama-quantize leaves them so
+            ne0 = last_shape[new_name][-1]
+            if new_name == "output.weight" or (tied and new_name == "token_embd.weight"):  # llama-quantize's rule
+                return Q.Q6_K if ne0 % 256 == 0 else Q.Q8_0
+            if bump_q8 and new_name.endswith(("attn_k.weight", "attn_v.weight", "attn_qkv.weight")):
+                return Q.Q8_0 if ne0 % 32 == 0 else Q.F16
+            return Q.Q4_0 if ne0 % 32 == 0 else Q.F16
+
+        def set_vocab(self):
+            n = cfg["vocab_size"]
+            self.gguf_writer.add_tokenizer_model("gpt2")
+            self.gguf_writer.add_tokenizer_pre("qwen2")
+            self.gguf_writer.add_token_list([f"<t{i}>" for i in range(n)])
+            self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * n)
+            self.gguf_writer.add_token_merges(["<t1> <t2>"])
+            self.gguf_writer.add_eos_token_id(cfg["eos_token_id"])
+            self.gguf_writer.add_bos_token_id(cfg["eos_token_id"])
 
     d = pathlib.Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(cfg))
-    conv = cls(d, gguf.LlamaFileType.MOSTLY_Q4_0, out, eager=False)  # lazy: tensors made as written
+    conv = Random(d, gguf.LlamaFileType.MOSTLY_Q4_0, out, eager=False)  # lazy: tensors made as written
     conv.model_name = "kestrel-random-" + name
     return gguf, conv, shapes
 
@@ -258,21 +277,24 @@ def self_check(llama: str) -> None:
     w6 = gguf.quants.dequantize(pools.pool(Q.Q6_K, 64).reshape(1, -1), Q.Q6_K)
     assert w6.shape == (1, 64 * 256) and np.isfinite(w6).all() and 0 < np.abs(w6).max() <= 0.0002 * 15 * 32 * 1.01
     print("blocks: Q4_0 / Q8_0 / Q6_K round-trip through gguf-py's dequantize")
-    # 2. tiny-next written and read back against what src/models/qwen3next.cpp loads
-    with tempfile.TemporaryDirectory() as t:
-        out = pathlib.Path(t) / "tiny-next.gguf"
-        write(llama, "tiny-next", str(out), None, 0)
-        check_file(gguf, str(out), load_config("tiny-next", None))
+    # 2. tiny-next and tiny-moe written and read back against what src/models/qwen3next.cpp and
+    # src/models/qwen35moe.cpp load
+    for model in ("tiny-next", "tiny-moe"):
+        with tempfile.TemporaryDirectory() as t:
+            out = pathlib.Path(t) / f"{model}.gguf"
+            write(llama, model, str(out), None, 0)
+            check_file(gguf, str(out), load_config(model, None))
     print("self-check passed")
 
 
 def check_file(gguf, path: str, cfg: dict) -> None:
-    """Keys and tensors (name, ggml shape, type) against llama.cpp's qwen3next loader."""
+    """Keys and tensors (name, ggml shape, type) against llama.cpp's loader of the arch: qwen3next
+    (src/models/qwen3next.cpp) or qwen35moe (src/models/qwen35moe.cpp)."""
     Q = gguf.GGMLQuantizationType
     r = gguf.GGUFReader(path)
     kv = {f.name: f.contents() for f in r.fields.values()}
-    a = "qwen3next"
-    assert kv["general.architecture"] == a
+    a = ARCHS[cfg["model_type"]][1]
+    assert kv["general.architecture"] == a, (kv["general.architecture"], a)
     L, E = cfg["num_hidden_layers"], cfg["hidden_size"]
     nk, nv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                        "linear_value_head_dim"))
@@ -285,13 +307,25 @@ def check_file(gguf, path: str, cfg: dict) -> None:
                "ssm.time_step_rank": nv, "ssm.inner_size": dv * nv, "attention.head_count": cfg["num_attention_heads"],
                "attention.head_count_kv": cfg["num_key_value_heads"], "attention.key_length": hd,
                "rope.dimension_count": int(hd * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)),
-               "full_attention_interval": cfg.get("full_attention_interval", 4)}
+               "full_attention_interval": cfg.get("full_attention_interval", 4),
+               "context_length": cfg["max_position_embeddings"]}
     for k, v in want_kv.items():
         assert kv.get(f"{a}.{k}") == v, (k, kv.get(f"{a}.{k}"), v)
-    assert dk == dv, "llama.cpp's qwen3next loader takes the GDN value head dim to equal the key head dim"
+    assert abs(kv[f"{a}.attention.layer_norm_rms_epsilon"] - cfg["rms_norm_eps"]) < 1e-9  # required by both
+    assert f"{a}.nextn_predict_layers" not in kv  # no MTP layer: block_count is the trunk's
+    if a == "qwen35moe":  # required there (get_key_or_arr(..., 4, true)): 4 entries; the converter's default
+        mrope = list(cfg["rope_parameters"].get("mrope_section", [11, 11, 10]))
+        assert kv[f"{a}.rope.dimension_sections"] == (mrope + [0] * 4)[:4], kv[f"{a}.rope.dimension_sections"]
+    assert dk == dv, f"llama.cpp's {a} loader takes the GDN value head dim to equal the key head dim"
+    recurrent = cfg.get("layer_types") or ["linear_attention" if (i + 1) % cfg.get("full_attention_interval", 4)
+                                           else "full_attention" for i in range(L)]
+    if f"{a}.attention.recurrent_layers" in kv:  # the loader takes it over full_attention_interval: L entries
+        assert kv[f"{a}.attention.recurrent_layers"] == [t == "linear_attention" for t in recurrent]
     types = {t.name: (tuple(int(x) for x in t.shape), Q(t.tensor_type)) for t in r.tensors}
     Kd, Vd = dk * nk, dv * nv
     F32, Q4 = Q.F32, Q.Q4_0
+    # llama-quant.cpp: a model of exactly 8 experts gets attn_k, attn_v and attn_qkv Q8_0 (tiny-next, tiny-moe)
+    Qkv = Q.Q8_0 if cfg["num_experts"] == 8 else Q4
     head = ((E, cfg["vocab_size"]), Q.Q6_K if E % 256 == 0 else Q.Q8_0)
     want = {"output_norm.weight": ((E,), F32)}
     if cfg.get("tie_word_embeddings"):
@@ -299,31 +333,41 @@ def check_file(gguf, path: str, cfg: dict) -> None:
     else:
         want |= {"token_embd.weight": ((E, cfg["vocab_size"]), Q4), "output.weight": head}
     X, F, S = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
-    recurrent = cfg.get("layer_types") or ["linear_attention" if (i + 1) % cfg.get("full_attention_interval", 4)
-                                           else "full_attention" for i in range(L)]
     for i in range(L):
         b = f"blk.{i}."
+        # Both loaders: create_tensor_gate_up_exps takes a fused ffn_gate_up_exps {E, 2F, X} if present, else
+        # ffn_gate_exps + ffn_up_exps; the converter writes the separate pair (fuse_gate_up_exps is off).
+        # ffn_gate_inp_shexp: the loader asks {E}; the converter writes HF's (1, E) as ggml {E, 1}, which the
+        # loader's check_tensor_dims accepts (trailing ne of 1), and llama-quantize sees 1-D (ggml_n_dims).
         want |= {b + "attn_norm.weight": ((E,), F32), b + "post_attention_norm.weight": ((E,), F32),
                  b + "ffn_gate_inp.weight": ((E, X), F32), b + "ffn_gate_exps.weight": ((E, F, X), Q4),
                  b + "ffn_up_exps.weight": ((E, F, X), Q4), b + "ffn_down_exps.weight": ((F, E, X), Q4),
                  b + "ffn_gate_inp_shexp.weight": ((E, 1), F32), b + "ffn_gate_shexp.weight": ((E, S), Q4),
                  b + "ffn_up_shexp.weight": ((E, S), Q4), b + "ffn_down_shexp.weight": ((S, E), Q4)}
         if recurrent[i] == "full_attention":
+            # create_tensor_qkv: a fused attn_qkv if present, else attn_q / attn_k / attn_v; the converter
+            # writes the separate ones (fuse_qkv is off). attn_q carries the output gate: 2 * H * hd rows.
             H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-            want |= {b + "attn_q.weight": ((E, hd * H * 2), Q4), b + "attn_k.weight": ((E, hd * KV), Q4),
-                     b + "attn_v.weight": ((E, hd * KV), Q4), b + "attn_output.weight": ((hd * H, E), Q4),
+            want |= {b + "attn_q.weight": ((E, hd * H * 2), Q4), b + "attn_k.weight": ((E, hd * KV), Qkv),
+                     b + "attn_v.weight": ((E, hd * KV), Qkv), b + "attn_output.weight": ((hd * H, E), Q4),
                      b + "attn_q_norm.weight": ((hd,), F32), b + "attn_k_norm.weight": ((hd,), F32)}
         else:
-            want |= {b + "attn_qkv.weight": ((E, 2 * Kd + Vd), Q4), b + "attn_gate.weight": ((E, Vd), Q4),
+            # attn_qkv / attn_gate are TENSOR_NOT_REQUIRED in both loaders (qwen3next: the legacy ssm_in instead),
+            # but both graphs multiply by them, so they must be there. qwen3next: ssm_ba {E, 2 nv} (in_proj_ba);
+            # qwen35moe: ssm_beta and ssm_alpha {E, nv} each (in_proj_b, in_proj_a).
+            want |= {b + "attn_qkv.weight": ((E, 2 * Kd + Vd), Qkv), b + "attn_gate.weight": ((E, Vd), Q4),
                      b + "ssm_conv1d.weight": ((cfg["linear_conv_kernel_dim"], 2 * Kd + Vd), F32),
                      b + "ssm_dt.bias": ((nv,), F32), b + "ssm_a": ((nv,), F32),
-                     b + "ssm_ba.weight": ((E, 2 * nv), Q4), b + "ssm_norm.weight": ((dv,), F32),
-                     b + "ssm_out.weight": ((Vd, E), Q4)}
+                     b + "ssm_norm.weight": ((dv,), F32), b + "ssm_out.weight": ((Vd, E), Q4)}
+            if a == "qwen3next":
+                want[b + "ssm_ba.weight"] = ((E, 2 * nv), Q4)
+            else:
+                want |= {b + "ssm_beta.weight": ((E, nv), Q4), b + "ssm_alpha.weight": ((E, nv), Q4)}
     missing, extra = sorted(set(want) - set(types)), sorted(set(types) - set(want))
     assert not missing and not extra, f"missing {missing[:8]}, extra {extra[:8]}"
     bad = {n: (types[n], want[n]) for n in want if types[n] != want[n]}
     assert not bad, f"(shape, type) differ (got, wanted): {dict(list(bad.items())[:8])}"
-    print(f"{path}: {len(types)} tensors and the loader's keys as llama.cpp's qwen3next loader wants them")
+    print(f"{path}: {len(types)} tensors and the loader's keys as llama.cpp's {a} loader wants them")
 
 
 def main() -> None:
