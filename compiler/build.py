@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kestrel.artifacts.errors import (BackendMissingError, DeviceError, DoesNotFitError, InputError, NoDraftHeadError,
-                                     UnsupportedError)
+from kestrel.artifacts.errors import (BackendMissingError, ConfigError, DeviceError, DoesNotFitError, InputError,
+                                     NoDraftHeadError, UnsupportedError)
 from kestrel.artifacts.output import not_an_input, output_file
 from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREFILL_PROGRAM_PART, SPEC_PROGRAM_PART,
                                     PlanInfo, write_plan)
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
 from kestrel.compiler.frontend import (Checkpoint, find_checkpoint, mtp_layers_in, open_checkpoint, parse_config,
-                                      read_chat_template, read_config)
+                                      read_chat_template, read_config, read_generation_eos)
 from kestrel.compiler.ir import Program, q4_placements
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import SPEC_ROW_STATES, launch_plan
@@ -97,6 +97,12 @@ class Model:
     max_seq: int
     tokenizer_json: str | None
     chat: dict  # {"chat_template", "special_tokens"} from the checkpoint, or {}
+    generation_eos: tuple[int, ...] = ()  # generation_config.json's stop tokens (read_generation_eos)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """config.json's stop tokens, then generation_config.json's others: what a run stops at."""
+        return list(dict.fromkeys([*self.cfg.eos_token_ids, *self.generation_eos]))
 
     @property
     def cfg(self):
@@ -156,12 +162,17 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
         elif source["kind"] == "preset":
             tokenizer_json = byte_level_tokenizer_json()
         chat = read_chat_template(ck.folder) if ck.folder and tokenizer_json else {}
-        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json, chat)
+        stops = read_generation_eos(ck.folder) if ck.folder and tokenizer_json else ()
+        bad = [i for i in stops if i >= ck.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"{os.path.join(ck.folder, 'generation_config.json')}: eos_token_id {bad[0]} is outside "
+                              f"the vocabulary ({ck.cfg.vocab_size} tokens)")
+        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json, chat, stops)
 
 
 def _plan_info(m: Model, target: str, quant: str, **kw) -> PlanInfo:
     return PlanInfo(target=target, quant=quant, max_seq=m.max_seq, model=m.cfg.to_json(), source=m.source,
-                    tokenizer={"eos_token_ids": list(m.cfg.eos_token_ids), **m.chat} if m.tokenizer_json else {},
+                    tokenizer={"eos_token_ids": m.eos_token_ids, **m.chat} if m.tokenizer_json else {},
                     **kw)
 
 

@@ -325,6 +325,26 @@ def read_chat_template(folder: str) -> dict:
     return {"chat_template": template, "special_tokens": special}
 
 
+def read_generation_eos(folder: str) -> tuple[int, ...]:
+    """The stop tokens of the checkpoint's generation_config.json (``eos_token_id``: an id or a list), which
+    transformers' generate and vLLM stop at; () when there is none. Qwen's instruct releases list <|im_end|> there
+    beside config.json's <|endoftext|>."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as a generation config ({e})") from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    if eos is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids)):
+        raise ConfigError(f"{path}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
 def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name relative to the text model prefix, shape) of every tensor of the text model
     (``lm_head.weight``, which sits outside that prefix, is handled by the caller)."""
@@ -632,7 +652,7 @@ class Checkpoint:
     def files(self) -> list[str]:
         """Every file of the checkpoint a build reads (an output must never be one of them)."""
         names = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja"}
+                 "chat_template.jinja", "generation_config.json"}
         names |= set(self.shard_files)
         return [os.path.join(self.folder, n) for n in sorted(names) if os.path.exists(os.path.join(self.folder, n))]
 
