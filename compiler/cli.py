@@ -96,6 +96,15 @@ def export_onnx(model, out, quant, q4_group, max_seq, external, dump_ir_after):
            log=lambda msg: click.echo(msg, err=True), dump_ir_after=dump_ir_after, dump=click.echo)
 
 
+def _source(src: dict) -> str:
+    """A plan's source for inspect: a preset's name, a checkpoint's folder, and a Hugging Face repository's id and
+    snapshot revision when the build found it in the cache."""
+    where = src.get("name") or src.get("path")
+    if src.get("repo"):
+        return f"{src['repo']}@{src.get('revision', '?')} ({src['kind']}: {where})"
+    return f"{where} ({src['kind']})"
+
+
 def _size(n: int) -> str:
     """Bytes as MB, or kB where MB would round to 0.00."""
     return f"{n / 1e6:.2f} MB" if n >= 5e3 else f"{n / 1e3:.2f} kB"
@@ -152,7 +161,7 @@ def inspect(plan_path, as_json, verify):
         f"plan      {s['path']}  ({_size(s['bytes'])}, format v{s['format_version']}, {s['producer']})",
         f"content   sha256:{s['content_sha256']}",
         f"target    {s['target']}   quant {s['quant']}   max_seq {s['max_seq']}",
-        f"source    {s['source'].get('name') or s['source'].get('path')} ({s['source']['kind']})",
+        f"source    {_source(s['source'])}",
         f"model     {m['model_type']}: {m['num_hidden_layers']} layers ({kinds['linear_attention']} gated-deltanet, "
         f"{kinds['full_attention']} attention), hidden {m['hidden_size']}, mlp {m['intermediate_size'] or 'none'}, "
         f"vocab {m['vocab_size']}",

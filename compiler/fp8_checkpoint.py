@@ -3,17 +3,19 @@
 The format, as transformers (``integrations/finegrained_fp8.py`` ``Fp8Dequantize``) and vLLM read it: config.json
 carries ``quantization_config`` = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [bm, bn],
 "activation_scheme": "dynamic", ...}; a quantized matrix W [N, K] is stored as ``NAME.weight`` in float8 e4m3
-(safetensors dtype F8_E4M3) beside ``NAME.weight_scale_inv`` [ceil(N / bm), ceil(K / bn)] (F32, BF16 or F16),
-and W[i, j] = q[i, j] * s[i // bm, j // bn] ("scale_inv" is the factor that takes the codes back to the weight's
-scale). The tensors the release keeps unquantized (embeddings, norms, the router, the shared expert's gate,
-the conv taps) are stored as in the bf16 release.
+(safetensors dtype F8_E4M3) beside ``NAME.weight_scale_inv`` [ceil(N / bm), ceil(K / bn)] (F32, BF16 or F16), and
+W[i, j] = q[i, j] * s[i // bm, j // bn] ("scale_inv" is the factor that takes the codes back to the weight's scale).
+A width that is not a multiple of the block ends in a partial block (the ceil above), as vLLM reads it;
+transformers' reader refuses such a matrix (its blocks must divide the shape). The tensors the release keeps
+unquantized (embeddings, norms, the router, the shared expert's gate, the conv taps) are stored as in the bf16
+release.
 
 Kestrel dequantizes each FP8 matrix to fp32 as it is read, one tensor at a time (``dequantize``), so the plan's
 precision is --quant's exactly as from a bf16 checkpoint: an FP8 release builds the plan that a checkpoint holding
 the dequantized values would. The "dynamic" activation scheme (per-token FP8 activations at run time) is not
-reproduced: the step computes activations in its own precision, as transformers does when it dequantizes.
-Any other quantization method (GPTQ, AWQ, compressed-tensors, bitsandbytes, MXFP4, ...) is refused before any
-tensor is read (``parse_quantization``).
+reproduced: the step computes activations in its own precision, as transformers does when it dequantizes. Any other
+quantization method (GPTQ, AWQ, compressed-tensors, bitsandbytes, MXFP4, ...) is refused before any tensor is read
+(``parse_quantization``).
 """
 from __future__ import annotations
 

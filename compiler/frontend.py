@@ -189,9 +189,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         moe = _parse_moe(text, g, n_layers, where)
     elif mt in QWEN35_MOE_TYPES:
         moe = _parse_moe(text, g, n_layers, where, every_layer=True)
-    # a Qwen3.5 MoE model has no dense MLP (its config has no intermediate_size)
-    moe_only = mt in QWEN35_MOE_TYPES
-    intermediate = g("intermediate_size", default=0, positive=False) if moe_only else g("intermediate_size")
+    # a Qwen3.5 MoE model has no dense MLP: its config has no intermediate_size (transformers deletes one)
+    intermediate = 0 if mt in QWEN35_MOE_TYPES else g("intermediate_size")
     cfg = ModelConfig(
         model_type=mt, vocab_size=g("vocab_size"), hidden_size=hidden,
         intermediate_size=intermediate, num_hidden_layers=n_layers, layer_types=tuple(layer_types),
@@ -242,8 +241,8 @@ def _parse_moe(text: dict, g, n_layers: int, where: str, every_layer: bool = Fal
             "norm_topk_prob": norm}
 
 
-# ORG/NAME or ORG/NAME@REVISION: a Hugging Face model repository
-HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
+# ORG/NAME or ORG/NAME@REVISION: a Hugging Face model repository (no "--" or ".." in a name, none in a revision)
+HF_REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w/-][\w./-]*)?")
 
 
 def find_checkpoint(model: str) -> tuple[str, dict | None]:
@@ -255,12 +254,14 @@ def find_checkpoint(model: str) -> tuple[str, dict | None]:
     repo, _, revision = model.partition("@")
     try:
         from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:
         raise ConfigError(f"{model}: no such checkpoint folder (or preset name); a Hugging Face repository id needs "
-                          f"the huggingface_hub package (pip install huggingface_hub) or give the folder") from None
+                          f"huggingface_hub >= 0.25 (pip install -U huggingface_hub), or give the folder") from None
     try:
         folder = snapshot_download(repo, revision=revision or None, local_files_only=True)
+    except HFValidationError:
+        raise ConfigError(f"{model}: no such checkpoint folder (or preset name)") from None
     except LocalEntryNotFoundError:
         raise ConfigError(f"{model}: no such checkpoint folder (or preset name), and not in the Hugging Face cache "
                           f"({constants.HF_HUB_CACHE}); download it first (hf download {repo}"
@@ -338,11 +339,11 @@ def read_generation_eos(folder: str) -> tuple[int, ...]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read as a generation config ({e})") from None
     eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
-    if eos is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                for i in ids)):
+    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos if isinstance(eos, list) else None
+    if eos is not None and (ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in ids)):
         raise ConfigError(f"{path}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
-    return tuple(ids)
+    return tuple(ids or ())
 
 
 def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -386,10 +387,11 @@ def mlp_expected_tensors(cfg: ModelConfig, p: str, layer: int) -> list[tuple[str
 
 
 def moe_expected_tensors(cfg: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
-    """A sparse MoE block's tensors (under ``p``, ``layers.N.mlp.``) as checkpoints store them (one tensor per
-    expert and projection: transformers' save_pretrained writes them so, and the released Qwen3-Next checkpoints
-    are so; experts stored fused instead are read as these names, ``Checkpoint._split_fused_experts``): the router ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the
-    shared expert's gate/up [Is, H] and down [H, Is], and ``mlp.shared_expert_gate`` [1, H]."""
+    """A sparse MoE block's tensors (under ``p``, ``layers.N.mlp.``) as checkpoints store them (one tensor per expert
+    and projection: transformers' save_pretrained writes them so, and the released Qwen3-Next checkpoints are
+    so; experts stored fused instead are read as these names, ``Checkpoint._split_fused_experts``): the router
+    ``mlp.gate`` [E, H], each expert's gate/up [I, H] and down [H, I], the shared expert's gate/up [Is, H] and
+    down [H, Is], and ``mlp.shared_expert_gate`` [1, H]."""
     h, i, s = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out = [(p + "gate.weight", (cfg.num_experts, h))]
     for e in range(cfg.num_experts):
@@ -450,7 +452,7 @@ class Checkpoint:
         index = self._index()
         scales = self._split_scales(index)
         self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (fused tensor, expert, rows)
-        self._split_fused_experts(index)
+        self._split_fused_experts(index, mtp)
         skipped: dict[str, int] = {}
         expected = dict(expected_tensors(cfg))
         self.mtp = mtp
@@ -513,13 +515,20 @@ class Checkpoint:
             self.notices.append(f"FP8 checkpoint: {len(self.scales)} matrices in e4m3 with {fp8.rows}x{fp8.cols} "
                                 f"block scales, each dequantized to fp32 as it is read (then --quant applies)")
 
-    def _split_fused_experts(self, index: dict) -> None:
+    def _split_fused_experts(self, index: dict, mtp: bool) -> None:
         """Experts stored fused, as transformers' own Qwen3NextExperts holds them (``mlp.experts.gate_up_proj``
         [E, 2I, H]: each expert's gate rows then its up rows; ``mlp.experts.down_proj`` [E, H, I]), become the
         per-expert tensors the rest of the compiler names (``mlp.experts.{e}.gate_proj.weight`` ...), each read
         as its slice of the fused tensor (``read``); a checkpoint may store either layout, not both."""
         cfg = self.cfg
         for name in [n for n in index if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            if any(name.startswith(p) and not (mtp and p == MTP_PREFIX) for p in SKIPPED_PREFIXES):
+                continue  # skipped with the rest of its part (counted as one tensor there)
+            m = re.search(r"layers\.(\d+)\.mlp\.", name)
+            layer = MTP_MLP_LAYER if name.startswith(MTP_PREFIX) else int(m.group(1)) if m else None
+            if layer is None or layer >= cfg.num_hidden_layers or cfg.mlp_type(layer) != "moe":
+                raise CheckpointError(f"{self.folder}: unexpected tensor {name!r}: not part of a {cfg.model_type} "
+                                      f"model with this config (is config.json the right one?)")
             fname, dtype, shape = index.pop(name)
             base, proj = name.rsplit(".", 1)
             e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -528,7 +537,7 @@ class Checkpoint:
             if dtype == FP8_DTYPE:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} holds fused experts in FP8; Kestrel reads FP8 "
                                       f"experts one tensor each (as Qwen's FP8 releases store them)")
-            if cfg.num_experts == 0 or tuple(shape) != want:
+            if tuple(shape) != want:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {list(shape)}, expected {list(want)} "
                                       f"(fused experts) from config.json")
             for x in range(e):
@@ -634,7 +643,9 @@ class Checkpoint:
             t = dequantize(t, self._get(scale_file, scale_name), self.fp8)
         if not torch.isfinite(t).all():  # scanned as it streams through: a NaN or Inf never reaches a plan
             bad = int((~torch.isfinite(t)).sum())
-            raise CheckpointError(f"{os.path.join(self.folder, fname)}: tensor {hf_name!r} holds {bad} non-finite "
+            what = f"{self.views[hf_name][0]!r} (expert {self.views[hf_name][1]})" if hf_name in self.views else \
+                repr(hf_name)
+            raise CheckpointError(f"{os.path.join(self.folder, fname)}: tensor {what} holds {bad} non-finite "
                                   f"values (NaN or Inf); fix or re-export the checkpoint")
         return t
 

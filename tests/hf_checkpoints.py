@@ -100,7 +100,8 @@ def make_qwen35_moe_checkpoint(folder: str, name: str, seed: int = 0):
         for layer in range(text["num_hidden_layers"]):
             p = f"model.layers.{layer}.mlp.experts."
             n = text["num_experts"]
-            gate_up = [torch.cat([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)]
+            gate_up = [torch.cat([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")])
+                       for e in range(n)]
             t[p + "gate_up_proj"] = torch.stack(gate_up)
             t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
         save_file(t, path, metadata={"format": "pt"})

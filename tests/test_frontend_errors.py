@@ -54,6 +54,10 @@ CASES = {
                     CheckpointError, r"'model.layers.3.self_attn.k_proj.weight' has shape \[64, 129\], expected \[64, 128\]"),
     "bad_dtype": (lambda f: edit_tensors(f, lambda t: _set(t, "model.norm.weight", np.zeros(128, np.int64))),
                   CheckpointError, "dtype I64"),
+    # experts stored fused in a dense model: not its tensors (they are not split into per-expert names first)
+    "fused_experts_in_a_dense_model": (lambda f: edit_tensors(f, lambda t: _set(
+        t, "model.layers.0.mlp.experts.gate_up_proj", np.zeros((8, 128, 128), np.float32))),
+        CheckpointError, "unexpected tensor 'model.layers.0.mlp.experts.gate_up_proj': not part of a qwen3_5_text"),
     "unexpected_tensor": (lambda f: edit_tensors(f, lambda t: _set(t, "model.layers.0.mlp.extra.weight",
                                                                    np.zeros(2, np.float32))),
                           CheckpointError, "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
@@ -143,9 +147,9 @@ def test_qwen3_next_config_errors(tmp_path):
                      r"\(H200 SXM\) has 150\.8 GB: build with --quant q4", r.stderr), r.stderr
 
 
-def _fuse_experts(t, layer=0, n=8, down_shape=None):
-    """Layer ``layer``'s experts of tiny-moe stored fused, as transformers holds them."""
-    p = f"model.layers.{layer}.mlp.experts."
+def _fuse_experts(t, layer=0, n=8, down_shape=None, p=None):
+    """Layer ``layer``'s experts of tiny-moe (or those under ``p``) stored fused, as transformers holds them."""
+    p = p or f"model.layers.{layer}.mlp.experts."
     t[p + "gate_up_proj"] = np.stack([np.concatenate([t.pop(f"{p}{e}.gate_proj.weight"),
                                                       t.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)])
     down = np.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
@@ -154,14 +158,18 @@ def _fuse_experts(t, layer=0, n=8, down_shape=None):
 
 QWEN35_MOE_CASES = {
     "fused_misshapen": (lambda t: _fuse_experts(t, down_shape=(8, 128, 32)),
-                        re.escape("'model.layers.0.mlp.experts.down_proj' has shape [8, 128, 32], expected [8, 128, 64] "
-                                  "(fused experts)")),
+                        re.escape("'model.layers.0.mlp.experts.down_proj' has shape [8, 128, 32], expected "
+                                  "[8, 128, 64] (fused experts)")),
     "fused_and_per_expert": (lambda t: (_fuse_experts(t), t.update({"model.layers.0.mlp.experts.3.up_proj.weight":
                                                                     np.zeros((64, 128), np.float32)})),
                              "experts stored twice: 'model.layers.0.mlp.experts.gate_up_proj' and "
                              "'model.layers.0.mlp.experts.3.up_proj.weight'"),
     "missing_expert": (lambda t: _pop(t, "model.layers.2.mlp.experts.5.down_proj.weight"),
-                       re.escape("missing tensor 'model.layers.2.mlp.experts.5.down_proj.weight' (expected shape [128, 64])")),
+                       re.escape("missing tensor 'model.layers.2.mlp.experts.5.down_proj.weight' "
+                                 "(expected shape [128, 64])")),
+    "fused_nan": (lambda t: (_fuse_experts(t),
+                             t["model.layers.0.mlp.experts.down_proj"].__setitem__((3, 5, 7), np.nan)),
+                  re.escape("tensor 'model.layers.0.mlp.experts.down_proj' (expert 3) holds 1 non-finite values")),
     "fused_gdn": (lambda t: _set(t, "model.layers.0.linear_attn.in_proj_qkvz.weight", np.zeros((2, 2), np.float32)),
                   "unexpected tensor 'model.layers.0.linear_attn.in_proj_qkvz.weight'"),
 }
@@ -262,3 +270,17 @@ def test_sharded_index_with_missing_shard(good_checkpoint, tmp_path):
     json.dump({"metadata": {}, "weight_map": wm}, open(os.path.join(ckpt, "model.safetensors.index.json"), "w"))
     r = run_cli("kestrelc", "build", ckpt, "-o", str(tmp_path / "m.plan"))
     assert r.returncode == CheckpointError.exit_code and "model-00002-of-00002.safetensors" in r.stderr
+
+
+def test_qwen35_moe_fused_head_experts(tmp_path):
+    """The MTP head's experts fused: skipped as one part of the head without --speculative (its tensors counted as
+    stored), read as per-expert slices with it."""
+    from kestrel.compiler.frontend import open_checkpoint
+
+    folder = synthesize("tiny-moe-mtp", str(tmp_path / "ckpt"))
+    want = load_file(os.path.join(folder, "model.safetensors"))["mtp.layers.0.mlp.experts.3.up_proj.weight"]
+    edit_tensors(folder, lambda t: _fuse_experts(t, p="mtp.layers.0.mlp.experts."))
+    plain = open_checkpoint(folder)
+    assert "skipping the multi-token-prediction head (19 tensors)" in plain.notices[0], plain.notices
+    head = open_checkpoint(folder, mtp=True)
+    assert np.array_equal(head.read("mtp.layers.0.mlp.experts.3.up_proj.weight").numpy(), want)

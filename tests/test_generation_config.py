@@ -54,3 +54,12 @@ def test_bad_generation_config_is_refused_in_one_line(gen, message, tiny_folder,
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == ConfigError.exit_code and len(lines) == 1 and message in lines[0], r.stderr
     assert not (tmp_path / "m.plan").exists()
+
+
+def test_an_empty_stop_list_adds_none(tiny_folder, tmp_path):
+    from kestrel.compiler.frontend import read_generation_eos
+
+    json.dump({"eos_token_id": []}, open(tmp_path / "generation_config.json", "w"))
+    assert read_generation_eos(str(tmp_path)) == ()
+    json.dump({"eos_token_id": None, "temperature": 0.6}, open(tmp_path / "generation_config.json", "w"))
+    assert read_generation_eos(str(tmp_path)) == ()

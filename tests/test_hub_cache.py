@@ -41,6 +41,8 @@ def test_build_from_the_hub_cache(model, hub, tmp_path):
     info = json.loads(run_cli("kestrelc", "inspect", str(out), "--json", env=hub).stdout)
     assert info["source"]["repo"] == "Kestrel/Tiny" and info["source"]["revision"] == COMMIT
     assert info["source"]["path"].endswith(os.path.join("snapshots", COMMIT))
+    text = run_cli("kestrelc", "inspect", str(out), env=hub).stdout
+    assert f"source    Kestrel/Tiny@{COMMIT} (checkpoint: " in text
 
 
 @pytest.mark.parametrize("model, hint", [("Kestrel/Missing", "hf download Kestrel/Missing)"),
@@ -51,3 +53,31 @@ def test_a_repository_not_in_the_cache_is_refused_in_one_line(model, hint, hub, 
     errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(errors) == 1 and "not in the Hugging Face cache" in errors[0] and hint in errors[0], r.stderr
     assert not (tmp_path / "m.plan").exists()
+
+
+def test_nothing_is_downloaded(monkeypatch):
+    """The lookup asks the cache only (local_files_only), whatever the network and HF_HUB_OFFLINE say."""
+    import huggingface_hub
+
+    from kestrel.compiler.frontend import find_checkpoint
+
+    asked = []
+
+    def snapshot_download(repo, **kw):
+        asked.append((repo, kw))
+        return "/cache/models--Kestrel--Tiny/snapshots/" + COMMIT
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert find_checkpoint("Kestrel/Tiny@v2") == ("/cache/models--Kestrel--Tiny/snapshots/" + COMMIT,
+                                                  {"repo": "Kestrel/Tiny", "revision": COMMIT})
+    assert asked == [("Kestrel/Tiny", {"revision": "v2", "local_files_only": True})]
+
+
+@pytest.mark.parametrize("model", ["my/model--v2", "a/b@../..", "x/" + "y" * 100])
+def test_names_no_repository_can_have_are_not_looked_up(model, hub, tmp_path):
+    """A path that does not exist but looks like ORG/NAME, with what no repository id may hold ("--", "..", over
+    96 characters): one line, exit 3, no traceback."""
+    r = run_cli("kestrelc", "build", model, "-o", str(tmp_path / "m.plan"), env=hub)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == ConfigError.exit_code and len(lines) == 1, r.stderr
+    assert "no such checkpoint folder (or preset name)" in lines[0] and "Traceback" not in r.stderr
