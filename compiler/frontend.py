@@ -25,6 +25,9 @@ import re
 from dataclasses import asdict, dataclass, field
 
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from safetensors import SafetensorError, safe_open
 
 from kestrel.artifacts.errors import CheckpointError, ConfigError, NoDraftHeadError, UnsupportedError
@@ -253,18 +256,12 @@ def find_checkpoint(model: str) -> tuple[str, dict | None]:
         return model, None
     repo, _, revision = model.partition("@")
     try:
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    except ImportError:
-        raise ConfigError(f"{model}: no such checkpoint folder (or preset name); a Hugging Face repository id needs "
-                          f"huggingface_hub >= 0.25 (pip install -U huggingface_hub), or give the folder") from None
-    try:
         folder = snapshot_download(repo, revision=revision or None, local_files_only=True)
     except HFValidationError:
         raise ConfigError(f"{model}: no such checkpoint folder (or preset name)") from None
     except LocalEntryNotFoundError:
         raise ConfigError(f"{model}: no such checkpoint folder (or preset name), and not in the Hugging Face cache "
-                          f"({constants.HF_HUB_CACHE}); download it first (hf download {repo}"
+                          f"({hub_constants.HF_HUB_CACHE}); download it first (hf download {repo}"
                           f"{' --revision ' + revision if revision else ''}) or give its folder") from None
     return folder, {"repo": repo, "revision": os.path.basename(os.path.normpath(folder))}
 

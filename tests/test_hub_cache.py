@@ -57,8 +57,7 @@ def test_a_repository_not_in_the_cache_is_refused_in_one_line(model, hint, hub, 
 
 def test_nothing_is_downloaded(monkeypatch):
     """The lookup asks the cache only (local_files_only), whatever the network and HF_HUB_OFFLINE say."""
-    import huggingface_hub
-
+    from kestrel.compiler import frontend
     from kestrel.compiler.frontend import find_checkpoint
 
     asked = []
@@ -67,7 +66,7 @@ def test_nothing_is_downloaded(monkeypatch):
         asked.append((repo, kw))
         return "/cache/models--Kestrel--Tiny/snapshots/" + COMMIT
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(frontend, "snapshot_download", snapshot_download)
     assert find_checkpoint("Kestrel/Tiny@v2") == ("/cache/models--Kestrel--Tiny/snapshots/" + COMMIT,
                                                   {"repo": "Kestrel/Tiny", "revision": COMMIT})
     assert asked == [("Kestrel/Tiny", {"revision": "v2", "local_files_only": True})]
