@@ -48,7 +48,7 @@ def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 Q4_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
 Q4_X_SCALE = 64.0
-Q4_REF_ROWS = 256  # q4_matvec_ref's row block
+Q4_REF_ROWS = 256  # q4_matvec_ref's row block per two of torch's threads (q4_ref_rows)
 Q4_SCALE_CANDIDATES = [-9.0 + 0.2 * i for i in range(11)]
 
 
@@ -121,6 +121,15 @@ def q4_unpack(buf: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
     return w
 
 
+def q4_ref_rows() -> int:
+    """q4_matvec_ref's rows a block: Q4_REF_ROWS for every two of torch's intra-op threads. Torch splits an op
+    into chunks of at least 32,768 elements, so a block of 256 rows at K = 2048 (65,536 words) keeps two threads
+    busy and no more; scaled with the threads, each thread's share of the float64 temporaries stays as large as on
+    two (in cache), and a 16-core host's CPU reference (the device calls' GPU-against-CPU checks) uses its cores.
+    Rows are independent: any block gives the same bits."""
+    return Q4_REF_ROWS * max(1, torch.get_num_threads() // 2)
+
+
 def q4_matvec_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """The q4 product of the layout comment above, for one x [K]: fp16 lanes emulated exactly (each
     fused multiply-add computed in float64, where it is exact, then rounded to fp16 once)."""
@@ -131,14 +140,15 @@ def q4_matvec_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group:
     xh = (x.float() / Q4_X_SCALE).half().double().reshape(k // 8, 4, 2).permute(1, 0, 2)
     chunk_scales = scales.repeat_interleave(group // 32, dim=1)
     y = torch.empty(n, dtype=torch.float32, device=q.device)
-    for r0 in range(0, n, Q4_REF_ROWS):  # row blocks: the float64 temporaries stay in cache (3x at 27B widths)
-        qp = q[r0:r0 + Q4_REF_ROWS].reshape(-1, k // 8, 4, 2).permute(2, 0, 1, 3)
+    rows = q4_ref_rows()
+    for r0 in range(0, n, rows):  # row blocks: the float64 temporaries stay in cache (3x at 27B widths)
+        qp = q[r0:r0 + rows].reshape(-1, k // 8, 4, 2).permute(2, 0, 1, 3)
         s = (qp[0].double() * xh[0]).half().float()
         for i in (1, 2, 3):
             s = (qp[i].double() * xh[i] + s).half().float()
         words = s.sum(-1)  # the two lanes, in fp32
-        chunks = words.reshape(-1, k // 32, 4).sum(-1) * chunk_scales[r0:r0 + Q4_REF_ROWS]
-        y[r0:r0 + Q4_REF_ROWS] = chunks.sum(-1) * Q4_X_SCALE
+        chunks = words.reshape(-1, k // 32, 4).sum(-1) * chunk_scales[r0:r0 + rows]
+        y[r0:r0 + rows] = chunks.sum(-1) * Q4_X_SCALE
     return y
 
 

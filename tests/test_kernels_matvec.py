@@ -302,18 +302,27 @@ def test_q4_product_range():
     assert not torch.isfinite(matvec_ref(x * 64, w)).all()
 
 
-def test_q4_reference_row_blocks_are_the_rows_products():
-    """q4_matvec_ref works in blocks of Q4_REF_ROWS rows (its float64 temporaries then stay in cache): each row's
-    result is that row's product alone, across block boundaries and in a last partial block."""
-    from kestrel.kernels.matvec import Q4_REF_ROWS, q4_codes, q4_matvec_ref
+@pytest.mark.parametrize("threads", [1, 2, 6])
+def test_q4_reference_row_blocks_are_the_rows_products(threads):
+    """q4_matvec_ref works in blocks of rows (q4_ref_rows: Q4_REF_ROWS for every two of torch's threads, so its
+    float64 temporaries stay in cache): each row's result is that row's product alone, across block boundaries
+    and in a last partial block, at any thread count."""
+    from kestrel.kernels.matvec import Q4_REF_ROWS, q4_codes, q4_matvec_ref, q4_ref_rows
 
-    g = torch.Generator().manual_seed(11)
-    n, k, group = 2 * Q4_REF_ROWS + 5, 256, 32
-    q, scales = q4_codes(q4_pack(torch.randn(n, k, generator=g), group), n, k, group)
-    x = torch.randn(k, generator=g) * 3
-    y = q4_matvec_ref(x, q, scales, group)
-    rows = [0, Q4_REF_ROWS - 1, Q4_REF_ROWS, 2 * Q4_REF_ROWS - 1, 2 * Q4_REF_ROWS, n - 1]
-    one = torch.cat([q4_matvec_ref(x, q[r:r + 1], scales[r:r + 1], group) for r in rows])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        block = q4_ref_rows()
+        assert block == Q4_REF_ROWS * max(1, threads // 2)
+        g = torch.Generator().manual_seed(11)
+        n, k, group = 2 * block + 5, 256, 32
+        q, scales = q4_codes(q4_pack(torch.randn(n, k, generator=g), group), n, k, group)
+        x = torch.randn(k, generator=g) * 3
+        y = q4_matvec_ref(x, q, scales, group)
+        rows = [0, block - 1, block, 2 * block - 1, 2 * block, n - 1]
+        one = torch.cat([q4_matvec_ref(x, q[r:r + 1], scales[r:r + 1], group) for r in rows])
+    finally:
+        torch.set_num_threads(before)
     assert y.shape == (n,) and y.dtype == torch.float32 and torch.equal(y[rows], one)
 
 
