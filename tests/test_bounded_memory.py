@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -58,9 +59,16 @@ def peak_extra(ckpt, out):
     return int(r.stdout.strip().splitlines()[-1])
 
 
-def test_peak_memory_does_not_grow_with_checkpoint(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_peak_memory_does_not_grow_with_checkpoint(tmp_path, fp8):
+    """fp8: both checkpoints as FP8 releases (each e4m3 matrix dequantized to fp32 as it is read)."""
     small = make_checkpoint(str(tmp_path / "small"), 2)
     large = make_checkpoint(str(tmp_path / "large"), 16)
+    if fp8:
+        from hf_checkpoints import make_fp8_release
+
+        for folder in ("small", "large"):
+            assert len(make_fp8_release(str(tmp_path / folder), block=(128, 128))) > 8
     assert large - small > 150e6
     m_small = peak_extra(str(tmp_path / "small"), str(tmp_path / "s.plan"))
     m_large = peak_extra(str(tmp_path / "large"), str(tmp_path / "l.plan"))
