@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -26,7 +26,7 @@ from kestrel.artifacts.plan import (ENGINE_PART, PREFILL_PROGRAM_PART, SPEC_PREF
                                     PlanInfo, write_plan)
 from kestrel.compiler import codegen, onnx_export, tensorrt_build
 from kestrel.compiler.frontend import (Checkpoint, find_checkpoint, mtp_layers_in, open_checkpoint, parse_config,
-                                      read_chat_template, read_config, read_generation_eos)
+                                      read_chat_template, read_config, read_generation_config)
 from kestrel.compiler.ir import Program, q4_placements
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.launch_plan import SPEC_ROW_STATES, launch_plan
@@ -97,7 +97,8 @@ class Model:
     max_seq: int
     tokenizer_json: str | None
     chat: dict  # {"chat_template", "special_tokens"} from the checkpoint, or {}
-    generation_eos: tuple[int, ...] = ()  # generation_config.json's stop tokens (read_generation_eos)
+    generation_eos: tuple[int, ...] = ()  # generation_config.json's stop tokens (read_generation_config)
+    sampling: dict = field(default_factory=dict)  # and its recommended sampling, or {}
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -162,17 +163,18 @@ def open_model(model: str, max_seq: int | None = None, weights: str = "checkpoin
         elif source["kind"] == "preset":
             tokenizer_json = byte_level_tokenizer_json()
         chat = read_chat_template(ck.folder) if ck.folder and tokenizer_json else {}
-        stops = read_generation_eos(ck.folder) if ck.folder and tokenizer_json else ()
+        stops, sampling = read_generation_config(ck.folder) if ck.folder and tokenizer_json else ((), {})
         bad = [i for i in stops if i >= ck.cfg.vocab_size]
         if bad:
             raise ConfigError(f"{os.path.join(ck.folder, 'generation_config.json')}: eos_token_id {bad[0]} is outside "
                               f"the vocabulary ({ck.cfg.vocab_size} tokens)")
-        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json, chat, stops)
+        yield Model(ck, source, resolve_max_seq(ck.cfg, max_seq), tokenizer_json, chat, stops, sampling)
 
 
 def _plan_info(m: Model, target: str, quant: str, **kw) -> PlanInfo:
     return PlanInfo(target=target, quant=quant, max_seq=m.max_seq, model=m.cfg.to_json(), source=m.source,
-                    tokenizer={"eos_token_ids": m.eos_token_ids, **m.chat} if m.tokenizer_json else {},
+                    tokenizer={"eos_token_ids": m.eos_token_ids, **m.chat,
+                               **({"sampling": m.sampling} if m.sampling else {})} if m.tokenizer_json else {},
                     **kw)
 
 

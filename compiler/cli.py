@@ -105,6 +105,11 @@ def _source(src: dict) -> str:
     return f"{where} ({src['kind']})"
 
 
+def _sampling(d: dict) -> str:
+    """The recommended sampling, in kestrel-run's order of its options."""
+    return ", ".join(f"{k.replace('_', '-')} {d[k]}" for k in ("temperature", "top_p", "top_k", "min_p") if k in d)
+
+
 def _size(n: int) -> str:
     """Bytes as MB, or kB where MB would round to 0.00."""
     return f"{n / 1e6:.2f} MB" if n >= 5e3 else f"{n / 1e3:.2f} kB"
@@ -119,6 +124,7 @@ def plan_summary(plan) -> dict:
         "format_version": m["format_version"], "producer": m["producer"], "target": m["target"],
         "quant": m["quant"], "max_seq": m["max_seq"], "source": m["source"], "model": m["model"],
         "tokenizer": "tokenizer.json" if plan.tokenizer_json else None,
+        "sampling": plan.manifest.get("tokenizer", {}).get("sampling"),
         "weights": m.get("weights", {"kind": "checkpoint"}),
         "backend": {k: m[k] for k in ("backend", "tensorrt_version", "compute_capability") if k in m} or
                    {"backend": "kernels"},
@@ -173,6 +179,8 @@ def inspect(plan_path, as_json, verify):
            f"{' (weights renormalised)' if m.get('norm_topk_prob') else ''}, shared expert "
            f"{m['shared_expert_intermediate_size']}"] if m.get("num_experts") else []),
         f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
+        *([f"sampling  {_sampling(s['sampling'])} (generation_config.json; kestrel-run's default)"]
+          if s.get("sampling") else []),
         *([f"backend   TensorRT {s['backend']['tensorrt_version']} engine for compute capability "
            f"{s['backend']['compute_capability']}"] if s["backend"]["backend"] == "tensorrt" else []),
         "weights   " + ("RANDOM (benchmarking plan: seed %d, filled by the runtime)" % s["weights"]["seed"]

@@ -323,24 +323,45 @@ def read_chat_template(folder: str) -> dict:
     return {"chat_template": template, "special_tokens": special}
 
 
-def read_generation_eos(folder: str) -> tuple[int, ...]:
-    """The stop tokens of the checkpoint's generation_config.json (``eos_token_id``: an id or a list), which
-    transformers' generate and vLLM stop at; () when there is none. Qwen's instruct releases list <|im_end|> there
-    beside config.json's <|endoftext|>."""
+# generation_config.json's sampling settings Kestrel takes: (key, kind, the values allowed, as text)
+GENERATION_SAMPLING = (("temperature", float, lambda v: v >= 0, ">= 0"),
+                       ("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
+                       ("top_k", int, lambda v: v >= 0, ">= 0"), ("min_p", float, lambda v: 0 <= v <= 1, "in [0, 1]"))
+
+
+def read_generation_config(folder: str) -> tuple[tuple[int, ...], dict]:
+    """(stop tokens, recommended sampling) from the checkpoint's generation_config.json, ((), {}) without one.
+    The stop tokens (``eos_token_id``: an id or a list) are what transformers' generate and vLLM stop at: Qwen's
+    instruct releases list <|im_end|> there beside config.json's <|endoftext|>. The sampling settings
+    (temperature, top_p, top_k, min_p; only with ``do_sample`` true, as generate reads them) are what vLLM uses
+    for a request that sets none; kestrel-run likewise, for the options not given on its command line."""
     path = os.path.join(folder, "generation_config.json")
     if not os.path.exists(path):
-        return ()
+        return (), {}
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read as a generation config ({e})") from None
-    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    eos = raw.get("eos_token_id")
     ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos if isinstance(eos, list) else None
     if eos is not None and (ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                    for i in ids)):
         raise ConfigError(f"{path}: 'eos_token_id' must be a token id or a list of them, got {eos!r}")
-    return tuple(ids or ())
+    sampling = {}
+    if raw.get("do_sample") is True:
+        for key, kind, ok, allowed in GENERATION_SAMPLING:
+            v = raw.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)) \
+                    or not ok(v):
+                raise ConfigError(f"{path}: {key!r} must be {'an integer' if kind is int else 'a number'} {allowed}, "
+                                  f"got {v!r}")
+            sampling[key] = kind(v)
+    return tuple(ids or ()), sampling
 
 
 def expected_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

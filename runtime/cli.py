@@ -1,6 +1,7 @@
 """``kestrel-run``: generate tokens from a .plan."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -80,6 +81,28 @@ class _TextStream:
 
 def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
+
+
+# kestrel-run's sampling options, named as generation_config.json's keys the build stored
+MODEL_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _model_sampling(sampling: SamplingParams, plan, as_json: bool) -> SamplingParams:
+    """The model's recommended sampling (its generation_config.json, stored by the build) for every sampling option
+    not given on the command line, as vLLM does for a request that sets none; ``--temperature 0`` stays greedy."""
+    recommended = plan.manifest.get("tokenizer", {}).get("sampling") or {}
+    ctx = click.get_current_context(silent=True)
+    taken = {k: recommended[k] for k in MODEL_SAMPLING if k in recommended and ctx is not None
+             and ctx.get_parameter_source(k) is click.core.ParameterSource.DEFAULT}
+    if not taken:
+        return sampling
+    merged = dataclasses.replace(sampling, **taken)
+    merged.check()
+    if merged.temperature > 0 and not as_json:
+        said = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in taken.items())
+        click.echo(f"note: sampling as the model's generation_config.json recommends ({said}); --temperature 0 for "
+                   f"greedy", err=True)
+    return merged
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -183,6 +206,8 @@ def command(plan_path, prompt, prompt_ids, prompt_file, max_new_tokens, temperat
         raise InputError("--draft-source replay goes with a plain request or --bench, not --chat, --verify, "
                          "--profile or --dump")
     plan = load_plan(plan_path)
+    if replay_path is None:  # (controlled acceptance measures what it is told)
+        sampling = _model_sampling(sampling, plan, as_json)
     tok = PlanTokenizer(plan.tokenizer_json)
     template = ChatTemplate.from_manifest(plan.manifest) if chat else None
     messages = [{"role": "system", "content": system}] if system is not None else []

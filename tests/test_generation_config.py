@@ -1,5 +1,6 @@
 """generation_config.json's stop tokens (what transformers' generate and vLLM stop at: Qwen's instruct releases list
-<|im_end|> there beside config.json's <|endoftext|>) join the plan's, so `kestrel-run --prompt` stops there too."""
+<|im_end|> there beside config.json's <|endoftext|>) join the plan's, so `kestrel-run --prompt` stops there too; its
+recommended sampling (with do_sample) is kestrel-run's default for the options not given, as vLLM's for a request."""
 import json
 import os
 import shutil
@@ -31,8 +32,7 @@ def test_generation_config_stop_tokens_end_a_run(tiny_folder, tmp_path):
     assert stop not in free["tokens"][:2]
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(tiny_folder, ckpt)
-    json.dump({"eos_token_id": [stop, 256], "do_sample": True, "temperature": 0.7},
-              open(os.path.join(ckpt, "generation_config.json"), "w"))
+    json.dump({"eos_token_id": [stop, 256]}, open(os.path.join(ckpt, "generation_config.json"), "w"))
     plan = str(tmp_path / "gen.plan")
     assert run_cli("kestrelc", "build", ckpt, "-o", plan).returncode == 0
     from kestrel.artifacts.plan import load_plan
@@ -40,8 +40,7 @@ def test_generation_config_stop_tokens_end_a_run(tiny_folder, tmp_path):
     assert p.manifest["tokenizer"]["eos_token_ids"] == [256, stop]  # config.json's first, then generation_config's
     p.close()
     got = _run(plan)
-    assert got["stopped_by"] == "eos" and got["tokens"] == free["tokens"][:3]
-    assert got["temperature"] == 0  # only the stop tokens are taken: sampling stays what the command line says
+    assert got["stopped_by"] == "eos" and got["tokens"] == free["tokens"][:3] and got["temperature"] == 0
 
 
 @pytest.mark.parametrize("gen, message", [({"eos_token_id": 5000}, "eos_token_id 5000 is outside the vocabulary"),
@@ -57,9 +56,48 @@ def test_bad_generation_config_is_refused_in_one_line(gen, message, tiny_folder,
 
 
 def test_an_empty_stop_list_adds_none(tiny_folder, tmp_path):
-    from kestrel.compiler.frontend import read_generation_eos
+    from kestrel.compiler.frontend import read_generation_config
 
     json.dump({"eos_token_id": []}, open(tmp_path / "generation_config.json", "w"))
-    assert read_generation_eos(str(tmp_path)) == ()
+    assert read_generation_config(str(tmp_path)) == ((), {})
     json.dump({"eos_token_id": None, "temperature": 0.6}, open(tmp_path / "generation_config.json", "w"))
-    assert read_generation_eos(str(tmp_path)) == ()
+    assert read_generation_config(str(tmp_path)) == ((), {})
+
+
+def test_recommended_sampling_is_the_default_for_options_not_given(tiny_folder, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_folder, ckpt)
+    json.dump({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
+              open(os.path.join(ckpt, "generation_config.json"), "w"))
+    plan = str(tmp_path / "gen.plan")
+    assert run_cli("kestrelc", "build", ckpt, "-o", plan).returncode == 0
+    assert "sampling  temperature 0.7, top-p 0.8, top-k 20" in run_cli("kestrelc", "inspect", plan).stdout
+    args = ["kestrel-run", plan, "--prompt", "Hello", "--max-new-tokens", "12", "--seed", "3"]
+    r = run_cli(*args)
+    assert r.returncode == 0 and "note: sampling as the model's generation_config.json recommends (temperature 0.7, " \
+        "top-p 0.8, top-k 20); --temperature 0 for greedy" in r.stderr, r.stderr
+    default = json.loads(run_cli(*args, "--json").stdout)
+    explicit = json.loads(run_cli(*args, "--json", "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20").stdout)
+    greedy = json.loads(run_cli(*args, "--json", "--temperature", "0").stdout)
+    assert default["temperature"] == 0.7 and default["tokens"] == explicit["tokens"] != greedy["tokens"]
+    assert greedy["temperature"] == 0
+    mixed = json.loads(run_cli(*args, "--json", "--top-k", "1").stdout)  # top-k 1 given: the rest recommended
+    assert mixed["temperature"] == 0.7 and mixed["tokens"] == greedy["tokens"]
+
+
+@pytest.mark.parametrize("gen, sampling", [({"do_sample": False, "temperature": 0.7}, {}),  # greedy, as generate
+                                           ({"temperature": 0.7}, {}),
+                                           ({"do_sample": True, "top_k": 20, "min_p": 0}, {"top_k": 20, "min_p": 0.0})])
+def test_sampling_is_taken_only_with_do_sample(gen, sampling, tmp_path):
+    from kestrel.compiler.frontend import read_generation_config
+
+    json.dump(gen, open(tmp_path / "generation_config.json", "w"))
+    assert read_generation_config(str(tmp_path)) == ((), sampling)
+
+
+def test_bad_recommended_sampling_is_refused(tmp_path):
+    from kestrel.compiler.frontend import read_generation_config
+
+    json.dump({"do_sample": True, "top_p": 1.5}, open(tmp_path / "generation_config.json", "w"))
+    with pytest.raises(ConfigError, match="'top_p' must be a number in \\(0, 1\\], got 1.5"):
+        read_generation_config(str(tmp_path))
