@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop 45's device call: Qwen3.5 MoE (model_type qwen3_5_moe; new in stop 45, never run on a GPU) at the 35B-A3B
 # shape, everything under OUTDIR (ab.tar from device_preload_ab.sh, profile and prefill files beside it):
+#   q35check, q35time (q35moe's two halves, a call each)
 #   q35moe  4 layers of the shape (and its MTP layer) against the CPU reference in q4 and bf16 (graph == streaming,
 #           dump bytes, the CPU path's tokens and logits), compute-sanitizer on the q4 plan and its K = 3
 #           speculative plan; the whole 35B-A3B decode at q4 and bf16 (kestrel-run --bench, greedy, 3 rounds each,
@@ -12,16 +13,19 @@
 #   peer35  llama.cpp on the whole 35B-A3B shape (Q4_0 GGUF by bench/mkgguf_next.py, ~19.7 GB; the build ~4 min on a
 #           fresh machine) and Kestrel's 35B-A3B q4 in the same call (carry .peers: llamacpp.tar.xz and
 #           llamacpp-scripts; bash bench/build_stop_plans.sh 35b-q4)
-# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35moe (or full35; peer35 also carries .peers)
+# There: run(carry=["bench/plans"]): bash bench/device_stop45.sh $OUT q35check, then q35time (or full35; peer35 also
+# carries .peers)
 set -u
 out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 case $2 in
-  q35moe)
-    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
-    mkdir -p "$out/e2e" "$out/decode"
+  q35check)  # the first half of q35moe (a call's 600 s hold one half): GPU against CPU, compute-sanitizer
+    mkdir -p "$out/e2e"
     STEP_TIMEOUT=200 SANITIZE="qwen3.5-moe35-4l-sm90-q4 qwen3.5-moe35-4l-sm90-q4-spec3" \
-      E2E="qwen3.5-moe35-4l-sm90-q4 qwen3.5-moe35-4l-sm90-bf16" bash bench/device_preload_ab.sh "$out/e2e"
+      E2E="qwen3.5-moe35-4l-sm90-q4 qwen3.5-moe35-4l-sm90-bf16" bash bench/device_preload_ab.sh "$out/e2e" ;;
+  q35time)  # the second half: the whole 35B-A3B's decode, profile and prefill
+    ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+    mkdir -p "$out/decode"
     STEP_TIMEOUT=120 PAIRS="qwen3.5-35b-a3b-sm90-q4:qwen3.5-35b-a3b-sm90-bf16" bash bench/device_preload_ab.sh "$out/decode"
     p=qwen3.5-35b-a3b-sm90-q4
     timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$out/profile-$p.json" \
