@@ -244,6 +244,9 @@ class MoeRule(Rule):
     gate_up_early: bool = False  # rmsnorm_moe_gate_up with its input in one tile: the normed input (and the shared
     #                              expert's tiles) made before the PDL wait, a routed program's gate / up words and
     #                              scales loaded at once after it (EARLY)
+    router_topk: bool = False   # the one-token router and its top-k in one launch (passes/fuse_router.py,
+    #                             rmsnorm_moe_router_kernel: the top-k in the last program, by a ticket)
+    router_rows: int = 0        # rows a program of that fused router (0: the matvec rule's)
 
 
 @dataclass(frozen=True, kw_only=True)

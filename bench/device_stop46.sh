@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Stop 46's device calls, one part a call (each under the 10-minute limit); everything under OUTDIR.
+#   ab      the one-token router and its top-k in one launch (moe.router_topk, passes/fuse_router.py; -rt4: 4 router
+#           rows a program, 128 programs drawing tickets instead of 512) and stop 43's one-tile q4 loads together
+#           (matvec.q4_one_tile_together, -tog, never timed alone at 80B-A3B) against the rule: 80B-A3B q4 A B C D E E D C
+#           B A, 35B-A3B q4 A B B A; compute-sanitizer on 4 layers of 80B-A3B with the fused router (bash
+#           bench/build_stop_plans.sh next80-q4 next80-q4-rt next80-q4-rt4 next80-q4-tog next80-q4-rt+tog 35b-q4
+#           35b-q4-rt next4-q4-rt: ~18 MB of plans)
+#   checks  the forms the rules would take, against the CPU reference: 4 layers of the 0.8B and 2B shapes with the
+#           one-tile loads together, 4 layers of 80B-A3B with the fused router and them; compute-sanitizer on the 0.8B
+#           shape's (bash bench/build_stop_plans.sh small4-q4-tog small2b4-q4-tog next4-q4-rt+tog)
+# There: run(carry=["bench/plans"]): bash bench/device_stop46.sh $OUT PART
+set -u
+out=$1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+case $2 in
+  ab)
+    mkdir -p "$out/next" "$out/35b"
+    STEP_TIMEOUT=100 SANITIZE="qwen3-next-4l-sm90-q4-rt" \
+      SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-rt qwen3-next-80b-a3b-sm90-q4-rt4 qwen3-next-80b-a3b-sm90-q4-tog qwen3-next-80b-a3b-sm90-q4-rt+tog" \
+      bash bench/device_preload_ab.sh "$out/next"
+    STEP_TIMEOUT=100 PAIRS="qwen3.5-35b-a3b-sm90-q4:qwen3.5-35b-a3b-sm90-q4-rt" bash bench/device_preload_ab.sh "$out/35b" ;;
+  checks)
+    STEP_TIMEOUT=200 SANITIZE="qwen3.5-small4-sm90-q4-tog" \
+      E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog qwen3-next-4l-sm90-q4-rt+tog" \
+      bash bench/device_preload_ab.sh "$out" ;;
+  *) echo "unknown part $2"; exit 2 ;;
+esac
