@@ -5,7 +5,8 @@
 #           (matvec.q4_one_tile_together, -tog, never timed alone at 80B-A3B) against the rule: 80B-A3B q4 A B C D E E D C
 #           B A, 35B-A3B q4 A B B A; compute-sanitizer on 4 layers of 80B-A3B with the fused router (bash
 #           bench/build_stop_plans.sh next80-q4 next80-q4-rt next80-q4-rt4 next80-q4-tog next80-q4-rt+tog 35b-q4
-#           35b-q4-rt next4-q4-rt: ~18 MB of plans)
+#           35b-q4-rt next4-q4-rt small4-q4-tog small2b4-q4-tog: ~21 MB of plans); then 4 layers of the 0.8B and 2B
+#           shapes with the one-tile loads together against the CPU reference
 #   checks  the forms the rules would take, against the CPU reference: 4 layers of the 0.8B and 2B shapes with the
 #           one-tile loads together, 4 layers of 80B-A3B with the fused router and them; compute-sanitizer on the 0.8B
 #           shape's (bash bench/build_stop_plans.sh small4-q4-tog small2b4-q4-tog next4-q4-rt+tog)
@@ -19,7 +20,9 @@ case $2 in
     STEP_TIMEOUT=100 SANITIZE="qwen3-next-4l-sm90-q4-rt" \
       SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-rt qwen3-next-80b-a3b-sm90-q4-rt4 qwen3-next-80b-a3b-sm90-q4-tog qwen3-next-80b-a3b-sm90-q4-rt+tog" \
       bash bench/device_preload_ab.sh "$out/next"
-    STEP_TIMEOUT=100 PAIRS="qwen3.5-35b-a3b-sm90-q4:qwen3.5-35b-a3b-sm90-q4-rt" bash bench/device_preload_ab.sh "$out/35b" ;;
+    STEP_TIMEOUT=100 PAIRS="qwen3.5-35b-a3b-sm90-q4:qwen3.5-35b-a3b-sm90-q4-rt" bash bench/device_preload_ab.sh "$out/35b"
+    mkdir -p "$out/tog"  # (last: what a 600 s limit would cut) the one-tile loads together against the CPU reference
+    STEP_TIMEOUT=100 E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" bash bench/device_preload_ab.sh "$out/tog" ;;
   checks)
     STEP_TIMEOUT=200 SANITIZE="qwen3.5-small4-sm90-q4-tog" \
       E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog qwen3-next-4l-sm90-q4-rt+tog" \
