@@ -46,6 +46,13 @@ MTP_PREFIX = "mtp."
 SKIPPED_PREFIXES = {"model.visual.": "vision tower", MTP_PREFIX: "multi-token-prediction head"}
 
 
+def _skipped_part(name: str, mtp: bool) -> str | None:
+    """The part of the checkpoint a tensor belongs to that the build skips (SKIPPED_PREFIXES; the MTP head is read
+    when ``mtp``), or None."""
+    return next((what for p, what in SKIPPED_PREFIXES.items() if name.startswith(p) and not (mtp and p == MTP_PREFIX)),
+                None)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The normalised text-model settings the compiler needs (nothing model-type specific)."""
@@ -492,8 +499,7 @@ class Checkpoint:
                 rel = "lm_head.weight"
             if mtp and hf_name.startswith(MTP_PREFIX):
                 rel = hf_name
-            skip = next((what for p, what in SKIPPED_PREFIXES.items() if hf_name.startswith(p)
-                         and not (mtp and p == MTP_PREFIX)), None)
+            skip = _skipped_part(hf_name, mtp)
             if skip:
                 skipped[skip] = skipped.get(skip, 0) + 1
                 continue
@@ -540,7 +546,7 @@ class Checkpoint:
         as its slice of the fused tensor (``read``); a checkpoint may store either layout, not both."""
         cfg = self.cfg
         for name in [n for n in index if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
-            if any(name.startswith(p) and not (mtp and p == MTP_PREFIX) for p in SKIPPED_PREFIXES):
+            if _skipped_part(name, mtp):
                 continue  # skipped with the rest of its part (counted as one tensor there)
             m = re.search(r"layers\.(\d+)\.mlp\.", name)
             layer = MTP_MLP_LAYER if name.startswith(MTP_PREFIX) else int(m.group(1)) if m else None

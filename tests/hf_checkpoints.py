@@ -5,8 +5,11 @@ own init (std 0.02, zero norms) makes nearly flat logits, where greedy tokens wo
 """
 from __future__ import annotations
 
+import json
 import os
 
+import safetensors.numpy
+import safetensors.torch
 import torch
 
 from kestrel.compiler.presets import PRESETS, random_weights
@@ -348,3 +351,21 @@ class TrainedInBackground:
         if cls.root and cls.owner:
             shutil.rmtree(cls.root, ignore_errors=True)
         cls.root, cls.owner = None, False
+
+
+def edit_config(folder: str, fn) -> None:
+    """``fn(config)`` on the checkpoint's config.json (a dict), written back."""
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    fn(cfg)
+    json.dump(cfg, open(path, "w"))
+
+
+def edit_tensors(folder: str, fn, framework: str = "np") -> None:
+    """``fn(tensors)`` on a one-file checkpoint's tensors (a dict of numpy arrays, or of torch tensors with
+    ``framework="pt"``: the dtypes numpy lacks, bf16 and FP8), written back."""
+    lib = safetensors.torch if framework == "pt" else safetensors.numpy
+    path = os.path.join(folder, "model.safetensors")
+    t = lib.load_file(path)
+    fn(t)
+    lib.save_file(t, path)

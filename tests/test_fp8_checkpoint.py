@@ -2,7 +2,6 @@
 the plan of a checkpoint holding its dequantized values, byte for byte; a broken FP8 release, or a checkpoint
 quantized some other way, is refused in one line before any work. (tests/test_oracle*.py run FP8 releases against
 transformers' own dequantizing reader.)"""
-import json
 import os
 import re
 import shutil
@@ -12,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_cli
-from hf_checkpoints import make_fp8_release
+from hf_checkpoints import edit_config, edit_tensors, make_fp8_release
 from kestrel.artifacts.errors import CheckpointError, ConfigError, UnsupportedError
 from kestrel.artifacts.plan import load_plan
 from kestrel.compiler.build import build
@@ -82,15 +81,9 @@ def test_dequantize_partial_blocks():
 
 def _edit(folder, tensors=None, config=None):
     if tensors:
-        path = os.path.join(folder, "model.safetensors")
-        t = load_file(path)
-        tensors(t)
-        save_file(t, path)
+        edit_tensors(folder, tensors, "pt")
     if config:
-        path = os.path.join(folder, "config.json")
-        raw = json.load(open(path))
-        config(raw)
-        json.dump(raw, open(path, "w"))
+        edit_config(folder, config)
 
 
 Q = "model.layers.3.self_attn.q_proj.weight"

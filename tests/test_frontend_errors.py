@@ -8,22 +8,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import run_cli
+from hf_checkpoints import edit_config, edit_tensors
 from kestrel.artifacts.errors import CheckpointError, ConfigError, InputError, OutputError, UnsupportedError
 from kestrel.compiler.presets import synthesize
-
-
-def edit_config(folder, fn):
-    path = os.path.join(folder, "config.json")
-    cfg = json.load(open(path))
-    fn(cfg)
-    json.dump(cfg, open(path, "w"))
-
-
-def edit_tensors(folder, fn):
-    path = os.path.join(folder, "model.safetensors")
-    t = load_file(path)
-    fn(t)
-    save_file(t, path)
 
 
 def _set(d, k, v):
