@@ -1129,6 +1129,11 @@ def _onnx_moe_router(ex, op, x, w):  # moe_router_ref: the logits as matmul's, t
     return _onnx_topk(ex, op, ex.matmul(ex.f32(x), w))
 
 
+def _onnx_rmsnorm_moe_router(ex, op, s, ss, nw, w, ticket):  # the ticket is the GPU kernel's scratch
+    logits = _onnx_rmsnorm_matmul(ex, op, s, ss, nw, w)
+    return (logits, *_onnx_topk(ex, op, logits))
+
+
 def _one_token(op, x) -> None:
     if len(x.type.shape) != 1:
         raise IRError(f"{op.kind}: the ONNX step is the one-token step (input {list(x.type.shape)})")
@@ -1525,8 +1530,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="moe_router after its logits: the top_k experts of softmax(logits) and their weights (the routing buffer)"),
     OpDef("rmsnorm_moe_router", "vvwws", ("top_k", "norm_topk", "eps"), _infer_rmsnorm_moe_router,
           _rmsnorm_moe_router_ref, Kernel(moe.rmsnorm_moe_router_kernel, _rmsnorm_moe_router),
-          NotApplicable("made by fuse_router, after quantize, where the ONNX export stops: the exported step has "
-                        "the router's rmsnorm_matmul and moe_topk"),
+          _onnx_rmsnorm_moe_router,
           doc="the one-token router rmsnorm_matmul and its moe_topk in one launch: (the logits, the routing buffer); "
               "the ticket is the kernel's scratch (the last program takes the top-k)"),
     OpDef("moe_experts", "vvvwwwwwww", (), _infer_moe_experts, moe.moe_experts_ref,
