@@ -3,10 +3,10 @@
 #   ab      the one-token router and its top-k in one launch (moe.router_topk, passes/fuse_router.py; -rt4: 4 router
 #           rows a program, 128 programs drawing tickets instead of 512) and stop 43's one-tile q4 loads together
 #           (matvec.q4_one_tile_together, -tog, never timed alone at 80B-A3B) against the rule: 80B-A3B q4 A B C D E E D C
-#           B A, 35B-A3B q4 A B B A; compute-sanitizer on 4 layers of 80B-A3B with the fused router (bash
+#           B A, 35B-A3B q4 A B B A; compute-sanitizer on 4 layers of 80B-A3B with both forms (bash
 #           bench/build_stop_plans.sh next80-q4 next80-q4-rt next80-q4-rt4 next80-q4-tog next80-q4-rt+tog 35b-q4
-#           35b-q4-rt next4-q4-rt small4-q4-tog small2b4-q4-tog: ~21 MB of plans); then 4 layers of the 0.8B and 2B
-#           shapes with the one-tile loads together against the CPU reference
+#           35b-q4-rt next4-q4-rt+tog small4-q4-tog small2b4-q4-tog: ~21 MB of plans); then against the CPU
+#           reference: those 4 layers, and 4 layers of the 0.8B and 2B shapes with the one-tile loads together
 #   checks  the forms the rules would take, against the CPU reference: 4 layers of the 0.8B and 2B shapes with the
 #           one-tile loads together, 4 layers of 80B-A3B with the fused router and them; compute-sanitizer on the 0.8B
 #           shape's (bash bench/build_stop_plans.sh small4-q4-tog small2b4-q4-tog next4-q4-rt+tog)
@@ -17,12 +17,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 case $2 in
   ab)
     mkdir -p "$out/next" "$out/35b"
-    STEP_TIMEOUT=100 SANITIZE="qwen3-next-4l-sm90-q4-rt" \
+    STEP_TIMEOUT=100 SANITIZE="qwen3-next-4l-sm90-q4-rt+tog" \
       SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-rt qwen3-next-80b-a3b-sm90-q4-rt4 qwen3-next-80b-a3b-sm90-q4-tog qwen3-next-80b-a3b-sm90-q4-rt+tog" \
       bash bench/device_preload_ab.sh "$out/next"
     STEP_TIMEOUT=100 PAIRS="qwen3.5-35b-a3b-sm90-q4:qwen3.5-35b-a3b-sm90-q4-rt" bash bench/device_preload_ab.sh "$out/35b"
-    mkdir -p "$out/tog"  # (last: what a 600 s limit would cut) the one-tile loads together against the CPU reference
-    STEP_TIMEOUT=100 E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" bash bench/device_preload_ab.sh "$out/tog" ;;
+    mkdir -p "$out/e2e"  # (last: what a 600 s limit would cut) both forms against the CPU reference
+    STEP_TIMEOUT=200 E2E="qwen3-next-4l-sm90-q4-rt+tog qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog" \
+      bash bench/device_preload_ab.sh "$out/e2e" ;;
   checks)
     STEP_TIMEOUT=200 SANITIZE="qwen3.5-small4-sm90-q4-tog" \
       E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog qwen3-next-4l-sm90-q4-rt+tog" \
