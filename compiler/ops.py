@@ -609,17 +609,6 @@ def _infer_moe_topk(ins, a):
     return [TensorType("i32", ls[:-1] + (a["top_k"],)), _f32(ls[:-1] + (a["top_k"],))]
 
 
-def _infer_rmsnorm_moe_router(ins, a):
-    """rmsnorm_matmul's operands at one row (a floating-point router [E, H]) and an i32 ticket [1] ->
-    the logits f32 [E], then moe_topk's routing buffer (ids i32 [k], weights f32 [k])."""
-    s, ss, nw, w, ticket = ins
-    _need(len(_t(s).shape) == 1, "rmsnorm_moe_router takes one row")
-    _need(not is_q4(_t(w).dtype), f"rmsnorm_moe_router: the router must be floating point, not {_t(w).dtype}")
-    _need(_t(ticket).dtype == "i32" and _t(ticket).shape == (1,), "rmsnorm_moe_router's scratch: one i32 ticket")
-    (logits,) = _infer_rmsnorm_matmul([s, ss, nw, w], a)
-    return [logits, *_infer_moe_topk([Value(logits)], a)]
-
-
 def _moe_check(x, ids, wg, wu, sg, su, sgate, wd=None, sd=None, experts=None) -> tuple[int, int, int, int, int]:
     """(E, H, I, Is, k) of an MoE block's operands (stacked gate/up [E * I, H], down [E * H, I])."""
     lead, h = _lead(x), _t(x).shape[-1]
@@ -1129,11 +1118,6 @@ def _onnx_moe_router(ex, op, x, w):  # moe_router_ref: the logits as matmul's, t
     return _onnx_topk(ex, op, ex.matmul(ex.f32(x), w))
 
 
-def _onnx_rmsnorm_moe_router(ex, op, s, ss, nw, w, ticket):  # the ticket is the GPU kernel's scratch
-    logits = _onnx_rmsnorm_matmul(ex, op, s, ss, nw, w)
-    return (logits, *_onnx_topk(ex, op, logits))
-
-
 def _one_token(op, x) -> None:
     if len(x.type.shape) != 1:
         raise IRError(f"{op.kind}: the ONNX step is the one-token step (input {list(x.type.shape)})")
@@ -1217,16 +1201,6 @@ def _rows_of(x) -> int:
 
 def _group(w) -> int:
     return q4_group(w.type.dtype) if is_q4(w.type.dtype) else 0
-
-
-def _rmsnorm_moe_router_ref(s, ss, nw, w, ticket, **attrs):
-    return moe.rmsnorm_moe_router_ref(s, ss, nw, w, **attrs)  # the ticket is the GPU kernel's scratch
-
-
-def _rmsnorm_moe_router(op: Op, t: Target) -> dict:
-    s, ss, nw, w, ticket = op.ins
-    return {"kernel": "rmsnorm_moe_router_" + w.type.dtype,
-            **moe.rmsnorm_moe_router_launch(*_matrix(w), ss.type.shape[0], op.attrs["top_k"], t)}
 
 
 def _moe_topk(op: Op, t: Target) -> dict:
@@ -1528,11 +1502,6 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("moe_topk", "v", ("top_k", "norm_topk"), _infer_moe_topk, moe.moe_topk_ref,
           Kernel(moe.moe_topk_kernel, _moe_topk), _onnx_moe_topk,
           doc="moe_router after its logits: the top_k experts of softmax(logits) and their weights (the routing buffer)"),
-    OpDef("rmsnorm_moe_router", "vvwws", ("top_k", "norm_topk", "eps"), _infer_rmsnorm_moe_router,
-          _rmsnorm_moe_router_ref, Kernel(moe.rmsnorm_moe_router_kernel, _rmsnorm_moe_router),
-          _onnx_rmsnorm_moe_router,
-          doc="the one-token router rmsnorm_matmul and its moe_topk in one launch: (the logits, the routing buffer); "
-              "the ticket is the kernel's scratch (the last program takes the top-k)"),
     OpDef("moe_experts", "vvvwwwwwww", (), _infer_moe_experts, moe.moe_experts_ref,
           NotApplicable("the GPU runs it as moe_gate_up + moe_down, which fuse emits"), _onnx_moe_experts,
           doc="sum_j w_j * down_e(silu(gate_e x) * up_e x) over the routed experts e = ids_j (stacked weights "

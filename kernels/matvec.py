@@ -779,18 +779,6 @@ def rmsnorm_matvec_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, y_ptr, eps, N: tl.conste
                           TOGETHER: tl.constexpr = False):
     """y = W @ rmsnorm(x) with the norm weight nw, the mean square from the P partials ss
     (matvec_add_kernel's); matvec_kernel's split and PRELOAD."""
-    rows, y = _rmsnorm_matvec_program(x_ptr, ss_ptr, nw_ptr, w_ptr, eps, N, K, GROUP, BLOCK_N, BLOCK_K, P, BLOCK_P,
-                                      NORM, PDL, PDL_LATE, PRELOAD, L2_PREFETCH, PAIR_FMA, TOGETHER)
-    tl.store(y_ptr + rows, y, mask=rows < N)
-
-
-@triton.jit
-def _rmsnorm_matvec_program(x_ptr, ss_ptr, nw_ptr, w_ptr, eps, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-                            NORM: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr, PRELOAD: tl.constexpr,
-                            L2_PREFETCH: tl.constexpr, PAIR_FMA: tl.constexpr, TOGETHER: tl.constexpr):
-    """rmsnorm_matvec_kernel's program up to its store: (its rows, their products); the PDL wait inside
-    (kernels/moe.py's fused router runs it too)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
     s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
@@ -806,7 +794,7 @@ def _rmsnorm_matvec_program(x_ptr, ss_ptr, nw_ptr, w_ptr, eps, N: tl.constexpr, 
                      w0, PAIR_FMA, s0=s0)
     if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
         pdl_launch(PDL)
-    return rows, y
+    tl.store(y_ptr + rows, y, mask=rows < N)
 
 
 @triton.jit

@@ -48,7 +48,6 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows,
-                                    _rmsnorm_matvec_program, rmsnorm_matvec_launch, rmsnorm_matvec_ref,
                                     _first_scales, _first_tile, _matvec_rows, _matvec_tile, _normed,
                                     _partials_rstd, _q4_words_interpreted, matvec_launch, matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
@@ -78,14 +77,6 @@ def moe_router_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk: int)
     """(ids i32 [k], weights f32 [k]) of x [H] (rows of x [M, H]: [M, k] each, row by row): the
     logits W x as the matvec computes them, then ``moe_topk_ref``."""
     return moe_topk_ref(matvec_ref(x, w), top_k, norm_topk)
-
-
-def rmsnorm_moe_router_ref(s: torch.Tensor, ss: torch.Tensor, nw: torch.Tensor, w: torch.Tensor, top_k: int,
-                           norm_topk: int, eps: float):
-    """(logits [E], ids i32 [k], weights f32 [k]) of one row s: the router's logits W rmsnorm(s) as the
-    rmsnorm matvec computes them (``rmsnorm_matvec_ref``), then ``moe_topk_ref``."""
-    logits = rmsnorm_matvec_ref(s, ss, nw, w, eps)
-    return (logits, *moe_topk_ref(logits, top_k, norm_topk))
 
 
 def moe_topk_ref(logits: torch.Tensor, top_k: int, norm_topk: int):
@@ -263,22 +254,6 @@ def moe_topk_launch(rows: int, e: int, top_k: int, target) -> dict:
                            "BLOCK_T": pow2_at_least(max(2, top_k)), "SORT": r.topk_sort}}
 
 
-def rmsnorm_moe_router_launch(e: int, h: int, group: int, partials: int, top_k: int, target) -> dict:
-    """The fused router's launch (rmsnorm_moe_router_kernel): the rmsnorm matvec's for the [E, H] router
-    (``rmsnorm_matvec_launch``; ``router_rows`` rows a program where the moe rule sets it, the whole input in
-    one tile then), and moe_topk's constants for its last program (``moe_topk_launch``)."""
-    launch = rmsnorm_matvec_launch(e, h, group, partials, target)
-    c = launch["constexprs"]
-    rows = target.rules["moe"].router_rows
-    if rows and rows != pow2_at_least(rows):
-        raise ValueError(f"moe rule router_rows={rows}: rows a program of the fused router must be a power of two")
-    if rows:
-        c = {**c, "BLOCK_N": rows}
-        launch = {**launch, "grid": [-(-e // rows), 1, 1]}
-    topk = moe_topk_launch(1, e, top_k, target)["constexprs"]
-    return {**launch, "constexprs": {**c, **{k: topk[k] for k in ("TOPK", "BLOCK_E", "BLOCK_T", "SORT")}}}
-
-
 def _tiles(n: int, k: int, group: int, target, cap: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the matvec launch rule for an [n, k] matrix, BLOCK_N at most
     ``cap`` (a power of two)."""
@@ -370,14 +345,7 @@ def moe_topk_kernel(logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk, E: tl.conste
     inside a thread's registers) instead of TOPK serial max rounds; the keys are distinct, so both forms give the
     same ids in the same order, and the sum runs in rank order either way (bit-identical results)."""
     pdl_wait(PDL)
-    _topk_row(logits_ptr, ids_ptr, wts_ptr, tl.program_id(0), norm_topk, E, TOPK, BLOCK_E, BLOCK_T, SORT)
-
-
-@triton.jit
-def _topk_row(logits_ptr, ids_ptr, wts_ptr, row, norm_topk, E: tl.constexpr, TOPK: tl.constexpr,
-              BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SORT: tl.constexpr):
-    """moe_topk_kernel's row ``row`` (its docstring), also the fused router's last program
-    (rmsnorm_moe_router_kernel)."""
+    row = tl.program_id(0)
     es = tl.arange(0, BLOCK_E)
     emask = es < E
     logits = tl.load(logits_ptr + row * E + es, mask=emask, other=float("-inf"))
@@ -412,32 +380,6 @@ def _topk_row(logits_ptr, ids_ptr, wts_ptr, row, norm_topk, E: tl.constexpr, TOP
         vals = vals / total
     tl.store(ids_ptr + row * TOPK + ts, ids, mask=ts < TOPK)
     tl.store(wts_ptr + row * TOPK + ts, vals, mask=ts < TOPK)
-
-
-@triton.jit
-def rmsnorm_moe_router_kernel(x_ptr, ss_ptr, nw_ptr, w_ptr, ticket_ptr, logits_ptr, ids_ptr, wts_ptr, top_k, norm_topk,
-                              eps, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
-                              TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SORT: tl.constexpr,
-                              PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
-                              PRELOAD: tl.constexpr = False, L2_PREFETCH: tl.constexpr = False,
-                              PAIR_FMA: tl.constexpr = False, TOGETHER: tl.constexpr = False):
-    """The router and its top-k in one launch (``rmsnorm_moe_router_ref``; the moe rule's ``router_topk``):
-    every program computes its rows of the logits W rmsnorm(x) as rmsnorm_matvec_kernel does and stores them;
-    then a CTA barrier and a ticket (an i32 atomic, acquire-release at GPU scope, as attn_step's merge and the
-    sampler take theirs); the program that draws the last ticket has every program's logits visible, runs
-    moe_topk_kernel's row (``_topk_row``: the same code, so the same routing bits at the same warps) and
-    resets the ticket for the next launch. Which program does it varies; what it computes does not. One
-    dependent launch a MoE layer fewer (the top-k's own, ~2.1 us in the 80B-A3B step's graph, stop 42), for
-    one atomic a program and a serial tail in the last one."""
-    rows, y = _rmsnorm_matvec_program(x_ptr, ss_ptr, nw_ptr, w_ptr, eps, N, K, GROUP, BLOCK_N, BLOCK_K, P, BLOCK_P,
-                                      NORM, PDL, PDL_LATE, PRELOAD, L2_PREFETCH, PAIR_FMA, TOGETHER)
-    tl.store(logits_ptr + rows, y, mask=rows < N)
-    tl.debug_barrier()  # every thread's stores precede the ticket (released at GPU scope)
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:  # the last program: every row of the logits is in memory
-        _topk_row(logits_ptr, ids_ptr, wts_ptr, 0, norm_topk, N, TOPK, BLOCK_E, BLOCK_T, SORT)
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit

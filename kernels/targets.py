@@ -91,7 +91,9 @@ class MatvecRule(Rule):
     q4_one_tile_together: bool = False  # TOGETHER: a q4 matrix of one tile (K == BLOCK_K) has its words and scales (the
     #                                    swiglu kernels: of both matrices) loaded at once, right after the PDL wait
     #                                    (before it with PRELOAD), not the scales after the products, a matrix after
-    #                                    the other (off until timed, stop 43)
+    #                                    the other. H200, A B C D D C B A (stop 45 call 4, stop 46 call 1): 0.8B q4
+    #                                    0.4687 -> 0.4552 ms/token, 2B 0.7260 -> 0.6959, 80B-A3B even (1.7259 /
+    #                                    1.7258); 4B-27B have no one-tile q4 matrix
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,9 +246,6 @@ class MoeRule(Rule):
     gate_up_early: bool = False  # rmsnorm_moe_gate_up with its input in one tile: the normed input (and the shared
     #                              expert's tiles) made before the PDL wait, a routed program's gate / up words and
     #                              scales loaded at once after it (EARLY)
-    router_topk: bool = False   # the one-token router and its top-k in one launch (passes/fuse_router.py,
-    #                             rmsnorm_moe_router_kernel: the top-k in the last program, by a ticket)
-    router_rows: int = 0        # rows a program of that fused router (0: the matvec rule's)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,6 +363,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         block_k=512, min_block_k=128, rows_per_warp=4, max_warps=4, pdl_late_bytes=32 << 20,
         pdl_early_before=("attn_step", "gdn_delta"),
         q4_preload_after=("moe_down_add", "gdn_norm", "attn_step"), q4_preload_min_bytes=3 << 19,
+        q4_one_tile_together=True,
         provenance=(_TUNING + "q4-decode-sweep-h200.json", _TUNING + "matvec-sweep-small-h200.json",
                     _RESULTS + "stop29/call3/log.txt", _RESULTS + "stop29/call4/log.txt",
                     _RESULTS + "stop38/call5/norm-matvec-80b.json", _RESULTS + "stop38/call6/ab.tar",
@@ -371,6 +371,10 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                     _RESULTS + "stop40/call8/ab.tar", _RESULTS + "stop40/call9/ab.tar",
                     _RESULTS + "stop40/call11/small.json", _RESULTS + "stop41/call1/add8/ab.tar",
                     _RESULTS + "stop42/README.md",
+                    _RESULTS + "stop45/call4/small/bench-qwen3.5-0.8b-sm90-q4-tog-1.json",
+                    _RESULTS + "stop45/call4/next/bench-qwen3.5-2b-sm90-q4-tog-1.json",
+                    _RESULTS + "stop46/call1/next/bench-qwen3-next-80b-a3b-sm90-q4-tog-1.json",
+                    _RESULTS + "stop46/call1/e2e/e2e-qwen3.5-small4-sm90-q4-tog.json",
                     _RESULTS + "stop42/call3/bench-qwen3-next-80b-a3b-sm90-q4-preAB-1.json",
                     _RESULTS + "stop42/call3/bench-qwen3.5-0.8b-sm90-q4-preB-1.json",
                     _RESULTS + "stop42/call4/bench-qwen3.5-4b-sm90-q4-preB-1.json")),

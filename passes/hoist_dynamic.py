@@ -14,8 +14,7 @@ token states and requires them identical. Every build runs it on the final progr
 **Routing buffers** (Qwen3-Next's MoE, kernels/moe.py): which experts run changes every token, and it
 must reach the expert kernels only as data in device memory. ``check_routing`` (part of
 ``check_dyn_invariance``) proves, for every program with a router: every routing buffer (a
-``moe_router`` result, ``moe_topk``'s once fuse split the router, ``rmsnorm_moe_router``'s ids and weights once
-fuse_router joined it again) is an arena buffer read only by the ops that index stacked experts with it on
+``moe_router`` result, ``moe_topk``'s once fuse split the router) is an arena buffer read only by the ops that index stacked experts with it on
 the device (``ROUTING_READERS``, at their routing operands); every expert weight is a layer's stacked
 matrix (no single expert's weight anywhere in the program), read only by those ops; and each such
 op's launch is exactly what its launch rule gives from the op's shapes (no constant from anywhere
@@ -73,14 +72,13 @@ def check_dyn_invariance(program: Program) -> int:
 ROUTING_READERS = {"moe_experts": (1, 2), "moe_gate_up": (1,), "moe_down": (1, 2), "rmsnorm_moe_gate_up": (3,),
                    "moe_down_add": (1, 2), "moe_group": (0,), "moe_gate_up_grouped": (1, 2), "moe_down_grouped": (1,),
                    "moe_combine": (1, 2)}  # op -> routing operands
-ROUTERS = {"moe_router": 0, "moe_topk": 0, "moe_group": 0, "rmsnorm_moe_router": 1}  # op -> its first routing result
 _ONE_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def check_routing(program: Program) -> int:
     """Raise IRError unless every routing buffer reaches the expert kernels only as device data (the
     module docstring); returns the number of routers."""
-    routing = {id(o): op for op in program.ops if op.kind in ROUTERS for o in op.outs[ROUTERS[op.kind]:]}
+    routing = {id(o): op for op in program.ops if op.kind in ("moe_router", "moe_topk", "moe_group") for o in op.outs}
     single = [w.name for w in program.weights.values() if _ONE_EXPERT.search(w.name)]
     if single:
         raise IRError(f"routing: weight {single[0]!r} is one expert's: the experts of a layer must be one stacked "

@@ -12,7 +12,7 @@ from typing import Callable
 
 from kestrel.compiler.ir import Program
 from kestrel.compiler.ops import verify
-from kestrel.passes import fold_row_norms, fuse, fuse_router, hoist_dynamic, plan_memory, quantize, select_kernels
+from kestrel.passes import fold_row_norms, fuse, hoist_dynamic, plan_memory, quantize, select_kernels
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,6 @@ PASSES = (
          lambda p, o: quantize.check(p, o.quant, o.q4_group, o.draft_quant)),
     Pass("fold_row_norms", lambda p, o: fold_row_norms.fold_row_norms(p, o.target),
          lambda p, o: fold_row_norms.check(p, o.target)),
-    Pass("fuse_router", lambda p, o: fuse_router.fuse_router(p, o.target), lambda p, o: fuse_router.check(p, o.target)),
     Pass("hoist_dynamic", lambda p, o: hoist_dynamic.hoist_dynamic(p), lambda p, o: hoist_dynamic.check(p)),
     Pass("select_kernels", lambda p, o: select_kernels.select_kernels(p, o.target),
          lambda p, o: select_kernels.check(p)),

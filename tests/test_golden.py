@@ -1,6 +1,5 @@
 """Golden files, one pass per case (LLVM lit style). tests/golden/<pass>/<case>.in.ir is parsed, the one
-pass runs through the pipeline's own ``run_pass`` (options from its `# pass-options:` line, whose ``rules`` are
-launch-rule fields set for the case as KESTREL_RULES sets them; the op
+pass runs through the pipeline's own ``run_pass`` (options from its `# pass-options:` line; the op
 verifier and the pass's check run after it, as in every build), and the result must meet each
 expectation the case has:
   * <case>.out.ir   the whole printed result (short cases);
@@ -10,7 +9,6 @@ expectation the case has:
                     case is about that rule, so a launch-rule retune does not rewrite unrelated goldens).
 KESTREL_UPDATE_GOLDEN=1 rewrites the .out.ir and .diff files (never .checks); read the diff before
 committing. Inputs come from tests/golden/make_inputs.py."""
-import contextlib
 import difflib
 import glob
 import json
@@ -20,7 +18,6 @@ import pytest
 
 from filecheck import filecheck
 from kestrel.compiler.ir_text import parse_program, print_program
-from kestrel.kernels.targets import overridden_rules
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, pass_named, run_pass
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
@@ -62,9 +59,7 @@ def test_golden(path):
     first = text.splitlines()[0]
     opts = json.loads(first.split(":", 1)[1]) if first.startswith("# pass-options:") else {}
     program = parse_program(text)
-    rules = opts.pop("rules", None)  # launch-rule fields the case is built with (a form off by default)
-    with overridden_rules(opts["target"], rules) if rules else contextlib.nullcontext():
-        result = run_pass(pass_named(pass_name), program, PassOptions(**opts))
+    result = run_pass(pass_named(pass_name), program, PassOptions(**opts))
     got = print_program(result)
     assert print_program(parse_program(got)) == got  # the output round-trips too
     if os.path.exists(stem + ".out.ir"):

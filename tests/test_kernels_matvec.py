@@ -32,8 +32,12 @@ def make_weight(kind: str, n: int, k: int, g: torch.Generator):
 
 
 def consts_for(n: int, k: int, group: int, override: dict | None) -> dict:
+    """The sm_90 launch rule's constexprs with ``override``; TOGETHER (q4 in one tile) follows an overridden
+    BLOCK_K unless the override sets it too."""
     c = dict(matvec_launch(n, k, group, TARGETS["sm_90"])["constexprs"])
     c.update(override or {})
+    if "TOGETHER" not in (override or {}):
+        c["TOGETHER"] = c["TOGETHER"] and c["K"] == c["BLOCK_K"]
     return c
 
 

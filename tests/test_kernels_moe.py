@@ -83,56 +83,6 @@ def test_topk_sort_form_equals_the_max_rounds_bit_for_bit():
     assert torch.equal(out[1][0], moe.moe_topk_ref(logits, 10, 1)[0])
 
 
-@pytest.mark.parametrize("e,k,h,dtype,rows", [(512, 10, 256, torch.bfloat16, 0), (60, 4, 96, torch.float32, 4),
-                                               (8, 2, 64, torch.bfloat16, 2)])
-def test_fused_router_equals_the_pair_bit_for_bit(e, k, h, dtype, rows):
-    """rmsnorm_moe_router_kernel (the router and its top-k in one launch, the last program by a ticket) against
-    the pair it replaces, rmsnorm_matvec_kernel then moe_topk_kernel, each in the interpreter: the logits, ids and
-    weights bit for bit (the same code), equal to rmsnorm_moe_router_ref's ids, the ticket back at 0; over two
-    launches (the second finds the ticket the first left). ``rows``: the moe rule's router_rows (0: the matvec
-    rule's; 60 experts at 4 rows a program: a partial last block), tied experts among the largest at E = 512."""
-    from kestrel.kernels.matvec import rmsnorm_matvec_kernel, rmsnorm_matvec_launch
-    g = torch.Generator().manual_seed(e + h)
-    w = (torch.randn(e, h, generator=g) * h ** -0.5 * 3).to(dtype)
-    if e == 512:
-        w[[7, 300, 301]] = w[2].clone()  # four experts with one router row: equal logits, the lower index first
-    nw = torch.randn(h, generator=g) * 0.1
-    t = dataclasses.replace(SM90, rules={**SM90.rules, "moe": dataclasses.replace(SM90.rules["moe"], router_topk=True,
-                                                                                 router_rows=rows)})
-    ticket = torch.zeros(1, dtype=torch.int32)
-    for launch in range(2):
-        s = torch.randn(h, generator=g)
-        if e == 512:
-            s = w[2].float() / (1 + nw) * (4 - 3 * launch)  # expert 2's row (and its twins') the largest logit
-        ss = torch.tensor([float((s * s).sum())])  # one partial: the producer's sum of s^2
-        c = moe.rmsnorm_moe_router_launch(e, h, 0, 1, k, t)
-        assert c["grid"][0] == (-(-e // rows) if rows else e // c["constexprs"]["BLOCK_N"])
-        logits = torch.full((e,), float("nan"))
-        ids = torch.full((k,), -7, dtype=torch.int32)
-        wts = torch.full((k,), float("nan"))
-        interpret(moe.rmsnorm_moe_router_kernel)[tuple(c["grid"])](s, ss, nw, w, ticket, logits, ids, wts, k, 1, 1e-6,
-                                                                   **c["constexprs"])
-        assert ticket.item() == 0
-        m = rmsnorm_matvec_launch(e, h, 0, 1, t)
-        logits2 = torch.full((e,), float("nan"))
-        interpret(rmsnorm_matvec_kernel)[tuple(m["grid"])](s, ss, nw, w, logits2, 1e-6, **m["constexprs"])
-        tk = moe_topk_launch(1, e, k, t)
-        ids2 = torch.full((k,), -7, dtype=torch.int32)
-        wts2 = torch.full((k,), float("nan"))
-        interpret(moe_topk_kernel)[tuple(tk["grid"])](logits2, ids2, wts2, k, 1, **tk["constexprs"])
-        if not rows:  # the same rows a program: the same logits bits (another split may round otherwise)
-            assert torch.equal(logits, logits2)
-        else:
-            assert_close(logits, logits2, 1e-5, 1e-6, "logits at router_rows")
-            interpret(moe_topk_kernel)[tuple(tk["grid"])](logits, ids2, wts2, k, 1, **tk["constexprs"])
-        assert torch.equal(ids, ids2) and torch.equal(wts, wts2)
-        ref_logits, ref_ids, ref_wts = moe.rmsnorm_moe_router_ref(s, ss, nw, w, k, 1, 1e-6)
-        assert ids.tolist() == ref_ids.tolist()
-        assert_close(wts, ref_wts, 1e-5, 1e-7, "routing weights")
-        if e == 512 and launch == 0:
-            assert ids[:4].tolist() == [2, 7, 300, 301]
-
-
 def test_torch_topk_has_no_fixed_tie_order_but_agrees_without_ties():
     """Why the reference does not call torch.topk: on the CPU its order among equal values depends on
     the vector (here it puts a higher index first); without ties it equals route_ref's choice."""
@@ -375,10 +325,6 @@ def aot_jobs():
             jobs.append([f"moe_topk/{name}" + ("-sort" if sort else ""), "kestrel.kernels.moe:moe_topk_kernel",
                          ["*fp32", "*i32", "*fp32", "i32", "i32"], r["constexprs"] | {"SORT": sort}, r["num_warps"],
                          t.cc])
-        rt = moe.rmsnorm_moe_router_launch(e, h, 0, 16, k, t)  # the fused router (moe.router_topk), bf16
-        jobs.append([f"rmsnorm_moe_router/{name}", "kestrel.kernels.moe:rmsnorm_moe_router_kernel",
-                     ["*fp32", "*fp32", "*bf16", "*bf16", "*i32", "*fp32", "*i32", "*fp32", "i32", "i32", "fp32"],
-                     rt["constexprs"], rt["num_warps"], t.cc])
         gr = moe.moe_group_launch(256 * k, e, k, moe.GROUPED_CHUNK, t)
         jobs.append([f"moe_group/{name}", "kestrel.kernels.moe:moe_group_kernel",
                      ["*i32", "*i32", "*i32", "*i32", "i32", "i32"], gr["constexprs"], gr["num_warps"], t.cc])
@@ -442,13 +388,12 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 20 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 19 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"
         size, num_warps, arch, magic = res
         assert size > 0 and magic == "7f454c46" and num_warps == warps and arch.startswith(f"sm_{cc}"), key
-    for kind in ("moe_topk", "rmsnorm_moe_router", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add",
-                 "moe_group",
+    for kind in ("moe_topk", "moe_gate_up", "moe_down", "rmsnorm_moe_gate_up", "moe_down_add", "moe_group",
                  "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"):
         assert any(fn.endswith(":" + OPS[kind].kernel.jit.fn.__name__) for _, fn, *_ in jobs), kind

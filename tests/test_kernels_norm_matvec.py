@@ -84,7 +84,7 @@ def test_q4_preload_gives_the_same_bits(kind, block_k):
         s, ss = torch.empty(h), torch.empty(p)
         interpret(matvec_add_kernel)[(p,)](x, w, r, s, ss, 8, **c)
         cn = rmsnorm_matvec_launch(n, h, group, p, TARGETS["sm_90"])["constexprs"] | {"BLOCK_N": 8, "BLOCK_K": group,
-                                                                                     "PRELOAD": pre}
+                                                                                     "PRELOAD": pre, "TOGETHER": False}
         y = torch.empty(n)
         interpret(rmsnorm_matvec_kernel)[(n // 8,)](s, ss, nw, wn, y, EPS, **cn)
         out.append((s, ss, y))
@@ -129,14 +129,14 @@ def test_q4_one_tile_together_gives_the_same_bits(kind):
     for key, out in runs.items():
         for name, v in out.items():
             assert torch.equal(v, base[name]), f"{kind} PRELOAD, TOGETHER = {key}: {name} differs"
-    t = TARGETS["sm_90"]
-    on = dataclasses.replace(t, rules={**t.rules, "matvec": dataclasses.replace(t.rules["matvec"],
-                                                                                q4_one_tile_together=True)})
+    on = TARGETS["sm_90"]  # (on in the sm_90 rule since stop 46)
+    off = dataclasses.replace(on, rules={**on.rules, "matvec": dataclasses.replace(on.rules["matvec"],
+                                                                                  q4_one_tile_together=False)})
     for launch, together in ((rmsnorm_matvec_launch(6144, 2048, 128, 8, on, pair=True), True),  # 2B's gate / up
                              (rmsnorm_matvec_launch(8224, 1024, 128, 8, on), True),  # 0.8B's in_proj
                              (matvec_launch(2048, 6144, 128, on), False),  # several tiles
                              (rmsnorm_matvec_launch(6144, 2048, 0, 8, on, pair=True), False),  # bf16
-                             (rmsnorm_matvec_launch(6144, 2048, 128, 8, t, pair=True), False)):  # off in the rule
+                             (rmsnorm_matvec_launch(6144, 2048, 128, 8, off, pair=True), False)):  # off in the rule
         c = launch["constexprs"]
         assert c["TOGETHER"] == together and (c["K"] == c["BLOCK_K"] or not together), c
 
@@ -173,6 +173,7 @@ def test_norm_folded_into_matvecs(kind, h, k0, n, prod, cons):
     wg, wg_ref, _ = make_weight(kind, n, h, g)
     wu, wu_ref, _ = make_weight(kind, n, h, g)
     base = rmsnorm_matvec_launch(n, h, group, ss.numel(), TARGETS["sm_90"])["constexprs"] | (cons or {})
+    base["TOGETHER"] = base["TOGETHER"] and base["K"] == base["BLOCK_K"]  # (q4 in one tile: an overridden BLOCK_K)
     for mode in _modes(kind, h, base["BLOCK_K"]):
         _consume(s, ss, nw, (w, w_ref), (wg, wg_ref), (wu, wu_ref), n, base | {"NORM": mode}, kind)
 

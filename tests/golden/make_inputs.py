@@ -7,13 +7,11 @@ are written by the test runner with KESTREL_UPDATE_GOLDEN=1 (review every diff b
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 from kestrel.compiler.frontend import parse_config
 from kestrel.compiler.ir_text import parse_program, print_program
-from kestrel.kernels.targets import overridden_rules
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 
@@ -34,18 +32,15 @@ MODELS = {
                             tie_word_embeddings=True),
     "hidden48": dict(hidden_size=48, layer_types=["linear_attention"]),
     "attn_layer_gqa2_long": dict(layer_types=["full_attention"], max_position_embeddings=1024),
-    # Qwen3.5 MoE: a sparse MoE block (4 experts, top 2, and the shared expert) after a Gated DeltaNet layer
-    "moe_layer": dict(model_type="qwen3_5_moe_text", layer_types=["linear_attention"], num_experts=4,
-                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     # every matrix q4 (inputs multiples of 32): the tensor-core q4 kernel's shapes at M rows
     "q4_two_layers": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], hidden_size=64,
                           intermediate_size=128, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
 }
 MAX_SEQ = {"attn_layer_gqa2_long": 1024}  # others: 8
 ROWS = {"tied_two_layers_rows4": ("tied_two_layers", 4), "q4_two_layers_rows4": ("q4_two_layers", 4),
-        "q4_two_layers_rows32": ("q4_two_layers", 32), "moe_layer_rows4": ("moe_layer", 4), "attn_layer_gqa2_long_rows4": ("attn_layer_gqa2_long", 4)}  # the M-row step of a model: (model, M)
+        "q4_two_layers_rows32": ("q4_two_layers", 32), "attn_layer_gqa2_long_rows4": ("attn_layer_gqa2_long", 4)}  # the M-row step of a model: (model, M)
 SPEC = {"tied_two_layers_spec_k1": ("tied_two_layers", 1),
-        "q4_two_layers_spec_k3": ("q4_two_layers", 3), "moe_layer_spec_k1": ("moe_layer", 1)}  # the speculative iteration of a model: (model, K)
+        "q4_two_layers_spec_k3": ("q4_two_layers", 3)}  # the speculative iteration of a model: (model, K)
 
 # Hand-written programs (also exercise the parser).
 NOTHING_TO_FUSE = """kestrel.step v1
@@ -103,9 +98,7 @@ output hidden %6
 output logits %7
 """
 
-RT = "moe.router_topk=True"  # the fused one-token router (passes/fuse_router.py), off in the sm_90 rule until timed
-
-# pass -> [(case, model or hand-written text, passes' options; "rules": launch-rule fields set for the case)]
+# pass -> [(case, model or hand-written text, passes' options)]
 CASES = {
     "fuse": [("gdn_layer", "gdn_layer", {}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
              ("rows4_tied_two_layers", "tied_two_layers_rows4", {}),
@@ -121,14 +114,6 @@ CASES = {
                        ("bf16_sm90_rows4", "q4_two_layers_rows4", {"quant": "bf16", "target": "sm_90"}),
                        ("q4_sm90_rows32_gemm", "q4_two_layers_rows32", {"quant": "q4", "target": "sm_90"}),
                        ("q4_cpu_rows4", "q4_two_layers_rows4", {"quant": "q4", "target": "cpu"})],
-    "fuse_router": [("moe_sm90_router_topk", "moe_layer", {"quant": "q4", "target": "sm_90", "rules": RT}),
-                    ("moe_sm90_rule", "moe_layer", {"quant": "q4", "target": "sm_90"}),
-                    ("moe_rows4_sm90_router_topk", "moe_layer_rows4", {"quant": "q4", "target": "sm_90", "rules": RT}),
-                    ("moe_spec_k1_sm90_router_topk", "moe_layer_spec_k1",
-                     {"quant": "q4", "target": "sm_90", "rules": RT}),
-                    # a speculative plan's one-token step: its MoE chains unfolded (the router a plain matmul)
-                    ("moe_unfolded_sm90_router_topk", "moe_layer",
-                     {"quant": "q4", "target": "sm_90", "rules": RT + " matvec_rows.fold_one_row=False"})],
     "hoist_dynamic": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa2", "attn_layer_gqa2", {}),
                       ("nothing_to_fuse", NOTHING_TO_FUSE, {}), ("already_hoisted", LIVENESS_CHAIN, {})],
     "plan_memory": [("gdn_layer", "gdn_layer", {"quant": "bf16"}), ("attn_layer_gqa4", "attn_layer_gqa4", {}),
@@ -160,10 +145,8 @@ def main():
         before = PASS_NAMES[PASS_NAMES.index(pass_name) - 1] if pass_name != PASS_NAMES[0] else None
         for case, model, opts in cases:
             prog = program_for(model)
-            options = {k: v for k, v in opts.items() if k != "rules"}
             if before is not None:
-                with overridden_rules(opts["target"], opts["rules"]) if "rules" in opts else contextlib.nullcontext():
-                    prog = run_passes(prog, PassOptions(**options), until=before)
+                prog = run_passes(prog, PassOptions(**opts), until=before)
             with open(os.path.join(folder, f"{case}.in.ir"), "w") as f:
                 f.write(f"# pass-options: {json.dumps(opts, sort_keys=True)}\n")
                 f.write(print_program(prog))
