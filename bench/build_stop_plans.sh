@@ -48,7 +48,8 @@
 #     next4-q4-eg+tog; and next4-q4-spec3-head; stop 44's gnw1, gnw2 (gdn_norm.num_warps = 1 / 2, a rule of thumb's 4
 #     never timed: its one value head of 128 reduced inside one or two warps), e.g. 0.8b-q4-gnw1 next80-q4-gnw2
 #     small4-q4-gnw1; stop 46's rt, rtN (moe.router_topk, the fused router: lost, removed; in this script at commit
-#     4ecc22c, bench/results/stop46); the models 35b and moe35x4 take the forms too, e.g. 35b-q4-tog
+#     4ecc22c, bench/results/stop46); notog (matvec.q4_one_tile_together=False: the rule before stop 46); the models
+#     35b and moe35x4 take the forms too, e.g. 35b-q4-notog
 #     stop 45: 35b-q4 35b-bf16 (Qwen3.5-35B-A3B, qwen3_5_moe: every layer a MoE block of 256 experts, top 8),
 #     moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3 (4 layers of its shape with its MTP layer: GPU against CPU)
 #     (any subset)
@@ -177,13 +178,13 @@ for p in "$@"; do
     0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
       x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
       base_build $m $R --quant $q --max-seq 4096 $x -o "$PWD/bench/plans/$m-sm90-$q-base.plan" ;;
-    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
+    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
       m=${p%%-*}; q=${p#*-}; q=${q%%-*}; v=${p#*-*-}; x="--max-seq 4096"; a=""
       for f in $(echo "$v" | tr + ' '); do case $f in
         head) a="$a attention.short_rows=128";; head16) a="$a attention.short_rows=128 attention.short_block_s=16";;
         eg) a="$a moe.gate_up_early=True";; tog) a="$a matvec.q4_one_tile_together=True";;
-        gnw1|gnw2) a="$a gdn_norm.num_warps=${f#gnw}";;
-        *) echo "$p: unknown form $f (head, head16, eg, tog, gnw1, gnw2)"; exit 2;; esac; done
+        gnw1|gnw2) a="$a gdn_norm.num_warps=${f#gnw}";; notog) a="$a matvec.q4_one_tile_together=False";;
+        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2)"; exit 2;; esac; done
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
         35b) m=qwen3.5-35b-a3b; o=$m; x="$x --prefill-rows 256";; moe35x4) m=$(moe35x4); o=qwen3.5-moe35-4l; x="";;
         next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";;
