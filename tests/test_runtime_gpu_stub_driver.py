@@ -31,7 +31,7 @@ except SystemExit as e:
 forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton") and sys.modules[m] is not None
                    or m.startswith(("kestrel.compiler", "kestrel.kernels", "kestrel.passes")))
 print(json.dumps({{"calls": stub.CALLS, "launches": stub.LAUNCHES, "forbidden": forbidden,
-                   "driver": stub.__file__, "edges": list(stub.GRAPH_EDGES.values())}}))
+                   "driver": stub.__file__, "edges": list(stub.GRAPH_EDGES.values()), "attributes": stub.ATTRIBUTES}}))
 """
 
 
@@ -513,3 +513,24 @@ def test_a_plan_larger_than_the_free_memory_is_refused_at_load(plan):
         if code:
             line = r.stderr.strip().splitlines()[-1]
             assert "needs a" in line and "GB free of 85.9 GB" in line and "--quant q4" in line, line
+
+
+def test_smem_carveout_gate(plan):
+    """KESTREL_SMEM_CARVEOUT (an experiment): every loaded kernel gets the preferred shared-memory carveout, and
+    only then (unset: the driver's choice, no attribute set but the dynamic shared-memory size); a value that
+    is not a percentage stops the load in one line (exit 6)."""
+    _, path = plan
+    names = {k["name"] for k in load_plan(path).launch_plan["kernels"]}
+    carve = [a for a in run_stub(path, [], KESTREL_SMEM_CARVEOUT="100")["attributes"]
+             if a[1] == "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT"]
+    assert {n for n, _, v in carve if v == 100} == names and len(carve) >= len(names)
+    assert all(a[1] != "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT" for a in run_stub(path, [])["attributes"])
+    script = (f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {STUBS!r}); "
+              f"from kestrel.runtime.cli import main; "
+              f"sys.argv = ['kestrel-run', {path!r}, '--prompt-ids', '1,2', '--max-new-tokens', '2']; main()")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=env | {"KESTREL_SMEM_CARVEOUT": "101"})
+    assert r.returncode == 6, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "KESTREL_SMEM_CARVEOUT='101' is not a percentage 0-100" in line and "Traceback" not in r.stderr, line
