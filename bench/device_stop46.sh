@@ -10,13 +10,13 @@
 #   checks  the forms the rules would take, against the CPU reference: 4 layers of the 0.8B and 2B shapes with the
 #           one-tile loads together, 4 layers of 80B-A3B with the fused router and them; compute-sanitizer on the 0.8B
 #           shape's (bash bench/build_stop_plans.sh small4-q4-tog small2b4-q4-tog next4-q4-rt+tog)
-#   rule    the one-tile loads together now in the rule, against it off (-notog): 35B-A3B q4 (never timed with it),
-#           0.8B and 2B q4, A B B A each; compute-sanitizer on 4 layers of the 0.8B shape at the rule, 4 layers of the
-#           35B-A3B shape at the rule against the CPU reference (bash bench/build_stop_plans.sh 35b-q4 35b-q4-notog
-#           0.8b-q4 0.8b-q4-notog 2b-q4 2b-q4-notog small4-q4 moe35x4-q4 next80-q4); then every kernel's preferred
-#           shared-memory carveout at 100% (KESTREL_SMEM_CARVEOUT, runtime/cuda.py: attn_step's ~158 KiB CTAs
-#           against the matvecs' small ones, an SM's split changed only when it is idle) against the driver's
-#           choice: 0.8B and 80B-A3B q4 at the rule, A B B A
+#   rule    every kernel's preferred shared-memory carveout at 100% (KESTREL_SMEM_CARVEOUT, runtime/cuda.py:
+#           attn_step's ~158 KiB CTAs against the matvecs' small ones, an SM's split changed only when it is idle)
+#           against the driver's choice: 0.8B and 80B-A3B q4 at the rule, A B B A; then the one-tile loads together,
+#           now in the rule, against them off (-notog): 35B-A3B q4 (never timed with them), compute-sanitizer on 4
+#           layers of the 0.8B shape and 4 layers of the 35B-A3B shape against the CPU reference at the rule, 0.8B
+#           and 2B q4, A B B A each (bash bench/build_stop_plans.sh 35b-q4 35b-q4-notog 0.8b-q4 0.8b-q4-notog 2b-q4
+#           2b-q4-notog small4-q4 moe35x4-q4 next80-q4)
 # There: run(carry=["bench/plans"]): bash bench/device_stop46.sh $OUT PART
 set -u
 out=$1
@@ -35,10 +35,7 @@ case $2 in
     STEP_TIMEOUT=200 SANITIZE="qwen3.5-small4-sm90-q4-tog" \
       E2E="qwen3.5-small4-sm90-q4-tog qwen3.5-small2b4-sm90-q4-tog qwen3-next-4l-sm90-q4-rt+tog" \
       bash bench/device_preload_ab.sh "$out" ;;
-  rule)
-    STEP_TIMEOUT=100 SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-moe35-4l-sm90-q4" \
-      PAIRS="qwen3.5-35b-a3b-sm90-q4-notog:qwen3.5-35b-a3b-sm90-q4 qwen3.5-0.8b-sm90-q4-notog:qwen3.5-0.8b-sm90-q4 qwen3.5-2b-sm90-q4-notog:qwen3.5-2b-sm90-q4" \
-      bash bench/device_preload_ab.sh "$out"
+  rule)  # (most wanted first: a call may be cut short)
     ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
     for p in qwen3.5-0.8b-sm90-q4 qwen3-next-80b-a3b-sm90-q4; do
       for c in driver 100 100 driver; do
@@ -47,6 +44,11 @@ case $2 in
           --prompt-ids "$ids" --max-new-tokens 64 --rounds 3 --bench "$out/bench-$t.json" > "$out/bench-$t.txt" 2>&1
         python3 bench/bench_line.py "$out/bench-$t.json" "$t" 2>/dev/null || tail -3 "$out/bench-$t.txt"
       done
-    done ;;
+    done
+    mkdir -p "$out/35b" "$out/checks" "$out/dense"
+    STEP_TIMEOUT=100 PAIRS="qwen3.5-35b-a3b-sm90-q4-notog:qwen3.5-35b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out/35b"
+    STEP_TIMEOUT=100 SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-moe35-4l-sm90-q4" bash bench/device_preload_ab.sh "$out/checks"
+    STEP_TIMEOUT=100 PAIRS="qwen3.5-0.8b-sm90-q4-notog:qwen3.5-0.8b-sm90-q4 qwen3.5-2b-sm90-q4-notog:qwen3.5-2b-sm90-q4" \
+      bash bench/device_preload_ab.sh "$out/dense" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
