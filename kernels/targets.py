@@ -92,8 +92,8 @@ class MatvecRule(Rule):
     #                                    swiglu kernels: of both matrices) loaded at once, right after the PDL wait
     #                                    (before it with PRELOAD), not the scales after the products, a matrix after
     #                                    the other. H200, A B C D D C B A (stop 45 call 4, stop 46 call 1): 0.8B q4
-    #                                    0.4687 -> 0.4552 ms/token, 2B 0.7260 -> 0.6959, 80B-A3B even (1.7259 /
-    #                                    1.7258); 4B-27B have no one-tile q4 matrix
+    #                                    0.4687 -> 0.4552 ms/token, 2B 0.7260 -> 0.6959, 80B-A3B even (1.7253 /
+    #                                    1.7265 -> 1.7246 / 1.7270); 4B-27B have no one-tile q4 matrix
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -495,6 +495,16 @@ def test_gpu_replay_upload_and_controlled_acceptance_bench(spec_plan):
     assert ops.count("spec_filter") == 3  # the verified rows' (one launch) and each draft's
 
 
+def _run_plainly(path, **env) -> subprocess.CompletedProcess:
+    """kestrel-run on ``path`` (2 prompt ids, 2 new tokens) over the stub driver, torch unimportable, as a user
+    runs it: its exit code and stderr, not the stub's report."""
+    script = (f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {STUBS!r}); "
+              f"from kestrel.runtime.cli import main; "
+              f"sys.argv = ['kestrel-run', {path!r}, '--prompt-ids', '1,2', '--max-new-tokens', '2']; main()")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env)
+
+
 def test_a_plan_larger_than_the_free_memory_is_refused_at_load(plan):
     """At load the runtime compares the arena (+ LOAD_RESERVE) with the device's free memory (cuMemGetInfo)
     and stops with exit 12 and the numbers, before any allocation; with enough free memory it runs."""
@@ -502,13 +512,8 @@ def test_a_plan_larger_than_the_free_memory_is_refused_at_load(plan):
 
     _, path = plan
     arena = load_plan(path).launch_plan["arena_bytes"]
-    script = (f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {STUBS!r}); "
-              f"from kestrel.runtime.cli import main; "
-              f"sys.argv = ['kestrel-run', {path!r}, '--prompt-ids', '1,2', '--max-new-tokens', '2']; main()")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for free, code in ((arena + LOAD_RESERVE - 1, 12), (arena + LOAD_RESERVE, 0)):
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           env=env | {"KESTREL_STUB_FREE_BYTES": str(free)})
+        r = _run_plainly(path, KESTREL_STUB_FREE_BYTES=str(free))
         assert r.returncode == code, r.stderr[-2000:]
         if code:
             line = r.stderr.strip().splitlines()[-1]
@@ -525,12 +530,7 @@ def test_smem_carveout_gate(plan):
              if a[1] == "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT"]
     assert {n for n, _, v in carve if v == 100} == names and len(carve) >= len(names)
     assert all(a[1] != "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT" for a in run_stub(path, [])["attributes"])
-    script = (f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {STUBS!r}); "
-              f"from kestrel.runtime.cli import main; "
-              f"sys.argv = ['kestrel-run', {path!r}, '--prompt-ids', '1,2', '--max-new-tokens', '2']; main()")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       env=env | {"KESTREL_SMEM_CARVEOUT": "101"})
+    r = _run_plainly(path, KESTREL_SMEM_CARVEOUT="101")
     assert r.returncode == 6, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
     assert "KESTREL_SMEM_CARVEOUT='101' is not a percentage 0-100" in line and "Traceback" not in r.stderr, line
