@@ -16,7 +16,8 @@
 #           now in the rule, against them off (-notog): 35B-A3B q4 (never timed with them), compute-sanitizer on 4
 #           layers of the 0.8B shape and 4 layers of the 35B-A3B shape against the CPU reference at the rule, 0.8B
 #           and 2B q4, A B B A each (bash bench/build_stop_plans.sh 35b-q4 35b-q4-notog 0.8b-q4 0.8b-q4-notog 2b-q4
-#           2b-q4-notog small4-q4 moe35x4-q4 next80-q4)
+#           2b-q4-notog small4-q4 moe35x4-q4 next80-q4 next80-q4-gnw1 next80-q4-gnw2: ~18 MB); last, gdn_norm's warps
+#           1 and 2 against the rule's 4 at 80B-A3B q4 (stop 44's gnw), A B C C B A
 # There: run(carry=["bench/plans"]): bash bench/device_stop46.sh $OUT PART
 set -u
 out=$1
@@ -49,6 +50,10 @@ case $2 in
     STEP_TIMEOUT=100 PAIRS="qwen3.5-35b-a3b-sm90-q4-notog:qwen3.5-35b-a3b-sm90-q4" bash bench/device_preload_ab.sh "$out/35b"
     STEP_TIMEOUT=100 SANITIZE="qwen3.5-small4-sm90-q4" E2E="qwen3.5-moe35-4l-sm90-q4" bash bench/device_preload_ab.sh "$out/checks"
     STEP_TIMEOUT=100 PAIRS="qwen3.5-0.8b-sm90-q4-notog:qwen3.5-0.8b-sm90-q4 qwen3.5-2b-sm90-q4-notog:qwen3.5-2b-sm90-q4" \
-      bash bench/device_preload_ab.sh "$out/dense" ;;
+      bash bench/device_preload_ab.sh "$out/dense"
+    mkdir -p "$out/gnw"  # stop 44's gdn_norm warps (device_stop43.sh gnw's A/B, at this rule), where plans were carried
+    [ -e bench/plans/qwen3-next-80b-a3b-sm90-q4-gnw1.plan ] && STEP_TIMEOUT=100 \
+      SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-gnw1 qwen3-next-80b-a3b-sm90-q4-gnw2" \
+      bash bench/device_preload_ab.sh "$out/gnw" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
