@@ -165,7 +165,7 @@ for p in "$@"; do
     4b-q4-add8|9b-q4-add8) m=qwen3.5-${p%-q4-add8}  # the q4 fewer-rows matvecs at 8 rows (4B) and 1024 inputs a tile (9B's down)
       python3 bench/build_variant.py matvec.q4_ctas_per_sm=2 matvec.q4_long_k=16384 -- $m $R --quant q4 --max-seq 4096 -o bench/plans/$m-sm90-q4-add8.plan ;;
     2b-q4-nshort0) python3 bench/build_variant.py matvec.q4_norm_short_k=0 -- qwen3.5-2b $R --quant q4 --max-seq 4096 -o bench/plans/qwen3.5-2b-sm90-q4-nshort0.plan ;;
-    next80-q4-g*|next4-q4-g*|next4-q4-spec3-g*) g=${p##*-g}; bn=${g%x*}; nw=${g#*x}  # moe.down_gather = (BLOCK_N, warps)
+    next80-q4-g[0-9]*|next4-q4-g[0-9]*|next4-q4-spec3-g[0-9]*) g=${p##*-g}; bn=${g%x*}; nw=${g#*x}  # moe.down_gather = (BLOCK_N, warps)
       case $p in next80*) m=qwen3-next-80b-a3b; x="--max-seq 4096 --prefill-rows 256"; o=qwen3-next-80b-a3b-sm90-q4;;
         next4-q4-spec3*) m=$(next4); x="--speculative mtp --draft-tokens 3"; o=qwen3-next-4l-sm90-q4-spec3;;
         *) m=$(next4); x=""; o=qwen3-next-4l-sm90-q4;; esac
