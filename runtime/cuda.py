@@ -6,11 +6,9 @@ error becomes a DeviceError with one line; a missing driver says so and points a
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from kestrel.artifacts.errors import DeviceError, InputError
+from kestrel.artifacts.errors import DeviceError
 
 _NP_TYPES = {"fp32": np.float32, "i32": np.int32, "u32": np.uint32, "i64": np.int64}
 
@@ -60,23 +58,6 @@ def compute_capability(dev) -> int:
     return 10 * major + minor
 
 
-CARVEOUT_ENV = "KESTREL_SMEM_CARVEOUT"
-
-
-def smem_carveout() -> int | None:
-    """The KESTREL_SMEM_CARVEOUT gate (an experiment, off unless set): every kernel's preferred shared-memory
-    carveout, the percent of an SM's unified L1 / shared memory it asks to be shared memory (0-100; the
-    driver's own choice per kernel when unset). Why: attn_step's CTAs each take ~158 KiB of shared memory,
-    which the matvecs around it do not, and an SM changes its split only once idle, so a step that mixes them
-    may pay for the change at each attention layer; one split for every kernel avoids it."""
-    raw = os.environ.get(CARVEOUT_ENV, "")
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) > 100:
-        raise InputError(f"{CARVEOUT_ENV}={raw!r} is not a percentage 0-100; set it to one or unset it")
-    return int(raw)
-
-
 class Kernel:
     """A loaded cubin entry point with its launch metadata."""
 
@@ -90,11 +71,6 @@ class Kernel:
             check(cu.cuFuncSetAttribute(self.function,
                                         cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         shared), f"cuFuncSetAttribute({name})")
-        carveout = smem_carveout()
-        if carveout is not None:
-            check(cu.cuFuncSetAttribute(self.function,
-                                        cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                        carveout), f"cuFuncSetAttribute({name}, carveout {carveout})")
 
 
 class PackedArgs:

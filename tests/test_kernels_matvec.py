@@ -31,14 +31,18 @@ def make_weight(kind: str, n: int, k: int, g: torch.Generator):
     return buf, q4_unpack(buf, n, k, group), group
 
 
-def consts_for(n: int, k: int, group: int, override: dict | None) -> dict:
-    """The sm_90 launch rule's constexprs with ``override``; TOGETHER (q4 in one tile) follows an overridden
-    BLOCK_K unless the override sets it too."""
-    c = dict(matvec_launch(n, k, group, TARGETS["sm_90"])["constexprs"])
-    c.update(override or {})
+def with_tiles(c: dict, override: dict | None) -> dict:
+    """Launch constexprs ``c`` with ``override``; TOGETHER (q4 in one tile) follows an overridden BLOCK_K unless the
+    override sets it too."""
+    c = dict(c) | (override or {})
     if "TOGETHER" not in (override or {}):
         c["TOGETHER"] = c["TOGETHER"] and c["K"] == c["BLOCK_K"]
     return c
+
+
+def consts_for(n: int, k: int, group: int, override: dict | None) -> dict:
+    """The sm_90 launch rule's constexprs with ``override`` (``with_tiles``)."""
+    return with_tiles(matvec_launch(n, k, group, TARGETS["sm_90"])["constexprs"], override)
 
 
 # (weight kind, N, K, constexpr overrides): the launch rule's blocks, and smaller blocks so that the

@@ -18,7 +18,7 @@ from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, matvec
                                     rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref
 from kestrel.kernels.targets import TARGETS
-from test_kernels_matvec import consts_for, make_weight
+from test_kernels_matvec import consts_for, make_weight, with_tiles
 
 RTOL = 1e-5
 EPS = 1e-6
@@ -172,8 +172,7 @@ def test_norm_folded_into_matvecs(kind, h, k0, n, prod, cons):
     w, w_ref, group = make_weight(kind, n, h, g)
     wg, wg_ref, _ = make_weight(kind, n, h, g)
     wu, wu_ref, _ = make_weight(kind, n, h, g)
-    base = rmsnorm_matvec_launch(n, h, group, ss.numel(), TARGETS["sm_90"])["constexprs"] | (cons or {})
-    base["TOGETHER"] = base["TOGETHER"] and base["K"] == base["BLOCK_K"]  # (q4 in one tile: an overridden BLOCK_K)
+    base = with_tiles(rmsnorm_matvec_launch(n, h, group, ss.numel(), TARGETS["sm_90"])["constexprs"], cons)
     for mode in _modes(kind, h, base["BLOCK_K"]):
         _consume(s, ss, nw, (w, w_ref), (wg, wg_ref), (wu, wu_ref), n, base | {"NORM": mode}, kind)
 

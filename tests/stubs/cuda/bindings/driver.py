@@ -39,7 +39,6 @@ class CUevent_flags(enum.IntEnum):
 
 class CUfunction_attribute(enum.IntEnum):
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
 class CUDA_KERNEL_NODE_PARAMS:
@@ -248,12 +247,8 @@ def cuModuleGetFunction(module, name):
     return (OK, f)
 
 
-ATTRIBUTES: list = []  # (function name, attribute, value) set by the runtime
-
-
 @_count
 def cuFuncSetAttribute(f, attr, value):
-    ATTRIBUTES.append((_functions[f], CUfunction_attribute(attr).name, value))
     return (OK,)
 
 
