@@ -23,7 +23,7 @@ import torch
 
 from kestrel.compiler.ir import SCRATCH_PREFIX, Dyn, State, Weight, is_q4, q4_group
 from kestrel.compiler.ir_text import parse_program
-from kestrel.compiler.ops import OPS
+from kestrel.compiler.ops import OPS, scalar_attrs
 from kestrel.kernels.matvec import q4_pack, q4_unpack
 from kestrel.runtime import cuda as kc
 
@@ -114,7 +114,7 @@ def check_one(entry, op, kern) -> dict:
     ref_out = OPS[op.kind].reference(*refs[:len(op.ins)], **op.attrs)
     ref_outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
     types = [p[1] for p in entry["params"]]
-    scalars = list(op.attrs.values())
+    scalars = scalar_attrs(op)
     args = kc.PackedArgs(types, [t.data_ptr() for t in ktens] + scalars)
     stream = torch.cuda.current_stream().cuda_stream
     kc.launch(kern, entry["grid"], args, stream)

@@ -112,10 +112,15 @@ class Model:
 
 def resolve_max_seq(cfg, max_seq: int | None) -> int:
     if max_seq is None:
-        max_seq = min(DEFAULT_MAX_SEQ, cfg.max_position_embeddings)
-    if not 2 <= max_seq <= cfg.max_position_embeddings:  # a request is at least one prompt and one new token
+        max_seq = min(DEFAULT_MAX_SEQ, cfg.max_positions)
+    if not 2 <= max_seq <= cfg.max_positions:  # a request is at least one prompt and one new token
         raise InputError(f"--max-seq {max_seq}: must be between 2 (one prompt and one new token) and the model's "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+                         + (f"positions with YaRN ({cfg.max_positions}: factor x original_max_position_embeddings)"
+                            if cfg.rope_yarn else f"max_position_embeddings ({cfg.max_position_embeddings})"))
+    rows = 2 ** 31 // (cfg.num_key_value_heads * cfg.head_dim)  # the attention kernels' offsets are 32-bit
+    if max_seq >= rows:
+        raise InputError(f"--max-seq {max_seq}: the KV cache's 32-bit offsets allow at most {rows - 1} rows for this "
+                         f"model ({cfg.num_key_value_heads} kv heads of {cfg.head_dim}); lower --max-seq")
     return max_seq
 
 

@@ -34,7 +34,7 @@ from triton.runtime.jit import JITFunction
 
 from kestrel.artifacts.errors import BackendMissingError
 from kestrel.compiler.ir import Dyn, Op, Program, is_q4
-from kestrel.compiler.ops import OPS, is_view
+from kestrel.compiler.ops import OPS, is_view, scalar_attrs
 from kestrel.kernels import bandwidth, fill
 from kestrel.kernels.pdl import PDL_MIN_CC
 from kestrel.kernels.q4_mma import CudaKernel
@@ -65,13 +65,15 @@ def param_types(op: Op) -> list[str]:
     for x in list(op.ins) + list(op.outs):
         dtype = x.dtype if isinstance(x, Dyn) else x.type.dtype
         types.append("*u8" if is_q4(dtype) else PTR_TYPES[dtype])
-    for v in op.attrs.values():
+    for v in scalar_attrs(op):
         types.append("fp32" if isinstance(v, float) else "i32")
     return types
 
 
 def constexprs(launch: dict) -> dict:
-    return {k: v for k, v in launch.items() if k.isupper()}
+    """A launch's constexprs (its upper-case keys), lists as tuples (the IR's text form has lists, Triton's
+    constexprs must be hashable: the RoPE kernels' ``YARN``)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in launch.items() if k.isupper()}
 
 
 def with_pdl(fn, consts: dict, cc: int) -> dict:
@@ -118,6 +120,8 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
         return compile_cuda(kernel_id, fn, types, consts, num_warps, cc)
     if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 (the test suite): compile in a clean process
         return _compile_in_subprocess(kernel_id, jit_name(fn), types, consts, num_warps, cc, aligned, fp_fusion)
+    consts = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()  # defaulted constexprs (YARN)
+              if n.isupper() and n not in consts and p.default is not inspect.Parameter.empty} | consts
     names = [n for n in fn.arg_names if n not in consts]
     if len(names) != len(types):
         raise ValueError(f"{kernel_id}: kernel takes {len(names)} runtime parameters {names}, the op passes "
@@ -208,7 +212,7 @@ def _no_line_info():
 
 def pointer_alignment(op: Op) -> list[bool]:
     args = list(op.ins) + list(op.outs)
-    return [x.loc is not None and x.loc[1] % 16 == 0 for x in args] + [False] * len(op.attrs)
+    return [x.loc is not None and x.loc[1] % 16 == 0 for x in args] + [False] * len(scalar_attrs(op))
 
 
 def compile_op(op: Op, cc: int, consts: dict | None = None) -> CompiledKernel:

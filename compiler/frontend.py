@@ -20,6 +20,7 @@ checkpoint's size.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -85,6 +86,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # YaRN (rope_type "yarn"): (factor, ramp low, ramp high - low, attention factor), what every RoPE kernel
+    # takes (kernels/attention.py rope_inv_freq); empty: plain RoPE. rope_max_positions: the positions YaRN
+    # extends the model to (factor x original_max_position_embeddings), 0 without it.
+    rope_yarn: tuple[float, ...] = field(default=())
+    rope_max_positions: int = 0
 
     @property
     def fused_gdn_projections(self) -> bool:
@@ -99,6 +105,17 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence the model's positions cover: max_position_embeddings, or what YaRN extends it to."""
+        return self.rope_max_positions or self.max_position_embeddings
+
+    @property
+    def rope_attrs(self) -> dict:
+        """The RoPE attributes of the IR's rope-bearing ops: theta and rotary_dim, and ``yarn`` with YaRN."""
+        return {"theta": self.rope_theta, "rotary_dim": self.rotary_dim,
+                **({"yarn": list(self.rope_yarn)} if self.rope_yarn else {})}
+
+    @property
     def gdn_conv_channels(self) -> int:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
@@ -107,6 +124,11 @@ class ModelConfig:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.rope_yarn:
+            d["rope_yarn"] = list(self.rope_yarn)
+        else:  # a plain-RoPE model's normalised config is what it was before YaRN existed
+            for k in ROPE_FIELDS:
+                d.pop(k)
         if not self.mlp_types:  # a dense model's normalised config is what it was before MoE existed
             for k in MOE_FIELDS:
                 d.pop(k)
@@ -120,9 +142,11 @@ class ModelConfig:
         d["layer_types"] = tuple(d["layer_types"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["mlp_types"] = tuple(d.get("mlp_types", ()))
+        d["rope_yarn"] = tuple(d.get("rope_yarn", ()))
         return cls(**d)
 
 
+ROPE_FIELDS = ("rope_yarn", "rope_max_positions")
 MOE_FIELDS = ("mlp_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
               "shared_expert_intermediate_size", "norm_topk_prob")
 
@@ -177,8 +201,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: 'rope_parameters' must be a table")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (expected 'default')")
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (expected 'default' or 'yarn')")
     rope_src = rope if "rope_theta" in rope else text
     theta = _get(rope_src, "rope_theta", float, where, default=10000.0)
     prf_src = rope if "partial_rotary_factor" in rope else text
@@ -211,6 +235,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         linear_key_head_dim=g("linear_key_head_dim"), linear_value_head_dim=g("linear_value_head_dim"),
         tie_word_embeddings=tie, max_position_embeddings=g("max_position_embeddings"),
         eos_token_ids=eos_ids, **moe,
+        **(_parse_yarn(rope, text, theta, int(head_dim * prf), g("max_position_embeddings"), where)
+           if rope_type == "yarn" else {}),
     )
     if heads % kv_heads:
         raise ConfigError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}")
@@ -219,6 +245,56 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     if not (0 < prf <= 1) or cfg.rotary_dim % 2 or cfg.rotary_dim == 0:
         raise ConfigError(f"{where}: head_dim {head_dim} x partial_rotary_factor {prf} must give an even rotary dim > 0")
     return cfg
+
+
+def _parse_yarn(rope: dict, text: dict, theta: float, dim: int, max_pos: int, where: str) -> dict:
+    """YaRN's RoPE settings (ModelConfig.rope_yarn), computed as transformers' ``_compute_yarn_parameters``
+    computes them (modeling_rope_utils; the rotary embedding scales cos and sin by the attention factor):
+    ``original_max_position_embeddings`` from the table, else the config's top level (as Phi-3 keeps it), else
+    max_position_embeddings; ``factor`` None or absent: max_position_embeddings / original; the attention factor
+    given, or 0.1 ln(factor) + 1 (the ratio of two such with ``mscale`` and ``mscale_all_dim``); the ramp between
+    the dims that turn ``beta_fast`` (32) and ``beta_slow`` (1) times over the original length, floored and
+    ceiled unless ``truncate`` is false, clamped into 0 .. dim - 1, widened by 0.001 where its ends meet."""
+    def num(key, default=None):
+        return _get(rope, key, float, f"{where} rope_parameters", default=default)
+
+    if theta <= 1:
+        raise ConfigError(f"{where}: YaRN needs rope_theta > 1, got {theta!r}")
+
+    original = rope.get("original_max_position_embeddings", text.get("original_max_position_embeddings", max_pos))
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(f"{where}: YaRN's original_max_position_embeddings must be a positive integer, "
+                          f"got {original!r}")
+    factor = num("factor", default=max_pos / original)
+    if factor < 1:
+        raise ConfigError(f"{where}: YaRN's factor must be at least 1, got {factor!r}")
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is not None:
+        attention = num("attention_factor")
+    elif rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = mscale(factor, num("mscale")) / mscale(factor, num("mscale_all_dim"))
+    else:
+        attention = mscale(factor)
+    beta_fast, beta_slow = num("beta_fast", default=32.0), num("beta_slow", default=1.0)
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where}: YaRN's truncate must be true or false, got {truncate!r}")
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    return {"rope_yarn": (float(factor), float(low), float(high - low), float(attention)),
+            "rope_max_positions": int(factor * original)}
 
 
 def _parse_moe(text: dict, g, n_layers: int, where: str, every_layer: bool = False) -> dict:

@@ -31,7 +31,7 @@ import math
 import re
 
 from kestrel.compiler.ir import ALIGN, SCRATCH_PREFIX, TOKENS_STATE, Dyn, Program, State, Value, Weight
-from kestrel.compiler.ops import is_view
+from kestrel.compiler.ops import is_view, scalar_attrs
 
 REPLAY_STATE = "spec.replay"  # the replayed token sequence of controlled acceptance (compiler/qwen3_5.py)
 SPEC_ROW_STATES = (".conv_snap", ".recurrent_rows")  # the verify's per-row states of a Gated DeltaNet layer
@@ -70,8 +70,8 @@ def launch_list(program: Program, state: dict | None = None) -> list[dict]:
             "num_warps": launch.get("num_warps"),
             "constexprs": {k: v for k, v in launch.items() if k not in ("kernel", "grid", "num_warps", "fp_fusion")},
             "args": [_arg(x, names, state) for x in list(op.ins) + list(op.outs)],
-            "scalars": list(op.attrs.values()),  # the kernel's scalar parameters, in ABI order
-            "attrs": dict(op.attrs),  # the same by name, for reading (JSON objects carry no order)
+            "scalars": scalar_attrs(op),  # the kernel's scalar parameters, in ABI order
+            "attrs": dict(op.attrs),  # the same by name and its options (yarn), for reading (JSON has no order)
             "layer": _layer_of(op),
             "bytes": _launch_bytes(op, counted),
         })

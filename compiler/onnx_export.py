@@ -338,20 +338,25 @@ class _Exporter:
         self.write_state(rec, s)
         return self.reshape(g.node("MatMul", [self.reshape(q, [hv, 1, dk]), s]), [hv, dv])
 
-    def rope_tables(self, pos: str, theta: float, rotary_dim: int):
-        """cos, sin [rotary_dim] at pos: the reference's fp32 inverse frequencies (as constants) times pos."""
-        key = ("rope", theta, rotary_dim)
+    def rope_tables(self, pos: str, theta: float, rotary_dim: int, yarn=None):
+        """cos, sin [rotary_dim] at pos: the reference's fp32 inverse frequencies (as constants) times pos; with
+        YaRN (``yarn``, rope_ref) its inverse frequencies, cos and sin times its attention factor."""
+        key = ("rope", theta, rotary_dim, tuple(yarn or ()))
         if key not in self.cache:
             g = self.g
-            inv = g.const(rope_inv_freq(theta, rotary_dim).numpy().astype(np.float32))
+            inv = g.const(rope_inv_freq(theta, rotary_dim, yarn).numpy().astype(np.float32))
             freqs = g.node("Mul", [self.cast(pos, "f32"), inv])
             emb = g.node("Concat", [freqs, freqs], axis=0)
-            self.cache[key] = (g.node("Cos", [emb]), g.node("Sin", [emb]))
+            cos, sin = g.node("Cos", [emb]), g.node("Sin", [emb])
+            if yarn:
+                scale = g.const(np.array([yarn[3]], np.float32))
+                cos, sin = g.node("Mul", [cos, scale]), g.node("Mul", [sin, scale])
+            self.cache[key] = (cos, sin)
         return self.cache[key]
 
-    def rope(self, x: str, d: int, pos: str, theta: float, rotary_dim: int) -> str:  # rope_ref (NeoX halves)
+    def rope(self, x: str, d: int, pos: str, theta: float, rotary_dim: int, yarn=None) -> str:  # rope_ref
         g = self.g
-        cos, sin = self.rope_tables(pos, theta, rotary_dim)
+        cos, sin = self.rope_tables(pos, theta, rotary_dim, yarn)
         rot, half = self.slice(x, 1, 0, rotary_dim), rotary_dim // 2
         rotated = g.node("Concat", [g.node("Neg", [self.slice(rot, 1, half, rotary_dim)]), self.slice(rot, 1, 0, half)],
                          axis=1)

@@ -3,6 +3,8 @@
 An ``OpDef`` says, for its op kind,
   * ``operands``  one letter per operand: v value, w weight, s state, d dyn slot, t tensor (v|w|s);
   * ``attrs``     attribute names, in the order the kernel takes them as scalars;
+  * ``options``   attributes an op may carry that are no kernel scalars (absent by default): its launch rule
+                  compiles them in as constexprs (``yarn``: the RoPE ops' YaRN parameters);
   * ``infer``     the shape/type rule: operands + attrs -> result types (raises IRError);
   * ``inout``     operand indices the op updates in place (states); ``writes_dyn``: results are dyn slots;
   * ``view``      whether an instance moves no data (reshape, leading slices alias their input);
@@ -68,6 +70,7 @@ class OpDef:
     kernel: Kernel | NotApplicable
     onnx: Callable | NotApplicable
     inout: tuple[int, ...] = ()
+    options: tuple[str, ...] = ()
     writes_dyn: bool = False
     view: Callable[[Op], bool] | None = None
     doc: str = ""
@@ -879,8 +882,15 @@ def _attn_step(op: Op, t: Target) -> dict:
     nh, nkv, d = attn_heads(op)
     kc = op.ins[5]
     splits = op.ins[8].type.shape[1]
-    return {"kernel": f"attn_step_{kc.type.dtype}",
-            **attention.attn_step_launch(nh, nkv, d, kc.type.shape[0], splits, kc.type.dtype, t)}
+    return _with_yarn(op, {"kernel": f"attn_step_{kc.type.dtype}",
+                           **attention.attn_step_launch(nh, nkv, d, kc.type.shape[0], splits, kc.type.dtype, t)})
+
+
+def _with_yarn(op: Op, launch: dict) -> dict:
+    """A RoPE kernel's launch with the op's YaRN parameters as its ``YARN`` constexpr, where it has them."""
+    if "yarn" not in op.attrs:
+        return launch
+    return launch | {"constexprs": launch["constexprs"] | {"YARN": list(op.attrs["yarn"])}}
 
 
 def _embedding_rows(op: Op, t: Target) -> dict:
@@ -926,8 +936,8 @@ def _gdn_rows_norm(op: Op, t: Target, snap: bool = False) -> dict:
 def _attn_rows_kv(op: Op, t: Target) -> dict:
     rows, width = op.ins[0].type.shape
     s, hkv, d = op.ins[2].type.shape
-    return {"kernel": f"attn_rows_kv_{op.ins[2].type.dtype}",
-            **attention.attn_rows_kv_launch(rows, width, hkv, d, s, op.ins[2].type.dtype, t)}
+    return _with_yarn(op, {"kernel": f"attn_rows_kv_{op.ins[2].type.dtype}",
+                           **attention.attn_rows_kv_launch(rows, width, hkv, d, s, op.ins[2].type.dtype, t)})
 
 
 def _attn_rows_q(op: Op, t: Target) -> dict:
@@ -938,7 +948,7 @@ def _attn_rows_q(op: Op, t: Target) -> dict:
     if (op.ins[6].type.shape, op.ins[7].type.shape) != (part, tickets):
         raise IRError(f"attn_rows_q: its scratch is {op.ins[6].type.shape} / {op.ins[7].type.shape}, the launch "
                       f"needs {part} / {tickets} (select_kernels sizes it)")
-    return {"kernel": f"{prefix}{op.ins[2].type.dtype}", **launch}
+    return _with_yarn(op, {"kernel": f"{prefix}{op.ins[2].type.dtype}", **launch})
 
 
 def _sample(op: Op, t: Target) -> dict:
@@ -1178,9 +1188,10 @@ def _onnx_attn_step(ex, op, qg, k, v, qn, kn, kc, vc, pos, *scratch):  # attn_st
     nh, hkv, d = attn_heads(op)
     a, p = op.attrs, ex.dyn(pos)
     qg2 = ex.reshape(ex.f32(qg), [nh, 2 * d])
-    q = ex.rope(ex.rmsnorm(ex.slice(qg2, 1, 0, d), ex.f32(qn), a["eps"]), d, p, a["theta"], a["rotary_dim"])
+    q = ex.rope(ex.rmsnorm(ex.slice(qg2, 1, 0, d), ex.f32(qn), a["eps"]), d, p, a["theta"], a["rotary_dim"],
+                a.get("yarn"))
     kr = ex.rope(ex.rmsnorm(ex.reshape(ex.f32(k), [hkv, d]), ex.f32(kn), a["eps"]), d, p, a["theta"],
-                 a["rotary_dim"])
+                 a["rotary_dim"], a.get("yarn"))
     ex.kv_append(kc, vc, kr, ex.reshape(ex.f32(v), [hkv, d]), p)
     o = ex.reshape(ex.attention(q, nh, kc, vc, p, a["scale"]), [nh * d])
     gate = ex.reshape(ex.slice(qg2, 1, d, 2 * d), [nh * d])
@@ -1285,6 +1296,7 @@ def _leading_slice(op: Op) -> bool:
 _IN_GDN = NotApplicable("the GPU runs it inside gdn_delta + gdn_norm (fuse)")
 _ROWS_ONNX = NotApplicable("the ONNX step is the one-token step")
 _IN_ATTN = NotApplicable("the GPU runs it inside attn_step (fuse)")
+_ROPE_OPTIONS = ("yarn",)  # YaRN: [factor, ramp low, ramp span, attention factor] (ModelConfig.rope_yarn)
 _VIEW = NotApplicable("a view: the result aliases its input, no data moves")
 _SPEC_ONNX = NotApplicable("part of the speculative programs; the ONNX step is the one-token step")
 
@@ -1324,8 +1336,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           doc="w * rmsnorm(x) * silu(z), per head"),
     OpDef("rope", "vd", ("theta", "rotary_dim"), _infer_rope, attention.rope_ref, _IN_ATTN,
           lambda ex, op, x, pos: ex.rope(ex.f32(x), x.type.shape[1], ex.dyn(pos), op.attrs["theta"],
-                                         op.attrs["rotary_dim"]),
-          doc="NeoX rotary on the first rotary_dim dims at pos"),
+                                         op.attrs["rotary_dim"], op.attrs.get("yarn")),
+          options=_ROPE_OPTIONS, doc="NeoX rotary on the first rotary_dim dims at pos (YaRN's with ``yarn``)"),
     OpDef("kv_append", "ssvvd", (), _infer_kv_append, attention.kv_append_ref, _IN_ATTN,
           lambda ex, op, kc, vc, k, v, pos: ex.kv_append(kc, vc, ex.f32(k), ex.f32(v), ex.dyn(pos)),
           inout=(0, 1), doc="caches[pos] = k, v"),
@@ -1399,7 +1411,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("attn_rows", "vvvwwssdd", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_rows,
           attention.attn_rows_ref,
           NotApplicable("the GPU runs it as attn_rows_kv + attn_rows_q, which fuse emits"), _ROWS_ONNX, inout=(5, 6),
-          doc="attn_step for each valid row at position pos + r: KV rows appended, causal inside the chunk"),
+          options=_ROPE_OPTIONS, doc="attn_step for each valid row at position pos + r: KV rows appended, causal inside the chunk"),
     # (fused by passes/fuse.py: the row ops reading the fused projection rows by column offsets)
     OpDef("gdn_rows_delta", "vswwwsdd", ("qkv", "b", "a", "l2_eps", "scale"), _infer_gdn_rows_delta,
           gated_delta.gdn_rows_delta_ref, Kernel(gated_delta.gdn_rows_delta_kernel, _gdn_rows_delta), _ROWS_ONNX,
@@ -1412,11 +1424,11 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
               "valid rows"),
     OpDef("attn_rows_kv", "vwssdd", ("k", "v", "eps", "theta", "rotary_dim"), _infer_attn_rows_kv,
           attention.attn_rows_kv_ref, Kernel(attention.attn_rows_kv_kernel, _attn_rows_kv), _ROWS_ONNX, inout=(2, 3),
-          doc="the valid rows' k (rmsnorm, rope at pos + r) and v appended to the caches"),
+          options=_ROPE_OPTIONS, doc="the valid rows' k (rmsnorm, rope at pos + r) and v appended to the caches"),
     OpDef("attn_rows_q", "vwssddss", ("q", "heads", "eps", "theta", "rotary_dim", "scale"), _infer_attn_rows_q,
           _attn_rows_q_ref, Kernel(attention.attn_rows_q_kernel, _attn_rows_q,
                                    variants=(("attn_rows_step_", attention.attn_rows_step_kernel),)),
-          _ROWS_ONNX, inout=(6, 7),
+          _ROWS_ONNX, inout=(6, 7), options=_ROPE_OPTIONS,
           doc="after attn_rows_kv: each valid row's q (rmsnorm, rope) over cache rows 0..pos + r, sigmoid gate "
               "(split over the sequence where the rows are few: partials and tickets in scratch states)"),
     OpDef("last_row", "vdd", (), _infer_last_row, sample.last_row_ref, Kernel(sample.last_row_kernel, _last_row),
@@ -1430,7 +1442,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
           inout=(3,), writes_dyn=True, doc="pos advances past the chunk's valid rows; after the prompt's last "
           "chunk the sampled token is appended to tokens and fed in (step_end at the last row)"),
     OpDef("attn_step", "vvvwwssdss", ("eps", "theta", "rotary_dim", "scale"), _infer_attn_step, _attn_step_ref,
-          Kernel(attention.attn_step_kernel, _attn_step), _onnx_attn_step, inout=(5, 6, 8, 9),
+          Kernel(attention.attn_step_kernel, _attn_step), _onnx_attn_step, inout=(5, 6, 8, 9), options=_ROPE_OPTIONS,
           doc="split q|gate per head, q/k rmsnorm, rope, kv_append, attention (split over the sequence: "
               "partials and tickets in scratch states), sigmoid gate"),
     # --- the speculative iteration (--speculative mtp: compiler/qwen3_5.py lower_speculative) ---
@@ -1575,6 +1587,11 @@ _OPERAND_CLASS = {"v": (Value,), "w": (Weight,), "s": (State,), "d": (Dyn,), "t"
 _KIND_NAME = {Value: "value", Weight: "weight", State: "state", Dyn: "dyn slot"}
 
 
+def scalar_attrs(op: Op) -> list:
+    """The kernel's scalar parameters of ``op``: its record's ``attrs``, in that order (``options`` excluded)."""
+    return [op.attrs[k] for k in OPS[op.kind].attrs]
+
+
 def verify(program: Program) -> None:
     """Check every op against its record; every value defined once, before use; outputs defined.
     (Placements are plan_memory's check.) Raises IRError naming the first offending op."""
@@ -1599,7 +1616,7 @@ def verify(program: Program) -> None:
             if isinstance(x, Dyn) and program.dyn.get(x.name) is not x:
                 raise IRError(f"{where}: dyn slot {x.name!r} is not declared")
         missing = [k for k in spec.attrs if k not in op.attrs]
-        extra = [k for k in op.attrs if k not in spec.attrs]
+        extra = [k for k in op.attrs if k not in spec.attrs and k not in spec.options]
         if missing or extra:
             raise IRError(f"{where}: attributes missing {missing} / unexpected {extra}")
         try:

@@ -217,7 +217,7 @@ def _gated_attention(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn, max
     gate = emit(p, "reshape", emit(p, "slice", qg, axis=1, start=hd, stop=2 * hd), shape=[nh * hd])
     k = emit(p, "reshape", emit(p, "matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
     v = emit(p, "reshape", emit(p, "matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim))), shape=[nkv, hd])
-    rope = dict(theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+    rope = cfg.rope_attrs
     q = emit(p, "rope", emit(p, "rmsnorm", q, weight(pre + "q_norm.weight", (hd,)), eps=eps), pos, **rope)
     k = emit(p, "rope", emit(p, "rmsnorm", k, weight(pre + "k_norm.weight", (hd,)), eps=eps), pos, **rope)
     emit(p, "kv_append", k_cache, v_cache, k, v, pos)
@@ -266,8 +266,7 @@ def _gated_attention_rows(p: Program, cfg: ModelConfig, pre: str, x, weight, dyn
     k = emit(p, "matmul", x, weight(pre + "k_proj.weight", (nkv * hd, h_dim)))
     v = emit(p, "matmul", x, weight(pre + "v_proj.weight", (nkv * hd, h_dim)))
     o = emit(p, "attn_rows", qg, k, v, weight(pre + "q_norm.weight", (hd,)), weight(pre + "k_norm.weight", (hd,)),
-             k_cache, v_cache, dyn["pos"], dyn["n_prompt"], eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
-             rotary_dim=cfg.rotary_dim, scale=hd ** -0.5)
+             k_cache, v_cache, dyn["pos"], dyn["n_prompt"], eps=cfg.rms_norm_eps, **cfg.rope_attrs, scale=hd ** -0.5)
     return emit(p, "matmul", o, weight(pre + "o_proj.weight", (h_dim, nh * hd)))
 
 

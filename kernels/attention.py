@@ -15,20 +15,34 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.elementwise import sigmoid_gate_ref
-from kestrel.kernels.pdl import pdl_wait
+from kestrel.kernels.pdl import _INTERPRET, pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import TARGETS, fp_fusion, pow2_at_least
 
 
-def rope_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+def rope_inv_freq(theta: float, rotary_dim: int, yarn=None) -> torch.Tensor:
+    """RoPE's fp32 inverse frequencies [rotary_dim / 2]: 1 / theta^(2i / rotary_dim); with YaRN (``yarn`` =
+    [factor, low, span, attention factor], ModelConfig.rope_yarn) the same divided by factor below the ramp
+    (low .. low + span), undivided above it, blended linearly inside it, each step the fp32 operation
+    transformers' ``_compute_yarn_parameters`` makes."""
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+    if not yarn:
+        return 1.0 / pos_freqs
+    factor, low, span, _ = yarn
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / span, 0, 1)
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
-def rope_ref(x: torch.Tensor, pos: int, theta: float, rotary_dim: int) -> torch.Tensor:
-    inv_freq = rope_inv_freq(theta, rotary_dim).to(x.device)
+def rope_ref(x: torch.Tensor, pos: int, theta: float, rotary_dim: int, yarn=None) -> torch.Tensor:
+    """NeoX rotary of x [heads, D]'s first rotary_dim dims at pos (with YaRN, cos and sin times its attention
+    factor, as transformers' rotary embedding scales them)."""
+    inv_freq = rope_inv_freq(theta, rotary_dim, yarn).to(x.device)
     freqs = torch.tensor([float(pos)], dtype=torch.float32, device=x.device)[:, None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)[0]  # [rotary_dim]
     cos, sin = emb.cos(), emb.sin()
+    if yarn:
+        cos, sin = cos * yarn[3], sin * yarn[3]
     rot, rest = x[:, :rotary_dim].float(), x[:, rotary_dim:].float()
     half = rotary_dim // 2
     rotated = torch.cat([-rot[:, half:], rot[:, :half]], dim=-1)
@@ -52,7 +66,7 @@ def attention_ref(q: torch.Tensor, k_cache, v_cache, pos: int, scale: float) -> 
 
 
 def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: float, theta: float, rotary_dim: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, yarn=None) -> torch.Tensor:
     """The gated attention token mixer after its input projections, as one step: split q|gate per
     head, q/k RMSNorm, partial RoPE at pos, KV append at pos, GQA attention over 0..pos, sigmoid gate.
     Composed from the single-op references in the same order, so it matches them bit for bit."""
@@ -60,15 +74,15 @@ def attn_step_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, eps: flo
     _, hkv, d = k_cache.shape
     nh = qg.shape[0] // (2 * d)
     qg = qg.reshape(nh, 2 * d)
-    q = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos, theta, rotary_dim)
-    kr = rope_ref(rmsnorm_ref(k.reshape(hkv, d), k_norm, eps), pos, theta, rotary_dim)
+    q = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos, theta, rotary_dim, yarn)
+    kr = rope_ref(rmsnorm_ref(k.reshape(hkv, d), k_norm, eps), pos, theta, rotary_dim, yarn)
     kv_append_ref(k_cache, v_cache, kr, v.reshape(hkv, d), pos)
     o = attention_ref(q, k_cache, v_cache, pos, scale).reshape(nh * d)
     return sigmoid_gate_ref(o, qg[:, d:].reshape(nh * d))
 
 
 def attn_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, n_prompt: int, eps: float, theta: float,
-                  rotary_dim: int, scale: float) -> torch.Tensor:
+                  rotary_dim: int, scale: float, yarn=None) -> torch.Tensor:
     """Gated attention over the M rows of a prompt chunk: row r (position pos + r, while < n_prompt)
     appends its k, v to the caches and attends over rows 0..pos + r (causal inside the chunk), exactly
     as the one-token step does at that position; invalid rows are left zero and write nothing."""
@@ -76,23 +90,24 @@ def attn_rows_ref(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos: int, n_prompt
     out = torch.zeros(rows, qg.shape[1] // 2, dtype=torch.float32)
     for r in range(max(0, min(rows, n_prompt - pos))):
         out[r] = attn_step_ref(qg[r], k[r], v[r], q_norm, k_norm, k_cache, v_cache, pos + r, eps, theta, rotary_dim,
-                               scale)
+                               scale, yarn)
     return out
 
 
 def attn_rows_kv_ref(x, k_norm, k_cache, v_cache, pos: int, n_prompt: int, k: int, v: int, eps: float, theta: float,
-                     rotary_dim: int) -> None:
+                     rotary_dim: int, yarn=None) -> None:
     """First half of ``attn_rows_ref`` on the projection rows x [M, W] (columns k .. k + Hkv * D are
     the keys, v .. v + Hkv * D the values): each valid row's k RMSNormed and rotated at pos + r, and
     appended with its v to the caches (rows pos .. pos + valid - 1)."""
     _, hkv, d = k_cache.shape
     for r in range(max(0, min(x.shape[0], n_prompt - pos))):
-        kr = rope_ref(rmsnorm_ref(x[r, k:k + hkv * d].reshape(hkv, d), k_norm, eps), pos + r, theta, rotary_dim)
+        kr = rope_ref(rmsnorm_ref(x[r, k:k + hkv * d].reshape(hkv, d), k_norm, eps), pos + r, theta, rotary_dim,
+                      yarn)
         kv_append_ref(k_cache, v_cache, kr, x[r, v:v + hkv * d].reshape(hkv, d), pos + r)
 
 
 def attn_rows_q_ref(x, q_norm, k_cache, v_cache, pos: int, n_prompt: int, q: int, heads: int, eps: float,
-                    theta: float, rotary_dim: int, scale: float) -> torch.Tensor:
+                    theta: float, rotary_dim: int, scale: float, yarn=None) -> torch.Tensor:
     """Second half, after ``attn_rows_kv_ref`` wrote the chunk's rows: valid row r's queries (columns
     q .. q + 2 * heads * D, q|gate per head) RMSNormed, rotated at pos + r, attending over cache rows
     0 .. pos + r (causal inside the chunk), times sigmoid(gate). Returns [M, heads * D], zero on
@@ -101,7 +116,7 @@ def attn_rows_q_ref(x, q_norm, k_cache, v_cache, pos: int, n_prompt: int, q: int
     out = torch.zeros(x.shape[0], heads * d, dtype=torch.float32)
     for r in range(max(0, min(x.shape[0], n_prompt - pos))):
         qg = x[r, q:q + 2 * heads * d].reshape(heads, 2 * d)
-        qr = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos + r, theta, rotary_dim)
+        qr = rope_ref(rmsnorm_ref(qg[:, :d], q_norm, eps), pos + r, theta, rotary_dim, yarn)
         o = attention_ref(qr, k_cache, v_cache, pos + r, scale).reshape(heads * d)
         out[r] = sigmoid_gate_ref(o, qg[:, d:].reshape(heads * d))
     return out
@@ -280,16 +295,43 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _rope_inv_freq(d, theta, rotary_dim, BLOCK_D: tl.constexpr):
+def _fmul_rn(a, b):
+    """a * b in fp32, rounded once and never contracted into an FMA with a following add (PTX ``mul.rn``; plain in
+    the interpreter, which contracts nothing)."""
+    if _INTERPRET:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _rope_inv_freq(d, theta, rotary_dim, BLOCK_D: tl.constexpr, YARN: tl.constexpr = None):
     """RoPE's inverse frequency for lane d, as the reference computes it in fp32: 1 / theta^(2i / rotary_dim)
     with i = d mod rotary_dim/2 (the power evaluated in fp64 and rounded, then an IEEE fp32 division);
-    lanes past rotary_dim get i = 0 (unused)."""
+    lanes past rotary_dim get i = 0 (unused). With YaRN (``YARN`` = (factor, low, span, attention factor), a
+    constexpr) rope_inv_freq's blend of that and its quotient by factor, each step rounded as the reference's."""
     half = rotary_dim // 2
     fi = tl.where(d < half, d, tl.where(d < rotary_dim, d - half, 0))
     expo = tl.div_rn((2 * fi).to(tl.float32), tl.full([BLOCK_D], rotary_dim, tl.int32).to(tl.float32))
     log2_theta = tl.log2(tl.full([BLOCK_D], theta, tl.float32).to(tl.float64))
     powr = tl.exp2(expo.to(tl.float64) * log2_theta).to(tl.float32)
-    return tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), powr)
+    one = tl.full([BLOCK_D], 1.0, tl.float32)
+    inv = tl.div_rn(one, powr)
+    if YARN is not None:
+        interpolation = tl.div_rn(one, tl.full([BLOCK_D], YARN[0], tl.float32) * powr)
+        ramp = tl.div_rn(fi.to(tl.float32) - tl.full([BLOCK_D], YARN[1], tl.float32),
+                         tl.full([BLOCK_D], YARN[2], tl.float32))
+        extrapolation_factor = 1.0 - tl.minimum(tl.maximum(ramp, 0.0), 1.0)
+        inv = _fmul_rn(interpolation, 1.0 - extrapolation_factor) + _fmul_rn(inv, extrapolation_factor)
+    return inv
+
+
+@triton.jit
+def _rope_scaled(c, YARN: tl.constexpr = None):
+    """cos or sin as the reference scales it: times YaRN's attention factor, unscaled without YaRN."""
+    if YARN is not None:
+        c = c * YARN[3]
+    return c
 
 
 @triton.jit
@@ -358,7 +400,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
                      SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
                      MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
                      DOT_FP32: tl.constexpr, SHORT_ROWS: tl.constexpr, SHORT_S: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, YARN: tl.constexpr = None):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
     For query head h (kv head g = h // REP, REP = NH / NKV) at position p = clamp(*pos_ptr, 0, S - 1):
@@ -470,7 +512,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
         hq = g * REP + tl.minimum(sp, REP - 1)
         hx, hxp, gate, kt0, vt0 = _head_loads(qg_ptr, k_cache_ptr, v_cache_ptr, hq, g, d, dmask, rotary_dim, NKV, D,
                                               S, SHORT_S)
-    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
+    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D, YARN)
     if SHORT_ROWS > 0:
         kr = _norm_rope_apply(xk, xkp, wk, wkp, d, eps, cos, sin, rotary_dim, D)
         kr, vr = _append_row(kr, vr, k_cache_ptr, v_cache_ptr, pos, g, d, dmask, sp == 0, NKV, D, BF16)
@@ -578,10 +620,10 @@ def _attn_head(q, kr, vr, kt0, vt0, gate, k_cache_ptr, v_cache_ptr, out_ptr, pos
 
 
 @triton.jit
-def _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D: tl.constexpr):
+def _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D: tl.constexpr, YARN: tl.constexpr = None):
     """RoPE's cos and sin at position ``pos`` for lane d (pairs share the frequency of index d mod rotary_dim / 2)."""
-    angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
-    return tl.cos(angle), tl.sin(angle)
+    angle = pos.to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D, YARN)
+    return _rope_scaled(tl.cos(angle), YARN), _rope_scaled(tl.sin(angle), YARN)
 
 
 @triton.jit
@@ -710,7 +752,7 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                           BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr,
                           MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
                           MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SHORT_ROWS: tl.constexpr,
-                          SHORT_S: tl.constexpr, PDL: tl.constexpr = False):
+                          SHORT_S: tl.constexpr, PDL: tl.constexpr = False, YARN: tl.constexpr = None):
     """``attn_rows_q_ref`` (attn_rows_q_kernel's operands; kernel ids attn_rows_step_bf16 / _f32) computed row by
     row as attn_step_kernel computes one position, so that a speculative verify's rows are the one-token step's
     bit for bit: grid [NKV, SPLITS, M], program (g, j, r) is attn_step_kernel's program (g, j) at position
@@ -748,7 +790,7 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                     wq = tl.load(q_norm_ptr + d, mask=dmask, other=0.0).to(tl.float32)
                     wqp = tl.load(q_norm_ptr + _rope_partner(d, rotary_dim), mask=d < rotary_dim,
                                   other=0.0).to(tl.float32)
-                    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
+                    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D, YARN)
                     qh = _norm_rope_apply(hx, hxp, wq, wqp, d, eps, cos, sin, rotary_dim, D)
                     row = pos * (NKV * D) + g * D
                     kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
@@ -759,12 +801,12 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                 _rows_grouped(q_norm_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_row, qg_ptr, pos, g, sp,
                               rr, active, heads, hmask, d, dmask, eps, theta, rotary_dim, scale, NH, NKV, D, SPLITS,
                               BLOCK_H, BLOCK_Q, BLOCK_D, BLOCK_S, PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
-                              MERGE_SMALL_STAGES, DOT_FP32, REP, BF16)
+                              MERGE_SMALL_STAGES, DOT_FP32, REP, BF16, YARN)
         elif sp < active:
             _rows_grouped(q_norm_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_row, qg_ptr, pos, g, sp, rr,
                           active, heads, hmask, d, dmask, eps, theta, rotary_dim, scale, NH, NKV, D, SPLITS,
                           BLOCK_H, BLOCK_Q, BLOCK_D, BLOCK_S, PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
-                          MERGE_SMALL_STAGES, DOT_FP32, REP, BF16)
+                          MERGE_SMALL_STAGES, DOT_FP32, REP, BF16, YARN)
 
 
 @triton.jit
@@ -773,10 +815,10 @@ def _rows_grouped(q_norm_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, ou
                   D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
                   MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
-                  DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr):
+                  DOT_FP32: tl.constexpr, REP: tl.constexpr, BF16: tl.constexpr, YARN: tl.constexpr):
     """attn_rows_step_kernel's program (g, sp) of row rr in attn_step_kernel's grouped form (``_attn_row``)."""
     xq, xqp, wq, wqp = _step_query_loads(qg_ptr, q_norm_ptr, g, d, dmask, rotary_dim, REP, BLOCK_Q, D)
-    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D)
+    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D, YARN)
     qr = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
     row = pos * (NKV * D) + g * D
     kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
@@ -892,7 +934,8 @@ def _chunk_rows(pos_ptr, n_prompt_ptr, M: tl.constexpr, S: tl.constexpr):
 @triton.jit
 def attn_rows_kv_kernel(x_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_prompt_ptr, k, v, eps, theta,
                         rotary_dim, M: tl.constexpr, W: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                        S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                        YARN: tl.constexpr = None):
     """The chunk's K/V rows (``attn_rows_kv_ref``), kernel ids attn_rows_kv_bf16 / attn_rows_kv_f32.
 
     x is the fp32 projection rows [M, W] (keys at columns k + g * D, values at v + g * D). For valid
@@ -915,9 +958,10 @@ def attn_rows_kv_kernel(x_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_
     if r < n_valid:
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
-        angle = (pos + r).to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)
+        angle = (pos + r).to(tl.float32) * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D, YARN)
         src = x_ptr + r * W
-        kr = _norm_rope(src + k + g * D, k_norm_ptr, d, dmask, eps, tl.cos(angle), tl.sin(angle), rotary_dim, D)
+        kr = _norm_rope(src + k + g * D, k_norm_ptr, d, dmask, eps, _rope_scaled(tl.cos(angle), YARN),
+                        _rope_scaled(tl.sin(angle), YARN), rotary_dim, D)
         vr = tl.load(src + v + g * D + d, mask=dmask, other=0.0)
         if k_cache_ptr.dtype.element_ty == tl.bfloat16:
             kr = _round_bf16(kr)
@@ -985,7 +1029,8 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
                        out_ptr, q, heads, eps, theta, rotary_dim, scale, M: tl.constexpr, W: tl.constexpr,
                        NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-                       PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False):
+                       PIPE_BYTES: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
+                       YARN: tl.constexpr = None):
     """The chunk's gated attention (``attn_rows_q_ref``), after attn_rows_kv_kernel on the same stream;
     kernel ids attn_rows_q_bf16 / attn_rows_q_f32.
 
@@ -1070,8 +1115,9 @@ def attn_rows_q_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, n_p
         # The query tile: rmsnorm, RoPE at pos + row, pre-scaled for exp2, rounded to bf16 once.
         src = x_ptr + row_c * W + q + head * (2 * D)
         qpos = pos + row
-        angle = qpos.to(tl.float32)[:, None] * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D)[None, :]
-        qn = _norm_rope_rows(src, q_norm_ptr, d, dmask, eps, tl.cos(angle), tl.sin(angle), rotary_dim, D)
+        angle = qpos.to(tl.float32)[:, None] * _rope_inv_freq(d, theta, rotary_dim, BLOCK_D, YARN)[None, :]
+        qn = _norm_rope_rows(src, q_norm_ptr, d, dmask, eps, _rope_scaled(tl.cos(angle), YARN),
+                             _rope_scaled(tl.sin(angle), YARN), rotary_dim, D)
         q_tile = _bf16_operand(qn * (scale * 1.4426950408889634), DOT_FP32)
 
         m_i = tl.full([BLOCK_R], -1.0e30, tl.float32)  # finite: a fully masked tile gives weights exp2(-inf) = 0

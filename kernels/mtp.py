@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.attention import rope_inv_freq
 from kestrel.kernels.moe import route_ref
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.targets import pow2_at_least
@@ -75,21 +76,24 @@ def _norm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
 
 
-def _rope(x, positions, theta: float, rotary_dim: int):
-    """NeoX rotary on the first rotary_dim dims of x [T, heads, D] at positions [T]."""
-    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    f = positions.float()[:, None] * inv[None, :]
+def _rope(x, positions, theta: float, rotary_dim: int, yarn=None):
+    """NeoX rotary on the first rotary_dim dims of x [T, heads, D] at positions [T] (rope_ref's frequencies and,
+    with YaRN, its attention factor)."""
+    f = positions.float()[:, None] * rope_inv_freq(theta, rotary_dim, yarn)[None, :]
     emb = torch.cat([f, f], dim=-1)[:, None, :]
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * emb.cos() + rotated * emb.sin(), rest], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if yarn:
+        cos, sin = cos * yarn[3], sin * yarn[3]
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
 def mtp_dims(cfg) -> dict:
     """``mtp_forward_ref``'s shape keywords from a model config (compiler/frontend.py's ModelConfig)."""
     return dict(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, eps=cfg.rms_norm_eps,
+                rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, yarn=cfg.rope_yarn or None, eps=cfg.rms_norm_eps,
                 top_k=cfg.num_experts_per_tok, norm_topk=cfg.norm_topk_prob)
 
 
@@ -119,14 +123,15 @@ def _mlp_ref(W, w: dict, p: str, x: torch.Tensor, top_k: int, norm_topk: bool) -
 
 def mtp_forward_ref(w: dict, emb_next: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, *, heads: int,
                     kv_heads: int, head_dim: int, rotary_dim: int, theta: float, eps: float, top_k: int = 0,
-                    norm_topk: bool = True, past: tuple[torch.Tensor, torch.Tensor] | None = None):
+                    norm_topk: bool = True, yarn=None, past: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The MTP head over T rows, causally (row i attends to ``past`` and rows 0..i).
 
     ``w``: the head's tensors by checkpoint name without the ``mtp.`` prefix (``fc.weight``,
     ``layers.0.self_attn.q_proj.weight``, ...; a Qwen3-Next head's experts one tensor each,
     ``layers.0.mlp.experts.N.gate_proj.weight``); ``emb_next`` [T, H]: embeddings of x_{t+1};
     ``hidden`` [T, H]: the target's final-normed hidden states h_t (or the head's own m for a draft
-    chain); ``positions`` [T]: t. ``top_k`` / ``norm_topk``: the MoE block's routing (``mtp_dims`` gives
+    chain); ``positions`` [T]: t. ``top_k`` / ``norm_topk``: the MoE block's routing; ``yarn``: YaRN's RoPE
+    (ModelConfig.rope_yarn, or None) (``mtp_dims`` gives
     every keyword from a config). ``past``: keys and values [P, kv_heads, D] of earlier rows (after
     norm and rope), or None. Returns (m [T, H] after the head's final norm, (keys, values) of past +
     these rows)."""
@@ -142,8 +147,8 @@ def mtp_forward_ref(w: dict, emb_next: torch.Tensor, hidden: torch.Tensor, posit
     q, gate = qg[..., :d], qg[..., d:].reshape(t, heads * d)
     k = (x @ W(p + "self_attn.k_proj.weight").T).reshape(t, kv_heads, d)
     v = (x @ W(p + "self_attn.v_proj.weight").T).reshape(t, kv_heads, d)
-    q = _rope(_norm(q, W(p + "self_attn.q_norm.weight"), eps), positions, theta, rotary_dim)
-    k = _rope(_norm(k, W(p + "self_attn.k_norm.weight"), eps), positions, theta, rotary_dim)
+    q = _rope(_norm(q, W(p + "self_attn.q_norm.weight"), eps), positions, theta, rotary_dim, yarn)
+    k = _rope(_norm(k, W(p + "self_attn.k_norm.weight"), eps), positions, theta, rotary_dim, yarn)
     keys = k if past is None else torch.cat([past[0], k])
     values = v if past is None else torch.cat([past[1], v])
     n = keys.shape[0]

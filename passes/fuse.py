@@ -187,13 +187,17 @@ def _fuse_attention(p: Program) -> int:
         part, ticket = _attention_scratch(p, kc.type.shape, qg2.ins[0].type.shape[0])
         fused = Op("attn_step", [gate.outs[0]],
                    [qg2.ins[0], kr.ins[0], vr.ins[0], nq.ins[1], nk.ins[1], kc, vc, pos, part, ticket],
-                   {"eps": nq.attrs["eps"], "theta": rq.attrs["theta"], "rotary_dim": rq.attrs["rotary_dim"],
-                    "scale": op.attrs["scale"]})
+                   {"eps": nq.attrs["eps"], **_rope_attrs(rq.attrs), "scale": op.attrs["scale"]})
         p.ops[p.ops.index(gate)] = fused
         for dead in (rq, nq, rk, nk, app, op, flat):
             p.ops.remove(dead)
         n += 1
     return n
+
+
+def _rope_attrs(attrs: dict) -> dict:
+    """The RoPE attributes a fused attention op takes over from the op it replaces (theta, rotary_dim, yarn)."""
+    return {k: attrs[k] for k in ("theta", "rotary_dim", "yarn") if k in attrs}
 
 
 def _attention_scratch(p: Program, cache_shape, qg_size: int):
@@ -345,7 +349,7 @@ def _fuse_rows(p: Program) -> int:
             x, (c_q, c_k, c_v) = cols
             d = kc.type.shape[2]
             a = op.attrs
-            rope = {"eps": a["eps"], "theta": a["theta"], "rotary_dim": a["rotary_dim"]}
+            rope = {"eps": a["eps"], **_rope_attrs(a)}
             kv = Op("attn_rows_kv", [], [x, kn, kc, vc, pos, n_prompt], {"k": c_k, "v": c_v, **rope})
             part, tickets = _rows_attention_scratch(p, x.type.shape[0], d)
             q = Op("attn_rows_q", [op.outs[0]], [x, qn, kc, vc, pos, n_prompt, part, tickets],
