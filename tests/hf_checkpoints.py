@@ -26,6 +26,11 @@ CONFIGS = {
                        linear_num_key_heads=3, linear_num_value_heads=6, linear_value_head_dim=32,
                        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                                   "partial_rotary_factor": 0.5}), {}),
+    # YaRN over a quarter of the head (theta 1e4, original 4096: the ramp over frequency indices 1.31 .. 2.81, so
+    # index 2 blends, 0-1 extrapolate, 3 interpolates), cos and sin scaled by 0.1 ln 4 + 1
+    "yarn": (dict(max_position_embeddings=16384,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                   "factor": 4.0, "original_max_position_embeddings": 4096, "truncate": False}), {}),
     "mha_sharded": (dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
                          head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
                          linear_value_head_dim=16, layer_types=["linear_attention", "full_attention",
@@ -43,6 +48,10 @@ NEXT_CONFIGS = {
     "e8k2": ({}, {}),
     "e16k4_nonorm_odd": (dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, num_hidden_layers=5,
                               moe_intermediate_size=64, shared_expert_intermediate_size=32, mlp_only_layers=[1]), {}),
+    # YaRN on the whole head (the ramp over indices 2 .. 6: 3-5 blend), its factor from max_position_embeddings
+    "e8k2_yarn": (dict(max_position_embeddings=8192,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                        "factor": None, "original_max_position_embeddings": 4096}), {}),
     "e6k3_step2_sharded": (dict(num_experts=6, num_experts_per_tok=3, num_hidden_layers=7, decoder_sparse_step=2,
                                 linear_num_value_heads=8, hidden_size=96, num_attention_heads=6,
                                 num_key_value_heads=2), {"max_shard_size": "60KB"}),

@@ -11,11 +11,23 @@ import sys
 import pytest
 import torch
 
+import triton
+import triton.language as tl
+
 from kernel_harness import assert_close, interpret
-from kestrel.kernels.attention import SMEM_OPTIN, attn_splits, attn_step_kernel, attn_step_launch, attn_step_ref
+from kestrel.compiler.frontend import _parse_yarn
+from kestrel.kernels.attention import (SMEM_OPTIN, _rope_cos_sin, _rope_inv_freq, attn_splits, attn_step_kernel,
+                                       attn_step_launch, attn_step_ref, rope_inv_freq)
 from kestrel.kernels.targets import TARGETS
 
 EPS, THETA = 1e-6, 1e7
+
+
+def yarn(rotary_dim: int, theta: float = THETA, **rope) -> list[float]:
+    """YaRN's kernel parameters (ModelConfig.rope_yarn) for ``rope`` (default: factor 4 over 4096 positions, the
+    ramp untruncated, so that some frequency indices blend)."""
+    rope = {"factor": 4.0, "original_max_position_embeddings": 4096, "truncate": False} | rope
+    return list(_parse_yarn(rope, {}, theta, rotary_dim, 16384, "test")["rope_yarn"])
 SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (8, 2, 64, 130)]  # (NH, NKV, D, S)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-3}
 CACHE = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -39,7 +51,7 @@ def make_inputs(nh, nkv, d, s, pos, dtype, seed):
     return qg, k, v, qn, kn, kc, vc
 
 
-def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):
+def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):  # (YaRN: consts["YARN"])
     """One launch; the scratch (partials NaN-filled: every one read must have been written this launch,
     tickets zero) must come back with every ticket reset to zero."""
     out = torch.full((qg.numel() // 2,), float("nan"))
@@ -59,11 +71,13 @@ def with_attention(target, **fields):
                                               "attention": dataclasses.replace(target.rules["attention"], **fields)})
 
 
-def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None, target=None):
+def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None, target=None,
+               yarn=None):
     inputs = make_inputs(nh, nkv, d, s, pos, dtype, seed)
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5)
+    ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5, yarn)
+    extra = {**(extra or {}), **({"YARN": yarn} if yarn else {})}
     target = target or TARGETS["sm_90"]
     c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, target), CACHE[dtype], target)
     consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s, "SPLIT_ROWS": block_s} if block_s else {}),
@@ -78,7 +92,61 @@ def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits
     others = torch.arange(s) != pos
     assert torch.equal(bits(kc[others]), bits(before_k[others])), f"{what}: k rows other than pos changed"
     assert torch.equal(bits(vc[others]), bits(before_v[others])), f"{what}: v rows other than pos changed"
-    return (out - ref).abs().max().item() / ref.abs().max().item()
+    return (out - ref).abs().max().item() / ref.abs().max().item(), out
+
+
+@triton.jit
+def _rope_probe(pos_ptr, inv_ptr, cos_ptr, sin_ptr, theta, rotary_dim, BLOCK_D: tl.constexpr,
+                YARN: tl.constexpr = None):
+    """Program p: the RoPE helpers' lanes at position pos_ptr[p] (the inverse frequencies once, from program 0)."""
+    p = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    if p == 0:
+        tl.store(inv_ptr + d, _rope_inv_freq(d, theta, rotary_dim, BLOCK_D, YARN))
+    cos, sin = _rope_cos_sin(tl.load(pos_ptr + p), d, theta, rotary_dim, BLOCK_D, YARN)
+    tl.store(cos_ptr + p * BLOCK_D + d, cos)
+    tl.store(sin_ptr + p * BLOCK_D + d, sin)
+
+
+@pytest.mark.parametrize("rope", [None, {}, {"truncate": True}, {"factor": 8.0, "attention_factor": 1.25}],
+                         ids=["default", "yarn", "yarn-truncated", "yarn-factor8"])
+@pytest.mark.parametrize("theta,rotary_dim", [(THETA, 64), (1e4, 16), (1e6, 128)])
+def test_rope_frequencies_are_the_references(rope, theta, rotary_dim):
+    """The kernels' RoPE helpers in the interpreter: the inverse frequencies rope_inv_freq's within an ulp (YaRN's
+    blended lanes included: the ramp holds at least one fractional index in every YaRN case here), cos and sin at
+    positions up to a million (YaRN's reach at 262K x 4) those of the angles they give times the attention factor."""
+    y = None if rope is None else yarn(rotary_dim, theta, **rope)
+    ref = rope_inv_freq(theta, rotary_dim, y)
+    if y:
+        ramp = (torch.arange(rotary_dim // 2) - y[1]) / y[2]
+        assert ((ramp > 0) & (ramp < 1)).any() or rope.get("truncate"), "no blended frequency: a weak case"
+        assert not torch.equal(ref, rope_inv_freq(theta, rotary_dim)), "YaRN changed nothing"
+    pos = torch.tensor([0, 1, 7, 4095, 4096, 262143, 1048575], dtype=torch.int32)
+    block = triton.next_power_of_2(rotary_dim)
+    inv, cos, sin = torch.zeros(block), torch.zeros(len(pos), block), torch.zeros(len(pos), block)
+    interpret(_rope_probe)[(len(pos),)](pos, inv, cos, sin, theta, rotary_dim, BLOCK_D=block,
+                                        **({"YARN": y} if y else {}))
+    ulps = ((inv[:rotary_dim // 2] - ref).abs() / torch.finfo(torch.float32).eps / ref).max().item()
+    assert ulps <= 1.0, f"{ulps} ulps"  # (the kernel's fp64 power and torch's fp32 one round apart in a few lanes)
+    own = inv[:rotary_dim // 2]  # (the kernel's own frequencies: at a million positions an ulp of one shows)
+    angle = pos.float()[:, None] * torch.cat([own, own])[None, :]
+    scale = y[3] if y else 1.0
+    assert_close(cos[:, :rotary_dim], angle.cos() * scale, 1e-6, 1e-6, "cos")
+    assert_close(sin[:, :rotary_dim], angle.sin() * scale, 1e-6, 1e-6, "sin")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attn_step_with_yarn(dtype):
+    """attn_step_kernel with the YARN constexpr against attn_step_ref with the same YaRN parameters (and unlike the
+    plain-RoPE reference: the constexpr is not ignored), the grouped form and the one-program-a-head form."""
+    y = yarn(16)
+    for pos, target in ((0, None), (33, None), (63, None),
+                        (5, with_attention(TARGETS["sm_90"], short_rows=8, short_block_s=16))):
+        _, out = check_step(4, 2, 32, 64, pos, 16, dtype, seed=pos, yarn=y, target=target)
+        if pos == 0:  # (one row: the output is its value, whatever the rotation)
+            continue
+        plain = attn_step_ref(*make_inputs(4, 2, 32, 64, pos, dtype, pos), pos, EPS, THETA, 16, 32 ** -0.5)
+        assert (out - plain).abs().max() > 1e-2 * plain.abs().max(), f"pos {pos}: YaRN made no difference"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

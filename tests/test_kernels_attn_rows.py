@@ -33,6 +33,7 @@ from kestrel.kernels.attention import (attn_rows_kv_kernel, attn_rows_kv_launch,
                                        attn_step_launch, rope_ref)
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import GPU_TARGETS, TARGETS
+from test_kernels_attention import yarn
 
 EPS, THETA, U = 1e-6, 1e7, 2.0 ** -9
 SM90 = TARGETS["sm_90"]
@@ -70,24 +71,24 @@ def dyn(n):
     return torch.tensor([n], dtype=torch.int32)
 
 
-def run_kv(x, kn, kc, vc, pos, n_prompt, nh, rd):
+def run_kv(x, kn, kc, vc, pos, n_prompt, nh, rd, yarn=None):
     m, w = x.shape
     s, nkv, d = kc.shape
     _, ko, vo, _ = layout(nh, nkv, d)
     c = attn_rows_kv_launch(m, w, nkv, d, s, "bf16" if kc.dtype == torch.bfloat16 else "f32", SM90)
     interpret(attn_rows_kv_kernel)[tuple(c["grid"])](x, kn, kc, vc, dyn(pos), dyn(n_prompt), ko, vo, EPS, THETA, rd,
-                                                     **c["constexprs"])
+                                                     **c["constexprs"], **({"YARN": yarn} if yarn else {}))
 
 
 def run_q(x, qn, kc, vc, pos, n_prompt, nh, rd, block_r=None, block_n=None, splits=None, split_rows=None,
-          scratch=None):
+          scratch=None, yarn=None):
     """The q kernel with the sm_90 rule's constants (BLOCK_R / BLOCK_N overridable: small tiles give
     many blocks and tiles; the interpreter accepts dots the compiler would not; SPLITS / SPLIT_ROWS too: the
     sequence split and its merge) and DOT_FP32. Checks the tickets are left zero."""
     m, w = x.shape
     s, nkv, d = kc.shape
     c = attn_rows_q_launch(m, w, nh, nkv, d, s, SM90)
-    consts = dict(c["constexprs"], DOT_FP32=True)
+    consts = dict(c["constexprs"], DOT_FP32=True, **({"YARN": yarn} if yarn else {}))
     grid = list(c["grid"])
     if block_r:
         consts["BLOCK_R"], grid[1] = block_r, -(-m * (nh // nkv) // block_r)
@@ -180,6 +181,32 @@ def test_attn_rows_match_references(case, dtype):
     spec = attn_rows_ref(qg, k0, v0, qn, kn, kc.clone(), vc.clone(), pos, n_prompt, EPS, THETA, rd, d ** -0.5)
     out = run_q(x, qn, kc_k, vc_k, pos, n_prompt, nh, rd)
     assert_close(out, spec, RTOL[dtype], 0.0, f"{what}: chained vs attn_rows_ref")
+
+
+@DTYPES
+def test_attn_rows_with_yarn(dtype):
+    """The kv and q kernels with the YARN constexpr (test_kernels_attention's YaRN parameters: one blended
+    frequency of the four) against the references with the same parameters: k rows, the q kernel on the
+    reference's caches, the two chained against attn_rows_ref."""
+    nh, nkv, d, rd, m, s, pos, n_prompt = 4, 2, 32, 8, 5, 32, 7, 30
+    y = yarn(rd)
+    x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, dtype, seed=5)
+    qo, ko, vo, _ = layout(nh, nkv, d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    attn_rows_kv_ref(x, kn, kc_ref, vc_ref, pos, n_prompt, ko, vo, EPS, THETA, rd, y)
+    kc_k, vc_k = kc.clone(), vc.clone()
+    run_kv(x, kn, kc_k, vc_k, pos, n_prompt, nh, rd, yarn=y)
+    new = slice(pos, pos + m)
+    assert_close(kc_k[new], kc_ref[new], 1e-5 if dtype == torch.float32 else 1e-2, 0.0, "k rows")
+    plain = kc.clone()
+    attn_rows_kv_ref(x, kn, plain, vc.clone(), pos, n_prompt, ko, vo, EPS, THETA, rd)
+    assert (plain[new].float() - kc_k[new].float()).abs().max() > 0.1, "YaRN made no difference to the keys"
+    ref = attn_rows_q_ref(x, qn, kc_ref, vc_ref, pos, n_prompt, qo, nh, EPS, THETA, rd, d ** -0.5, y)
+    out = run_q(x, qn, kc_ref.clone(), vc_ref.clone(), pos, n_prompt, nh, rd, yarn=y)
+    assert_close(out, ref, RTOL[dtype], 0.0, "q kernel")
+    spec = attn_rows_ref(x[:, qo:qo + 2 * nh * d], x[:, ko:ko + nkv * d], x[:, vo:vo + nkv * d], qn, kn, kc.clone(),
+                         vc.clone(), pos, n_prompt, EPS, THETA, rd, d ** -0.5, y)
+    assert_close(run_q(x, qn, kc_k, vc_k, pos, n_prompt, nh, rd, yarn=y), spec, RTOL[dtype], 0.0, "chained")
 
 
 @DTYPES
@@ -379,25 +406,27 @@ def test_aot_compiles_for_every_target(aot_results, dt):
 
 
 @DTYPES
-@pytest.mark.parametrize("nh,nkv,d,s,pos,split_rows,short", [(4, 2, 32, 64, 9, None, 0), (6, 2, 16, 64, 40, 16, 0),
-                                                             (4, 2, 32, 64, 9, None, 16), (6, 2, 16, 64, 40, 16, 41)])
-def test_step_order_rows_are_the_one_token_steps_bit_for_bit(nh, nkv, d, s, pos, split_rows, short, dtype):
+@pytest.mark.parametrize("nh,nkv,d,s,pos,split_rows,short,rope", [
+    (4, 2, 32, 64, 9, None, 0, None), (6, 2, 16, 64, 40, 16, 0, None), (4, 2, 32, 64, 9, None, 16, None),
+    (6, 2, 16, 64, 40, 16, 41, None), (6, 2, 16, 64, 40, 16, 41, "yarn")])
+def test_step_order_rows_are_the_one_token_steps_bit_for_bit(nh, nkv, d, s, pos, split_rows, short, rope, dtype):
     """attn_rows_step_kernel (``attn_rows.step_order_rows``): after attn_rows_kv_kernel wrote the chunk's rows, each
     valid row equals attn_step_kernel run at that position, one step after another, bit for bit (the same splits,
     tiles, seeding and merge; split_rows 16: several splits merge; ``short``: attention.short_rows, one program a
-    query head up to that position, 41: rows 40 and 41 that way, row 42 grouped); the invalid rows are zero; tickets
-    reset."""
+    query head up to that position, 41: rows 40 and 41 that way, row 42 grouped; ``rope`` yarn: all three kernels
+    with the YARN constexpr); the invalid rows are zero; tickets reset."""
     SM90 = TARGETS["sm_90"]
     if short:
         SM90 = dataclasses.replace(SM90, rules={**SM90.rules, "attention": dataclasses.replace(
             SM90.rules["attention"], short_rows=short, short_block_s=16)})
     m, n_valid, rd = 4, 3, d // 2
+    y = {"YARN": yarn(rd)} if rope else {}
     x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, dtype, seed=nh + pos)
     qo, ko, vo, w = layout(nh, nkv, d)
     kc1, vc1 = kc.clone(), vc.clone()
-    run_kv(x, kn, kc, vc, pos, pos + n_valid, nh, rd)
+    run_kv(x, kn, kc, vc, pos, pos + n_valid, nh, rd, yarn=y.get("YARN"))
     c = attn_rows_step_launch(m, w, nh, nkv, d, s, "bf16" if dtype == torch.bfloat16 else "f32", SM90)
-    consts = dict(c["constexprs"], DOT_FP32=True, **({"SPLIT_ROWS": split_rows} if split_rows else {}))
+    consts = dict(c["constexprs"], DOT_FP32=True, **({"SPLIT_ROWS": split_rows} if split_rows else {}), **y)
     part_shape, ticket_shape = attn_rows_scratch({"grid": c["grid"], "constexprs": consts}, d)
     part, tickets = torch.full(part_shape, float("nan")), torch.zeros(ticket_shape, dtype=torch.int32)
     out = torch.full((m, nh * d), float("nan"))
@@ -406,7 +435,7 @@ def test_step_order_rows_are_the_one_token_steps_bit_for_bit(nh, nkv, d, s, pos,
     assert (tickets == 0).all() and torch.equal(out[n_valid:], torch.zeros_like(out[n_valid:]))
     sl = attn_step_launch(nh, nkv, d, s, attn_splits(nkv, s, SM90), "bf16" if dtype == torch.bfloat16 else "f32",
                           SM90)
-    sc = dict(sl["constexprs"], DOT_FP32=True, **({"SPLIT_ROWS": split_rows} if split_rows else {}))
+    sc = dict(sl["constexprs"], DOT_FP32=True, **({"SPLIT_ROWS": split_rows} if split_rows else {}), **y)
     for r in range(n_valid):
         one = torch.full((nh * d,), float("nan"))
         interpret(attn_step_kernel)[tuple(sl["grid"])](

@@ -266,6 +266,54 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
         _close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
 
 
+MINI_YARN = dict(MINI, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                        "factor": 4.0, "original_max_position_embeddings": 4096, "truncate": False})
+
+
+@pytest.mark.parametrize("attn", ["flash", "step-order"])
+def test_sm90_yarn_plan_in_interpreter_matches_cpu_reference(attn, tmp_path, monkeypatch):
+    """YaRN (rope_type yarn): every attention kernel of the sm_90 plan compiled with its ``YARN`` constexpr (the
+    M-row step's attn_rows_kv and attn_rows_q, or with step-order rows attn_rows_step, over a 6-token prompt in
+    chunks of 4; then the one-token step's attn_step) against the CPU path: the caches after each chunk, the logits
+    of each chunk and step, the token sequence."""
+    from conftest import run_cli
+
+    if attn == "step-order":
+        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=4")
+    ckpt = _write_checkpoint(str(tmp_path), MINI_YARN, 7)
+    path = str(tmp_path / "mini-yarn.plan")
+    r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "bf16", "--max-seq", "16",
+                "--prefill-rows", "4")
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(path)
+    rope = [x for x in plan.launch_plan["launches"] + plan.launch_plan["prefill"]["launches"]
+            if x["op"].startswith("attn_")]
+    kernels = {x["kernel"] for x in rope}
+    assert kernels == {"attn_step_bf16", "attn_rows_kv_bf16",
+                       "attn_rows_step_bf16" if attn == "step-order" else "attn_rows_q_bf16"}, kernels
+    yarn = plan.manifest["model"]["rope_yarn"]
+    assert yarn and all(x["constexprs"]["YARN"] == list(yarn) and "yarn" not in map(str, x["scalars"]) and
+                        len(x["scalars"]) == len(x["attrs"]) - 1 for x in rope)
+    gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
+    prompt = [5, 9, 3, 60, 17, 2]
+    tokens = _begin(gpu, cpu, prompt)
+    for chunk in range(2):
+        gpu.run_prefill()
+        cpu.run_prefill(1)
+        for name in ("layers.1.k_cache", "layers.1.v_cache"):
+            w = cpu.program.states[name]
+            g = gpu.view(gpu.b.regions["state"] + w.loc[1], "*bf16")
+            _close(f"chunk {chunk}: {name}", g[:w.type.numel].float().reshape(w.type.shape), cpu.states[name].float(),
+                   2e-2)
+        _close(f"chunk {chunk}: logits", gpu.output("logits", prefill=True), cpu.outputs["logits"], 2e-2)
+    assert gpu.dyn("pos") == len(prompt) and torch.equal(tokens, cpu.states["tokens"])
+    for step in range(3):
+        gpu.run()
+        cpu.run()
+        assert torch.equal(tokens, cpu.states["tokens"]), f"step {step}: token sequence"
+        _close(f"decode step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 3e-2)
+
+
 def _state(gpu, cpu):
     """state(name): a state of the plan as the interpreted arena and the CPU path hold it (f32)."""
     def state(name):

@@ -120,23 +120,27 @@ def test_compiled_drafts_equal_the_torch_mtp_forward(which, request):
         assert generate(spec, PROMPT, 16, SamplingParams()).tokens == hf_tokens
 
 
-@pytest.mark.parametrize("norm_topk", [True, False])
-def test_qwen3_next_mtp_reference_equals_transformers_decoder_layer(norm_topk):
+@pytest.mark.parametrize("norm_topk,yarn", [(True, False), (False, False), (True, True)],
+                         ids=["norm", "nonorm", "yarn"])
+def test_qwen3_next_mtp_reference_equals_transformers_decoder_layer(norm_topk, yarn):
     """``mtp_forward_ref`` on a Qwen3-Next head (the layer's MLP a sparse MoE block) against an independent
     computation: transformers' Qwen3NextDecoderLayer (full attention, MoE; eager attention with a causal mask)
     loaded with the head's layer (experts fused as transformers holds them), between transformers'
     Qwen3NextRMSNorm pre-fc norms, the fc product and the final norm, within 1e-4 relative over 6 rows;
-    the ref's ``past`` path too (4 rows, then 2 on their keys and values)."""
+    the ref's ``past`` path too (4 rows, then 2 on their keys and values); ``yarn``: the head's attention with YaRN
+    (hf_checkpoints' e8k2_yarn RoPE), as transformers' rotary embedding makes it."""
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextRMSNorm,
                                                                     Qwen3NextRotaryEmbedding)
 
-    from hf_checkpoints import NEXT_BASE
+    from hf_checkpoints import NEXT_BASE, NEXT_CONFIGS
     from kestrel.compiler.frontend import mtp_expected_tensors, parse_config
     from kestrel.compiler.presets import random_weights
 
-    raw = dict(NEXT_BASE, model_type="qwen3_next", norm_topk_prob=norm_topk)
+    raw = dict(NEXT_BASE, model_type="qwen3_next", norm_topk_prob=norm_topk,
+               **(NEXT_CONFIGS["e8k2_yarn"][0] if yarn else {}))
     cfg = parse_config(raw)
+    assert bool(cfg.rope_yarn) == yarn
     w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in random_weights(dict(mtp_expected_tensors(cfg)), 3).items()}
     hf = Qwen3NextConfig(**dict(raw, num_hidden_layers=1, layer_types=["full_attention"]))
     hf._attn_implementation = "eager"
