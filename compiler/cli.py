@@ -30,7 +30,7 @@ def cli():
 @click.option("--quant", default=None, help="Weight precision: none (fp32), bf16 or q4. Default: none on cpu, bf16 on GPUs.")
 @click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Inputs per f16 scale for --quant q4.")
-@click.option("--max-seq", type=int, default=None, help="KV-cache rows (prompt + generated tokens). Default: min(4096, max_position_embeddings).")
+@click.option("--max-seq", type=int, default=None, help="KV-cache rows (prompt + generated tokens), at most the model's positions (max_position_embeddings; with YaRN factor x original_max_position_embeddings). Default: min(4096, that).")
 @click.option("--dump-ir-after", metavar="PASS", default=None,
               help=f"Print the IR after PASS ({', '.join(('lower',) + PASS_NAMES)}) or 'all'.")
 @click.option("--weights", "weights", type=click.Choice(["checkpoint", "random"]), default="checkpoint",
@@ -84,7 +84,7 @@ def _refuse(message: str):
                    "dequantized in the graph; opset 21).")
 @click.option("--q4-group", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Inputs per f16 scale for --quant q4.")
-@click.option("--max-seq", type=int, default=None, help="KV-cache rows. Default: min(4096, max_position_embeddings).")
+@click.option("--max-seq", type=int, default=None, help="KV-cache rows, at most the model's positions (with YaRN factor x original_max_position_embeddings). Default: min(4096, that).")
 @click.option("--external-data/--inline-data", "external", default=None,
               help="Weights in OUT.data next to the model (default: when they exceed 1 GiB).")
 @click.option("--dump-ir-after", metavar="PASS", default=None,
@@ -178,6 +178,8 @@ def inspect(plan_path, as_json, verify):
            f"{m['num_experts']} experts of {m['moe_intermediate_size']}, top {m['num_experts_per_tok']}"
            f"{' (weights renormalised)' if m.get('norm_topk_prob') else ''}, shared expert "
            f"{m['shared_expert_intermediate_size']}"] if m.get("num_experts") else []),
+        *([f"          YaRN RoPE: factor {m['rope_yarn'][0]:g} (positions to {m['rope_max_positions']}), attention "
+           f"factor {m['rope_yarn'][3]:.4f}"] if m.get("rope_yarn") else []),
         f"tokenizer {s['tokenizer'] or 'none (use --prompt-ids)'}",
         *([f"sampling  {_sampling(s['sampling'])} (generation_config.json; kestrel-run's default)"]
           if s.get("sampling") else []),
