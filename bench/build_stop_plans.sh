@@ -52,6 +52,8 @@
 #     35b and moe35x4 take the forms too, e.g. 35b-q4-notog
 #     stop 45: 35b-q4 35b-bf16 (Qwen3.5-35B-A3B, qwen3_5_moe: every layer a MoE block of 256 experts, top 8),
 #     moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3 (4 layers of its shape with its MTP layer: GPU against CPU)
+#     stop 47: next4-yarn-bf16 next4-yarn-q4 (4 layers of the 80B-A3B shape with Qwen's YaRN settings, 8-row prefill:
+#     GPU against CPU), next80-q4-yarn1m (the whole 80B-A3B q4 with them at --max-seq 1048576: 67.5 GB arena)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -83,6 +85,10 @@ small2b4() {  # 4 layers of the 2B shape (hidden 2048: the normed q4 products' s
 moe35x4() {  # 4 layers of the Qwen3.5-35B-A3B shape (3 Gated DeltaNet + 1 attention, every MLP a MoE block, and
   # its MTP layer): GPU against CPU
   d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3.5-35b-a3b']); c['num_hidden_layers'] = 4; c['mtp_num_hidden_layers'] = 1; json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d"
+  echo "$d"
+}
+yarn80() {  # the 80B-A3B shape with Qwen's YaRN settings (factor 4 over 262,144 positions: 1,048,576), LAYERS layers
+  d=$(mktemp -d); python3 -c "import json, sys; from kestrel.compiler.presets import SHAPES; c = dict(SHAPES['qwen3-next-80b-a3b']); c['num_hidden_layers'] = int(sys.argv[2]); c['rope_parameters'] = dict(c['rope_parameters'], rope_type='yarn', factor=4.0, original_max_position_embeddings=262144); json.dump(c, open(sys.argv[1] + '/config.json', 'w'))" "$d" "$1"
   echo "$d"
 }
 base_build() {  # kestrelc build ARGS... by the compiler of the worktree at /tmp/base (the -base plans)
@@ -237,6 +243,8 @@ for p in "$@"; do
     0.8b-q4-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True q4_stream.min_rows=1024 q4_stream.min_k=0 -- qwen3.5-0.8b $R --quant q4 --max-seq 256 -o bench/plans/qwen3.5-0.8b-sm90-q4-stream.plan ;;
     27b-q4-spec3-stream) python3 bench/build_variant.py q4_stream.pair=True q4_stream.add=True -- qwen3.5-27b $R --quant q4 --max-seq 4096 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3.5-27b-sm90-q4-spec3-stream.plan ;;
     27b-bf16) kestrelc build qwen3.5-27b $R --quant bf16 --max-seq 4096 -o bench/plans/qwen3.5-27b-sm90-bf16.plan ;;
+    next4-yarn-bf16|next4-yarn-q4) kestrelc build "$(yarn80 4)" $R --quant ${p#next4-yarn-} --prefill-rows 8 -o bench/plans/qwen3-next-4l-yarn-sm90-${p#next4-yarn-}.plan ;;
+    next80-q4-yarn1m) kestrelc build "$(yarn80 48)" $R --quant q4 --max-seq 1048576 --prefill-rows 256 -o bench/plans/qwen3-next-80b-a3b-yarn1m-sm90-q4.plan ;;
     *) echo "unknown plan $p"; exit 2 ;;
   esac
 done

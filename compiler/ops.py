@@ -1619,6 +1619,10 @@ def verify(program: Program) -> None:
         extra = [k for k in op.attrs if k not in spec.attrs and k not in spec.options]
         if missing or extra:
             raise IRError(f"{where}: attributes missing {missing} / unexpected {extra}")
+        yarn = op.attrs.get("yarn")
+        if yarn is not None and not (isinstance(yarn, list) and len(yarn) == 4 and
+                                     all(isinstance(v, float) for v in yarn) and yarn[0] >= 1 and yarn[2] > 0):
+            raise IRError(f"{where}: yarn must be [factor >= 1, ramp low, ramp span > 0, attention factor], got {yarn}")
         try:
             types = spec.infer(op.ins, op.attrs)
         except IRError as e:

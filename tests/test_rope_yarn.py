@@ -151,6 +151,10 @@ def test_the_ir_carries_yarn_as_an_option():
     with pytest.raises(IRError, match=r"attributes missing \[\] / unexpected \['yarn'\]"):
         verify(program)
     del bad.attrs["yarn"]
+    ropes[0].attrs["yarn"] = [4.0, 1.0, 0.0, 1.1]
+    with pytest.raises(IRError, match=r"yarn must be \[factor >= 1, ramp low, ramp span > 0, attention factor\]"):
+        verify(program)
+    ropes[0].attrs["yarn"] = list(cfg.rope_yarn)
     gpu = run_passes(program, PassOptions("sm_90", "bf16", 32))
     (attn,) = [op for op in gpu.ops if op.kind == "attn_step"]
     assert attn.attrs["yarn"] == list(cfg.rope_yarn) and attn.launch["YARN"] == list(cfg.rope_yarn)
