@@ -113,7 +113,7 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
     vectorise its loads); the arena base is 256-byte aligned, so this follows from placements.
     ``fp_fusion``: Triton's ``enable_fp_fusion`` (products contracted into adds; a launch's ``fp_fusion`` key)."""
     fn = jit_function(jit) if isinstance(jit, str) else jit
-    consts = with_pdl(fn, consts, cc)
+    consts = with_pdl(fn, {k: tuple(v) if isinstance(v, list) else v for k, v in consts.items()}, cc)  # (JSON lists)
     if isinstance(fn, CudaKernel):
         if not fp_fusion:
             raise ValueError(f"{kernel_id}: a CUDA C kernel takes no fp_fusion option")

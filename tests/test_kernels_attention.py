@@ -275,9 +275,11 @@ def aot_jobs(dt):
     launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape in AOT_SHAPES
                 for t in TARGETS.values()]
     ccs = [t.cc for _ in AOT_SHAPES for t in TARGETS.values()]
-    for t in TARGETS.values():  # the one-program-a-head form compiled in (attention.short_rows), at 27B's shape
-        launches.append(attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt,
-                                         with_attention(t, short_rows=128)))
+    for t in TARGETS.values():  # the one-program-a-head form compiled in (attention.short_rows), at 27B's shape,
+        # with YaRN (Qwen's settings on its quarter-rotated head)
+        c = attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt, with_attention(t, short_rows=128))
+        launches.append(c | {"constexprs": c["constexprs"] | {"YARN": yarn(64, 1e7, factor=4.0, truncate=True,
+                                                                             original_max_position_embeddings=262144)}})
         ccs.append(t.cc)
     return [(f"attn_step_{dt}", types, c["constexprs"], c["num_warps"], cc) for c, cc in zip(launches, ccs)]
 

@@ -350,13 +350,16 @@ def aot_jobs(dt):
                      kv["constexprs"], kv["num_warps"], t.cc))
         jobs.append((f"attn_rows_q_{dt}", "kestrel.kernels.attention:attn_rows_q_kernel", q_types, q["constexprs"],
                      q["num_warps"], t.cc))
+        y = {"YARN": yarn(D // 4)}  # (the YaRN forms: the kv kernel, the split q kernel and the step-order rows)
+        jobs.append((f"attn_rows_kv_{dt}_yarn", "kestrel.kernels.attention:attn_rows_kv_kernel", kv_types,
+                     kv["constexprs"] | y, kv["num_warps"], t.cc))
         v = attn_rows_q_launch(4, W, NH, NKV, D, S, t)  # a verify's 4 rows: split over the sequence
         assert v["constexprs"]["SPLITS"] > 1
         jobs.append((f"attn_rows_q_{dt}_split", "kestrel.kernels.attention:attn_rows_q_kernel", q_types,
-                     v["constexprs"], v["num_warps"], t.cc))
+                     v["constexprs"] | y, v["num_warps"], t.cc))
         st = attn_rows_step_launch(4, W, NH, NKV, D, S, dt, t)  # the step-order form at a verify's 4 rows
         jobs.append((f"attn_rows_step_{dt}", "kestrel.kernels.attention:attn_rows_step_kernel", q_types,
-                     st["constexprs"], st["num_warps"], t.cc))
+                     st["constexprs"] | y, st["num_warps"], t.cc))
     return jobs
 
 
@@ -397,7 +400,7 @@ def test_aot_compiles_for_every_target(aot_results, dt):
     assert rc == 0, f"AOT compile of attn_rows_*_{dt} failed:\n{err[-3000:]}"
     res = json.loads(out.strip().splitlines()[-1])
     jobs = aot_jobs(dt)
-    assert len(res) == len(jobs) == 4 * len(GPU_TARGETS)
+    assert len(res) == len(jobs) == 5 * len(GPU_TARGETS)
     for (kid, _, _, consts, nw, cc), r in zip(jobs, res):
         assert r["elf"] and r["name"] and r["num_warps"] == nw, (kid, cc)
         assert r["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}"
