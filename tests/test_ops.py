@@ -9,7 +9,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from kestrel.compiler.frontend import parse_config
-from kestrel.compiler.ops import OPS, Kernel, NotApplicable, is_view
+from kestrel.compiler.ops import OPS, Kernel, NotApplicable, is_view, scalar_attrs
 from kestrel.compiler.presets import PRESETS
 from kestrel.compiler.qwen3_5 import lower, lower_speculative
 from kestrel.passes.pipeline import PassOptions, run_passes
@@ -30,8 +30,12 @@ def test_every_op_has_every_part(name):
     else:
         assert len(d.kernel.why) > 10
     assert all(0 <= i < len(d.operands) and d.operands[i] == "s" for i in d.inout), "inout names state operands"
-    # the reference takes exactly the operands, then the attributes by name
-    inspect.signature(d.reference).bind(*[None] * len(d.operands), **{a: None for a in d.attrs})
+    # the reference takes exactly the operands, then the attributes by name, and the options (absent or given)
+    inspect.signature(d.reference).bind(*[None] * len(d.operands), **{a: None for a in d.attrs + d.options})
+    if isinstance(d.kernel, Kernel) and d.options:  # an option is its kernels' constexpr by that name, None absent
+        for jit in {d.kernel.jit, d.kernel.rows, *(j for _, j in d.kernel.variants)} - {None}:
+            params = inspect.signature(getattr(jit, "fn", jit)).parameters
+            assert all(o.upper() in params and params[o.upper()].default is None for o in d.options), (name, jit)
     if callable(d.onnx):
         inspect.signature(d.onnx).bind(None, None, *[None] * len(d.operands))
 
@@ -141,7 +145,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
             assert isinstance(kernel, Kernel), f"{op.kind} reached a GPU program without a kernel"
             jit = kernel.jit_for(op)
             runtime_params = [a for a in jit.arg_names if not a.isupper()]
-            assert len(runtime_params) == len(op.ins) + len(op.outs) + len(op.attrs), (op.kind, runtime_params)
+            assert len(runtime_params) == len(op.ins) + len(op.outs) + len(scalar_attrs(op)), (op.kind, runtime_params)
             seen.add(op.kind)
             jits.add(jit)
     with_kernel = {n for n, d in OPS.items() if isinstance(d.kernel, Kernel)}
