@@ -414,6 +414,12 @@ def _infer_gdn_norm(ins, a):
     return [_f32((n,))]
 
 
+def _infer_gdn_norm_matmul_add(ins, a):
+    """gdn_norm's operands (o, z, qkv, norm weight, conv state), then matmul_add's W and r: s [N], ss."""
+    (normed,) = _infer_gdn_norm(ins[:5], a)
+    return _infer_matmul_add([Value(normed), *ins[5:]], a)
+
+
 def attn_heads(op: Op) -> tuple[int, int, int]:
     """(query heads, kv heads, head_dim) of an attn_step op."""
     _, hkv, d = _t(op.ins[5]).shape
@@ -876,6 +882,18 @@ def _gdn_norm(op: Op, t: Target) -> dict:
     dv = op.ins[3].type.shape[0]
     c, kc1 = op.ins[4].type.shape
     return {"kernel": "gdn_norm", **gated_delta.gdn_norm_launch(op.ins[0].type.shape[0] // dv, dv, c, kc1 + 1, t)}
+
+
+def _gdn_norm_matvec_add(op: Op, t: Target) -> dict:
+    """gdn_norm_matvec_add_kernel's launch (kernels/matvec.py); passes/fold_row_norms.py folds only where it has one
+    (the product's tiles hold whole value heads)."""
+    w, nw, conv = op.ins[5], op.ins[3], op.ins[4]
+    launch = matvec.gdn_norm_matvec_add_launch(*_matrix(w), nw.type.shape[0], conv.type.shape[0],
+                                               conv.type.shape[1] + 1, t)
+    if launch is None:
+        raise IRError(f"gdn_norm_matmul_add: the product's tiles do not hold whole value heads of "
+                      f"{nw.type.shape[0]} (fold_row_norms folds only where they do)")
+    return {"kernel": "gdn_norm_matvec_add_" + w.type.dtype, **launch}
 
 
 def _attn_step(op: Op, t: Target) -> dict:
@@ -1400,6 +1418,11 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("gdn_norm", "vvvws", ("eps",), _infer_gdn_norm, gated_delta.gdn_norm_ref,
           Kernel(gated_delta.gdn_norm_kernel, _gdn_norm), _onnx_gdn_norm, inout=(4,),
           doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
+    OpDef("gdn_norm_matmul_add", "vvvwswv", ("eps", "partial_rows"), _infer_gdn_norm_matmul_add,
+          matvec.gdn_norm_matvec_add_ref, Kernel(matvec.gdn_norm_matvec_add_kernel, _gdn_norm_matvec_add),
+          NotApplicable("folded after quantize (passes/fold_row_norms.py); the ONNX step is exported before"),
+          inout=(4,), doc="gdn_norm then matmul_add in one launch (fold_row_norms, rule gdn_norm.fold): s = r + W @ "
+          "gated_rmsnorm(o, z, w), ss its partial sums; the conv state shifted"),
     # --- the M-row step (a prompt chunk of M rows at positions pos.., valid while < n_prompt) ---
     OpDef("embedding_rows", "wsdd", ("rows",), _infer_embedding_rows, embedding.embedding_rows_ref,
           Kernel(embedding.embedding_rows_kernel, _embedding_rows), _ROWS_ONNX,

@@ -481,8 +481,6 @@ def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_p
     owner, so the in-place update is race-free. It runs after ``gdn_delta_kernel`` (same stream),
     the last reader of the old conv state."""
     pdl_wait(PDL)
-    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
-    tl.static_assert(KC <= 16)
     j = tl.program_id(0)
 
     offs_v = tl.arange(0, BLOCK_DV)
@@ -491,9 +489,17 @@ def gdn_norm_kernel(o_raw_ptr, z_ptr, qkv_ptr, norm_w_ptr, conv_state_ptr, out_p
     zz = tl.load(z_ptr + j * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
     tl.store(out_ptr + j * DV + offs_v, _gated_norm(o, zz, norm_w, eps, DV), mask=mv)
+    shift_conv_state(qkv_ptr, conv_state_ptr, j * CH_PER_PROG, C, KC, CH_PER_PROG, BLOCK_CH)
 
-    # conv state of this program's channels: window [state | x], stored shifted left by one
-    ch = j * CH_PER_PROG + tl.arange(0, BLOCK_CH)
+
+@triton.jit
+def shift_conv_state(qkv_ptr, conv_state_ptr, ch0, C: tl.constexpr, KC: tl.constexpr, CH_PER_PROG: tl.constexpr,
+                     BLOCK_CH: tl.constexpr):
+    """A program's share of the conv-state update after gdn_delta (the last reader of the old state): channels
+    [ch0, ch0 + CH_PER_PROG) of C, their window [state | x] stored shifted left by one (conv_shift_ref)."""
+    KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
+    tl.static_assert(KC <= 16)
+    ch = ch0 + tl.arange(0, BLOCK_CH)
     mc = (tl.arange(0, BLOCK_CH) < CH_PER_PROG) & (ch < C)
     i = tl.arange(0, KCP)[None, :]
     x = tl.load(qkv_ptr + ch, mask=mc, other=0.0).to(tl.float32)

@@ -213,6 +213,13 @@ class WarpsRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GdnNormRule(WarpsRule):
+    fold: bool = False          # at one row, gdn_norm folded into the output projection after it (one launch a GDN
+    #                             layer fewer: gdn_norm_matmul_add, passes/fold_row_norms.py); off until timed on the
+    #                             H200 (prepared in stop 47: bench/device_stop47.sh gfold)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RmsnormRule(Rule):
     wide_n: int                 # rows of at least wide_n elements get wide_warps, others num_warps
     wide_warps: int
@@ -404,7 +411,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json", _RESULTS + "stop27/call2/attn-rows.json")),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
                               provenance=(_RESULTS + "stop24/call2/summary.txt", _RESULTS + "stop29/call5/log.txt")),
-    "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "gdn_norm": GdnNormRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
                             num_warps=1, chunk_block_v=16, chunk_num_warps=8, norm_block_m=16, norm_num_warps=4,
                             snap_norm_block_m=1,  # stop 38 call 8: 27B q4 K = 3 7.3 -> 5.7 us a launch

@@ -19,6 +19,12 @@ kernels compute those rows, which have no folded form (the folded one-row kernel
 from the producer's partial sums, or apply its factor after the product: other roundings). Only the q4 chains
 the tensor-core kernel folds at the verify's rows stay folded.
 
+And at one row, where the target's rule ``gdn_norm.fold`` is on (off until timed on the H200) and the one-row chains
+stay folded: no ``gdn_norm`` is left whose result only a ``matmul_add`` running matvec_add_kernel takes, with tiles
+that hold whole value heads: the two are one ``gdn_norm_matmul_add`` (kernels/matvec.py gdn_norm_matvec_add_kernel:
+the gated norm made per tile in the product's K loop, the conv-state shift by its programs), a launch a Gated
+DeltaNet layer fewer.
+
 After quantize (it needs the matrices' precision) and with the build's target; select_kernels then gives
 the folded ops the kernel's ``q4mma_add`` / ``q4mma_norm(_swiglu)`` (``bf16mma_...``) launches and sizes the
 partials.
@@ -28,7 +34,7 @@ from __future__ import annotations
 import copy
 
 from kestrel.compiler.ir import IRError, Op, Program, TensorType, Value, Weight, is_q4
-from kestrel.compiler.ops import mma_launch
+from kestrel.compiler.ops import OPS, mma_launch
 from kestrel.kernels.targets import TARGETS
 from kestrel.passes.fuse import fold_norms_into_matmuls
 
@@ -115,12 +121,46 @@ def _unfolds(target: str) -> bool:
     return target in TARGETS and not TARGETS[target].rules["matvec_rows"].fold_one_row
 
 
+def _gdn_folds(target: str) -> bool:
+    return target in TARGETS and TARGETS[target].rules["gdn_norm"].fold and not _unfolds(target)
+
+
+def fold_gdn_norms(p: Program, target) -> int:
+    """``gdn_norm`` + the one-row ``matmul_add`` that alone takes its result (as x) -> ``gdn_norm_matmul_add``, where
+    the product runs matvec_add_kernel (not the q4_mma / q4_stream forms) and the fused kernel has a launch (its
+    tiles hold whole value heads). Returns the pairs folded."""
+    users: dict[int, list[Op]] = {}
+    for op in p.ops:
+        for v in op.ins:
+            users.setdefault(id(v), []).append(op)
+    n = 0
+    for op in list(p.ops):
+        uses = users.get(id(op.outs[0]), []) if op.kind == "gdn_norm" else []
+        if len(uses) != 1 or uses[0].kind != "matmul_add" or uses[0].ins[0] is not op.outs[0]:
+            continue
+        mm = uses[0]
+        if not OPS["matmul_add"].kernel.launch(mm, target)["kernel"].startswith("matvec_add_"):
+            continue
+        fused = Op("gdn_norm_matmul_add", mm.outs, [*op.ins, *mm.ins[1:]],
+                   {"eps": op.attrs["eps"], "partial_rows": mm.attrs["partial_rows"]})
+        try:
+            OPS[fused.kind].kernel.launch(fused, target)
+        except IRError:
+            continue
+        p.ops[p.ops.index(mm)] = fused
+        p.ops.remove(op)
+        n += 1
+    return n
+
+
 def fold_row_norms(program: Program, target: str) -> Program:
     p = copy.deepcopy(program)
     if _folds(target):
         fold_norms_into_matmuls(p, rows=True, accept=_accept(TARGETS[target]))
     if _unfolds(target):
         unfold_one_row_norms(p)
+    if _gdn_folds(target):
+        fold_gdn_norms(p, TARGETS[target])
     return p
 
 
@@ -132,3 +172,5 @@ def check(program: Program, target: str) -> None:
     if _unfolds(target) and (n := unfold_one_row_norms(p)):
         raise IRError(f"fold_row_norms: {n} folded norms at one row that the verify's rows run unfolded left after "
                       "the pass")
+    if _gdn_folds(target) and (n := fold_gdn_norms(p, TARGETS[target])):
+        raise IRError(f"fold_row_norms: {n} gdn_norm + matmul_add pairs left unfolded after the pass")

@@ -96,6 +96,14 @@ def _without_bf16_fold(programs):
         TARGETS["sm_90"] = t
 
 
+def _with_gdn_norm_fold():
+    """The tiny q4 and bf16 programs with gdn_norm folded into the output projections (rule gdn_norm.fold)."""
+    from kestrel.kernels.targets import overridden_rules
+
+    with overridden_rules("sm_90", "gdn_norm.fold=True"):
+        return _tiny_gpu_program(), _tiny_gpu_program(quant="bf16")
+
+
 def _with_q4_stream(programs):
     """``programs()`` built with the bulk-copy q4 kernel (kernels/q4_stream.py) taking every form at the tiny
     shapes (by default only the 27B-class normed gate / up pair)."""
@@ -137,7 +145,7 @@ def test_kernel_parameters_match_each_ops_operands_results_and_attributes():
                  *_without_q4_mma(lambda: (_tiny_gpu_program(rows=8), *_tiny_next_programs())),
                  *_without_bf16_fold(lambda: (_tiny_gpu_program(rows=4, quant="bf16"),)),
                  *_with_q4_stream(lambda: (_tiny_gpu_program(), *_tiny_speculative_programs())),
-                 *_with_step_order_attention(_tiny_speculative_programs)):
+                 *_with_step_order_attention(_tiny_speculative_programs), *_with_gdn_norm_fold()):
         for op in prog.ops:
             if is_view(op):
                 continue

@@ -68,3 +68,29 @@ def test_the_pipeline_runs_every_check(after, monkeypatch):
     monkeypatch.setattr(pipeline, "PASSES", passes)
     pipeline.run_passes(after["lower"], OPTS)
     assert tuple(ran) == PASS_NAMES
+
+
+def test_fold_row_norms_folds_gdn_norm_into_the_output_projection_where_the_rule_says(after):
+    """With ``gdn_norm.fold`` each one-row gdn_norm and the matmul_add after it become one gdn_norm_matmul_add (the
+    tiny model's 3 Gated DeltaNet layers), which the check then finds nothing left of, and which select_kernels
+    gives the fused kernel with one partial sum a program; the rule off (the default), nothing changes; with the
+    rule on, the check finds a pair put back."""
+    from kestrel.kernels.targets import overridden_rules
+
+    quantized = after["quantize"]
+    plain = pass_named("fold_row_norms").run(quantized, OPTS)
+    assert sum(op.kind == "gdn_norm" for op in plain.ops) == 3
+    with overridden_rules("sm_90", "gdn_norm.fold=True"):
+        folded = pass_named("fold_row_norms").run(quantized, OPTS)
+        fused = [op for op in folded.ops if op.kind == "gdn_norm_matmul_add"]
+        assert len(fused) == 3 and not any(op.kind == "gdn_norm" for op in folded.ops)
+        pass_named("fold_row_norms").check(folded, OPTS)
+        picked = pass_named("select_kernels").run(folded, OPTS)
+        op = next(op for op in picked.ops if op.kind == "gdn_norm_matmul_add")
+        assert op.launch["kernel"].startswith("gdn_norm_matvec_add_q4g")
+        assert op.attrs["partial_rows"] == op.launch["BLOCK_N"]
+        assert op.outs[1].type.shape == (op.launch["grid"][0],)
+        bad = copy.deepcopy(quantized)  # the pairs unfolded
+        pass_named("fold_row_norms").check(bad, PassOptions("cpu", "q4", 128))  # (cpu: the rule does not apply)
+        with pytest.raises(IRError, match="3 gdn_norm \\+ matmul_add pairs left unfolded"):
+            pass_named("fold_row_norms").check(bad, OPTS)
