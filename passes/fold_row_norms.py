@@ -82,6 +82,15 @@ def _rows_fold(producer: Op, consumers: list[Op]) -> bool:
             and all(u.kind != "rmsnorm_moe_gate_up" and not _fp(u) for u in consumers))
 
 
+def _users(p: Program) -> dict[int, list[Op]]:
+    """The ops reading each value (by id), in program order."""
+    users: dict[int, list[Op]] = {}
+    for op in p.ops:
+        for v in op.ins:
+            users.setdefault(id(v), []).append(op)
+    return users
+
+
 def unfold_one_row_norms(p: Program) -> int:
     """Fuse's rule 7 undone at one row where the verify's rows run the chain unfolded (``_rows_fold``):
     ``matmul_add`` / ``moe_down_add`` (s, ss) -> ``matmul`` / ``moe_down`` then ``add_rmsnorm``, its
@@ -89,10 +98,7 @@ def unfold_one_row_norms(p: Program) -> int:
     norm, as the few-rows matvec and the MoE kernels run a verify's rows (the folded one-row kernels apply the norm
     by tile from the producer's partial sums: another order of the sum of squares, so other bits). Returns the
     chains unfolded."""
-    users: dict[int, list[Op]] = {}
-    for op in p.ops:
-        for v in op.ins:
-            users.setdefault(id(v), []).append(op)
+    users = _users(p)
     n = 0
     for op in list(p.ops):
         if op.kind not in UNFOLD_PRODUCERS or len(op.ins[0].type.shape) != 1:
@@ -129,10 +135,7 @@ def fold_gdn_norms(p: Program, target) -> int:
     """``gdn_norm`` + the one-row ``matmul_add`` that alone takes its result (as x) -> ``gdn_norm_matmul_add``, where
     the product runs matvec_add_kernel (not the q4_mma / q4_stream forms) and the fused kernel has a launch (its
     tiles hold whole value heads). Returns the pairs folded."""
-    users: dict[int, list[Op]] = {}
-    for op in p.ops:
-        for v in op.ins:
-            users.setdefault(id(v), []).append(op)
+    users = _users(p)
     n = 0
     for op in list(p.ops):
         uses = users.get(id(op.outs[0]), []) if op.kind == "gdn_norm" else []
