@@ -379,13 +379,13 @@ def _conv_window(qkv_ptr, conv_state_ptr, conv_w_ptr, ch, ch_mask, KC: tl.conste
 
     Returns (silu(conv) [BLOCK], window [BLOCK, KCP]); window[:, i] is the state column i for
     i < KC - 1 and the raw input x for i == KC - 1 (zero past KC). Nothing is written here: the
-    caller stores window[:, 1:KC] as the new state, after a CTA barrier (see ``_store_window``)."""
+    caller stores window[:, 1:KC] as the new state, after a CTA barrier (see ``store_window``)."""
     st, w = _conv_taps(conv_state_ptr, conv_w_ptr, ch, ch_mask, KC)
     return _conv_apply(qkv_ptr, st, w, ch, ch_mask, KC)
 
 
 @triton.jit
-def _store_window(conv_state_ptr, window, ch, ch_mask, KC: tl.constexpr):
+def store_window(conv_state_ptr, window, ch, ch_mask, KC: tl.constexpr):
     """New conv state = the window shifted left by one: column i <- window[:, i + 1]."""
     KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
     i = tl.arange(0, KCP)[None, :]
@@ -497,6 +497,16 @@ def shift_conv_state(qkv_ptr, conv_state_ptr, ch0, C: tl.constexpr, KC: tl.const
                      BLOCK_CH: tl.constexpr):
     """A program's share of the conv-state update after gdn_delta (the last reader of the old state): channels
     [ch0, ch0 + CH_PER_PROG) of C, their window [state | x] stored shifted left by one (conv_shift_ref)."""
+    window, ch, mc = conv_window(qkv_ptr, conv_state_ptr, ch0, C, KC, CH_PER_PROG, BLOCK_CH)
+    tl.debug_barrier()  # every old state value this CTA reads has been read
+    store_window(conv_state_ptr, window, ch, mc, KC)
+
+
+@triton.jit
+def conv_window(qkv_ptr, conv_state_ptr, ch0, C: tl.constexpr, KC: tl.constexpr, CH_PER_PROG: tl.constexpr,
+                BLOCK_CH: tl.constexpr):
+    """(window, channels, their mask): ``shift_conv_state``'s loads, the window [state | x] of channels
+    [ch0, ch0 + CH_PER_PROG) of C; ``store_window`` after a CTA barrier stores it shifted."""
     KCP: tl.constexpr = 4 if KC <= 4 else (8 if KC <= 8 else 16)
     tl.static_assert(KC <= 16)
     ch = ch0 + tl.arange(0, BLOCK_CH)
@@ -504,9 +514,7 @@ def shift_conv_state(qkv_ptr, conv_state_ptr, ch0, C: tl.constexpr, KC: tl.const
     i = tl.arange(0, KCP)[None, :]
     x = tl.load(qkv_ptr + ch, mask=mc, other=0.0).to(tl.float32)
     st = tl.load(conv_state_ptr + ch[:, None] * (KC - 1) + i, mask=mc[:, None] & (i < KC - 1), other=0.0)
-    window = tl.where(i == KC - 1, x[:, None], st.to(tl.float32))
-    tl.debug_barrier()  # every old state value this CTA reads has been read
-    _store_window(conv_state_ptr, window, ch, mc, KC)
+    return tl.where(i == KC - 1, x[:, None], st.to(tl.float32)), ch, mc
 
 
 # ---------------------------------------------------------------------------------------------

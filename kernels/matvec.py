@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.gated_delta import gdn_norm_ref, shift_conv_state
+from kestrel.kernels.gated_delta import conv_window, gdn_norm_ref, store_window
 from kestrel.kernels.pdl import pdl_launch, pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import fp_fusion, pow2_at_least
@@ -806,9 +806,11 @@ def gdn_norm_matvec_add_kernel(o_ptr, z_ptr, qkv_ptr, nw_ptr, conv_state_ptr, w_
     """``gdn_norm_matvec_add_ref``: gdn_norm folded into the output projection after it (matvec_add_kernel):
     s = r + W @ gated_rmsnorm(o, z, nw) with the norm made per tile of each program's K loop (NORM_GATED: a tile
     holds whole value heads), ss[program] the sum of s^2 over its rows; and gdn_norm's other half, the conv-state
-    update, program p shifting channels [p * CH_PER_PROG, (p + 1) * CH_PER_PROG) after its product (it runs after
-    gdn_delta, the old state's last reader). matvec_add_kernel's split, PRELOAD and triggers."""
+    update, program p shifting channels [p * CH_PER_PROG, (p + 1) * CH_PER_PROG): their window loaded before the PDL
+    wait (x is in_proj's, two launches old, and gdn_delta only reads the state), stored after the product (gdn_delta,
+    the old state's last reader, has ended). matvec_add_kernel's split, PRELOAD and triggers."""
     pid = tl.program_id(0)
+    window, ch, mc = conv_window(qkv_ptr, conv_state_ptr, pid * CH_PER_PROG, C, KC, CH_PER_PROG, BLOCK_CH)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
     s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
@@ -825,7 +827,8 @@ def gdn_norm_matvec_add_kernel(o_ptr, z_ptr, qkv_ptr, nw_ptr, conv_state_ptr, w_
     s = tl.load(r_ptr + rows, mask=live, other=0.0) + y
     tl.store(s_ptr + rows, s, mask=live)
     tl.store(ss_ptr + pid, tl.sum(tl.where(live, s * s, 0.0), axis=0))
-    shift_conv_state(qkv_ptr, conv_state_ptr, pid * CH_PER_PROG, C, KC, CH_PER_PROG, BLOCK_CH)
+    tl.debug_barrier()  # every old state value this CTA reads has been read
+    store_window(conv_state_ptr, window, ch, mc, KC)
 
 
 def gdn_norm_matvec_add_ref(o, z, qkv, nw, conv_state, w, r, eps: float, partial_rows: int):
