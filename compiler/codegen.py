@@ -71,9 +71,7 @@ def param_types(op: Op) -> list[str]:
 
 
 def constexprs(launch: dict) -> dict:
-    """A launch's constexprs (its upper-case keys), lists as tuples (the IR's text form has lists, Triton's
-    constexprs must be hashable: the RoPE kernels' ``YARN``)."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in launch.items() if k.isupper()}
+    return {k: v for k, v in launch.items() if k.isupper()}
 
 
 def with_pdl(fn, consts: dict, cc: int) -> dict:
@@ -113,7 +111,9 @@ def compile_kernel(kernel_id: str, jit, types: list[str], consts: dict, num_warp
     vectorise its loads); the arena base is 256-byte aligned, so this follows from placements.
     ``fp_fusion``: Triton's ``enable_fp_fusion`` (products contracted into adds; a launch's ``fp_fusion`` key)."""
     fn = jit_function(jit) if isinstance(jit, str) else jit
-    consts = with_pdl(fn, {k: tuple(v) if isinstance(v, list) else v for k, v in consts.items()}, cc)  # (JSON lists)
+    # (a list-valued constexpr, the RoPE kernels' YARN as the IR's text form and JSON hold it, as the hashable tuple
+    # Triton needs)
+    consts = with_pdl(fn, {k: tuple(v) if isinstance(v, list) else v for k, v in consts.items()}, cc)
     if isinstance(fn, CudaKernel):
         if not fp_fusion:
             raise ValueError(f"{kernel_id}: a CUDA C kernel takes no fp_fusion option")
