@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stop 48's device calls, one part a call (each under the 10-minute limit; most wanted first: a call may be cut
+# Stop 48's device call (prepared; one part (each under the 10-minute limit; most wanted first: a call may be cut
 # short, and every step leaves its tar under OUTDIR as it ends); everything under OUTDIR.
-#   first   stop 47's gfold and yarn and stop 46's carveout in one call (the device refused starts for the first hour):
+#   first   stop 47's gfold and yarn and stop 46's carveout in one call (no device was lent in stop 48):
 #           80B-A3B q4 rule / gdn_norm folded into out_proj (gfold) / with its first tile before the wait (gfoldpre),
 #           A B C C B A; every kernel's shared-memory carveout at 100% against the driver's choice at 80B-A3B q4,
 #           A B B A; compute-sanitizer on 4 layers of the 0.8B shape with gfold, those and 4 layers of 80B-A3B with it
@@ -11,7 +11,6 @@
 #           (bash bench/build_stop_plans.sh 0.8b-q4 0.8b-q4-gfold 2b-q4 2b-q4-gfold next80-q4 next80-q4-gfold
 #           next80-q4-gfoldpre small4-q4-gfold next4-q4-gfold next4-yarn-bf16 next4-yarn-q4 next80-q4-yarn1m: 21.4 MB,
 #           with the 42.4 MB tree under the 64 MiB a call carries)
-#   yarn    = device_stop47.sh yarn
 # There: run(carry=["bench/plans"]): bash bench/device_stop48.sh $OUT PART
 set -u
 out=$1
@@ -35,6 +34,5 @@ case $2 in
       bash bench/device_preload_ab.sh "$out/yarn"
     STEP_TIMEOUT=120 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-yarn1m-sm90-q4" \
       bash bench/device_preload_ab.sh "$out/yarnab" ;;
-  yarn) bash bench/device_stop47.sh "$out" yarn ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
