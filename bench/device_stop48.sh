@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop 48's device call (prepared; one part (each under the 10-minute limit; most wanted first: a call may be cut
+# Stop 48's device call, prepared (under the 10-minute limit; most wanted first: a call may be cut
 # short, and every step leaves its tar under OUTDIR as it ends); everything under OUTDIR.
 #   first   stop 47's gfold and yarn and stop 46's carveout in one call (no device was lent in stop 48):
 #           80B-A3B q4 rule / gdn_norm folded into out_proj (gfold) / with its first tile before the wait (gfoldpre),
