@@ -57,6 +57,8 @@
 #     2b-q4-gfold next80-q4-gfold next80-q4-gfoldpre small4-q4-gfold next4-q4-gfold 0.8b-bf16-gfold;
 #     next4-yarn-bf16 next4-yarn-q4 (4 layers of the 80B-A3B shape with Qwen's YaRN settings, 8-row prefill:
 #     GPU against CPU), next80-q4-yarn1m (the whole 80B-A3B q4 with them at --max-seq 1048576: 67.5 GB arena)
+#     stop 49: the form gclus (gdn_cluster.on=True: a Gated DeltaNet mixer's normed projection, gdn_delta and gdn_norm in
+#     one cluster launch, rmsnorm_gdn), e.g. 0.8b-q4-gclus 2b-q4-gclus next80-q4-gclus small4-q4-gclus next4-q4-gclus
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -187,7 +189,7 @@ for p in "$@"; do
     0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
       x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
       base_build $m $R --quant $q --max-seq 4096 $x -o "$PWD/bench/plans/$m-sm90-$q-base.plan" ;;
-    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog|*-q4-gfold*|*-bf16-gfold*)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
+    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog|*-q4-gfold*|*-bf16-gfold*|*-q4-gclus*)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
       m=${p%%-*}; q=${p#*-}; q=${q%%-*}; v=${p#*-*-}; x="--max-seq 4096"; a=""
       for f in $(echo "$v" | tr + ' '); do case $f in
         head) a="$a attention.short_rows=128";; head16) a="$a attention.short_rows=128 attention.short_block_s=16";;
@@ -195,7 +197,8 @@ for p in "$@"; do
         gnw1|gnw2) a="$a gdn_norm.num_warps=${f#gnw}";; notog) a="$a matvec.q4_one_tile_together=False";;
         gfold) a="$a gdn_norm.fold=True";;
         gfoldpre) a="$a gdn_norm.fold=True matvec.q4_preload_after=('moe_down_add','gdn_norm','attn_step','gdn_delta')";;
-        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2, gfold, gfoldpre)"; exit 2;; esac; done
+        gclus) a="$a gdn_cluster.on=True";;
+        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2, gfold, gfoldpre, gclus)"; exit 2;; esac; done
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
         35b) m=qwen3.5-35b-a3b; o=$m; x="$x --prefill-rows 256";; moe35x4) m=$(moe35x4); o=qwen3.5-moe35-4l; x="";;
         next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";;

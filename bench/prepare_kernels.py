@@ -3,6 +3,8 @@ select, for the device check (bench/device_kernels.py). Writes OUT_DIR/index.jso
 OUT_DIR/<shape>.ir per program and the cubins.
 
     python bench/prepare_kernels.py bench/cubins
+    (PROGRAMS="qwen3-next-80b-a3b:q4 qwen3.5-0.8b:q4": those programs only; ONLY_OP=rmsnorm_gdn,gdn_delta: those ops
+    only; KESTREL_RULES: the sm_90 rules changed as kestrelc build changes them)
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from kestrel.compiler.codegen import compile_op, constexprs, param_types
 from kestrel.compiler.ir import Dyn, State, Value, Weight
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.ops import is_view
-from kestrel.compiler.presets import PRESETS, QWEN35_SHAPES
+from kestrel.compiler.presets import PRESETS, SHAPES
+from kestrel.kernels.targets import RULES_ENV, override_rules
 from kestrel.compiler.qwen3_5 import lower
 from kestrel.passes.pipeline import PassOptions, run_passes
 
@@ -34,15 +37,19 @@ def describe(x):
 def main(out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     index, compiled = [], {}
-    for shape, quant in PROGRAMS:
-        config = PRESETS["tiny"] if shape == "tiny" else QWEN35_SHAPES[shape]
+    if os.environ.get(RULES_ENV):
+        print("rules changed:", *override_rules("sm_90", os.environ[RULES_ENV]))
+    programs = [tuple(p.split(":")) for p in os.environ["PROGRAMS"].split()] if os.environ.get("PROGRAMS") else PROGRAMS
+    only_op = os.environ.get("ONLY_OP", "").split(",") if os.environ.get("ONLY_OP") else None
+    for shape, quant in programs:
+        config = PRESETS["tiny"] if shape == "tiny" else SHAPES[shape]
         prog = run_passes(lower(parse_config(config), 256 if shape == "tiny" else MAX_SEQ), PassOptions("sm_90", quant))
         ir_name = f"{shape}-{quant}.ir"
         with open(os.path.join(out_dir, ir_name), "w") as f:
             f.write(print_program(prog))
         seen = set()
         for i, op in enumerate(prog.ops):
-            if is_view(op):
+            if is_view(op) or (only_op and op.kind not in only_op):
                 continue
             key = (op.launch["kernel"], json.dumps(constexprs(op.launch), sort_keys=True), tuple(param_types(op)))
             if key in seen:

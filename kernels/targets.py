@@ -220,6 +220,15 @@ class GdnNormRule(WarpsRule):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GdnClusterRule(WarpsRule):
+    on: bool = False            # at one row, a Gated DeltaNet layer's normed q4 projection, gdn_delta and gdn_norm in
+    #                             one launch, a thread-block cluster of ``cs`` CTAs a key head (rmsnorm_gdn,
+    #                             kernels/gdn_cluster.py, passes/fold_row_norms.py); off until checked and timed on
+    #                             the H200 (prepared in stop 49: bench/device_stop49.sh)
+    cs: int = 8                 # CTAs a cluster (a key head): 16 clusters of 8 at Hk = 16
+
+
+@dataclass(frozen=True, kw_only=True)
 class RmsnormRule(Rule):
     wide_n: int                 # rows of at least wide_n elements get wide_warps, others num_warps
     wide_warps: int
@@ -412,6 +421,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
                               provenance=(_RESULTS + "stop24/call2/summary.txt", _RESULTS + "stop29/call5/log.txt")),
     "gdn_norm": GdnNormRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
+    "gdn_cluster": GdnClusterRule(num_warps=8, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
                             num_warps=1, chunk_block_v=16, chunk_num_warps=8, norm_block_m=16, norm_num_warps=4,
                             snap_norm_block_m=1,  # stop 38 call 8: 27B q4 K = 3 7.3 -> 5.7 us a launch

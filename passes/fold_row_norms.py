@@ -25,6 +25,12 @@ that hold whole value heads: the two are one ``gdn_norm_matmul_add`` (kernels/ma
 the gated norm made per tile in the product's K loop, the conv-state shift by its programs), a launch a Gated
 DeltaNet layer fewer.
 
+And at one row, where the target's rule ``gdn_cluster.on`` is on (off until checked and timed on the H200) and the
+one-row chains stay folded: no Gated DeltaNet mixer is left as ``rmsnorm_matmul`` of its fused projection, the four
+slices, ``gdn_delta`` and ``gdn_norm`` where the cluster kernel has a launch (q4, sm_90 on, a CTA's rows fitting its
+shared memory): they are one ``rmsnorm_gdn`` (kernels/gdn_cluster.py: a thread-block cluster a key head), two
+launches a layer fewer. This fold runs first, so ``gdn_norm.fold`` takes only the layers it leaves.
+
 After quantize (it needs the matrices' precision) and with the build's target; select_kernels then gives
 the folded ops the kernel's ``q4mma_add`` / ``q4mma_norm(_swiglu)`` (``bf16mma_...``) launches and sizes the
 partials.
@@ -156,8 +162,64 @@ def fold_gdn_norms(p: Program, target) -> int:
     return n
 
 
+def _gdn_clusters(target: str) -> bool:
+    return target in TARGETS and TARGETS[target].rules["gdn_cluster"].on and not _unfolds(target)
+
+
+def _slice_of(op: Op | None, y: Value, start: int, stop: int) -> bool:
+    return (op is not None and op.kind == "slice" and op.ins[0] is y and op.attrs.get("axis") == 0
+            and op.attrs.get("start") == start and op.attrs.get("stop") == stop)
+
+
+def fold_gdn_clusters(p: Program, target) -> int:
+    """A one-row ``rmsnorm_matmul`` of a Gated DeltaNet layer's fused projection, the four slices of its result (qkv,
+    z, b, a), ``gdn_delta`` and the ``gdn_norm`` after it -> one ``rmsnorm_gdn`` (kernels/gdn_cluster.py), where
+    nothing else reads what they made and the kernel has a launch. Returns the layers folded."""
+    users = _users(p)
+    made = {id(v): op for op in p.ops for v in op.outs}
+    outputs = {id(v) for v in p.outputs.values()}
+    n = 0
+    for d in [op for op in p.ops if op.kind == "gdn_delta"]:
+        qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec = d.ins
+        sq = made.get(id(qkv))
+        mm = made.get(id(sq.ins[0])) if sq is not None and sq.kind == "slice" else None
+        norms = users.get(id(d.outs[0]), [])
+        if mm is None or mm.kind != "rmsnorm_matmul" or len(mm.ins[0].type.shape) != 1 or len(norms) != 1:
+            continue
+        nm = norms[0]
+        y = mm.outs[0]
+        hv, _, dv = rec.type.shape
+        c = qkv.type.shape[0]
+        z = nm.ins[1] if nm.kind == "gdn_norm" else None
+        slices = [sq, made.get(id(z)), made.get(id(b)), made.get(id(a))]
+        bounds = [(0, c), (c, c + hv * dv), (c + hv * dv, c + hv * dv + hv), (c + hv * dv + hv, c + hv * dv + 2 * hv)]
+        if (nm.kind != "gdn_norm" or nm.ins[0] is not d.outs[0] or nm.ins[2] is not qkv or nm.ins[4] is not conv_state
+                or y.type.shape != (c + hv * dv + 2 * hv,)
+                or not all(_slice_of(op, y, *bd) for op, bd in zip(slices, bounds))):
+            continue
+        mine = {id(op) for op in (mm, *slices, d, nm)}
+        made_here = [mm.outs[0], *(op.outs[0] for op in slices), d.outs[0]]
+        if any(id(v) in outputs or any(id(u) not in mine for u in users.get(id(v), [])) for v in made_here):
+            continue
+        s, ss, nw, w = mm.ins
+        fused = Op("rmsnorm_gdn", nm.outs, [s, ss, nw, w, conv_state, conv_w, a_log, dt_bias, nm.ins[3], rec],
+                   {"eps": mm.attrs["eps"], "l2_eps": d.attrs["l2_eps"], "scale": d.attrs["scale"],
+                    "norm_eps": nm.attrs["eps"]})
+        try:
+            OPS[fused.kind].kernel.launch(fused, target)
+        except IRError:
+            continue
+        p.ops[p.ops.index(nm)] = fused
+        for op in (mm, *slices, d):
+            p.ops.remove(op)
+        n += 1
+    return n
+
+
 def fold_row_norms(program: Program, target: str) -> Program:
     p = copy.deepcopy(program)
+    if _gdn_clusters(target):
+        fold_gdn_clusters(p, TARGETS[target])
     if _folds(target):
         fold_norms_into_matmuls(p, rows=True, accept=_accept(TARGETS[target]))
     if _unfolds(target):
@@ -177,3 +239,5 @@ def check(program: Program, target: str) -> None:
                       "the pass")
     if _gdn_folds(target) and (n := fold_gdn_norms(p, TARGETS[target])):
         raise IRError(f"fold_row_norms: {n} gdn_norm + matmul_add pairs left unfolded after the pass")
+    if _gdn_clusters(target) and (n := fold_gdn_clusters(p, TARGETS[target])):
+        raise IRError(f"fold_row_norms: {n} Gated DeltaNet mixers left unfolded into rmsnorm_gdn after the pass")
