@@ -563,3 +563,30 @@ def test_sm90_qwen3_next_speculative_programs_in_interpreter(quant, k, iteration
     tokens = _begin(gpu, cpu, [5, 9])
     accepted = _speculate(gpu, cpu, tokens, iterations, _state(gpu, cpu))
     print(f"{quant}: tokens {tokens[:int(cpu.dyn['pos']) + k + 1].tolist()}, accepted per iteration {accepted}")
+
+
+def test_sm90_plan_with_gdn_clusters_in_interpreter_matches_cpu_reference(tmp_path, monkeypatch):
+    """Rule gdn_cluster.on: each Gated DeltaNet mixer after the first layer (whose projection takes the embedding's
+    norm, not the partials) is one rmsnorm_gdn launch (kernels/gdn_cluster.py, emulated) with its arguments bound as
+    the GPU runtime binds them; tokens and logits as the CPU path's, step by step."""
+    from conftest import run_cli
+
+    raw = dict(MINI, num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"])
+    (tmp_path / "ckpt").mkdir()
+    ckpt = _write_checkpoint(str(tmp_path / "ckpt"), raw, 11)
+    monkeypatch.setenv("KESTREL_RULES", "gdn_cluster.on=True")
+    path = str(tmp_path / "mini3-gdncluster.plan")
+    r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "q4", "--max-seq", "16")
+    assert r.returncode == 0, r.stderr
+    plan = load_plan(path)
+    kinds = [x["op"] for x in plan.launch_plan["launches"]]
+    assert kinds.count("rmsnorm_gdn") == 1 and kinds.count("gdn_delta") == 1 and "gdn_norm" in kinds, kinds
+    assert re.findall(r'kernel="gdn_cluster_q4g32", grid=\[8,1,1\], num_warps=8', plan.program_text)
+    gpu, cpu = InterpretedPlan(plan), CpuStep(plan)
+    tokens = _begin(gpu, cpu, [5, 9])
+    for step in range(4):
+        gpu.run()
+        cpu.run()
+        assert torch.equal(tokens, cpu.states["tokens"]), f"step {step}: token sequence"
+        _close(f"step {step}: logits", gpu.output("logits"), cpu.outputs["logits"], 1e-4)
+        _close(f"step {step}: hidden", gpu.output("hidden"), cpu.outputs["hidden"], 1e-4)
