@@ -237,7 +237,7 @@ def check(program: Program, target: str) -> None:
     if _unfolds(target) and (n := unfold_one_row_norms(p)):
         raise IRError(f"fold_row_norms: {n} folded norms at one row that the verify's rows run unfolded left after "
                       "the pass")
-    if _gdn_folds(target) and (n := fold_gdn_norms(p, TARGETS[target])):
-        raise IRError(f"fold_row_norms: {n} gdn_norm + matmul_add pairs left unfolded after the pass")
     if _gdn_clusters(target) and (n := fold_gdn_clusters(p, TARGETS[target])):
         raise IRError(f"fold_row_norms: {n} Gated DeltaNet mixers left unfolded into rmsnorm_gdn after the pass")
+    if _gdn_folds(target) and (n := fold_gdn_norms(p, TARGETS[target])):
+        raise IRError(f"fold_row_norms: {n} gdn_norm + matmul_add pairs left unfolded after the pass")

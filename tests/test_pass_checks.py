@@ -94,3 +94,34 @@ def test_fold_row_norms_folds_gdn_norm_into_the_output_projection_where_the_rule
         pass_named("fold_row_norms").check(bad, PassOptions("cpu", "q4", 128))  # (cpu: the rule does not apply)
         with pytest.raises(IRError, match="3 gdn_norm \\+ matmul_add pairs left unfolded"):
             pass_named("fold_row_norms").check(bad, OPTS)
+
+
+def test_fold_row_norms_makes_gdn_mixers_one_cluster_launch_where_the_rule_says(after):
+    """With ``gdn_cluster.on`` each one-row Gated DeltaNet mixer whose projection takes the partials (the tiny
+    model's layers 1 and 2; layer 0's takes the embedding's norm) becomes one rmsnorm_gdn, whose operands are the
+    unfused ops' and which select_kernels gives the cluster kernel; the check then finds none left. Off (the
+    default), nothing changes; on, the check finds a mixer put back."""
+    from kestrel.kernels.targets import overridden_rules
+
+    quantized = after["quantize"]
+    plain = pass_named("fold_row_norms").run(quantized, OPTS)
+    assert sum(op.kind == "gdn_delta" for op in plain.ops) == 3 and not any(op.kind == "rmsnorm_gdn" for op in plain.ops)
+    with overridden_rules("sm_90", "gdn_cluster.on=True gdn_norm.fold=True"):
+        folded = pass_named("fold_row_norms").run(quantized, OPTS)
+        fused = [op for op in folded.ops if op.kind == "rmsnorm_gdn"]
+        assert len(fused) == 2 and sum(op.kind == "gdn_delta" for op in folded.ops) == 1
+        # (gdn_norm.fold takes the layer the clusters leave)
+        assert sum(op.kind == "gdn_norm_matmul_add" for op in folded.ops) == 1
+        op = fused[0]
+        assert [getattr(v, "name", None) for v in op.ins[2:]] == [
+            f"layers.1.{n}" for n in ("input_layernorm", "linear_attn.in_proj_qkv+in_proj_z+in_proj_b+in_proj_a",
+                                      "conv_state", "linear_attn.conv1d", "linear_attn.A_log", "linear_attn.dt_bias",
+                                      "linear_attn.norm", "recurrent_state")]
+        assert set(op.attrs) == {"eps", "l2_eps", "scale", "norm_eps"}
+        pass_named("fold_row_norms").check(folded, OPTS)
+        picked = pass_named("select_kernels").run(folded, OPTS)
+        op = next(op for op in picked.ops if op.kind == "rmsnorm_gdn")
+        assert op.launch["kernel"] == "gdn_cluster_q4g128" and op.launch["CS"] == 8
+        assert op.launch["NP"] == op.ins[1].type.shape[0]
+        with pytest.raises(IRError, match="2 Gated DeltaNet mixers left unfolded"):
+            pass_named("fold_row_norms").check(plain, OPTS)
