@@ -58,7 +58,8 @@
 #     next4-yarn-bf16 next4-yarn-q4 (4 layers of the 80B-A3B shape with Qwen's YaRN settings, 8-row prefill:
 #     GPU against CPU), next80-q4-yarn1m (the whole 80B-A3B q4 with them at --max-seq 1048576: 67.5 GB arena)
 #     stop 49: the form gclus (gdn_cluster.on=True: a Gated DeltaNet mixer's normed projection, gdn_delta and gdn_norm in
-#     one cluster launch, rmsnorm_gdn), e.g. 0.8b-q4-gclus 2b-q4-gclus next80-q4-gclus small4-q4-gclus next4-q4-gclus
+#     one cluster launch, rmsnorm_gdn), gclus16 (the same with 16 warps a CTA), e.g. 0.8b-q4-gclus 2b-q4-gclus
+#     next80-q4-gclus next80-q4-gclus16 small4-q4-gclus next4-q4-gclus
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -197,8 +198,8 @@ for p in "$@"; do
         gnw1|gnw2) a="$a gdn_norm.num_warps=${f#gnw}";; notog) a="$a matvec.q4_one_tile_together=False";;
         gfold) a="$a gdn_norm.fold=True";;
         gfoldpre) a="$a gdn_norm.fold=True matvec.q4_preload_after=('moe_down_add','gdn_norm','attn_step','gdn_delta')";;
-        gclus) a="$a gdn_cluster.on=True";;
-        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2, gfold, gfoldpre, gclus)"; exit 2;; esac; done
+        gclus) a="$a gdn_cluster.on=True";; gclus16) a="$a gdn_cluster.on=True gdn_cluster.num_warps=16";;
+        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2, gfold, gfoldpre, gclus, gclus16)"; exit 2;; esac; done
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
         35b) m=qwen3.5-35b-a3b; o=$m; x="$x --prefill-rows 256";; moe35x4) m=$(moe35x4); o=qwen3.5-moe35-4l; x="";;
         next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";;

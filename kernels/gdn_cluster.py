@@ -19,12 +19,13 @@ CUDA C compiled by NVRTC (DESIGN: "CUDA C via NVRTC where Triton falls short": T
 * head j's state columns c0 .. c0 + VC (the delta rule is independent per column).
 Steps: one thread requests the CTA's NR = 2 QR + 2 VC + 2 rows of nibble words with one bulk copy a row run
 (their scales by plain loads) and every thread its state tile, conv windows and small weights, all before the PDL
-wait; after it, rstd from the producer's NP partial sums of squares, x normed and staged as f16x2 of x / 64
-(kernels/q4_stream.py's arithmetic: ``q4_matvec_ref``); the NR products (a warp a row); the conv + SiLU of its
-channels, the new conv state stored; its q and k published, cluster barrier, every CTA gathers head g's q and k
-from the CTAs in rank order and L2-normalises them; the gates; the delta rule on the tile (NSL slabs of rows a
-column, summed in slab order); its heads' share of the gated norm's mean square published, cluster barrier, summed
-in rank order; out = norm_w * o * rstd * silu(z). Deterministic: every sum in a fixed order.
+wait; after it, x and the producer's NP partial sums of squares requested together, x normed (rstd from the
+partials) and staged as f16x2 of x / 64 (kernels/q4_stream.py's arithmetic: ``q4_matvec_ref``); the NR products
+(a warp a row); the conv + SiLU of its channels, the new conv state stored; its q and k published, cluster
+barrier, every CTA gathers head g's q and k from the CTAs in rank order and L2-normalises them; the gates; the
+delta rule on the tile (NSL slabs of rows a column, summed in slab order); its heads' share of the gated norm's
+mean square published, cluster barrier, summed in rank order; out = norm_w * o * rstd * silu(z).
+Deterministic: every sum in a fixed order.
 
 Reference: ``rmsnorm_gdn_ref``, the unfused references composed (``rmsnorm_matvec_ref``, ``gdn_delta_ref``,
 ``gdn_norm_ref``); the CPU emulation of a launch (the launch-plan tests) runs it.
@@ -54,6 +55,7 @@ SOURCE = r"""
 #define JC (K / 32)
 #define CPG (GROUP / 32)
 #define THREADS (32 * NW)
+#define XPT ((K / 8 + THREADS - 1) / THREADS)  /* 8-input pieces of x a thread stages */
 #define NSL (THREADS / VC < DK ? THREADS / VC : DK)  /* state row slabs a column */
 #define SR (DK / NSL)                    /* state rows a slab */
 #define HR (DV / VC)                     /* CTAs a value head */
@@ -157,6 +159,15 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
 #pragma unroll
     for (int t = 0; t < KC; ++t) cw[t] = conv_w[(size_t)ch * KC + t];
   }
+  float4 nwa[XPT], nwb[XPT];                      /* the input norm's weight, as x is staged */
+#pragma unroll
+  for (int u = 0; u < XPT; ++u) {
+    const int i = tid + u * THREADS;
+    if (i < K / 8) {
+      nwa[u] = *(const float4*)(nw + 8 * i);
+      nwb[u] = *(const float4*)(nw + 8 * i + 4);
+    }
+  }
   const float neg_a = -expf(a_log[j]), dtb = dt_bias[j];
   const float nw_col = col < VC ? norm_w[c0 + col] : 0.f;
 #if PDL
@@ -164,7 +175,16 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 
-  /* --- the normed input, staged --- */
+  /* --- the normed input, staged: x and the partials requested together, rstd applied as x is converted --- */
+  float4 x0[XPT], x1[XPT];
+#pragma unroll
+  for (int u = 0; u < XPT; ++u) {
+    const int i = tid + u * THREADS;
+    if (i < K / 8) {
+      x0[u] = __ldcg((const float4*)(x + 8 * i));
+      x1[u] = __ldcg((const float4*)(x + 8 * i + 4));
+    }
+  }
   if (warp == 0) {                                /* rstd from the producer's partials, in a fixed order */
     float q = 0.f;
     for (int i = lane; i < NP; i += 32) q += ss_in[i];
@@ -174,14 +194,19 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   }
   __syncthreads();
   uint4* X16 = (uint4*)(smem + X_AT);
-  for (int i = tid; i < K / 8; i += THREADS) {
+  {
     const float q = MS[1];
-    float4 a = __ldcg((const float4*)(x + 8 * i)), b = __ldcg((const float4*)(x + 8 * i + 4));
-    const float4 na = *(const float4*)(nw + 8 * i), nb = *(const float4*)(nw + 8 * i + 4);
-    a = make_float4(a.x * q * (1.f + na.x), a.y * q * (1.f + na.y), a.z * q * (1.f + na.z), a.w * q * (1.f + na.w));
-    b = make_float4(b.x * q * (1.f + nb.x), b.y * q * (1.f + nb.y), b.z * q * (1.f + nb.z), b.w * q * (1.f + nb.w));
-    X16[i] = make_uint4(pack_half2(a.x * 0.015625f, a.y * 0.015625f), pack_half2(a.z * 0.015625f, a.w * 0.015625f),
-                        pack_half2(b.x * 0.015625f, b.y * 0.015625f), pack_half2(b.z * 0.015625f, b.w * 0.015625f));
+#pragma unroll
+    for (int u = 0; u < XPT; ++u) {
+      const int i = tid + u * THREADS;
+      if (i < K / 8) {
+        const float4 na = nwa[u], nb = nwb[u], a = x0[u], b = x1[u];
+        X16[i] = make_uint4(pack_half2(a.x * q * (1.f + na.x) * 0.015625f, a.y * q * (1.f + na.y) * 0.015625f),
+                            pack_half2(a.z * q * (1.f + na.z) * 0.015625f, a.w * q * (1.f + na.w) * 0.015625f),
+                            pack_half2(b.x * q * (1.f + nb.x) * 0.015625f, b.y * q * (1.f + nb.y) * 0.015625f),
+                            pack_half2(b.z * q * (1.f + nb.z) * 0.015625f, b.w * q * (1.f + nb.w) * 0.015625f));
+      }
+    }
   }
   __syncthreads();
   bar_wait(bar, 0);
