@@ -41,6 +41,12 @@ from kestrel.kernels.q4_stream import BULK_MIN_CC, DEVICE_HELPERS
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 
 SOURCE = r"""
+#ifndef TIMING
+#define TIMING 0                         /* bench/gdn_cluster_probe.py: each phase's clock into scratch0 (per CTA) */
+#endif
+#ifndef SB
+#define SB 0                             /* the scales by bulk copies too (each run's scales whole 16-byte units) */
+#endif
 #define R (HV / HK)
 #define QKC (HK * DK)
 #define C (2 * QKC + HV * DV)            /* conv channels: q | k | v */
@@ -72,6 +78,15 @@ SOURCE = r"""
 #define SMEM_BYTES (BAR_AT + 8)
 
 """ + DEVICE_HELPERS + r"""
+#if TIMING
+#define STAMP(n) do { if (tid == 0) ((long long*)scratch0)[blockIdx.x * 16 + (n)] = clock64(); } while (0)
+#define GSTAMP(n) do { if (tid == 0) { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); \
+                         ((long long*)scratch0)[blockIdx.x * 16 + (n)] = (long long)t; } } while (0)
+#else
+#define GSTAMP(n) do { } while (0)
+#define STAMP(n) do { } while (0)
+#endif
+
 __device__ __forceinline__ float remote_f32(const void* local, int rank) {
   unsigned remote;
   float v;
@@ -131,15 +146,20 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (tid == 0) {                                 /* the rows' words: one bulk copy a run of rows */
-    bar_expect(bar, NR * ROWB);
-    const unsigned dst = smem_u32(smem + W_AT);
+  GSTAMP(12);
+  STAMP(0);
+  if (tid == 0) {                                 /* the rows' words (SB: and scales): one bulk copy a run of rows */
+    bar_expect(bar, NR * ROWB + (SB ? NR * NGR * 2 : 0));
+    const unsigned dst = smem_u32(smem + W_AT), dsc = smem_u32(smem + SC_AT);
     const int runs[6][2] = {{0, QR}, {QR, QR}, {2 * QR, VC}, {2 * QR + VC, VC}, {NR - 2, 1}, {NR - 1, 1}};
 #pragma unroll
-    for (int u = 0; u < 6; ++u)
-      bulk_copy(dst + runs[u][0] * ROWB, w + (size_t)proj_row(runs[u][0], g, r, j) * ROWB, runs[u][1] * ROWB, bar);
+    for (int u = 0; u < 6; ++u) {
+      const size_t row = proj_row(runs[u][0], g, r, j);
+      bulk_copy(dst + runs[u][0] * ROWB, w + row * ROWB, runs[u][1] * ROWB, bar);
+      if (SB) bulk_copy(dsc + runs[u][0] * NGR * 2, w + (size_t)NT * ROWB + row * NGR * 2, runs[u][1] * NGR * 2, bar);
+    }
   }
-  {                                               /* their scales */
+  if (!SB) {                                      /* their scales, by plain loads */
     unsigned short* S = (unsigned short*)(smem + SC_AT);
     const unsigned short* ws = (const unsigned short*)(w + (size_t)NT * ROWB);
     for (int i = tid; i < NR * NGR; i += THREADS) S[i] = ws[(size_t)proj_row(i / NGR, g, r, j) * NGR + i % NGR];
@@ -174,6 +194,7 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  STAMP(1);
 
   /* --- the normed input, staged: x and the partials requested together, rstd applied as x is converted --- */
   float4 x0[XPT], x1[XPT];
@@ -209,7 +230,9 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
     }
   }
   __syncthreads();
+  STAMP(2);
   bar_wait(bar, 0);
+  STAMP(3);
 
   /* --- the projection: a warp a row, lane l the chunks l, l + 32, ... --- */
   {
@@ -227,6 +250,7 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   }
   __syncthreads();
 
+  STAMP(4);
   /* --- the conv + SiLU of this CTA's channels; the window shifted into the state (one owner a channel) --- */
   if (tid < NCH) {
     const float xin = Y[tid];                     /* rows q | k | v are this CTA's channels, in order */
@@ -241,8 +265,10 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
     if (tid < 2 * QR) QK[tid] = y;
     else V[tid - 2 * QR] = y;
   }
+  STAMP(5);
   cluster_arrive();                               /* q and k published to the cluster */
   cluster_wait();
+  STAMP(6);
 
   /* --- head g's q and k from the cluster, rank order; their L2 norms --- */
   for (int i = tid; i < 2 * DK; i += THREADS) {
@@ -260,6 +286,7 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   }
   __syncthreads();
 
+  STAMP(7);
   /* --- gates; the delta rule on the tile: S = S exp(g); S += k (outer) beta (v - S^T k); o = S^T q --- */
   const float xa = Y[NR - 1] + dtb;
   const float softplus = xa > 20.f ? xa : logf(1.f + expf(fminf(xa, 20.f)));
@@ -298,6 +325,7 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   }
   __syncthreads();
 
+  STAMP(8);
   /* --- the gated norm: head j's mean square from its HR CTAs, rank order --- */
   if (warp == 0) {
     float q = 0.f;
@@ -308,6 +336,7 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   }
   cluster_arrive();
   cluster_wait();
+  STAMP(9);
   if (tid < VC) {
     const int r0 = (r / HR) * HR;
     float q = 0.f;
@@ -316,8 +345,11 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
     const float z = Y[2 * QR + VC + tid];
     out[(size_t)j * DV + c0 + tid] = nw_col * (O[tid] * rstd) * (z / (1.f + expf(-z)));
   }
+  STAMP(10);
   cluster_arrive();                               /* no CTA leaves while another may still read its shared memory */
   cluster_wait();
+  STAMP(11);
+  GSTAMP(13);
 }
 """
 
@@ -367,7 +399,7 @@ def _mixer(y, conv_state, conv_w, a_log, dt_bias, norm_w, rec_state, l2_eps, sca
 
 
 def _emulate(grid, x, ss, nw, w, conv_state, conv_w, a_log, dt_bias, norm_w, rec_state, out, eps, l2_eps, scale,
-             norm_eps, *, K, GROUP, HK, HV, DK, DV, KC, CS, NW, NP, PDL=False):
+             norm_eps, *, K, GROUP, HK, HV, DK, DV, KC, CS, NW, NP, SB=0, PDL=False):
     """A launch on the CPU (the launch-plan tests): the operands are arena views; the projection
     ``q4_matvec_ref``'s of x normed with rstd from the NP partials, then the references."""
     assert list(grid) == [HK * CS, 1, 1] and layout(K, GROUP, HK, HV, DK, DV, CS, NW), (grid, HK, CS)
@@ -383,7 +415,7 @@ def _emulate(grid, x, ss, nw, w, conv_state, conv_w, a_log, dt_bias, norm_w, rec
     out[:HV * DV] = o
 
 
-_CONSTS = ("K", "GROUP", "HK", "HV", "DK", "DV", "KC", "CS", "NW", "NP", "PDL")
+_CONSTS = ("K", "GROUP", "HK", "HV", "DK", "DV", "KC", "CS", "NW", "NP", "SB", "PDL")
 GDN_CLUSTER = CudaKernel("gdn_cluster", __name__, SOURCE,
                          ("x_ptr", "ss_ptr", "nw_ptr", "w_ptr", "conv_state_ptr", "conv_w_ptr", "a_log_ptr",
                           "dt_bias_ptr", "norm_w_ptr", "rec_state_ptr", "out_ptr", "eps", "l2_eps", "scale",
@@ -405,7 +437,7 @@ def gdn_cluster_launch(k: int, group: int, hk: int, hv: int, dk: int, dv: int, k
     if not lay or (k // 2) % 16 or lay["NCH"] > 32 * r.num_warps or kc < 1:
         return None
     c = {"K": k, "GROUP": group, "HK": hk, "HV": hv, "DK": dk, "DV": dv, "KC": kc, "CS": r.cs, "NW": r.num_warps,
-         "NP": partials}
+         "NP": partials, "SB": int((k // group * 2) % 16 == 0)}
     if shared_bytes(c) + CTA_RESERVED_SMEM > target.smem_optin:
         return None
     return {"grid": [hk * r.cs, 1, 1], "num_warps": r.num_warps, "constexprs": c}
