@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.kernels.gated_delta import gdn_delta_ref, gdn_norm_ref
-from kestrel.kernels.matvec import q4_codes, q4_matvec_ref
+from kestrel.kernels.matvec import matvec_ref, q4_codes, q4_matvec_ref
 from kestrel.kernels.q4_mma import CTA_RESERVED_SMEM, CudaKernel
 from kestrel.kernels.q4_stream import BULK_MIN_CC, DEVICE_HELPERS
 from kestrel.kernels.rmsnorm import rmsnorm_ref
@@ -383,8 +383,6 @@ def rmsnorm_gdn_ref(s, ss, nw, w, conv_state, conv_w, a_log, dt_bias, norm_w, re
     """The mixer's output [Hv Dv] (conv_state, rec_state updated in place): the input projection of rmsnorm(s)
     (kernels/matvec.py's ``matvec_ref``; ss, the producer's partial sums of s^2, is how the GPU gets the mean
     square), cut into qkv | z | b | a, then ``gdn_delta_ref`` and ``gdn_norm_ref``: the unfused references."""
-    from kestrel.kernels.matvec import matvec_ref
-
     y = matvec_ref(rmsnorm_ref(s, nw, eps), w)
     return _mixer(y, conv_state, conv_w, a_log, dt_bias, norm_w, rec_state, l2_eps, scale, norm_eps)
 
