@@ -16,8 +16,8 @@ import sys
 
 SHAPES = {"80b": (2048, 16, 32, 128, 128, 128), "0.8b": (1024, 16, 16, 128, 128, 256)}  # K, Hk, Hv, Dk, Dv, NP
 FORMS = [(0, 8, 8), (1, 8, 8), (1, 16, 8), (1, 8, 4), (1, 8, 2)]  # (SB, NW, CS): CS 4 and 2 where the rows fit
-PHASES = ["issue + preload", "x + partials", "weights' wait", "projection", "conv", "cluster barrier 1",
-          "q/k gather + l2", "delta rule", "norm partial + barrier 2", "norm + store", "final barrier"]
+PHASES = ["issue + preload", "x + partials", "weights' wait", "projection", "conv + q/k pushed", "q/k wait",
+          "l2 norms", "delta rule", "norm sums exchanged", "norm + store", "(end)"]
 TYPES = ["*fp32", "*fp32", "*fp32", "*u8"] + ["*fp32"] * 7 + ["fp32"] * 4
 
 

@@ -69,13 +69,13 @@ SOURCE = r"""
 #define SC_AT (NR * ROWB)                /* their scales [NR][NGR] f16 */
 #define X_AT ((SC_AT + NR * NGR * 2 + 15) / 16 * 16)   /* x: f16x2 of x / 64, K / 8 uint4 */
 #define Y_AT (X_AT + 2 * K)              /* the rows' products [NR] */
-#define QK_AT (Y_AT + 4 * NR)            /* this CTA's conv'd q | k [2 QR] (read by the cluster) */
-#define QF_AT (QK_AT + 8 * QR)           /* head g's q [DK], then k [DK] */
+#define QF_AT (Y_AT + 4 * NR)            /* head g's q [DK], then k [DK]: written by the cluster's CTAs */
 #define V_AT (QF_AT + 8 * DK)            /* this CTA's conv'd v [VC], then o [VC] */
 #define RED_AT (V_AT + 8 * VC)           /* the slabs' sums [NSL][VC] */
-#define MS_AT (RED_AT + 4 * NSL * VC)    /* this CTA's sum of o^2 (read by its head's CTAs), rstd, q and k factors */
-#define BAR_AT ((MS_AT + 16 + 7) / 8 * 8)
-#define SMEM_BYTES (BAR_AT + 8)
+#define MS_AT (RED_AT + 4 * NSL * VC)    /* rstd, the q and k factors */
+#define NS_AT (MS_AT + 16)               /* the head's CTAs' sums of o^2 [HR]: written by them */
+#define BAR_AT ((NS_AT + 4 * HR + 7) / 8 * 8)  /* mbarriers: the weights, q | k, the sums of o^2 */
+#define SMEM_BYTES (BAR_AT + 24)
 
 """ + DEVICE_HELPERS + r"""
 #if TIMING
@@ -87,20 +87,24 @@ SOURCE = r"""
 #define STAMP(n) do { } while (0)
 #endif
 
-__device__ __forceinline__ float remote_f32(const void* local, int rank) {
+/* this CTA's shared address ``local`` in the CTA of cluster rank ``rank`` */
+__device__ __forceinline__ unsigned remote_addr(unsigned local, int rank) {
   unsigned remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(local)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
 }
 
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+/* v into the CTA of cluster rank ``rank`` at (its) ``local``, counted on its mbarrier at (its) ``bar`` */
+__device__ __forceinline__ void push_f32(unsigned local, unsigned bar, int rank, float v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(remote_addr(local, rank)), "r"(__float_as_uint(v)), "r"(remote_addr(bar, rank)) : "memory");
 }
 
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+__device__ __forceinline__ void bar_wait_cluster(unsigned bar, unsigned phase) {
+  unsigned ok = 0;
+  while (!ok)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+                 "selp.u32 %0, 1, 0, p; }" : "=r"(ok) : "r"(bar), "r"(phase) : "memory");
 }
 
 /* the global row of this CTA's projection row i (q, k, v, z, b, a runs) */
@@ -129,23 +133,31 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = blockIdx.x / CS, r = blockIdx.x % CS;       /* key head, rank in its cluster */
   const int j = g * R + (r * VC) / DV, c0 = (r * VC) % DV;  /* this CTA's value head and first column */
-  const unsigned bar = smem_u32(smem + BAR_AT);
+  const unsigned bar = smem_u32(smem + BAR_AT), bqk = bar + 8, bns = bar + 16;
   float* Y = (float*)(smem + Y_AT);
-  float* QK = (float*)(smem + QK_AT);
   float* QF = (float*)(smem + QF_AT);
   float* KF = QF + DK;
   float* V = (float*)(smem + V_AT);
   float* O = V + VC;
   float* RED = (float*)(smem + RED_AT);
   float* MS = (float*)(smem + MS_AT);
+  float* NS = (float*)(smem + NS_AT);
 
   /* --- before the wait: what no kernel still running writes (weights; this layer's states, last written by
      this kernel in the previous step) --- */
   if (tid == 0) {
     bar_init(bar, 1);
+    bar_init(bqk, 1);
+    bar_init(bns, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  /* every CTA's mbarriers initialised before any CTA of the cluster stores into it (the one cluster barrier, before
+     the PDL wait: the exchanges below complete on mbarriers, with no fence at GPU scope) */
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
+  if (tid == 0) {
+    bar_expect(bqk, 2 * DK * 4);                  /* q and k: QR of each from every CTA (st.async: complete_tx) */
+    bar_expect(bns, HR * 4);                      /* the sums of o^2 of this head's CTAs */
+  }
   GSTAMP(12);
   STAMP(0);
   if (tid == 0) {                                 /* the rows' words (SB: and scales): one bulk copy a run of rows */
@@ -262,20 +274,19 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
 #pragma unroll
     for (int t = 0; t + 1 < KCM; ++t) conv_state[(size_t)ch * KCM + t] = cs[t + 1];
     if (KCM > 0) conv_state[(size_t)ch * KCM + KCM - 1] = xin;
-    if (tid < 2 * QR) QK[tid] = y;
-    else V[tid - 2 * QR] = y;
+    if (tid < 2 * QR) {                           /* q and k into every CTA of the cluster (this one too) */
+      const unsigned at = smem_u32(QF + (tid / QR) * DK + r * QR + tid % QR);
+#pragma unroll
+      for (int d = 0; d < CS; ++d) push_f32(at, bqk, d, y);
+    } else {
+      V[tid - 2 * QR] = y;
+    }
   }
   STAMP(5);
-  cluster_arrive();                               /* q and k published to the cluster */
-  cluster_wait();
+  bar_wait_cluster(bqk, 0);                       /* head g's q and k, from the cluster */
   STAMP(6);
 
-  /* --- head g's q and k from the cluster, rank order; their L2 norms --- */
-  for (int i = tid; i < 2 * DK; i += THREADS) {
-    const int which = i / DK, e = i % DK;         /* 0: q, 1: k; element e lives in rank e / QR */
-    QF[i] = remote_f32(QK + which * QR + e % QR, e / QR);
-  }
-  __syncthreads();
+  /* --- their L2 norms --- */
   if (warp < 2) {
     const float* v = warp ? KF : QF;
     float q = 0.f;
@@ -332,22 +343,19 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
     for (int i = lane; i < VC; i += 32) q += O[i] * O[i];
 #pragma unroll
     for (int o = 16; o; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-    if (lane == 0) MS[0] = q;
+    if (lane < HR) push_f32(smem_u32(NS + r % HR), bns, (r / HR) * HR + lane, q);  /* to the head's CTAs */
   }
-  cluster_arrive();
-  cluster_wait();
+  bar_wait_cluster(bns, 0);
   STAMP(9);
   if (tid < VC) {
-    const int r0 = (r / HR) * HR;
     float q = 0.f;
-    for (int s = 0; s < HR; ++s) q += remote_f32(MS, r0 + s);
+#pragma unroll
+    for (int s = 0; s < HR; ++s) q += NS[s];
     const float rstd = 1.f / sqrtf(q / (float)DV + norm_eps);
     const float z = Y[2 * QR + VC + tid];
     out[(size_t)j * DV + c0 + tid] = nw_col * (O[tid] * rstd) * (z / (1.f + expf(-z)));
   }
   STAMP(10);
-  cluster_arrive();                               /* no CTA leaves while another may still read its shared memory */
-  cluster_wait();
   STAMP(11);
   GSTAMP(13);
 }
@@ -359,7 +367,7 @@ def layout(k: int, group: int, hk: int, hv: int, dk: int, dv: int, cs: int, nw: 
     if hk <= 0 or hv % hk or dk % cs or (hv // hk * dv) % cs:
         return {}
     qr, vc = dk // cs, hv // hk * dv // cs
-    if not qr or not vc or dv % vc or (32 * nw) % vc:
+    if not qr or not vc or dv % vc or (32 * nw) % vc or dv // vc > 32:
         return {}
     nsl = min(32 * nw // vc, dk)
     if dk % nsl:
