@@ -44,6 +44,9 @@ SOURCE = r"""
 #ifndef TIMING
 #define TIMING 0                         /* bench/gdn_cluster_probe.py: each phase's clock into scratch0 (per CTA) */
 #endif
+#ifndef RU
+#define RU 4                             /* projection rows a warp takes at once */
+#endif
 #ifndef SB
 #define SB 0                             /* the scales by bulk copies too (each run's scales whole 16-byte units) */
 #endif
@@ -246,22 +249,37 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   bar_wait(bar, 0);
   STAMP(3);
 
-  /* --- the projection: a warp a row, lane l the chunks l, l + 32, ... --- */
+  /* --- the projection: a warp RU rows at a time (independent chains), lane l the chunks l, l + 32, ... --- */
   {
     const uint4* W4 = (const uint4*)(smem + W_AT);
     const unsigned short* S = (const unsigned short*)(smem + SC_AT);
-    for (int row = warp; row < NR; row += NW) {
-      float acc = 0.f;
-      for (int c = lane; c < JC; c += 32)
-        acc = fmaf(chunk_value(W4[row * JC + c], X16[4 * c], X16[4 * c + 1], X16[4 * c + 2], X16[4 * c + 3]),
-                   h2f(S[row * NGR + c / CPG]), acc);
+    for (int row0 = warp * RU; row0 < NR; row0 += NW * RU) {
+      float acc[RU];
 #pragma unroll
-      for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) Y[row] = 64.f * acc;
+      for (int u = 0; u < RU; ++u) acc[u] = 0.f;
+#pragma unroll
+      for (int c0 = 0; c0 < JC; c0 += 32) {
+        const int c = c0 + lane;
+        if (c < JC) {
+          const uint4 h0 = X16[4 * c], h1 = X16[4 * c + 1], h2 = X16[4 * c + 2], h3 = X16[4 * c + 3];
+#pragma unroll
+          for (int u = 0; u < RU; ++u) {
+            const int row = min(row0 + u, NR - 1);  /* (past the last row: recomputed, not stored) */
+            acc[u] = fmaf(chunk_value(W4[row * JC + c], h0, h1, h2, h3), h2f(S[row * NGR + c / CPG]), acc[u]);
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < RU; ++u) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+      if (lane == 0)
+#pragma unroll
+        for (int u = 0; u < RU; ++u)
+          if (row0 + u < NR) Y[row0 + u] = 64.f * acc[u];
     }
   }
   __syncthreads();
-
   STAMP(4);
   /* --- the conv + SiLU of this CTA's channels; the window shifted into the state (one owner a channel) --- */
   if (tid < NCH) {
