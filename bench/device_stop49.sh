@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Stop 49's device call (under the 10-minute limit, most wanted first; each step's results tarred as it ends):
 #   gclus   the Gated DeltaNet mixer as one cluster launch (rmsnorm_gdn, kernels/gdn_cluster.py, rule gdn_cluster.on):
+#           0. where a launch's time goes, phase by phase, in a few forms (bench/gdn_cluster_probe.py; here first:
+#              python bench/gdn_cluster_probe.py compile bench/plans/gdn-probe);
 #           1. the kernel alone against its reference (rmsnorm_gdn_ref) at the 80B-A3B and 0.8B shapes, timed, beside
 #              the three launches it replaces (bench/device_kernels.py); stops here if it is wrong or hangs;
 #           2. 4 layers of the 0.8B shape with it against the CPU reference (e2e);
@@ -18,7 +20,10 @@ out=$1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 case $2 in
   gclus)
-    mkdir -p "$out/kern" "$out/chk" "$out/next" "$out/chk2" "$out/dense"
+    mkdir -p "$out/probe" "$out/kern" "$out/chk" "$out/next" "$out/chk2" "$out/dense"
+    timeout 150 python3 bench/gdn_cluster_probe.py run bench/plans/gdn-probe "$out/probe/gdn-probe.json" \
+      > "$out/probe/probe.txt" 2>&1
+    echo "probe: exit $?"; grep -v '^{' "$out/probe/probe.txt" | tail -150
     for d in gclus base; do
       timeout 150 python3 bench/device_kernels.py bench/plans/cubins-$d "$out/kern/$d.json" > "$out/kern/$d.txt" 2>&1
       echo "kernels $d: exit $?"; tail -11 "$out/kern/$d.txt"
