@@ -14,6 +14,7 @@
 #             without KESTREL_RULES and ONLY_OP=gdn_delta,gdn_norm,rmsnorm_matmul into bench/plans/cubins-base;
 #             bash bench/build_stop_plans.sh small4-q4-gclus next4-q4-gclus 0.8b-q4 0.8b-q4-gclus 2b-q4 2b-q4-gclus
 #             next80-q4 next80-q4-gclus next80-q4-gclus16
+#   short   0, 1 (the cluster kernel only), 2's 0.8B check and 80B-A3B's rule against the cluster form, A B B A
 # There: run(carry=["bench/plans"]): bash bench/device_stop49.sh $OUT PART
 set -u
 out=$1
@@ -43,5 +44,15 @@ PY
       bash bench/device_preload_ab.sh "$out/chk2"
     STEP_TIMEOUT=100 PAIRS="qwen3.5-0.8b-sm90-q4:qwen3.5-0.8b-sm90-q4-gclus qwen3.5-2b-sm90-q4:qwen3.5-2b-sm90-q4-gclus" \
       bash bench/device_preload_ab.sh "$out/dense" ;;
+  short)  # (little device time left: the probe, the kernel check, 0.8B's e2e, 80B-A3B A B B A)
+    mkdir -p "$out/probe" "$out/kern" "$out/chk" "$out/next"
+    timeout 100 python3 bench/gdn_cluster_probe.py run bench/plans/gdn-probe "$out/probe/gdn-probe.json" \
+      > "$out/probe/probe.txt" 2>&1
+    echo "probe: exit $?"; grep -v '^{' "$out/probe/probe.txt" | tail -150
+    timeout 100 python3 bench/device_kernels.py bench/plans/cubins-gclus "$out/kern/gclus.json" > "$out/kern/gclus.txt" 2>&1
+    echo "kernels gclus: exit $?"; tail -4 "$out/kern/gclus.txt"
+    STEP_TIMEOUT=60 E2E="qwen3.5-small4-sm90-q4-gclus" bash bench/device_preload_ab.sh "$out/chk"
+    STEP_TIMEOUT=60 PAIRS="qwen3-next-80b-a3b-sm90-q4:qwen3-next-80b-a3b-sm90-q4-gclus" \
+      bash bench/device_preload_ab.sh "$out/next" ;;
   *) echo "unknown part $2"; exit 2 ;;
 esac
