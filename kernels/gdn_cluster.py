@@ -222,11 +222,8 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
     }
   }
   if (warp == 0) {                                /* rstd from the producer's partials, in a fixed order */
-    float q = 0.f;
-    for (int i = lane; i < NP; i += 32) q += ss_in[i];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-    if (lane == 0) MS[1] = rsqrtf(q / (float)K + eps);
+    const float q = partials_rstd(ss_in, NP, K, eps, lane);
+    if (lane == 0) MS[1] = q;
   }
   __syncthreads();
   uint4* X16 = (uint4*)(smem + X_AT);

@@ -42,8 +42,8 @@ from kestrel.kernels.q4_mma import CTA_RESERVED_SMEM, CudaKernel
 
 BULK_MIN_CC = 90  # cp.async.bulk, mbarrier expect_tx and griddepcontrol: sm_90 on
 
-# the shared-memory address, fp16, mbarrier and bulk-copy helpers and one q4 word's value (bench/q4stream_probe.py
-# uses them too)
+# the shared-memory address, fp16, mbarrier and bulk-copy helpers, the norm's rstd from partials and one q4 word's
+# value (bench/q4stream_probe.py and kernels/gdn_cluster.py use them too)
 DEVICE_HELPERS = r"""
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -93,6 +93,16 @@ __device__ __forceinline__ void bar_wait(unsigned bar, unsigned phase) {
   while (!ok)
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(ok) : "r"(bar), "r"(phase) : "memory");
+}
+
+/* rstd = 1 / sqrt(mean(s^2) + eps) from the producer's np partial sums of s^2 over k inputs, summed in a fixed
+   order by one warp (every lane returns it) */
+__device__ __forceinline__ float partials_rstd(const float* ss, int np, int k, float eps, int lane) {
+  float q = 0.f;
+  for (int i = lane; i < np; i += 32) q += ss[i];
+#pragma unroll
+  for (int o = 16; o; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+  return rsqrtf(q / (float)k + eps);
 }
 
 /* one word's value as q4_matvec_ref defines it */
@@ -218,11 +228,8 @@ ENTRY(const float* __restrict__ x,
   float* rstd = (float*)(smem + RSTD_AT);
 #if NORM
   if (warp == 0) {                               /* rstd from the producer's partials, in a fixed order */
-    float q = 0.f;
-    for (int i = lane; i < NP; i += 32) q += ss_in[i];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-    if (lane == 0) rstd[0] = rsqrtf(q / (float)K + eps);
+    const float q = partials_rstd(ss_in, NP, K, eps, lane);
+    if (lane == 0) rstd[0] = q;
   }
   __syncthreads();
 #endif
