@@ -1,7 +1,7 @@
 """Probe (stop 49): where the time of kernels/gdn_cluster.py's launch goes. Each CTA's thread 0 stamps clock64 at
 the kernel's phases (the source's TIMING: slots 0-11 of 16 a CTA in the scratch0 buffer, 12 and 13 the globaltimer
 at its start and end), for the 80B-A3B and 0.8B shapes and a few forms (scales by plain loads or bulk copies, 8 or
-16 warps, clusters of 8, 4 or 2 CTAs, 1 or 4 rows a warp at once); each form's output checked against ``rmsnorm_gdn_ref``, its launch timed alone (CUDA events over
+16 warps, clusters of 8, 4 or 2 CTAs, 1 or 4 rows a warp at once, the words by bulk copies or cp.async); each form's output checked against ``rmsnorm_gdn_ref``, its launch timed alone (CUDA events over
 back-to-back launches, no PDL).
 
 Here (no GPU):   python bench/gdn_cluster_probe.py compile bench/plans/gdn-probe
@@ -15,8 +15,9 @@ import statistics
 import sys
 
 SHAPES = {"80b": (2048, 16, 32, 128, 128, 128), "0.8b": (1024, 16, 16, 128, 128, 256)}  # K, Hk, Hv, Dk, Dv, NP
-# (SB, NW, CS, RU): CS 4 and 2 where the rows fit
-FORMS = [(0, 8, 8, 1), (1, 8, 8, 1), (1, 8, 8, 4), (1, 16, 8, 4), (1, 8, 4, 4), (1, 8, 2, 4)]
+# (SB, NW, CS, RU, WL): CS 4 and 2 where the rows fit; WL: the words by cp.async, not bulk copies
+FORMS = [(0, 8, 8, 1, 0), (1, 8, 8, 1, 0), (1, 8, 8, 4, 0), (1, 16, 8, 4, 0), (1, 8, 4, 4, 0), (1, 8, 2, 4, 0),
+         (1, 8, 8, 4, 1)]
 PHASES = ["issue + preload", "x + partials", "weights' wait", "projection", "conv + q/k pushed", "q/k wait",
           "l2 norms", "delta rule", "norm sums exchanged", "norm + store", "(end)"]
 TYPES = ["*fp32", "*fp32", "*fp32", "*u8"] + ["*fp32"] * 7 + ["fp32"] * 4
@@ -32,18 +33,18 @@ def compile_all(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     index = []
     for name, (k, hk, hv, dk, dv, np_) in SHAPES.items():
-        for sb, nw, cs, ru in FORMS:
+        for sb, nw, cs, ru, wl in FORMS:
             t = TARGETS["sm_90"]
             t = dataclasses.replace(t, rules={**t.rules, "gdn_cluster": dataclasses.replace(
                 t.rules["gdn_cluster"], on=True, num_warps=nw, cs=cs)})
             launch = gdn_cluster.gdn_cluster_launch(k, 128, hk, hv, dk, dv, 4, np_, t)
             if launch is None:
                 continue
-            consts = launch["constexprs"] | {"SB": sb, "RU": ru, "TIMING": 1, "PDL": False}
+            consts = launch["constexprs"] | {"SB": sb, "RU": ru, "WL": wl, "TIMING": 1, "PDL": False}
             ck = compile_kernel("gdn_cluster_q4g128", gdn_cluster.gdn_cluster, TYPES, consts, nw, 90)
-            fname = f"{name}-sb{sb}-nw{nw}-cs{cs}-ru{ru}.cubin"
+            fname = f"{name}-sb{sb}-nw{nw}-cs{cs}-ru{ru}-wl{wl}.cubin"
             open(os.path.join(out_dir, fname), "wb").write(ck.cubin)
-            index.append({"shape": name, "sb": sb, "nw": nw, "cs": cs, "ru": ru, "cubin": fname, "name": ck.name, "grid": launch["grid"],
+            index.append({"shape": name, "sb": sb, "nw": nw, "cs": cs, "ru": ru, "wl": wl, "cubin": fname, "name": ck.name, "grid": launch["grid"],
                           "shared": ck.shared, "consts": consts})
             print("compiled", fname, ck.shared)
     json.dump(index, open(os.path.join(out_dir, "index.json"), "w"), indent=1)
@@ -104,14 +105,14 @@ def run_all(in_dir: str, out_path: str) -> None:
             d = (st[:, i + 1] - st[:, i]).double() / clock_khz * 1e3  # us
             phases[name] = {"median_us": d.median().item(), "max_us": d.max().item()}
         span = ((st[:, 13].max() - st[:, 12].min()).item() / 1e3, (st[:, 12].max() - st[:, 12].min()).item() / 1e3)
-        r = {**{x: e[x] for x in ("shape", "sb", "nw", "cs", "ru", "grid", "shared")}, "err": err,
+        r = {**{x: e[x] for x in ("shape", "sb", "nw", "cs", "ru", "wl", "grid", "shared")}, "err": err,
              "us_per_launch": statistics.median(times), "phases": phases,
              "globaltimer_span_us": span[0], "start_spread_us": span[1], "clock_khz": clock_khz}
         rows.append(r)
         print(json.dumps(r), flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, open(out_path, "w"), indent=1)
     for r in rows:
-        print(f"\n{r['shape']} SB={r['sb']} NW={r['nw']} CS={r['cs']} RU={r['ru']}: {r['us_per_launch']:.2f} us a launch, span "
+        print(f"\n{r['shape']} SB={r['sb']} NW={r['nw']} CS={r['cs']} RU={r['ru']} WL={r['wl']}: {r['us_per_launch']:.2f} us a launch, span "
               f"{r['globaltimer_span_us']:.2f} us (starts spread {r['start_spread_us']:.2f}), err "
               + " ".join(f"{k} {v:.1e}" for k, v in r["err"].items()))
         for name, v in r["phases"].items():

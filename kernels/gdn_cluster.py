@@ -47,6 +47,9 @@ SOURCE = r"""
 #ifndef RU
 #define RU 4                             /* projection rows a warp takes at once */
 #endif
+#ifndef WL
+#define WL 0                             /* the words by every thread's cp.async instead of bulk copies (a probe form) */
+#endif
 #ifndef SB
 #define SB 0                             /* the scales by bulk copies too (each run's scales whole 16-byte units) */
 #endif
@@ -163,14 +166,26 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   }
   GSTAMP(12);
   STAMP(0);
+#if WL
+  {                                               /* WL: the rows' words by every thread's 16-byte cp.async */
+    const unsigned dst = smem_u32(smem + W_AT);
+    for (int i = tid; i < NR * (ROWB / 16); i += THREADS) {
+      const int row = i / (ROWB / 16), piece = i % (ROWB / 16);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                   ::"r"(dst + row * ROWB + 16 * piece),
+                   "l"(w + (size_t)proj_row(row, g, r, j) * ROWB + 16 * piece) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+#endif
   if (tid == 0) {                                 /* the rows' words (SB: and scales): one bulk copy a run of rows */
-    bar_expect(bar, NR * ROWB + (SB ? NR * NGR * 2 : 0));
+    bar_expect(bar, (WL ? 0 : NR * ROWB) + (SB ? NR * NGR * 2 : 0));
     const unsigned dst = smem_u32(smem + W_AT), dsc = smem_u32(smem + SC_AT);
     const int runs[6][2] = {{0, QR}, {QR, QR}, {2 * QR, VC}, {2 * QR + VC, VC}, {NR - 2, 1}, {NR - 1, 1}};
 #pragma unroll
     for (int u = 0; u < 6; ++u) {
       const size_t row = proj_row(runs[u][0], g, r, j);
-      bulk_copy(dst + runs[u][0] * ROWB, w + row * ROWB, runs[u][1] * ROWB, bar);
+      if (!WL) bulk_copy(dst + runs[u][0] * ROWB, w + row * ROWB, runs[u][1] * ROWB, bar);
       if (SB) bulk_copy(dsc + runs[u][0] * NGR * 2, w + (size_t)NT * ROWB + row * NGR * 2, runs[u][1] * NGR * 2, bar);
     }
   }
@@ -244,6 +259,10 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
   __syncthreads();
   STAMP(2);
   bar_wait(bar, 0);
+#if WL
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+#endif
   STAMP(3);
 
   /* --- the projection: a warp RU rows at a time (independent chains), lane l the chunks l, l + 32, ... --- */
