@@ -141,6 +141,11 @@ ENTRY(const float* __restrict__ x, const float* __restrict__ ss_in, const float*
       void* scratch0, void* scratch1) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  {
+    unsigned given;                               /* the launch's dynamic shared memory holds the layout */
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
+    if (given < SMEM_BYTES) __trap();
+  }
   const int g = blockIdx.x / CS, r = blockIdx.x % CS;       /* key head, rank in its cluster */
   const int j = g * R + (r * VC) / DV, c0 = (r * VC) % DV;  /* this CTA's value head and first column */
   const unsigned bar = smem_u32(smem + BAR_AT), bqk = bar + 8, bns = bar + 16;
@@ -415,13 +420,13 @@ def layout(k: int, group: int, hk: int, hv: int, dk: int, dv: int, cs: int, nw: 
 
 
 def shared_bytes(c: dict) -> int:
-    """SMEM_BYTES of the source: the CTA's rows (words and scales), x, the products, q | k, v | o, the slabs' sums,
-    four scalars and the mbarrier."""
+    """SMEM_BYTES of the source (the kernel traps if it is given less): the CTA's rows (words and scales), x, the
+    products, q | k, v | o, the slabs' sums, four scalars, the head's sums of o^2 and three mbarriers."""
     lay = layout(c["K"], c["GROUP"], c["HK"], c["HV"], c["DK"], c["DV"], c["CS"], c["NW"])
     nr, k = lay["NR"], c["K"]
     x_at = -(-(nr * k // 2 + nr * (k // c["GROUP"]) * 2) // 16) * 16
-    ms_at = x_at + 2 * k + 4 * nr + 8 * lay["QR"] + 8 * c["DK"] + 8 * lay["VC"] + 4 * lay["NSL"] * lay["VC"]
-    return -(-(ms_at + 16) // 8) * 8 + 8
+    ns_at = x_at + 2 * k + 4 * nr + 8 * c["DK"] + 8 * lay["VC"] + 4 * lay["NSL"] * lay["VC"] + 16
+    return -(-(ns_at + 4 * (c["DV"] // lay["VC"])) // 8) * 8 + 24
 
 
 def rmsnorm_gdn_ref(s, ss, nw, w, conv_state, conv_w, a_log, dt_bias, norm_w, rec_state, eps: float, l2_eps: float,
