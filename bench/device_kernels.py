@@ -31,8 +31,8 @@ from graph_timing import launch_times_us  # bench/, next to this script
 
 TD = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}
 DYN = {"pos": int(os.environ.get("POS", 1000)), "token": int(os.environ.get("TOKEN", 1234)), "sampled": 0, "temperature": 0.0, "top_p": 1.0, "seed": 1, "n_prompt": 3}
-TIMED = ("matmul", "matmul_swiglu", "gdn_delta", "gdn_norm", "rmsnorm_gdn", "attn_step", "embedding", "add_rmsnorm", "sample",
-         "matmul_add", "rmsnorm_matmul", "rmsnorm_matmul_swiglu")
+TIMED = ("matmul", "matmul_swiglu", "gdn_delta", "gdn_norm", "rmsnorm_gdn", "attn_step", "embedding", "add_rmsnorm",
+         "sample", "matmul_add", "rmsnorm_matmul", "rmsnorm_matmul_swiglu")
 L2_BYTES = 50 << 20
 
 

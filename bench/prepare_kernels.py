@@ -18,8 +18,8 @@ from kestrel.compiler.ir import Dyn, State, Value, Weight
 from kestrel.compiler.ir_text import print_program
 from kestrel.compiler.ops import is_view
 from kestrel.compiler.presets import PRESETS, SHAPES
-from kestrel.kernels.targets import RULES_ENV, override_rules
 from kestrel.compiler.qwen3_5 import lower
+from kestrel.kernels.targets import RULES_ENV, override_rules
 from kestrel.passes.pipeline import PassOptions, run_passes
 
 MAX_SEQ = 4096
