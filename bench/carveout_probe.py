@@ -1,5 +1,6 @@
 """kestrel-run with every kernel's preferred shared-memory carveout set (an experiment, not a runtime
-option): CARVEOUT=P (0-100, percent of the unified L1 / shared memory given to shared memory).
+option): CARVEOUT=P (0-100, percent of the unified L1 / shared memory given to shared memory; -1: no preference,
+the driver's choice kernel by kernel, also for a plan whose kernels carry the moe rule's carveout since stop 50).
 Question it answers (stop 19): do programmatic edges slow some plans because kernels of different
 shared-memory needs cannot share an SM's carveout while the next one waits resident?
 

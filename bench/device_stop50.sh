@@ -4,12 +4,30 @@
 # the GPU; its plans as that script lists, plus bench/plans/gdn-probe from
 # `python bench/gdn_cluster_probe.py compile bench/plans/gdn-probe`). A call returns at most 8 files, so everything
 # is tarred into one at the end; the queue runs under a timeout that leaves time for the tar.
-# There: run(carry=["bench/plans"]): bash bench/device_stop50.sh $OUT
+# Call 4 (part `rule`): the moe rule's carveout as built (kernels/targets.py, moe.carveout = 100: the plan's kernel
+# table carries it, the runtime sets it) against plans built with KESTREL_RULES="moe.carveout=-1", A B B A, at
+# 80B-A3B and 35B-A3B q4; then the 80B-A3B plan's --profile. Its plans: kestrelc build qwen3-next-80b-a3b
+# --target sm_90 --weights random --quant q4 --max-seq 4096 --prefill-rows 256 -o
+# bench/plans/qwen3-next-80b-a3b-sm90-q4.plan, the same with the env into ...-nocarve.plan; likewise
+# qwen3.5-35b-a3b (qwen3.5-35b-a3b-sm90-q4[-nocarve].plan).
+# There: run(carry=["bench/plans"]): bash bench/device_stop50.sh $OUT [queue|rule]
 set -u
 out=$1
 r=$out/r
 mkdir -p "$r/probe"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+if [ "${2:-queue}" = rule ]; then
+  STEP_TIMEOUT=120 PAIRS="qwen3-next-80b-a3b-sm90-q4-nocarve:qwen3-next-80b-a3b-sm90-q4 qwen3.5-35b-a3b-sm90-q4-nocarve:qwen3.5-35b-a3b-sm90-q4" \
+    timeout 400 bash bench/device_preload_ab.sh "$r"
+  ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+  p=qwen3-next-80b-a3b-sm90-q4
+  timeout 100 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 8 --profile "$r/profile-$p.json" \
+    > "$r/profile-$p.txt" 2>&1; echo "profile: exit $?"; grep -A22 "^in the graph" "$r/profile-$p.txt" | head -24
+  grep "^\[gpu\]" "$r/profile-$p.txt"
+  find "$r" -name '*.tar' -exec sh -c 'd=$(dirname "$1"); tar -C "$d" -xf "$1" && rm "$1"' _ {} \;
+  tar -C "$out" -cf "$out/stop50-call.tar" r && rm -rf "$r"
+  exit 0
+fi
 timeout 90 python3 bench/gdn_cluster_probe.py run bench/plans/gdn-probe "$r/probe/gdn-probe.json" > "$r/probe/probe.txt" 2>&1
 echo "probe: exit $?"; grep -v '^{' "$r/probe/probe.txt" | grep -A13 '^80b' | head -100
 timeout 470 bash bench/device_stop48.sh "$r" first

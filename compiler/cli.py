@@ -139,7 +139,7 @@ def plan_summary(plan) -> dict:
             "launches": len(plan.launch_plan["launches"]), "arena": plan.launch_plan["arena"],
             "kernels": dict(Counter(l["kernel"] for l in plan.launch_plan["launches"])),
             "compiled": [{"id": k["id"], "entry": k["name"], "arch": k["arch"], "compiler": k["compiler"],
-                          "num_warps": k["num_warps"], "shared": k["shared"],
+                          "num_warps": k["num_warps"], "shared": k["shared"], "carveout": k.get("carveout", -1),
                           "global_scratch_size": k["global_scratch_size"],
                           "cubin_bytes": m["parts"][k["part"]]["shape"][0], "constexprs": k["constexprs"]}
                          for k in plan.launch_plan.get("kernels", [])]},
@@ -204,7 +204,8 @@ def inspect(plan_path, as_json, verify):
         lines.append("kernels   " + ", ".join(f"{k} x{v}" for k, v in sorted(lp["kernels"].items())))
         for k in lp["compiled"]:
             tiles = " ".join(f"{n}={v}" for n, v in k["constexprs"].items())
-            lines.append(f"  cubin   {k['id']:<22} {k['arch']:<7} {k['num_warps']:>2} warps  smem {k['shared']:>6}  "
+            carve = f"  carveout {k['carveout']}%" if k["carveout"] >= 0 else ""
+            lines.append(f"  cubin   {k['id']:<22} {k['arch']:<7} {k['num_warps']:>2} warps  smem {k['shared']:>6}{carve}  "
                          f"{k['cubin_bytes'] / 1e3:6.1f} kB  {tiles}")
     if verify:
         lines.append(f"verified  {s['verified_bytes']} bytes: every checksum matches")

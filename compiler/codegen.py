@@ -301,7 +301,11 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
     ``q4_preload_after`` kinds (few programs: moe_down_add, gdn_norm, attn_step), of at least ``q4_preload_min_bytes``,
     loads its first weight tile before its PDL wait (``PRELOAD``, which the launch rule gives only floating-point
     matrices): its programs become resident while that op runs on few SMs (H200, bench/results/stop42 calls 2-4:
-    80B-A3B q4 1.760 -> 1.728 ms/token, 2B 0.748 -> 0.731, 4B 1.414 -> 1.402, 27B 4.997 -> 4.981)."""
+    80B-A3B q4 1.760 -> 1.728 ms/token, 2B 0.748 -> 0.731, 4B 1.414 -> 1.402, 27B 4.997 -> 4.981).
+
+    In a plan with routed experts (a ``moe_topk``) every entry carries the moe rule's ``carveout``, the shared-memory
+    carveout the runtime asks the driver to prefer for it (runtime/cuda.py; the rule's provenance: 80B-A3B q4 -2.9%,
+    the dense plans slower)."""
     cc = TARGETS[target].cc
     table, index, of_launch, cubins = [], {}, [], {}
 
@@ -333,6 +337,10 @@ def compile_kernels(programs: list[Program], target: str, log) -> tuple[list[dic
             if n == 0 and consts.get("PDL") and consts.get("PDL_LATE") is False:
                 table[i]["late"] = entry(op, consts | {"PDL_LATE": True})
             of_launch[-1].append(i)
+    carveout = TARGETS[target].rules["moe"].carveout
+    if carveout >= 0 and any(op.kind == "moe_topk" for program in programs for op in program.ops):
+        for k in table:  # (the moe rule's carveout: a plan with routed experts)
+            k["carveout"] = carveout
     late = sum("late" in k for k in table)
     log(f"kernels: compiled {len(table)} distinct kernels for {target} ({table[0]['arch'] if table else '-'}, "
         f"{table[0]['compiler'] if table else '-'}) for {' + '.join(str(len(o)) for o in of_launch)} launches"

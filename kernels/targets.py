@@ -262,6 +262,9 @@ class MoeRule(Rule):
     gate_up_early: bool = False  # rmsnorm_moe_gate_up with its input in one tile: the normed input (and the shared
     #                              expert's tiles) made before the PDL wait, a routed program's gate / up words and
     #                              scales loaded at once after it (EARLY)
+    carveout: int = -1          # every kernel of a plan with routed experts prefers this shared-memory carveout (percent
+    #                             of the SM's shared memory, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, set by
+    #                             the runtime at load); -1: no preference (the driver's choice, kernel by kernel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -450,13 +453,21 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # 1.787 -> 1.761 ms/token, where stop 37's L2 prefetch of them had lost 0.8%), moe_gate_up's best of 58 tiles
     # (6.94 us against 10.89 with the matvec rule's 8 x 1024 x 4);
     # moe_down: the matvec rule's tiles, its experts unrolled (bf16); q4 gathered (stop 38: 16 rows x 8 warps, 5.99
-    # us alone against the unrolled rule's 8.20; the 80B-A3B q4 step 1.992 -> 1.894 ms/token at 8 x 4, 1.875 at 16 x 8)
+    # us alone against the unrolled rule's 8.20; the 80B-A3B q4 step 1.992 -> 1.894 ms/token at 8 x 4, 1.875 at 16 x 8);
+    # every kernel of a MoE plan preferring a 100% shared-memory carveout (stop 50 calls 2-3, H100, A B B A and
+    # A B C C B A: 80B-A3B q4 1.829 -> 1.777 ms/token at 100%, 1.809 at 70%, the least attn_step's 158 KiB CTA takes;
+    # where the driver picks each kernel's split, an SM drains to change it around each attention layer; the dense
+    # plans lose or tie with it: 0.8B q4 +0.9%, 2B q4 +4.6%, 0.8B bf16 +3.1%, 27B q4 even, so only MoE plans take it)
     "moe": MoeRule(router_warps=4, topk_sort=True, down_early=True, max_block_n=16, down_stages=0, gate_up_block_n=8,
+                   carveout=100,
                    gate_up_max_k=2048, gate_up_warps=4, group_warps=4, combine_block=1024,
                    grouped_gate_up=(32, 512, 4), grouped_down=(32, 512, 4), down_gather=(16, 8),
                    provenance=(_TUNING + "moe-sweep-h200.json", _RESULTS + "stop38/call3/moe-sweep-gather.json",
                                _RESULTS + "stop38/call4/ab.tar", _RESULTS + "stop41/call1/topk/moe-sweep-topk.json",
-                               _RESULTS + "stop41/call6/moe-sweep-topk.json", _RESULTS + "stop41/call7/ab.tar")),
+                               _RESULTS + "stop41/call6/moe-sweep-topk.json", _RESULTS + "stop41/call7/ab.tar",
+                               _RESULTS + "stop50/call2/carve/bench-qwen3-next-80b-a3b-sm90-q4-carveout-1.json",
+                               _RESULTS + "stop50/call3/bench-qwen3-next-80b-a3b-sm90-q4-c100-1.json",
+                               _RESULTS + "stop50/call3/bench-qwen3.5-2b-sm90-q4-c100-1.json")),
     # one rule of the 1,019-variant sweep (stop 25 call 1, every variant exact to <= 2.4e-7 of q4_mma_ref): RB 4 x
     # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
     # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,

@@ -61,7 +61,7 @@ def compute_capability(dev) -> int:
 class Kernel:
     """A loaded cubin entry point with its launch metadata."""
 
-    def __init__(self, cubin: bytes, name: str, num_warps: int, shared: int, pdl: bool = False):
+    def __init__(self, cubin: bytes, name: str, num_warps: int, shared: int, pdl: bool = False, carveout: int = -1):
         cu = driver()
         self.pdl = pdl  # compiled with the programmatic-dependent-launch wait (kernels/pdl.py)
         self.module = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
@@ -71,6 +71,10 @@ class Kernel:
             check(cu.cuFuncSetAttribute(self.function,
                                         cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         shared), f"cuFuncSetAttribute({name})")
+        if carveout >= 0:  # the plan's preferred shared-memory carveout (kernels/targets.py, MoeRule.carveout)
+            check(cu.cuFuncSetAttribute(self.function,
+                                        cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                        carveout), f"cuFuncSetAttribute({name}, carveout)")
 
 
 class PackedArgs:

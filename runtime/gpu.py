@@ -180,7 +180,7 @@ class GpuStep:
         self._n_copies = 0
         self.probes = lp.get("probes", {})  # measuring kernels in the table (runtime/bench.py)
         self.kernels = [kc.Kernel(plan.cubin(k["part"]), k["name"], k["num_warps"], k["shared"],
-                                  bool(k["constexprs"].get("PDL"))) for k in lp["kernels"]]
+                                  bool(k["constexprs"].get("PDL")), k.get("carveout", -1)) for k in lp["kernels"]]
         fill = [self._pack(launch) for launch in b.fill]  # a random-weights plan: the weights made on the device
         for kernel, grid, args in fill:
             kc.launch(kernel, grid, args, self.stream)

@@ -31,7 +31,8 @@ except SystemExit as e:
 forbidden = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton") and sys.modules[m] is not None
                    or m.startswith(("kestrel.compiler", "kestrel.kernels", "kestrel.passes")))
 print(json.dumps({{"calls": stub.CALLS, "launches": stub.LAUNCHES, "forbidden": forbidden,
-                   "driver": stub.__file__, "edges": list(stub.GRAPH_EDGES.values())}}))
+                   "driver": stub.__file__, "edges": list(stub.GRAPH_EDGES.values()),
+                   "attributes": stub.FUNC_ATTRIBUTES}}))
 """
 
 
@@ -91,6 +92,34 @@ def run_stub(plan_path, extra, **env):
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["forbidden"] == [], report["forbidden"]
     return report
+
+
+def test_moe_plan_kernels_prefer_the_rules_carveout(plan, tmp_path):
+    """A plan with routed experts carries the moe rule's shared-memory carveout on every kernel (kernels/targets.py,
+    MoeRule.carveout: 100% on sm_90), and the runtime sets it on each function at load; a dense plan sets none (the
+    driver's choice, kernel by kernel)."""
+    from kestrel.kernels.targets import TARGETS
+
+    carveout = TARGETS["sm_90"].rules["moe"].carveout
+    assert carveout == 100
+    kind, dense = plan
+    assert all("carveout" not in k for k in load_plan(dense).launch_plan["kernels"])
+    assert not any(a.endswith("CARVEOUT") for a in run_stub(dense, [])["attributes"])
+    if kind != "random":
+        return  # (the MoE plan once)
+    path = str(tmp_path / "tiny-next.plan")
+    r = run_cli("kestrelc", "build", "tiny-next", "-o", path, "--target", "sm_90", "--quant", "q4", "--max-seq", "32",
+                "--weights", "random")
+    assert r.returncode == 0, r.stderr
+    kernels = load_plan(path).launch_plan["kernels"]
+    assert any(k["name"].startswith("moe_topk") for k in kernels)
+    step = [k for k in kernels if k["id"] not in ("fill_random", "read_stream")]  # (made after the step's table)
+    assert step and all(k["carveout"] == carveout for k in step)
+    attributes = run_stub(path, [])["attributes"]
+    assert {k["name"] for k in step} == {a.split(":")[0] for a, v in attributes.items()
+                                          if a.endswith("PREFERRED_SHARED_MEMORY_CARVEOUT") and v == carveout}
+    info = run_cli("kestrelc", "inspect", path).stdout
+    assert f"carveout {carveout}%" in info
 
 
 @pytest.mark.parametrize("env,chained", [({}, True), ({"KESTREL_STUB_PDL_FACTOR": "0.9"}, True),

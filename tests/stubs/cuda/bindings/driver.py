@@ -39,6 +39,7 @@ class CUevent_flags(enum.IntEnum):
 
 class CUfunction_attribute(enum.IntEnum):
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+    CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
 class CUDA_KERNEL_NODE_PARAMS:
@@ -247,8 +248,12 @@ def cuModuleGetFunction(module, name):
     return (OK, f)
 
 
+FUNC_ATTRIBUTES: dict = {}  # "kernel name:attribute name" -> the value last set
+
+
 @_count
 def cuFuncSetAttribute(f, attr, value):
+    FUNC_ATTRIBUTES[f"{_functions[f]}:{CUfunction_attribute(attr).name}"] = int(value)
     return (OK,)
 
 
