@@ -10,12 +10,30 @@
 # --target sm_90 --weights random --quant q4 --max-seq 4096 --prefill-rows 256 -o
 # bench/plans/qwen3-next-80b-a3b-sm90-q4.plan, the same with the env into ...-nocarve.plan; likewise
 # qwen3.5-35b-a3b (qwen3.5-35b-a3b-sm90-q4[-nocarve].plan).
-# There: run(carry=["bench/plans"]): bash bench/device_stop50.sh $OUT [queue|rule]
+# There: run(carry=["bench/plans"]): bash bench/device_stop50.sh $OUT [queue|rule|pipe]
 set -u
 out=$1
 r=$out/r
 mkdir -p "$r/probe"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+if [ "${2:-queue}" = pipe ]; then
+  # Call 6: attn_step's shared memory (attention.pipe_bytes_max 128 -> 64 / 32 KiB: 158 -> 88 / 56 KiB a CTA, so the
+  # kernels around it keep their SMs) at 80B-A3B q4 (A B C C B A), 0.8B and 27B q4 (64 KiB, A B B A), and decode from
+  # positions 1,000 and 4,000 of each 80B-A3B form. Plans: the rule's (next80-q4, 0.8b-q4, 27b-q4 of
+  # bench/build_stop_plans.sh) and the same builds with KESTREL_RULES="attention.pipe_bytes_max=N" into -pipeK.
+  STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-pipe64 qwen3-next-80b-a3b-sm90-q4-pipe32" \
+    PAIRS="qwen3.5-0.8b-sm90-q4:qwen3.5-0.8b-sm90-q4-pipe64 qwen3.5-27b-sm90-q4:qwen3.5-27b-sm90-q4-pipe64" \
+    timeout 330 bash bench/device_preload_ab.sh "$r"
+  ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+  for p in qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-pipe64 qwen3-next-80b-a3b-sm90-q4-pipe32; do
+    timeout 60 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 32 --rounds 3 \
+      --positions 1000,4000 --bench "$r/long-$p.json" > "$r/long-$p.txt" 2>&1
+    echo "$p: exit $?"; grep -E "^position" "$r/long-$p.txt"
+  done
+  find "$r" -name '*.tar' -exec sh -c 'd=$(dirname "$1"); tar -C "$d" -xf "$1" && rm "$1"' _ {} \;
+  tar -C "$out" -cf "$out/stop50-call.tar" r && rm -rf "$r"
+  exit 0
+fi
 if [ "${2:-queue}" = rule ]; then
   STEP_TIMEOUT=120 PAIRS="qwen3-next-80b-a3b-sm90-q4-nocarve:qwen3-next-80b-a3b-sm90-q4 qwen3.5-35b-a3b-sm90-q4-nocarve:qwen3.5-35b-a3b-sm90-q4" \
     timeout 400 bash bench/device_preload_ab.sh "$r"
