@@ -10,7 +10,7 @@
 # --target sm_90 --weights random --quant q4 --max-seq 4096 --prefill-rows 256 -o
 # bench/plans/qwen3-next-80b-a3b-sm90-q4.plan, the same with the env into ...-nocarve.plan; likewise
 # qwen3.5-35b-a3b (qwen3.5-35b-a3b-sm90-q4[-nocarve].plan).
-# There: run(carry=["bench/plans"]): bash bench/device_stop50.sh $OUT [queue|rule|pipe]
+# There: run(carry=["bench/plans"]): bash bench/device_stop50.sh $OUT [queue|rule|pipe|pipe2]
 set -u
 out=$1
 r=$out/r
@@ -26,6 +26,21 @@ if [ "${2:-queue}" = pipe ]; then
     timeout 330 bash bench/device_preload_ab.sh "$r"
   ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
   for p in qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-pipe64 qwen3-next-80b-a3b-sm90-q4-pipe32; do
+    timeout 60 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 32 --rounds 3 \
+      --positions 1000,4000 --bench "$r/long-$p.json" > "$r/long-$p.txt" 2>&1
+    echo "$p: exit $?"; grep -E "^position" "$r/long-$p.txt"
+  done
+  find "$r" -name '*.tar' -exec sh -c 'd=$(dirname "$1"); tar -C "$d" -xf "$1" && rm "$1"' _ {} \;
+  tar -C "$out" -cf "$out/stop50-call.tar" r && rm -rf "$r"
+  exit 0
+fi
+if [ "${2:-queue}" = pipe2 ]; then
+  # Call 7: call 6's forms with SPLIT_ROWS kept at 128 rows (attention.split_tiles 4 at 64 KiB, 8 at 32 KiB): 80B-A3B
+  # A B C C B A and decode from positions 1,000 / 4,000, 0.8B q4 A B B A at 32 KiB.
+  STEP_TIMEOUT=100 SEQ="qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-pipe64s4 qwen3-next-80b-a3b-sm90-q4-pipe32s8" \
+    PAIRS="qwen3.5-0.8b-sm90-q4:qwen3.5-0.8b-sm90-q4-pipe32s8" timeout 200 bash bench/device_preload_ab.sh "$r"
+  ids=$(python3 -c "print(','.join(str((i * 7919) % 5000 + 3) for i in range(40)))")
+  for p in qwen3-next-80b-a3b-sm90-q4 qwen3-next-80b-a3b-sm90-q4-pipe64s4 qwen3-next-80b-a3b-sm90-q4-pipe32s8; do
     timeout 60 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 32 --rounds 3 \
       --positions 1000,4000 --bench "$r/long-$p.json" > "$r/long-$p.txt" 2>&1
     echo "$p: exit $?"; grep -E "^position" "$r/long-$p.txt"
