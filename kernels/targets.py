@@ -215,16 +215,18 @@ class WarpsRule(Rule):
 @dataclass(frozen=True, kw_only=True)
 class GdnNormRule(WarpsRule):
     fold: bool = False          # at one row, gdn_norm folded into the output projection after it (one launch a GDN
-    #                             layer fewer: gdn_norm_matmul_add, passes/fold_row_norms.py); off until timed on the
-    #                             H200 (prepared in stop 47: bench/device_stop47.sh gfold)
+    #                             layer fewer: gdn_norm_matmul_add, passes/fold_row_norms.py, stop 47); off: it lost
+    #                             (stop 50 call 2, H100: 80B-A3B q4 1.833 -> 2.069 ms/token, 0.8B 0.478 -> 0.494,
+    #                             2B 0.757 -> 0.836)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GdnClusterRule(WarpsRule):
     on: bool = False            # at one row, a Gated DeltaNet layer's normed q4 projection, gdn_delta and gdn_norm in
     #                             one launch, a thread-block cluster of ``cs`` CTAs a key head (rmsnorm_gdn,
-    #                             kernels/gdn_cluster.py, passes/fold_row_norms.py); off until checked and timed on
-    #                             the H200 (prepared in stop 49: bench/device_stop49.sh)
+    #                             kernels/gdn_cluster.py, passes/fold_row_norms.py, stop 49); off: right, but it
+    #                             lost (stop 50 calls 1, 3, H100: 80B-A3B q4 1.833 -> 1.906 ms/token, 0.8B 0.478 ->
+    #                             0.512, 2B 0.762 -> 0.804)
     cs: int = 8                 # CTAs a cluster (a key head): 16 clusters of 8 at Hk = 16
 
 
