@@ -458,7 +458,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # us alone against the unrolled rule's 8.20; the 80B-A3B q4 step 1.992 -> 1.894 ms/token at 8 x 4, 1.875 at 16 x 8);
     # every kernel of a MoE plan preferring a 100% shared-memory carveout (stop 50 calls 2-3, H100, A B B A and
     # A B C C B A: 80B-A3B q4 1.829 -> 1.777 ms/token at 100%, 1.809 at 70%, the least attn_step's 158 KiB CTA takes;
-    # where the driver picks each kernel's split, an SM drains to change it around each attention layer; the dense
+    # presumably, where the driver picks each kernel's split, SMs drain to change it (not measured); the dense
     # plans lose or tie with it: 0.8B q4 +0.9%, 2B q4 +4.6%, 0.8B bf16 +3.1%, 27B q4 even, so only MoE plans take it;
     # call 4, as built against KESTREL_RULES="moe.carveout=-1": 80B-A3B q4 1.832 -> 1.782, 35B-A3B q4 1.445 -> 1.414)
     "moe": MoeRule(router_warps=4, topk_sort=True, down_early=True, max_block_n=16, down_stages=0, gate_up_block_n=8,
