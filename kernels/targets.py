@@ -460,7 +460,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
     # A B C C B A: 80B-A3B q4 1.829 -> 1.777 ms/token at 100%, 1.809 at 70%, the least attn_step's 158 KiB CTA takes;
     # presumably, where the driver picks each kernel's split, SMs drain to change it (not measured); the dense
     # plans lose or tie with it: 0.8B q4 +0.9%, 2B q4 +4.6%, 0.8B bf16 +3.1%, 27B q4 even, so only MoE plans take it;
-    # call 4, as built against KESTREL_RULES="moe.carveout=-1": 80B-A3B q4 1.832 -> 1.782, 35B-A3B q4 1.445 -> 1.414)
+    # call 4, as built against KESTREL_RULES="moe.carveout=-1": 80B-A3B q4 1.832 -> 1.782, 35B-A3B q4 1.445 -> 1.414;
+    # on the H200, stop 51 call 4, A B B A twice: 80B-A3B q4 1.725 -> 1.686, 35B-A3B q4 1.337 -> 1.327)
     "moe": MoeRule(router_warps=4, topk_sort=True, down_early=True, max_block_n=16, down_stages=0, gate_up_block_n=8,
                    carveout=100,
                    gate_up_max_k=2048, gate_up_warps=4, group_warps=4, combine_block=1024,
@@ -472,7 +473,8 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
                                _RESULTS + "stop50/call3/bench-qwen3-next-80b-a3b-sm90-q4-c100-1.json",
                                _RESULTS + "stop50/call3/bench-qwen3.5-2b-sm90-q4-c100-1.json",
                                _RESULTS + "stop50/call4/bench-qwen3-next-80b-a3b-sm90-q4-1.json",
-                               _RESULTS + "stop50/call4/bench-qwen3.5-35b-a3b-sm90-q4-1.json")),
+                               _RESULTS + "stop50/call4/bench-qwen3.5-35b-a3b-sm90-q4-1.json",
+                               _RESULTS + "stop51/call4-carve/ab/bench-qwen3-next-80b-a3b-sm90-q4-1.json")),
     # one rule of the 1,019-variant sweep (stop 25 call 1, every variant exact to <= 2.4e-7 of q4_mma_ref): RB 4 x
     # KS 4, DEPTH 2, the smallest cluster giving >= 1 CTA per SM: within 1.11x (M = 4) / 1.08x (M = 8) of each
     # shape's best (geometric mean), 1.4-1.9x the few-rows matvec at 4 rows on the 27B matrices, 1.6-2.9x at 8,
