@@ -52,14 +52,12 @@
 #     35b and moe35x4 take the forms too, e.g. 35b-q4-notog
 #     stop 45: 35b-q4 35b-bf16 (Qwen3.5-35B-A3B, qwen3_5_moe: every layer a MoE block of 256 experts, top 8),
 #     moe35x4-q4 moe35x4-bf16 moe35x4-q4-spec3 (4 layers of its shape with its MTP layer: GPU against CPU)
-#     stop 47: the form gfold (gdn_norm.fold=True: gdn_norm folded into the output projection, gdn_norm_matmul_add),
-#     gfoldpre (the same, the projection's first tile loaded before its wait after gdn_delta too), e.g. 0.8b-q4-gfold
-#     2b-q4-gfold next80-q4-gfold next80-q4-gfoldpre small4-q4-gfold next4-q4-gfold 0.8b-bf16-gfold;
+#     stop 47's forms gfold, gfoldpre (gdn_norm.fold: gdn_norm folded into the output projection; lost, removed in
+#     stop 51; in this script at commit bf7c756, bench/results/stop50);
 #     next4-yarn-bf16 next4-yarn-q4 (4 layers of the 80B-A3B shape with Qwen's YaRN settings, 8-row prefill:
 #     GPU against CPU), next80-q4-yarn1m (the whole 80B-A3B q4 with them at --max-seq 1048576: 67.5 GB arena)
-#     stop 49: the form gclus (gdn_cluster.on=True: a Gated DeltaNet mixer's normed projection, gdn_delta and gdn_norm in
-#     one cluster launch, rmsnorm_gdn), gclus16 (the same with 16 warps a CTA), e.g. 0.8b-q4-gclus 2b-q4-gclus
-#     next80-q4-gclus next80-q4-gclus16 small4-q4-gclus next4-q4-gclus
+#     stop 49's forms gclus, gclus16 (gdn_cluster.on: a Gated DeltaNet mixer in one cluster launch; lost, removed in
+#     stop 51; in this script at commit bf7c756, bench/results/stop50)
 #     (any subset)
 set -eu
 cd "$(dirname "$0")/.."
@@ -190,16 +188,13 @@ for p in "$@"; do
     0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
       x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
       base_build $m $R --quant $q --max-seq 4096 $x -o "$PWD/bench/plans/$m-sm90-$q-base.plan" ;;
-    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog|*-q4-gfold*|*-bf16-gfold*|*-q4-gclus*)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
+    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
       m=${p%%-*}; q=${p#*-}; q=${q%%-*}; v=${p#*-*-}; x="--max-seq 4096"; a=""
       for f in $(echo "$v" | tr + ' '); do case $f in
         head) a="$a attention.short_rows=128";; head16) a="$a attention.short_rows=128 attention.short_block_s=16";;
         eg) a="$a moe.gate_up_early=True";; tog) a="$a matvec.q4_one_tile_together=True";;
         gnw1|gnw2) a="$a gdn_norm.num_warps=${f#gnw}";; notog) a="$a matvec.q4_one_tile_together=False";;
-        gfold) a="$a gdn_norm.fold=True";;
-        gfoldpre) a="$a gdn_norm.fold=True matvec.q4_preload_after=('moe_down_add','gdn_norm','attn_step','gdn_delta')";;
-        gclus) a="$a gdn_cluster.on=True";; gclus16) a="$a gdn_cluster.on=True gdn_cluster.num_warps=16";;
-        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2, gfold, gfoldpre, gclus, gclus16)"; exit 2;; esac; done
+        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2)"; exit 2;; esac; done
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
         35b) m=qwen3.5-35b-a3b; o=$m; x="$x --prefill-rows 256";; moe35x4) m=$(moe35x4); o=qwen3.5-moe35-4l; x="";;
         next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";;

@@ -3,7 +3,7 @@ select, for the device check (bench/device_kernels.py). Writes OUT_DIR/index.jso
 OUT_DIR/<shape>.ir per program and the cubins.
 
     python bench/prepare_kernels.py bench/cubins
-    (PROGRAMS="qwen3-next-80b-a3b:q4 qwen3.5-0.8b:q4": those programs only; ONLY_OP=rmsnorm_gdn,gdn_delta: those ops
+    (PROGRAMS="qwen3-next-80b-a3b:q4 qwen3.5-0.8b:q4": those programs only; ONLY_OP=gdn_delta,gdn_norm: those ops
     only; KESTREL_RULES: the sm_90 rules changed as kestrelc build changes them)
 """
 from __future__ import annotations

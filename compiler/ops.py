@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.compiler.ir import Dyn, IRError, Op, Program, State, TensorType, Value, Weight, is_q4, q4_group
-from kestrel.kernels import (attention, bf16_mma, elementwise, embedding, gated_delta, gdn_cluster, gemm, matvec, moe,
-                             mtp, q4_mma, q4_stream, rmsnorm, sample, speculative)
+from kestrel.kernels import (attention, bf16_mma, elementwise, embedding, gated_delta, gemm, matvec, moe, mtp,
+                             q4_mma, q4_stream, rmsnorm, sample, speculative)
 from kestrel.kernels.gated_delta import gdn_key_heads
 from kestrel.kernels.targets import Target
 
@@ -412,29 +412,6 @@ def _infer_gdn_norm(ins, a):
     _need(c > n and len(_t(conv_state).shape) == 2 and _t(conv_state).shape[0] == c,
           f"conv state {_t(conv_state).shape} does not match qkv [{c}]")
     return [_f32((n,))]
-
-
-def _infer_gdn_norm_matmul_add(ins, a):
-    """gdn_norm's operands (o, z, qkv, norm weight, conv state), then matmul_add's W and r: s [N], ss."""
-    (normed,) = _infer_gdn_norm(ins[:5], a)
-    return _infer_matmul_add([Value(normed), *ins[5:]], a)
-
-
-def _infer_rmsnorm_gdn(ins, a):
-    """rmsnorm_matmul's s [K], ss [P] and norm weight, the fused projection W (rows qkv [C] | z [Hv Dv] | b [Hv] |
-    a [Hv]), gdn_delta's conv state, conv weight, A_log and dt_bias, gdn_norm's weight, the recurrent state
-    [Hv, Dk, Dv] -> gdn_norm's out [Hv Dv]."""
-    s, ss, nw, w, conv_state, conv_w, a_log, dt_bias, norm_w, rec = ins
-    _need(len(_t(s).shape) == 1, "rmsnorm_gdn takes one row")
-    _need(len(_t(rec).shape) == 3, "the recurrent state must be [Hv, Dk, Dv]")
-    hv, _, dv = _t(rec).shape
-    (c, _kc1) = _t(conv_state).shape if len(_t(conv_state).shape) == 2 else (0, 0)
-    (n,) = _infer_rmsnorm_matmul([s, ss, nw, w], a)[0].shape
-    _need(n == c + hv * dv + 2 * hv, f"the projection's {n} rows are not qkv {c} | z {hv * dv} | b {hv} | a {hv}")
-    _need(_t(norm_w).shape == (dv,), f"the norm weight must be [{dv}]")
-    qkv = TensorType("f32", (c,))
-    return _infer_gdn_delta([Value(qkv), Value(TensorType("f32", (hv,))), Value(TensorType("f32", (hv,))),
-                             conv_state, conv_w, a_log, dt_bias, rec], a)
 
 
 def attn_heads(op: Op) -> tuple[int, int, int]:
@@ -899,33 +876,6 @@ def _gdn_norm(op: Op, t: Target) -> dict:
     dv = op.ins[3].type.shape[0]
     c, kc1 = op.ins[4].type.shape
     return {"kernel": "gdn_norm", **gated_delta.gdn_norm_launch(op.ins[0].type.shape[0] // dv, dv, c, kc1 + 1, t)}
-
-
-def _gdn_norm_matvec_add(op: Op, t: Target) -> dict:
-    """gdn_norm_matvec_add_kernel's launch (kernels/matvec.py); passes/fold_row_norms.py folds only where it has one
-    (the product's tiles hold whole value heads)."""
-    w, nw, conv = op.ins[5], op.ins[3], op.ins[4]
-    launch = matvec.gdn_norm_matvec_add_launch(*_matrix(w), nw.type.shape[0], conv.type.shape[0],
-                                               conv.type.shape[1] + 1, t)
-    if launch is None:
-        raise IRError(f"gdn_norm_matmul_add: the product's tiles do not hold whole value heads of "
-                      f"{nw.type.shape[0]} (fold_row_norms folds only where they do)")
-    return {"kernel": "gdn_norm_matvec_add_" + w.type.dtype, **launch}
-
-
-def _gdn_cluster(op: Op, t: Target) -> dict:
-    """gdn_cluster's launch (kernels/gdn_cluster.py); passes/fold_row_norms.py folds only where it has one."""
-    s, ss, _nw, w, conv_state, _conv_w, _a_log, _dt_bias, _norm_w, rec = op.ins
-    hv, dk, dv = rec.type.shape
-    c, kc1 = conv_state.type.shape
-    _, k, group = _matrix(w)
-    hk = gdn_key_heads(c, hv, dk, dv)
-    small = all(v.type.dtype == "f32" for v in op.ins[:3] + op.ins[4:])
-    launch = gdn_cluster.gdn_cluster_launch(k, group, hk, hv, dk, dv, kc1 + 1, ss.type.shape[0], t) if small else None
-    if launch is None:
-        raise IRError(f"rmsnorm_gdn: no cluster launch on {t.name} for {w.type.dtype} [{w.type.shape[0]}, {k}] with "
-                      f"{hk}/{hv} heads of {dk}/{dv} (fold_row_norms folds only where there is one)")
-    return {"kernel": "gdn_cluster_" + w.type.dtype, **launch}
 
 
 def _attn_step(op: Op, t: Target) -> dict:
@@ -1450,16 +1400,6 @@ OPS: dict[str, OpDef] = {d.name: d for d in (
     OpDef("gdn_norm", "vvvws", ("eps",), _infer_gdn_norm, gated_delta.gdn_norm_ref,
           Kernel(gated_delta.gdn_norm_kernel, _gdn_norm), _onnx_gdn_norm, inout=(4,),
           doc="gated_rmsnorm(o, z, w) per head; conv state shifted, qkv appended"),
-    OpDef("gdn_norm_matmul_add", "vvvwswv", ("eps", "partial_rows"), _infer_gdn_norm_matmul_add,
-          matvec.gdn_norm_matvec_add_ref, Kernel(matvec.gdn_norm_matvec_add_kernel, _gdn_norm_matvec_add),
-          NotApplicable("folded after quantize (passes/fold_row_norms.py); the ONNX step is exported before"),
-          inout=(4,), doc="gdn_norm then matmul_add in one launch (fold_row_norms, rule gdn_norm.fold): s = r + W @ "
-          "gated_rmsnorm(o, z, w), ss its partial sums; the conv state shifted"),
-    OpDef("rmsnorm_gdn", "vvwwswwwws", ("eps", "l2_eps", "scale", "norm_eps"), _infer_rmsnorm_gdn,
-          gdn_cluster.rmsnorm_gdn_ref, Kernel(gdn_cluster.gdn_cluster, _gdn_cluster),
-          NotApplicable("folded after quantize (passes/fold_row_norms.py); the ONNX step is exported before"),
-          inout=(4, 9), doc="a Gated DeltaNet mixer at one row in one launch (fold_row_norms, rule gdn_cluster.on): "
-          "rmsnorm_matmul of the fused projection, gdn_delta, gdn_norm; a thread-block cluster a key head"),
     # --- the M-row step (a prompt chunk of M rows at positions pos.., valid while < n_prompt) ---
     OpDef("embedding_rows", "wsdd", ("rows",), _infer_embedding_rows, embedding.embedding_rows_ref,
           Kernel(embedding.embedding_rows_kernel, _embedding_rows), _ROWS_ONNX,

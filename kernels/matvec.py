@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.gated_delta import conv_window, gdn_norm_ref, store_window
 from kestrel.kernels.pdl import pdl_launch, pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import fp_fusion, pow2_at_least
@@ -300,7 +299,6 @@ NORM_NONE = tl.constexpr(0)
 NORM_PARTIALS = tl.constexpr(1)  # rstd from the producer's partial sums of squares, before the K loop
 NORM_TILE = tl.constexpr(2)  # K in one tile: rstd from that tile
 NORM_AFTER = tl.constexpr(3)  # fp weights: the sum of squares gathered along the K loop, rstd applied after it
-NORM_GATED = tl.constexpr(4)  # gdn_norm's gated RMSNorm of each DV-input head of the tile (gdn_norm_matvec_add)
 
 _Q4_WORD_DOT = tl.constexpr("""{
  .reg .b32 a, b, c, d, t, m, s16, bias, s;
@@ -394,7 +392,7 @@ def _tile_weights(w_ptr, rows, k0, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K
 def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                  MASKED: tl.constexpr, NORM: tl.constexpr, w_tile=None, PAIR_FMA: tl.constexpr = False,
-                 x_tile=None, s_tile=None, z_ptr=None, DV: tl.constexpr = 0):
+                 x_tile=None, s_tile=None):
     """(partial products, x^2): partial products of rows ``rows`` (clamped, in
     bounds) with inputs [k0, k0 + BLOCK_K): fp32 [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK
     inputs, a thread's 16-byte load (32 inputs for q4, 8 bf16, 4 f32). MASKED: the tile runs past K
@@ -404,9 +402,7 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
     the products are of x * (1 + nw), and x^2 is returned per input, summed by the caller once after
     the loop: a sum per tile would be a reduction across the warps in every iteration). ``x_tile``: the tile's
     inputs as the products take them (normed where NORM; NORM_PARTIALS or NORM_NONE), loaded and made by the
-    caller (``_normed``); ``s_tile``: its q4 scales (``_tile_scales``), loaded by the caller with the words.
-    NORM_GATED: x is gdn_delta's raw output, the input gdn_norm's w * o * rstd(head) * silu(z) (``_gated_tile``:
-    the gate z at ``z_ptr``, heads of DV inputs, BLOCK_K a multiple of DV)."""
+    caller (``_normed``); ``s_tile``: its q4 scales (``_tile_scales``), loaded by the caller with the words."""
     ks = k0 + tl.arange(0, BLOCK_K)
     ssq = 0.0  # x^2 (NORM_AFTER)
     if x_tile is not None:
@@ -417,9 +413,7 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
             xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
         else:
             xv = tl.load(x_ptr + ks)
-        if NORM == NORM_GATED:
-            xv = _gated_tile(xv, z_ptr, nw_ptr, ks, eps, K, BLOCK_K, DV, MASKED)
-        elif NORM != NORM_NONE:
+        if NORM != NORM_NONE:
             if MASKED:
                 nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
             else:
@@ -469,24 +463,6 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
         else:
             w = w_tile
         return _fp_part(w.to(tl.float32), xv, BLOCK_N, BLOCK_K, CHUNK, PAIR_FMA), ssq
-
-
-@triton.jit
-def _gated_tile(o, z_ptr, nw_ptr, ks, eps, K: tl.constexpr, BLOCK_K: tl.constexpr, DV: tl.constexpr,
-                MASKED: tl.constexpr):
-    """gdn_norm's gated RMSNorm (kernels/gated_delta.py ``_gated_norm``: nw * o * rsqrt(mean(o^2) + eps) * silu(z),
-    the mean over each value head's DV inputs) of the tile's BLOCK_K / DV whole heads, inputs ``ks``; inputs past
-    K are 0."""
-    tl.static_assert(BLOCK_K % DV == 0)
-    if MASKED:
-        zz = tl.load(z_ptr + ks, mask=ks < K, other=0.0)
-    else:
-        zz = tl.load(z_ptr + ks)
-    nw = tl.load(nw_ptr + ks % DV)
-    o2 = tl.reshape(o.to(tl.float32), [BLOCK_K // DV, DV])
-    z2 = tl.reshape(zz.to(tl.float32), [BLOCK_K // DV, DV])
-    y = o2 * (1.0 / tl.sqrt(tl.sum(o2 * o2, axis=1) / DV + eps))[:, None]
-    return tl.reshape(tl.reshape(nw.to(tl.float32), [BLOCK_K // DV, DV]) * y * (z2 * tl.sigmoid(z2)), [BLOCK_K])
 
 
 @triton.jit
@@ -570,14 +546,13 @@ def _l2_prefetch_range(base, lo, nbytes):
 @triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, eps=0.0,
-                 NORM: tl.constexpr = 0, w0=None, PAIR_FMA: tl.constexpr = False, x0=None, s0=None, z_ptr=None,
-                 DV: tl.constexpr = 0):
+                 NORM: tl.constexpr = 0, w0=None, PAIR_FMA: tl.constexpr = False, x0=None, s0=None):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
     ``rows`` must be in bounds (the callers clamp them). NORM: rmsnorm(x)[k] = x[k] * rstd * (1 + nw[k])
     in place of x[k] (_matvec_tile; NORM_AFTER: the rstd of the sum of x^2 over the tiles, applied to
     the row sums). ``w0``: the first tile, already loaded (``_first_tile``); ``x0`` / ``s0`` with it: that
     tile's inputs as the products take them and its q4 scales (``_matvec_tile``'s x_tile, s_tile); the same
-    products in the same order either way. ``z_ptr`` / ``DV``: NORM_GATED's gate and head width."""
+    products in the same order either way."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
@@ -599,17 +574,17 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     else:  # the tile after w0
         START: tl.constexpr = BLOCK_K
         part, t = _matvec_tile(x_ptr, w_ptr, rows, 0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               K < BLOCK_K, NORM, w0, PAIR_FMA, x0, s0, z_ptr, DV)
+                               K < BLOCK_K, NORM, w0, PAIR_FMA, x0, s0)
         acc += part
         ssq += t
     for k0 in tl.range(START, K_FULL, BLOCK_K, num_stages=STAGES):
         part, t = _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               False, NORM, None, PAIR_FMA, z_ptr=z_ptr, DV=DV)
+                               False, NORM, None, PAIR_FMA)
         acc += part
         ssq += t
     if K_FULL < K and K_FULL >= START:
         part, t = _matvec_tile(x_ptr, w_ptr, rows, K_FULL, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               True, NORM, None, PAIR_FMA, z_ptr=z_ptr, DV=DV)
+                               True, NORM, None, PAIR_FMA)
         acc += part
         ssq += t
     y = tl.sum(acc, axis=1)
@@ -793,60 +768,6 @@ def matvec_add_kernel(x_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, partial_rows, N: tl.co
     s = tl.load(r_ptr + rows, mask=live, other=0.0) + y
     tl.store(s_ptr + rows, s, mask=live)
     tl.store(ss_ptr + tl.program_id(0), tl.sum(tl.where(live, s * s, 0.0), axis=0))
-
-
-@triton.jit
-def gdn_norm_matvec_add_kernel(o_ptr, z_ptr, qkv_ptr, nw_ptr, conv_state_ptr, w_ptr, r_ptr, s_ptr, ss_ptr, eps,
-                               partial_rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                               KC: tl.constexpr, CH_PER_PROG: tl.constexpr, BLOCK_CH: tl.constexpr,
-                               PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False,
-                               PRELOAD: tl.constexpr = False, L2_PREFETCH: tl.constexpr = False,
-                               PAIR_FMA: tl.constexpr = False, TOGETHER: tl.constexpr = False):
-    """``gdn_norm_matvec_add_ref``: gdn_norm folded into the output projection after it (matvec_add_kernel):
-    s = r + W @ gated_rmsnorm(o, z, nw) with the norm made per tile of each program's K loop (NORM_GATED: a tile
-    holds whole value heads), ss[program] the sum of s^2 over its rows; and gdn_norm's other half, the conv-state
-    update, program p shifting channels [p * CH_PER_PROG, (p + 1) * CH_PER_PROG): their window loaded before the PDL
-    wait (x is in_proj's, two launches old, and gdn_delta only reads the state), stored after the product (gdn_delta,
-    the old state's last reader, has ended). matvec_add_kernel's split, PRELOAD and triggers."""
-    pid = tl.program_id(0)
-    window, ch, mc = conv_window(qkv_ptr, conv_state_ptr, pid * CH_PER_PROG, C, KC, CH_PER_PROG, BLOCK_CH)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, PRELOAD)
-    s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, TOGETHER and PRELOAD)
-    _l2_prefetch_rows(w_ptr, pid * BLOCK_N, N, K, GROUP, BLOCK_N, L2_PREFETCH)
-    pdl_wait(PDL, not PDL_LATE)
-    if TOGETHER and not PRELOAD:  # the words and scales of the one tile at once, first after the wait
-        w0 = _first_tile(w_ptr, tl.minimum(rows, N - 1), K, GROUP, BLOCK_K, True)
-        s0 = _first_scales(w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_K, True)
-    y = _matvec_rows(o_ptr, w_ptr, tl.minimum(rows, N - 1), N, K, GROUP, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps,
-                     NORM_GATED, w0, PAIR_FMA, s0=s0, z_ptr=z_ptr, DV=DV)
-    if PDL_LATE:  # after the K loop: the next kernel's programs take no slot a later wave needs
-        pdl_launch(PDL)
-    live = rows < N
-    s = tl.load(r_ptr + rows, mask=live, other=0.0) + y
-    tl.store(s_ptr + rows, s, mask=live)
-    tl.store(ss_ptr + pid, tl.sum(tl.where(live, s * s, 0.0), axis=0))
-    tl.debug_barrier()  # every old state value this CTA reads has been read
-    store_window(conv_state_ptr, window, ch, mc, KC)
-
-
-def gdn_norm_matvec_add_ref(o, z, qkv, nw, conv_state, w, r, eps: float, partial_rows: int):
-    """(s, ss): gdn_norm_ref (the gated RMSNorm per value head, the conv state shifted) then matvec_add_ref, the
-    unfused references composed (so the CPU path is the unfused program's)."""
-    return matvec_add_ref(gdn_norm_ref(o, z, qkv, nw, conv_state, eps), w, r, partial_rows)
-
-
-def gdn_norm_matvec_add_launch(n: int, k: int, group: int, dv: int, channels: int, kc: int, target) -> dict:
-    """gdn_norm_matvec_add_kernel's launch: matvec_launch's for W (the output projection's own), plus the value
-    head width DV, which the tiles must hold whole (BLOCK_K a multiple of it; else None: the fold does not apply),
-    and the conv-state update's split over the grid (CH_PER_PROG channels a program, a BLOCK_CH vector)."""
-    launch = matvec_launch(n, k, group, target)
-    if launch["constexprs"]["BLOCK_K"] % dv or k % dv:
-        return None
-    per = -(-channels // launch["grid"][0])
-    return launch | {"constexprs": launch["constexprs"] | {"DV": dv, "C": channels, "KC": kc, "CH_PER_PROG": per,
-                                                           "BLOCK_CH": pow2_at_least(per)}}
 
 
 @triton.jit

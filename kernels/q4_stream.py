@@ -43,7 +43,7 @@ from kestrel.kernels.q4_mma import CTA_RESERVED_SMEM, CudaKernel
 BULK_MIN_CC = 90  # cp.async.bulk, mbarrier expect_tx and griddepcontrol: sm_90 on
 
 # the shared-memory address, fp16, mbarrier and bulk-copy helpers, the norm's rstd from partials and one q4 word's
-# value (bench/q4stream_probe.py and kernels/gdn_cluster.py use them too)
+# value (bench/q4stream_probe.py uses them too)
 DEVICE_HELPERS = r"""
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 

@@ -213,24 +213,6 @@ class WarpsRule(Rule):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GdnNormRule(WarpsRule):
-    fold: bool = False          # at one row, gdn_norm folded into the output projection after it (one launch a GDN
-    #                             layer fewer: gdn_norm_matmul_add, passes/fold_row_norms.py, stop 47); off: it lost
-    #                             (stop 50 call 2, H100: 80B-A3B q4 1.833 -> 2.069 ms/token, 0.8B 0.478 -> 0.494,
-    #                             2B 0.757 -> 0.836)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GdnClusterRule(WarpsRule):
-    on: bool = False            # at one row, a Gated DeltaNet layer's normed q4 projection, gdn_delta and gdn_norm in
-    #                             one launch, a thread-block cluster of ``cs`` CTAs a key head (rmsnorm_gdn,
-    #                             kernels/gdn_cluster.py, passes/fold_row_norms.py, stop 49); off: right, but it
-    #                             lost (stop 50 calls 1, 3, H100: 80B-A3B q4 1.833 -> 1.906 ms/token, 0.8B 0.478 ->
-    #                             0.512, 2B 0.762 -> 0.804)
-    cs: int = 8                 # CTAs a cluster (a key head): 16 clusters of 8 at Hk = 16
-
-
-@dataclass(frozen=True, kw_only=True)
 class RmsnormRule(Rule):
     wide_n: int                 # rows of at least wide_n elements get wide_warps, others num_warps
     wide_warps: int
@@ -425,8 +407,7 @@ SM90_RULES: Mapping[str, Rule] = MappingProxyType({
         provenance=(RULE_OF_THUMB, _RESULTS + "stop27/call1/attn-rows.json", _RESULTS + "stop27/call2/attn-rows.json")),
     "gdn_delta": GdnDeltaRule(min_block_v=8, max_block_v=8, block_v_div=16, num_warps=1,
                               provenance=(_RESULTS + "stop24/call2/summary.txt", _RESULTS + "stop29/call5/log.txt")),
-    "gdn_norm": GdnNormRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
-    "gdn_cluster": GdnClusterRule(num_warps=8, provenance=(RULE_OF_THUMB,)),
+    "gdn_norm": WarpsRule(num_warps=4, provenance=(RULE_OF_THUMB,)),
     "gdn_rows": GdnRowsRule(chunk=16, row_min_programs=256, min_block_v=8, max_block_v=8, block_v_div=16,
                             num_warps=1, chunk_block_v=16, chunk_num_warps=8, norm_block_m=16, norm_num_warps=4,
                             snap_norm_block_m=1,  # stop 38 call 8: 27B q4 K = 3 7.3 -> 5.7 us a launch

@@ -19,18 +19,6 @@ kernels compute those rows, which have no folded form (the folded one-row kernel
 from the producer's partial sums, or apply its factor after the product: other roundings). Only the q4 chains
 the tensor-core kernel folds at the verify's rows stay folded.
 
-And at one row, where the target's rule ``gdn_norm.fold`` is on (off until timed on the H200) and the one-row chains
-stay folded: no ``gdn_norm`` is left whose result only a ``matmul_add`` running matvec_add_kernel takes, with tiles
-that hold whole value heads: the two are one ``gdn_norm_matmul_add`` (kernels/matvec.py gdn_norm_matvec_add_kernel:
-the gated norm made per tile in the product's K loop, the conv-state shift by its programs), a launch a Gated
-DeltaNet layer fewer.
-
-And at one row, where the target's rule ``gdn_cluster.on`` is on (off until checked and timed on the H200) and the
-one-row chains stay folded: no Gated DeltaNet mixer is left as ``rmsnorm_matmul`` of its fused projection, the four
-slices, ``gdn_delta`` and ``gdn_norm`` where the cluster kernel has a launch (q4, sm_90 on, a CTA's rows fitting its
-shared memory): they are one ``rmsnorm_gdn`` (kernels/gdn_cluster.py: a thread-block cluster a key head), two
-launches a layer fewer. This fold runs first, so ``gdn_norm.fold`` takes only the layers it leaves.
-
 After quantize (it needs the matrices' precision) and with the build's target; select_kernels then gives
 the folded ops the kernel's ``q4mma_add`` / ``q4mma_norm(_swiglu)`` (``bf16mma_...``) launches and sizes the
 partials.
@@ -40,7 +28,7 @@ from __future__ import annotations
 import copy
 
 from kestrel.compiler.ir import IRError, Op, Program, TensorType, Value, Weight, is_q4
-from kestrel.compiler.ops import OPS, mma_launch
+from kestrel.compiler.ops import mma_launch
 from kestrel.kernels.targets import TARGETS
 from kestrel.passes.fuse import fold_norms_into_matmuls
 
@@ -133,99 +121,12 @@ def _unfolds(target: str) -> bool:
     return target in TARGETS and not TARGETS[target].rules["matvec_rows"].fold_one_row
 
 
-def _gdn_folds(target: str) -> bool:
-    return target in TARGETS and TARGETS[target].rules["gdn_norm"].fold and not _unfolds(target)
-
-
-def fold_gdn_norms(p: Program, target) -> int:
-    """``gdn_norm`` + the one-row ``matmul_add`` that alone takes its result (as x) -> ``gdn_norm_matmul_add``, where
-    the product runs matvec_add_kernel (not the q4_mma / q4_stream forms) and the fused kernel has a launch (its
-    tiles hold whole value heads). Returns the pairs folded."""
-    users = _users(p)
-    n = 0
-    for op in list(p.ops):
-        uses = users.get(id(op.outs[0]), []) if op.kind == "gdn_norm" else []
-        if len(uses) != 1 or uses[0].kind != "matmul_add" or uses[0].ins[0] is not op.outs[0]:
-            continue
-        mm = uses[0]
-        if not OPS["matmul_add"].kernel.launch(mm, target)["kernel"].startswith("matvec_add_"):
-            continue
-        fused = Op("gdn_norm_matmul_add", mm.outs, [*op.ins, *mm.ins[1:]],
-                   {"eps": op.attrs["eps"], "partial_rows": mm.attrs["partial_rows"]})
-        try:
-            OPS[fused.kind].kernel.launch(fused, target)
-        except IRError:
-            continue
-        p.ops[p.ops.index(mm)] = fused
-        p.ops.remove(op)
-        n += 1
-    return n
-
-
-def _gdn_clusters(target: str) -> bool:
-    return target in TARGETS and TARGETS[target].rules["gdn_cluster"].on and not _unfolds(target)
-
-
-def _slice_of(op: Op | None, y: Value, start: int, stop: int) -> bool:
-    return (op is not None and op.kind == "slice" and op.ins[0] is y and op.attrs.get("axis") == 0
-            and op.attrs.get("start") == start and op.attrs.get("stop") == stop)
-
-
-def fold_gdn_clusters(p: Program, target) -> int:
-    """A one-row ``rmsnorm_matmul`` of a Gated DeltaNet layer's fused projection, the four slices of its result (qkv,
-    z, b, a), ``gdn_delta`` and the ``gdn_norm`` after it -> one ``rmsnorm_gdn`` (kernels/gdn_cluster.py), where
-    nothing else reads what they made and the kernel has a launch. Returns the layers folded."""
-    users = _users(p)
-    made = {id(v): op for op in p.ops for v in op.outs}
-    outputs = {id(v) for v in p.outputs.values()}
-    n = 0
-    for d in [op for op in p.ops if op.kind == "gdn_delta"]:
-        qkv, b, a, conv_state, conv_w, a_log, dt_bias, rec = d.ins
-        sq = made.get(id(qkv))
-        mm = made.get(id(sq.ins[0])) if sq is not None and sq.kind == "slice" else None
-        norms = users.get(id(d.outs[0]), [])
-        if mm is None or mm.kind != "rmsnorm_matmul" or len(mm.ins[0].type.shape) != 1 or len(norms) != 1:
-            continue
-        nm = norms[0]
-        y = mm.outs[0]
-        hv, _, dv = rec.type.shape
-        c = qkv.type.shape[0]
-        z = nm.ins[1] if nm.kind == "gdn_norm" else None
-        slices = [sq, made.get(id(z)), made.get(id(b)), made.get(id(a))]
-        bounds = [(0, c), (c, c + hv * dv), (c + hv * dv, c + hv * dv + hv), (c + hv * dv + hv, c + hv * dv + 2 * hv)]
-        if (nm.kind != "gdn_norm" or nm.ins[0] is not d.outs[0] or nm.ins[2] is not qkv or nm.ins[4] is not conv_state
-                or y.type.shape != (c + hv * dv + 2 * hv,)
-                or not all(_slice_of(op, y, *bd) for op, bd in zip(slices, bounds))):
-            continue
-        mine = {id(op) for op in (mm, *slices, d, nm)}
-        made_here = [mm.outs[0], *(op.outs[0] for op in slices), d.outs[0]]
-        if any(id(v) in outputs or any(id(u) not in mine for u in users.get(id(v), [])) for v in made_here):
-            continue
-        s, ss, nw, w = mm.ins
-        fused = Op("rmsnorm_gdn", nm.outs, [s, ss, nw, w, conv_state, conv_w, a_log, dt_bias, nm.ins[3], rec],
-                   {"eps": mm.attrs["eps"], "l2_eps": d.attrs["l2_eps"], "scale": d.attrs["scale"],
-                    "norm_eps": nm.attrs["eps"]})
-        try:
-            OPS[fused.kind].kernel.launch(fused, target)
-        except IRError:
-            continue
-        p.ops[p.ops.index(nm)] = fused
-        for op in (mm, *slices, d):
-            p.ops.remove(op)
-        n += 1
-    return n
-
-
 def fold_row_norms(program: Program, target: str) -> Program:
     p = copy.deepcopy(program)
-    if _gdn_clusters(target):
-        fold_gdn_clusters(p, TARGETS[target])
     if _folds(target):
         fold_norms_into_matmuls(p, rows=True, accept=_accept(TARGETS[target]))
     if _unfolds(target):
         unfold_one_row_norms(p)
-    if _gdn_folds(target):
-        fold_gdn_norms(p, TARGETS[target])
     return p
 
 
@@ -237,7 +138,3 @@ def check(program: Program, target: str) -> None:
     if _unfolds(target) and (n := unfold_one_row_norms(p)):
         raise IRError(f"fold_row_norms: {n} folded norms at one row that the verify's rows run unfolded left after "
                       "the pass")
-    if _gdn_clusters(target) and (n := fold_gdn_clusters(p, TARGETS[target])):
-        raise IRError(f"fold_row_norms: {n} Gated DeltaNet mixers left unfolded into rmsnorm_gdn after the pass")
-    if _gdn_folds(target) and (n := fold_gdn_norms(p, TARGETS[target])):
-        raise IRError(f"fold_row_norms: {n} gdn_norm + matmul_add pairs left unfolded after the pass")

@@ -87,10 +87,10 @@ def _size_moe_chunks(p: Program, target) -> None:
 
 
 def _size_norm_partials(p: Program, target) -> None:
-    """Each matmul_add's (moe_down_add's, gdn_norm_matmul_add's) partials (result 1, read by the rmsnorm matmuls after it) get one
+    """Each matmul_add's (moe_down_add's) partials (result 1, read by the rmsnorm matmuls after it) get one
     entry per program of its kernel: partial_rows = the launch's rows per program."""
     for op in p.ops:
-        if op.kind in ("matmul_add", "moe_down_add", "gdn_norm_matmul_add"):
+        if op.kind in ("matmul_add", "moe_down_add"):
             rows = OPS[op.kind].kernel.launch(op, target)["constexprs"]["BLOCK_N"]
             *m, n = op.outs[0].type.shape  # (at M rows, fold_row_norms: the partials of each row)
             op.attrs["partial_rows"] = rows

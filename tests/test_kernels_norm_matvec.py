@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from kernel_harness import assert_close, interpret, run_aot_main
-from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, gdn_norm_matvec_add_kernel,
-                                    gdn_norm_matvec_add_launch, gdn_norm_matvec_add_ref, matvec_add_kernel,
-                                    matvec_add_ref, matvec_kernel, matvec_launch, matvec_ref, matvec_swiglu_kernel,
-                                    norm_mode,
+from kestrel.kernels.matvec import (NORM_AFTER, NORM_PARTIALS, NORM_TILE, matvec_add_kernel, matvec_add_ref,
+                                    matvec_kernel, matvec_launch, matvec_ref, matvec_swiglu_kernel, norm_mode,
                                     rmsnorm_matvec_kernel, rmsnorm_matvec_launch, rmsnorm_matvec_ref,
                                     rmsnorm_matvec_swiglu_kernel, rmsnorm_matvec_swiglu_ref)
 from kestrel.kernels.rmsnorm import add_rmsnorm_ref
@@ -200,44 +198,6 @@ def _consume(s, ss, nw, w, wg, wu, n, c, kind):
 
 # --- AOT compilation: every target, the 27B shapes (down_proj feeding the MLP / GDN input projection) ---
 
-# gdn_norm folded into the output projection (gdn_norm_matvec_add_kernel, rule gdn_norm.fold): (weight kind, value
-# heads, head width DV, output rows N, tile overrides): several tiles of whole heads, a masked last tile (one head
-# of two), rows past N clamped, the rule's own launch, the first tile loaded before the wait
-GATED_CASES = [
-    ("f32", 4, 16, 24, {"BLOCK_N": 8, "BLOCK_K": 32}),
-    ("bf16", 6, 32, 30, {"BLOCK_N": 4, "BLOCK_K": 64}),
-    ("q4g32", 5, 32, 21, {"BLOCK_N": 4, "BLOCK_K": 64}),
-    ("q4g128", 4, 128, 12, None),
-    ("q4g128", 8, 128, 16, {"BLOCK_N": 4, "BLOCK_K": 512, "PRELOAD": True}),
-]
-
-
-@pytest.mark.parametrize("kind,hv,dv,n,override", GATED_CASES)
-def test_gdn_norm_folded_into_the_output_projection(kind, hv, dv, n, override):
-    """s = r + W @ gated_rmsnorm(o, z, nw) and its partials, against gdn_norm_ref then matvec_add_ref (what the
-    unfused gdn_norm + matmul_add compute); the conv state shifted by the programs exactly as gdn_norm_ref shifts
-    it (every channel, none twice: 3 channels a program, the last program's share short)."""
-    g = torch.Generator().manual_seed(hv * dv + n)
-    k, kc = hv * dv, 4
-    w, w_ref, group = make_weight(kind, n, k, g)
-    o, z, r = torch.randn(k, generator=g), torch.randn(k, generator=g), 4 * torch.randn(n, generator=g)
-    nw = 1 + 0.2 * torch.randn(dv, generator=g)
-    c = gdn_norm_matvec_add_launch(n, k, group, dv, 2 * k + 8, kc, TARGETS["sm_90"])["constexprs"]
-    c = with_tiles(c, override)
-    p = math.ceil(n / c["BLOCK_N"])
-    channels = 3 * p - 1
-    c = c | {"C": channels, "CH_PER_PROG": 3, "BLOCK_CH": 4}
-    qkv, conv = torch.randn(channels, generator=g), torch.randn(channels, kc - 1, generator=g)
-    conv_ref = conv.clone()
-    s, ss = torch.full((n + 16,), float("nan")), torch.full((p + 4,), float("nan"))
-    interpret(gdn_norm_matvec_add_kernel)[(p,)](o, z, qkv, nw, conv, w, r, s, ss, EPS, c["BLOCK_N"], **c)
-    assert torch.isnan(s[n:]).all() and torch.isnan(ss[p:]).all(), "stored past the rows / partials"
-    s_ref, ss_ref = gdn_norm_matvec_add_ref(o, z, qkv, nw, conv_ref, w_ref, r, EPS, c["BLOCK_N"])
-    assert_close(s[:n], s_ref, 1e-5 if group == 0 else 2e-3, 0.0, f"{kind} s")
-    assert_close(ss[:p], ss_ref, 1e-5 if group == 0 else 4e-3, 0.0, f"{kind} ss")
-    assert torch.equal(conv, conv_ref), "conv state"
-
-
 H, INTER, IN_PROJ = 5120, 17408, 16480
 
 
@@ -245,8 +205,7 @@ def _jobs():
     jobs = [(t, kernel, 128) for t in TARGETS for kernel in ("add", "norm", "norm_swiglu")]
     # (q4-together: matvec.q4_one_tile_together at the 2B shape, hidden 2048, where the products are one tile)
     jobs += [(t, kernel, "q4-together") for t in TARGETS for kernel in ("add", "norm", "norm_swiglu")]
-    jobs += [(t, "gated", 128) for t in TARGETS]  # (gdn_norm folded into the 80B-A3B's output projection)
-    return jobs + [("sm_90", kernel, 0) for kernel in ("add", "norm", "norm_swiglu", "gated")]
+    return jobs + [("sm_90", kernel, 0) for kernel in ("add", "norm", "norm_swiglu")]
 
 
 def _compile(job):
@@ -257,11 +216,7 @@ def _compile(job):
     group = 128 if together else group
     h, inter, in_proj = (2048, 2048, 6144) if together else (H, INTER, IN_PROJ)
     t, wt = TARGETS[target], "*u8" if group else "*bf16"
-    if kernel == "gated":  # the 80B-A3B's GDN output projection with its gated norm (32 heads of 128, 8192 channels)
-        c = gdn_norm_matvec_add_launch(2048, 4096, group, 128, 8192, 4, t)
-        fn, types = gdn_norm_matvec_add_kernel, ["*fp32"] * 5 + [wt] + ["*fp32"] * 3 + ["fp32", "i32"]
-        consts = c["constexprs"]
-    elif kernel == "add":  # down_proj: s = r + W x, ss
+    if kernel == "add":  # down_proj: s = r + W x, ss
         c = matvec_launch(h, inter, group, t)
         fn, types = matvec_add_kernel, ["*fp32", wt, "*fp32", "*fp32", "*fp32", "i32"]
         consts = c["constexprs"]

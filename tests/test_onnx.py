@@ -331,16 +331,14 @@ def test_every_op_kind_before_hoist_dynamic_matches_cpu_reference():
         assert max(float(np.abs(a - b).max() / np.abs(b).max()) for (_, a), (_, b) in zip(got, want)) <= TOL
     # gdn_delta / gdn_norm: the fused program of test_onnx_step_matches_cpu_reference; step_end: after
     # hoist_dynamic; the M-row step's and the speculative programs' ops have no ONNX form (the ONNX step is
-    # the one-token step; the grouped MoE ops run only at M rows), nor gdn_norm_matmul_add and rmsnorm_gdn (folded
-    # after quantize)
+    # the one-token step; the grouped MoE ops run only at M rows)
     no_onnx = {name for name, d in OPS.items() if not callable(d.onnx)}
     assert no_onnx == {"step_end", "embedding_rows", "gdn_rows", "attn_rows", "last_row", "chunk_last", "prefill_end",
                        "gdn_rows_delta", "gdn_rows_norm", "attn_rows_kv", "attn_rows_q",
                        "concat", "embedding_next_rows", "spec_begin", "argmax_rows", "accept", "draft_end", "spec_end",
                        "gdn_rows_snap", "gdn_rows_delta_snap", "gdn_rows_norm_snap", "gdn_commit",
                        "spec_filter", "draft_sample", "spec_sample_rows", "replay_drafts",
-                       "moe_group", "moe_gate_up_grouped", "moe_down_grouped", "moe_combine", "gdn_norm_matmul_add",
-                       "rmsnorm_gdn"}
+                       "moe_group", "moe_gate_up_grouped", "moe_down_grouped", "moe_combine"}
     assert kinds | {"gdn_delta", "gdn_norm"} | no_onnx == set(OPS)
 
 
