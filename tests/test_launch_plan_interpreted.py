@@ -63,6 +63,23 @@ class InterpretedPlan:
         return self.view(o.address, "*fp32")[:o.numel].clone()
 
 
+# Every plan here is built with the matvec rule's rows per CTA let grow to its max_block_n (16): at the mini shapes the
+# rule keeps one row a CTA (a grid of 4 CTAs an SM on 132 SMs), and the interpreter runs each program in Python, so
+# the matvecs took ~90% of this file's time (stop 51: the speculative test 152 s -> 27 s). The kernels are the same;
+# the split is the kind real shapes get (several rows a CTA, a masked last block).
+INTERPRETER_RULES = "matvec.ctas_per_sm=0"
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_rules(monkeypatch):
+    monkeypatch.setenv("KESTREL_RULES", INTERPRETER_RULES)
+
+
+def _rules(monkeypatch, rules: str) -> None:
+    """A test's own rules (KESTREL_RULES, read by kestrelc build) on top of INTERPRETER_RULES."""
+    monkeypatch.setenv("KESTREL_RULES", f"{INTERPRETER_RULES} {rules}")
+
+
 # small enough for the interpreter (it runs every program of every grid in Python), with both layer
 # kinds, GQA, more GDN value than key heads, and a hidden size that gives q4 group 32
 MINI = dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -125,7 +142,7 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
 
     one_row = quant == "q4-mma-one-row"
     if one_row:
-        monkeypatch.setenv("KESTREL_RULES", "q4_mma.one_row_as=4")
+        _rules(monkeypatch, "q4_mma.one_row_as=4")
         quant = "q4"
     stream = quant.startswith("q4-stream")
     if stream:
@@ -134,7 +151,7 @@ def test_sm90_plan_in_interpreter_matches_cpu_reference(quant, mini_checkpoint, 
         if quant == "q4-stream-wide":
             rules += (" q4_stream.max_k=32 q4_stream.wide=True q4_stream.wide_max_k=64 q4_stream.wide_rb=8 "
                       "q4_stream.wide_nc=4 q4_stream.wide_ks=2 q4_stream.wide_minb=2")
-        monkeypatch.setenv("KESTREL_RULES", rules)
+        _rules(monkeypatch, rules)
     path = str(tmp_path / f"mini-{quant}.plan")
     wide = quant == "q4-stream-wide"
     quant = "q4" if stream else quant
@@ -218,12 +235,12 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
     max_seq, prompt = 16, [5, 9, 3, 60, 17, 2]
     if quant.endswith("-triton"):
         quant = quant.removesuffix("-triton")
-        monkeypatch.setenv("KESTREL_RULES", f"{quant}_mma.max_rows=0")
+        _rules(monkeypatch, f"{quant}_mma.max_rows=0")
     elif quant == "bf16-attn-split":
-        monkeypatch.setenv("KESTREL_RULES", "attn_rows.split_tiles=1 attn_rows.max_block_n=16")
+        _rules(monkeypatch, "attn_rows.split_tiles=1 attn_rows.max_block_n=16")
         quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
     elif quant == "bf16-attn-step":
-        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=4 attention.split_tiles=1 "
+        _rules(monkeypatch, "attn_rows.step_order_rows=4 attention.split_tiles=1 "
                                             "attention.min_rows_per_split=16 attention.max_block_s=16")
         quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
         mma = True
@@ -279,7 +296,7 @@ def test_sm90_yarn_plan_in_interpreter_matches_cpu_reference(attn, tmp_path, mon
     from conftest import run_cli
 
     if attn == "step-order":
-        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=4")
+        _rules(monkeypatch, "attn_rows.step_order_rows=4")
     ckpt = _write_checkpoint(str(tmp_path), MINI_YARN, 7)
     path = str(tmp_path / "mini-yarn.plan")
     r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "bf16", "--max-seq", "16",
@@ -370,7 +387,7 @@ def test_sm90_speculative_programs_in_interpreter_match_cpu_reference(attn, mini
     add_mtp_head(ckpt, seed=14)  # (a head whose drafts have no near-tie the GEMM's bf16 rounding could flip)
     path = str(tmp_path / "mini-spec.plan")
     if attn == "flash":
-        monkeypatch.setenv("KESTREL_RULES", "attn_rows.step_order_rows=0")
+        _rules(monkeypatch, "attn_rows.step_order_rows=0")
     r = run_cli("kestrelc", "build", ckpt, "-o", path, "--target", "sm_90", "--quant", "bf16", "--max-seq", "24",
                 "--prefill-rows", "4", "--speculative", "mtp", "--draft-tokens", "2")
     assert r.returncode == 0, r.stderr
@@ -471,11 +488,11 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, model, 
 
     mma = quant == "q4" and rows == 16  # the grouped q4 experts on the tensor-core kernel (emulated here) ...
     if quant == "q4-triton":  # ... or, turned off (KESTREL_RULES), on the few-rows grouped kernels
-        monkeypatch.setenv("KESTREL_RULES", "q4_mma.max_rows=0 q4_mma.grouped_rows=0")
+        _rules(monkeypatch, "q4_mma.max_rows=0 q4_mma.grouped_rows=0")
         quant = "q4"
     early = quant == "q4-early"
     if early:
-        monkeypatch.setenv("KESTREL_RULES", "moe.gate_up_early=True attention.short_rows=8")
+        _rules(monkeypatch, "moe.gate_up_early=True attention.short_rows=8")
         quant = "q4"
     path = str(tmp_path / f"mini-{model}-{quant}.plan")
     r = run_cli("kestrelc", "build", request.getfixturevalue(f"mini_{model}_checkpoint"), "-o", path, "--target", "sm_90", "--quant", quant,
