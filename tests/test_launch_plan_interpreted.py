@@ -63,11 +63,12 @@ class InterpretedPlan:
         return self.view(o.address, "*fp32")[:o.numel].clone()
 
 
-# Every plan here is built with the matvec rule's rows per CTA let grow to its max_block_n (16): at the mini shapes the
-# rule keeps one row a CTA (a grid of 4 CTAs an SM on 132 SMs), and the interpreter runs each program in Python, so
-# the matvecs took ~90% of this file's time (stop 51: the speculative test 152 s -> 27 s). The kernels are the same;
-# the split is the kind real shapes get (several rows a CTA, a masked last block).
-INTERPRETER_RULES = "matvec.ctas_per_sm=0"
+# Every plan here is built with the matvec rules' rows per CTA let grow to their largest (16 rows a CTA; q4: the
+# q4_max_block_n, in the one-row and the few-rows matvecs): at the mini shapes the rules keep one row a CTA (a grid of
+# 4 CTAs an SM on 132 SMs), and the interpreter runs each program in Python, so the matvecs took ~90% of this file's
+# time (stop 51: the speculative test 152 s -> 18 s). The kernels are the same; the split is the kind real shapes
+# get (several rows a CTA, a masked last block).
+INTERPRETER_RULES = "matvec.ctas_per_sm=0 matvec.q4_ctas_per_sm=0 matvec_rows.q4_ctas_per_sm=0"
 
 
 @pytest.fixture(autouse=True)
