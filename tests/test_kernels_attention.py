@@ -266,15 +266,19 @@ for kid, types, consts, nw, cc in json.loads(sys.stdin.read()):
                 "num_warps": k.num_warps})
 print(json.dumps(res))
 """
-AOT_SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (6, 2, 64, 256), (24, 4, 256, 4096)]  # REP 2, 1, 3, 6
+AOT_SHAPES = [(24, 4, 256, 4096)]  # 27B's (REP 6), on every target: its splits and pipeline bytes are the target's
+# REP 2, 1, 3 at other head widths and contexts, on the two families of tensor-core code (Ampere's mma, Hopper's)
+AOT_SMALL_SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (6, 2, 64, 256)]
+AOT_SMALL_TARGETS = ("sm_80", "sm_90")
 PTR = {"bf16": "*bf16", "f32": "*fp32"}
 
 
 def aot_jobs(dt):
     types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
-    launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape in AOT_SHAPES
-                for t in TARGETS.values()]
-    ccs = [t.cc for _ in AOT_SHAPES for t in TARGETS.values()]
+    pairs = [(shape, t) for shape in AOT_SHAPES for t in TARGETS.values()]
+    pairs += [(shape, TARGETS[name]) for shape in AOT_SMALL_SHAPES for name in AOT_SMALL_TARGETS]
+    launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape, t in pairs]
+    ccs = [t.cc for _, t in pairs]
     for t in TARGETS.values():  # the one-program-a-head form compiled in (attention.short_rows), at 27B's shape,
         # with YaRN (Qwen's settings on its quarter-rotated head)
         c = attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt, with_attention(t, short_rows=128))
