@@ -1,8 +1,9 @@
-"""A pre-imported ``kestrelc`` that forks one child per command (tests/conftest.py ``run_cli``).
+"""A pre-imported ``kestrelc`` and ``kestrel-run`` that fork one child per command (tests/conftest.py ``run_cli``).
 
-``kestrelc`` imports torch and Triton at the top of its modules: every subprocess the suite starts for it
-spends ~3 s importing before it parses its first option, and the suite starts dozens (most of them to
-check one error line). This process imports ``kestrel.compiler.cli`` once, in the environment a plain
+``kestrelc`` imports torch and Triton at the top of its modules, ``kestrel-run`` torch when it runs a plan on the
+CPU path: every subprocess the suite starts for them spends ~3 s importing before it does anything, and the suite
+starts dozens of each (most of them to check one error line or a few tokens of the tiny model). This process
+imports ``kestrel.compiler.cli``, ``kestrel.runtime.cli`` and the CPU path once, in the environment a plain
 ``run_cli`` child gets (the test process's, without TRITON_INTERPRET), and then, per request, forks a
 child that is what that subprocess would be right after its imports: its own process, its own standard
 streams (files), argv, environment, working folder and exit status (``main()``'s SystemExit code; an
@@ -19,9 +20,11 @@ import traceback
 
 sys.path[0] = ""  # as under ``python -c``: the working folder first, not tests/
 
-from kestrel.compiler.cli import main as kestrelc_main  # noqa: E402  (the import every child shares)
+from kestrel.compiler.cli import main as kestrelc_main  # noqa: E402  (the imports every child shares)
+from kestrel.runtime import cpu as _cpu_path  # noqa: E402,F401  (kestrel-run's CPU path: torch and the references)
+from kestrel.runtime.cli import main as kestrel_run_main  # noqa: E402
 
-MAINS = {"kestrelc": kestrelc_main}
+MAINS = {"kestrelc": kestrelc_main, "kestrel-run": kestrel_run_main}
 
 
 def _child(req):

@@ -35,7 +35,7 @@ def tiny_plan(tmp_path_factory):
 
 
 class _Zygote:
-    """tests/cli_zygote.py: one process that has imported kestrelc and forks a child per command (a
+    """tests/cli_zygote.py: one process that has imported kestrelc and kestrel-run and forks a child per command (a
     plain subprocess spends ~3 s importing torch and Triton first). Started on first use, for the
     session; KESTREL_TEST_NO_ZYGOTE=1 runs every command as a plain subprocess instead."""
 
@@ -206,13 +206,13 @@ def pytest_sessionfinish(session):
 
 
 def run_cli(*args, env=None, stdin=None):
-    """Run a console entry point in a subprocess; returns CompletedProcess (text). ``kestrelc`` with the
-    default environment runs in a child forked from a process that has already imported it (_Zygote):
+    """Run a console entry point in a subprocess; returns CompletedProcess (text). ``kestrelc`` and ``kestrel-run``
+    with the default environment run in a child forked from a process that has already imported them (_Zygote):
     the same process a plain subprocess is once its imports are done."""
     timeout = 600
     if env is None:  # the CLIs run as a user runs them: compiled kernels, not the interpreter
         clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        if args[0] == "kestrelc" and os.environ.get("KESTREL_TEST_NO_ZYGOTE") != "1":
+        if args[0] in ("kestrelc", "kestrel-run") and os.environ.get("KESTREL_TEST_NO_ZYGOTE") != "1":
             return _Zygote.run(args[0], args[1:], clean, stdin, timeout)
         env = clean
     cmd = [sys.executable, "-c", "import sys; from kestrel.{} import main; sys.argv[0]='{}'; main()".format(
