@@ -267,7 +267,8 @@ for kid, types, consts, nw, cc in json.loads(sys.stdin.read()):
 print(json.dumps(res))
 """
 AOT_SHAPES = [(24, 4, 256, 4096)]  # 27B's (REP 6), on every target: its splits and pipeline bytes are the target's
-# REP 2, 1, 3 at other head widths and contexts, on the two families of tensor-core code (Ampere's mma, Hopper's)
+# REP 2, 1, 3 at other head widths and contexts (bf16 caches, the plans' own), and the one-program-a-head form, on
+# the two families of tensor-core code (Ampere's mma, Hopper's): attn_step compiles take ~5 s each
 AOT_SMALL_SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (6, 2, 64, 256)]
 AOT_SMALL_TARGETS = ("sm_80", "sm_90")
 PTR = {"bf16": "*bf16", "f32": "*fp32"}
@@ -276,11 +277,12 @@ PTR = {"bf16": "*bf16", "f32": "*fp32"}
 def aot_jobs(dt):
     types = ["*fp32"] * 5 + [PTR[dt]] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
     pairs = [(shape, t) for shape in AOT_SHAPES for t in TARGETS.values()]
-    pairs += [(shape, TARGETS[name]) for shape in AOT_SMALL_SHAPES for name in AOT_SMALL_TARGETS]
+    if dt == "bf16":
+        pairs += [(shape, TARGETS[name]) for shape in AOT_SMALL_SHAPES for name in AOT_SMALL_TARGETS]
     launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape, t in pairs]
     ccs = [t.cc for _, t in pairs]
-    for t in TARGETS.values():  # the one-program-a-head form compiled in (attention.short_rows), at 27B's shape,
-        # with YaRN (Qwen's settings on its quarter-rotated head)
+    for t in (TARGETS[name] for name in AOT_SMALL_TARGETS):  # the one-program-a-head form (attention.short_rows),
+        # at 27B's shape, with YaRN (Qwen's settings on its quarter-rotated head)
         c = attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt, with_attention(t, short_rows=128))
         launches.append(c | {"constexprs": c["constexprs"] | {"YARN": yarn(64, 1e7, factor=4.0, truncate=True,
                                                                              original_max_position_embeddings=262144)}})
