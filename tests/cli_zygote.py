@@ -8,7 +8,9 @@ imports ``kestrel.compiler.cli``, ``kestrel.runtime.cli`` and the CPU path once,
 child that is what that subprocess would be right after its imports: its own process, its own standard
 streams (files), argv, environment, working folder and exit status (``main()``'s SystemExit code; an
 uncaught exception prints its traceback and exits 1, as Python does; death by a signal: -signal). Each
-child starts from this process's untouched state: nothing one command does reaches the next.
+child starts from this process's untouched state: nothing one command does reaches the next. (A ``kestrel-run``
+child has more imported than a plain one, the compiler and Triton among them: what the GPU runtime may import is
+checked by tests/test_runtime_gpu_stub_driver.py in plain subprocesses with torch and Triton made unimportable.)
 
 Protocol: one JSON request a line on stdin, {"prog", "args", "env", "cwd", "stdin", "out", "err",
 "timeout"}; one JSON reply a line on stdout, {"rc"} or {"timeout": true} (the child killed)."""

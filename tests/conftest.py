@@ -121,8 +121,9 @@ def pytest_collection_finish(session):
 # --- pytest-xdist (pyproject.toml's addopts: -n auto --dist loadfile --no-loadscope-reorder) ---------------
 
 # Seconds each file's tests took on one of the two workers on the 2-core machine (stop 51's fresh clone, empty Triton
-# cache, the sampler's seeds and attn_step's AOT jobs then cut as estimated; files under 8 s left out): under xdist the files are handed out longest first, so that the last ones to start are short and the
-# workers end together. A file not listed counts as DEFAULT_FILE_SECONDS; stale figures cost only balance.
+# cache; the sampler's seeds and attn_step's AOT jobs then cut as estimated; files under 8 s left out): under xdist
+# the files are handed out longest first, so that the last ones to start are short and the workers end together. A
+# file not listed counts as DEFAULT_FILE_SECONDS; stale figures cost only balance.
 FILE_SECONDS = {
     "test_launch_plan_interpreted.py": 512, "test_kernels_attention.py": 274, "test_kernels_moe.py": 146,
     "test_kernels_attn_rows.py": 145, "test_numerics.py": 120, "test_runtime_gpu_stub_driver.py": 108,
@@ -135,7 +136,7 @@ FILE_SECONDS = {
     "test_kernels_bf16_mma.py": 13, "test_runtime_gpu_without_gpu.py": 11, "test_frontend_errors.py": 11,
     "test_kernels_q4_stream.py": 10, "test_launch_rules.py": 10, "test_runtime_cpu.py": 9,
 }
-DEFAULT_FILE_SECONDS = 10
+DEFAULT_FILE_SECONDS = 5
 
 
 def _xdist_worker(config) -> bool:
