@@ -242,7 +242,7 @@ def test_sm90_m_row_step_in_interpreter_matches_cpu_reference(quant, mini_checkp
         quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
     elif quant == "bf16-attn-step":
         _rules(monkeypatch, "attn_rows.step_order_rows=4 attention.split_tiles=1 "
-                                            "attention.min_rows_per_split=16 attention.max_block_s=16")
+                            "attention.min_rows_per_split=16 attention.max_block_s=16")
         quant, max_seq, prompt = "bf16", 64, [(7 * i + 5) % 61 + 1 for i in range(22)]
         mma = True
 
