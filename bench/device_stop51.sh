@@ -10,6 +10,8 @@
 #            3 reps) and Kestrel's 80B-A3B q4 (A A: bench/device_preload_ab.sh) in the same call, on `profile`'s
 #            warm machine
 #   next35   the same at the 35B-A3B shape (qwen35moe GGUF)
+#   pf       (call 5, a fresh machine) llama.cpp built, its 80B-A3B and 35B-A3B Q4_0 tg128 / pp512, then Kestrel's prefill
+#            of both plans at 512 and 2,048 prompt tokens (--prompt-lengths) with their decode, in the same call
 #   carve    moe.carveout (stop 50's rule, measured on an H100) on the H200: each plan against the same build with
 #            KESTREL_RULES="moe.carveout=-1" (into -nocarve.plan), A B B A twice
 # There: run(carry=[".peers", "bench/plans"]): bash bench/device_stop51.sh $OUT PART
@@ -41,6 +43,17 @@ case $part in
     echo "llama.cpp: exit $?"; pack
     STEP_TIMEOUT=60 SEQ="$p" timeout 130 bash bench/device_preload_ab.sh "$r"
     pack ;;
+  pf)
+    timeout 330 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$r" > "$r/llamacpp-build.txt" 2>&1
+    echo "llama.cpp build: exit $?"
+    PP=512 TG=128 REPS=3 CLEAN=1 timeout 150 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$r" qwen3-next-80b-a3b
+    PP=512 TG=128 REPS=3 CLEAN=1 timeout 100 bash bench/llamacpp_next.sh .peers/llamacpp.tar.xz "$r" qwen3.5-35b-a3b
+    pack
+    for p in $n80 $n35; do
+      timeout 120 kestrel-run "bench/plans/$p.plan" --prompt-ids "$ids" --max-new-tokens 64 --rounds 3 \
+        --prompt-lengths 512,2048 --bench "$r/prefill-$p.json" > "$r/prefill-$p.txt" 2>&1
+      echo "prefill $p: exit $?"; tail -8 "$r/prefill-$p.txt"; pack
+    done ;;
   carve)
     STEP_TIMEOUT=90 PAIRS="$n80-nocarve:$n80 $n35-nocarve:$n35 $n80-nocarve:$n80 $n35-nocarve:$n35" \
       timeout 500 bash bench/device_preload_ab.sh "$r" ;;
