@@ -24,11 +24,9 @@ D, S = 256, int(os.environ.get("KESTREL_ATTN_S", "8192"))
 POSITIONS = tuple(int(p) for p in os.environ.get("KESTREL_ATTN_POS", "44 100 1000 4000").split())
 EPS, THETA, ROTARY = 1e-6, 1e7, 64
 # the rule's launch with these changed: (name, constexprs, warps); "BLOCK_H" as a value: the launch's BLOCK_H
-VARIANTS = [("rule", {}, None), ("short16", {"SHORT_ROWS": 128, "SHORT_S": 16}, None),
-            ("short32", {"SHORT_ROWS": 128, "SHORT_S": 32}, None),
-            ("short64", {"SHORT_ROWS": 128, "SHORT_S": 64}, None), ("short32 8 warps", {"SHORT_ROWS": 128, "SHORT_S": 32}, 8)]
-# (stop 43: SHORT_ROWS, one program a query head at short contexts, against the rule's grouped form; the grid has at
-# least REP programs a kv head where it is on)
+VARIANTS = [("rule", {}, None)]
+# (stop 43's short16 / short32 / short64: one program a query head at short contexts, against the rule's grouped
+# form; lost in stops 45-46 and removed, in this probe at commit 2e5c32b)
 # (stop 37 call 1 timed EARLY, pos and its RoPE angles before the PDL wait; call 2 PREFETCH_ROWS, the split's first
 # K / V rows asked of the L2: both gone, see bench/results/stop37/README.md)
 TYPES = ["*fp32"] * 5 + ["*bf16"] * 2 + ["*i32", "*fp32", "*i32", "*fp32"] + ["fp32", "fp32", "i32", "fp32"]
@@ -47,8 +45,6 @@ def _jobs():
             if "MERGE_SMALL" in c["constexprs"]:  # (a tree before the chunked combine: no MERGE_*)
                 c["constexprs"]["MERGE_SMALL"] = min(c["constexprs"]["MERGE_SMALL"], c["constexprs"]["MERGE_CH"])
             c["num_warps"] = warps or c["num_warps"]
-            c["grid"] = [nkv, max(c["constexprs"]["SPLITS"], nh // nkv) if c["constexprs"].get("SHORT_ROWS")
-                         else c["constexprs"]["SPLITS"], 1]
             yield model, name, c
 
 

@@ -40,13 +40,12 @@
 #     next80-q4-dearly next4-q4-dearly next4-q4-spec3-dearly (moe.down_early=True: moe_down's routed rows loaded
 #     before its PDL wait)
 #     (next80-q4-noroute / next4-q4-noroute, stop 40 call 1: in this script at commit 5cfc1de, which had the rule)
-#     MODEL-QUANT-FORM[+FORM...] (stop 43's forms, off in the rules until timed): head (attention.short_rows=128:
-#     attn_step's one program a query head up to position 128), head16 (the same with 16-row tiles), eg
-#     (moe.gate_up_early: rmsnorm_moe_gate_up's normed input before the PDL wait, a routed program's words and scales
-#     in one round trip), tog (matvec.q4_one_tile_together: a one-tile q4 matrix's words and scales at once), e.g.
-#     0.8b-q4-head 0.8b-q4-head16 0.8b-q4-tog 0.8b-q4-head+tog next80-q4-eg next80-q4-head+eg+tog small4-q4-head+tog
-#     next4-q4-eg+tog; and next4-q4-spec3-head; stop 44's gnw1, gnw2 (gdn_norm.num_warps = 1 / 2, a rule of thumb's 4
-#     never timed: its one value head of 128 reduced inside one or two warps), e.g. 0.8b-q4-gnw1 next80-q4-gnw2
+#     MODEL-QUANT-FORM[+FORM...] (stop 43's form tog, matvec.q4_one_tile_together: a one-tile q4 matrix's words and
+#     scales at once, on since stop 46), e.g. 0.8b-q4-tog small4-q4-tog (stop 43's head, head16: attn_step's one
+#     program a query head at short contexts, and eg: rmsnorm_moe_gate_up's loads before / right after its PDL wait,
+#     with next4-q4-spec3-head: lost or even, removed; in this script at commit 2e5c32b, bench/results/stop45);
+#     stop 44's gnw1, gnw2 (gdn_norm.num_warps = 1 / 2, a rule of thumb's 4 never timed: its one value head of 128
+#     reduced inside one or two warps), e.g. 0.8b-q4-gnw1 next80-q4-gnw2
 #     small4-q4-gnw1; stop 46's rt, rtN (moe.router_topk, the fused router: lost, removed; in this script at commit
 #     4ecc22c, bench/results/stop46); notog (matvec.q4_one_tile_together=False: the rule before stop 46); the models
 #     35b and moe35x4 take the forms too, e.g. 35b-q4-notog
@@ -188,19 +187,17 @@ for p in "$@"; do
     0.8b-q4-base|27b-q4-base|0.8b-bf16-base|next80-q4-base) m=${p%-*-base}; q=${p%-base}; q=${q##*-}
       x=""; case $m in next80) m=qwen3-next-80b-a3b; x="--prefill-rows 256";; *) m=qwen3.5-$m;; esac
       base_build $m $R --quant $q --max-seq 4096 $x -o "$PWD/bench/plans/$m-sm90-$q-base.plan" ;;
-    *-q4-head*|*-bf16-head*|*-q4-eg*|*-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
+    *-q4-tog*|*-bf16-tog*|*-q4-gnw*|*-q4-notog)  # stop 43's forms, joined by +: MODEL-QUANT-FORM[+FORM...]
       m=${p%%-*}; q=${p#*-}; q=${q%%-*}; v=${p#*-*-}; x="--max-seq 4096"; a=""
       for f in $(echo "$v" | tr + ' '); do case $f in
-        head) a="$a attention.short_rows=128";; head16) a="$a attention.short_rows=128 attention.short_block_s=16";;
-        eg) a="$a moe.gate_up_early=True";; tog) a="$a matvec.q4_one_tile_together=True";;
+        tog) a="$a matvec.q4_one_tile_together=True";;
         gnw1|gnw2) a="$a gdn_norm.num_warps=${f#gnw}";; notog) a="$a matvec.q4_one_tile_together=False";;
-        *) echo "$p: unknown form $f (head, head16, eg, tog, notog, gnw1, gnw2)"; exit 2;; esac; done
+        *) echo "$p: unknown form $f (tog, notog, gnw1, gnw2)"; exit 2;; esac; done
       case $m in next80) m=qwen3-next-80b-a3b; o=$m; x="$x --prefill-rows 256";; 0.8b) m=qwen3.5-$m; o=$m; x="";;
         35b) m=qwen3.5-35b-a3b; o=$m; x="$x --prefill-rows 256";; moe35x4) m=$(moe35x4); o=qwen3.5-moe35-4l; x="";;
         next4) m=$(next4); o=qwen3-next-4l; x="";; small4) m=$(small4); o=qwen3.5-small4; x="";;
         small2b4) m=$(small2b4); o=qwen3.5-small2b4; x="";; *) m=qwen3.5-$m; o=$m;; esac
       python3 bench/build_variant.py $a -- "$m" $R --quant $q $x -o bench/plans/$o-sm90-$q-$v.plan ;;
-    next4-q4-spec3-head) python3 bench/build_variant.py attention.short_rows=128 -- "$(next4)" $R --quant q4 --speculative mtp --draft-tokens 3 -o bench/plans/qwen3-next-4l-sm90-q4-spec3-head.plan ;;
     small4-q4) kestrelc build "$(small4)" $R --quant q4 -o bench/plans/qwen3.5-small4-sm90-q4.plan ;;
     27b-q4-spec3-base|27b-bf16-spec3-base|0.8b-bf16-spec3-base) m=qwen3.5-${p%%-*}; q=${p#*-}; q=${q%%-*}
       x="--max-seq 4096 --speculative mtp --draft-tokens 3"; [ $p = 27b-bf16-spec3-base ] && x="$x --draft-quant q4"

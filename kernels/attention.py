@@ -174,12 +174,12 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
       merge_stages [2] chunks in flight; MERGE_SMALL = merge_small [8] (with merge_small_stages [4] in flight)
       where SPLITS > MERGE_CH, else 0: at up to that many active splits the combine takes chunks of that many;
     * DOT_FP32: False (True only in interpreter tests, where Triton computes bf16 dots wrongly: the
-      same bf16 parts then go through fp32 dots);
-    * SHORT_ROWS = short_rows [0: off until timed on the H200; bench/device_stop43.sh part attn], SHORT_S =
-      short_block_s [32]: at positions up to SHORT_ROWS one program a query head (``_attn_head``), the grid then
-      [NKV, max(SPLITS, REP)] (the programs past the splits idle in the grouped form, those past REP in the
-      head form). The grouped form at a short context is a latency chain in 2-4 programs (stop 35: ~3,600
-      instructions a warp, 8-9 us alone at position 44, 11 us a layer in the 80B-A3B step's graph, stop 42).
+      same bf16 parts then go through fp32 dots).
+
+    At a short context the grouped form is a latency chain in 2-4 programs (stop 35: ~3,600 instructions a warp,
+    8-9 us alone at position 44, 11 us a layer in the 80B-A3B step's graph, stop 42). One program a query head
+    there instead (fp32 FMA products over 32-row tiles, the first loaded with the inputs) was built in stop 43 and
+    lost in stops 45-46 (0.8B q4 +0.6%, 80B-A3B +0.4%, H200): removed, in the tree at commit 2e5c32b.
 
     At 27B on sm_90 (bf16, D = 256): grid [4, 32], BLOCK_H 16 (6 heads), BLOCK_S 64, 4 warps, two
     64 KiB tile pairs in flight plus the 24 KiB query parts: 158 KiB of shared memory (one CTA per
@@ -199,7 +199,7 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
     pipe = min(r.pipe_bytes_max, target.smem_optin - r.smem_reserve - q_bytes)
     while block_s > r.min_block_s and pipe < r.min_tiles_in_flight * 2 * block_s * block_d * elem:
         block_s //= 2
-    return {"grid": [n_kv, max(splits, n_heads // n_kv) if r.short_rows else splits, 1],
+    return {"grid": [n_kv, splits, 1],
             **attn_step_warps(cache_dtype, target),
             "constexprs": {"NH": n_heads, "NKV": n_kv, "D": head_dim, "S": max_seq, "SPLITS": splits,
                            "BLOCK_H": block_h,
@@ -209,7 +209,7 @@ def attn_step_launch(n_heads: int, n_kv: int, head_dim: int, max_seq: int, split
                            "MERGE_CH": min(splits, r.merge_splits), "MERGE_STAGES": r.merge_stages,
                            "MERGE_SMALL": r.merge_small if splits > r.merge_splits else 0,
                            "MERGE_SMALL_STAGES": r.merge_small_stages,
-                           "DOT_FP32": False, "SHORT_ROWS": r.short_rows, "SHORT_S": r.short_block_s}}
+                           "DOT_FP32": False}}
 
 
 def attn_step_warps(cache_dtype: str, target) -> dict:
@@ -399,8 +399,7 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
                      BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                      SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr, MERGE_CH: tl.constexpr,
                      MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr, MERGE_SMALL_STAGES: tl.constexpr,
-                     DOT_FP32: tl.constexpr, SHORT_ROWS: tl.constexpr, SHORT_S: tl.constexpr,
-                     PDL: tl.constexpr = False, YARN: tl.constexpr = None):
+                     DOT_FP32: tl.constexpr, PDL: tl.constexpr = False, YARN: tl.constexpr = None):
     """Fused gated-attention decode step (``attn_step_ref``), kernel ids attn_step_bf16 / attn_step_f32.
 
     For query head h (kv head g = h // REP, REP = NH / NKV) at position p = clamp(*pos_ptr, 0, S - 1):
@@ -475,14 +474,6 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     reference reads back after the append); split 0 seeds every head's softmax with row p (m = its
     score, l = 1, acc = v); the tiles cover rows < p only, which no program of this launch writes.
     Row p of kv head g is stored by exactly one program, split 0 of group g.
-
-    Short contexts (p <= SHORT_ROWS; 0: never): one program a query head instead (``_attn_head``): program (g, j)
-    for j < REP takes head g * REP + j alone, with fp32 FMA products over SHORT_S-row tiles, and the others exit.
-    The grouped form's few programs are a latency chain there (~3,600 instructions a warp in 2-4 programs, most of
-    them the 16-row mma tile's queries and bf16 parts, for a few dozen rows; bench/results/stop35 call 1); a head's
-    program has a short one, and its first tile (rows 0 .. SHORT_S - 1, whatever p: rows >= p get weight 0 and
-    their values are never used) is loaded with its inputs, one memory round trip before the arithmetic. Split 0
-    of group g still stores row p (program (g, 0)); the grid has at least REP programs a kv head.
     """
     g = tl.program_id(0)
     sp = tl.program_id(1)
@@ -508,35 +499,14 @@ def attn_step_kernel(qg_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, 
     k_part = _rope_partner(d, rotary_dim)
     xk, xkp, wk, wkp = _norm_rope_loads(k_ptr + g * D + d, k_ptr + g * D + k_part, k_norm_ptr, d, dmask, rotary_dim)
     vr = tl.load(v_ptr + g * D + d, mask=dmask, other=0.0).to(tl.float32)
-    if SHORT_ROWS > 0:  # a head's inputs and first K / V tile, in the same round trip (none depends on pos)
-        hq = g * REP + tl.minimum(sp, REP - 1)
-        hx, hxp, gate, kt0, vt0 = _head_loads(qg_ptr, k_cache_ptr, v_cache_ptr, hq, g, d, dmask, rotary_dim, NKV, D,
-                                              S, SHORT_S)
     cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D, YARN)
-    if SHORT_ROWS > 0:
-        kr = _norm_rope_apply(xk, xkp, wk, wkp, d, eps, cos, sin, rotary_dim, D)
+    q = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
+    kr = _norm_rope_apply(xk, xkp, wk, wkp, d, eps, cos, sin, rotary_dim, D)
+    if sp < active:
         kr, vr = _append_row(kr, vr, k_cache_ptr, v_cache_ptr, pos, g, d, dmask, sp == 0, NKV, D, BF16)
-        if pos <= SHORT_ROWS:
-            if sp < REP:
-                qh = _norm_rope_apply(hx, hxp, wq, wqp, d, eps, cos, sin, rotary_dim, D)
-                _attn_head(qh, kr, vr, kt0, vt0, gate, k_cache_ptr, v_cache_ptr, out_ptr, pos, g, hq, d, dmask,
-                           scale, NKV, D, BLOCK_D, SHORT_S)
-        else:
-            q = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
-            if sp < active:
-                _attn_row(q, kr, vr, sp == 0, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos,
-                          g, sp, active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S,
-                          PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES, DOT_FP32, REP, BF16,
-                          BLOCK_Q)
-    else:
-        q = _step_queries(xq, xqp, wq, wqp, cos, sin, d, eps, rotary_dim, BLOCK_Q, BLOCK_H, BLOCK_D, D)
-        kr = _norm_rope_apply(xk, xkp, wk, wkp, d, eps, cos, sin, rotary_dim, D)
-        if sp < active:
-            kr, vr = _append_row(kr, vr, k_cache_ptr, v_cache_ptr, pos, g, d, dmask, sp == 0, NKV, D, BF16)
-            _attn_row(q, kr, vr, sp == 0, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g,
-                      sp, active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S,
-                      PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES, DOT_FP32, REP, BF16,
-                      BLOCK_Q)
+        _attn_row(q, kr, vr, sp == 0, qg_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_ptr, pos, g, sp,
+                  active, heads, hmask, d, dmask, scale, NKV, D, SPLITS, BLOCK_H, BLOCK_D, BLOCK_S, PIPE_BYTES,
+                  MERGE_CH, MERGE_STAGES, MERGE_SMALL, MERGE_SMALL_STAGES, DOT_FP32, REP, BF16, BLOCK_Q)
 
 
 @triton.jit
@@ -554,35 +524,6 @@ def _append_row(kr, vr, k_cache_ptr, v_cache_ptr, pos, g, d, dmask, writer, NKV:
 
 
 @triton.jit
-def _head_loads(qg_ptr, k_cache_ptr, v_cache_ptr, h, g, d, dmask, rotary_dim, NKV: tl.constexpr, D: tl.constexpr,
-                S: tl.constexpr, SHORT_S: tl.constexpr):
-    """``_attn_head``'s loads that do not depend on the position: query head h's elements and RoPE partners and its
-    output gate (qg[h, :D], qg[h, D:]), and the first K / V tile of kv head g, rows 0 .. SHORT_S - 1 (clamped to the
-    cache; the rows at or past the position are loaded, whatever they hold, and never used)."""
-    x_ptrs = qg_ptr + h * (2 * D) + d
-    x = tl.load(x_ptrs, mask=dmask, other=0.0).to(tl.float32)
-    xp = tl.load(qg_ptr + h * (2 * D) + _rope_partner(d, rotary_dim), mask=d < rotary_dim, other=0.0).to(tl.float32)
-    gate = tl.load(x_ptrs + D, mask=dmask, other=0.0).to(tl.float32)
-    offs = (tl.minimum(tl.arange(0, SHORT_S), S - 1) * (NKV * D) + g * D)[:, None] + d[None, :]
-    kt = tl.load(k_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-    vt = tl.load(v_cache_ptr + offs, mask=dmask[None, :], other=0.0)
-    return x, xp, gate, kt, vt
-
-
-@triton.jit
-def _head_tile(qs, kt, vt, rows, pos, m_i, l_j, acc):
-    """One K / V tile of ``_attn_head``'s online softmax (log2 domain): the tile's rows < pos count, the others get
-    weight 0 and their values are replaced before use (a first tile's rows past the position may hold anything)."""
-    rmask = rows < pos
-    s = tl.where(rmask, tl.sum(kt.to(tl.float32) * qs[None, :], axis=1), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
-    vt = tl.where(rmask[:, None], vt.to(tl.float32), 0.0)
-    return m_new, l_j * alpha + p, acc * alpha + tl.sum(p[:, None] * vt, axis=0)
-
-
-@triton.jit
 def _kv_tile(k_cache_ptr, v_cache_ptr, rows, end, g, d, dmask, NKV: tl.constexpr, D: tl.constexpr,
              MASK_D: tl.constexpr):
     """The K and V rows ``rows`` of kv head g, [len(rows), BLOCK_D] in the cache dtype; rows past ``end`` (in a last
@@ -596,27 +537,6 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, rows, end, g, d, dmask, NKV: tl.constexpr
         kt = tl.load(k_cache_ptr + offs)
         vt = tl.load(v_cache_ptr + offs)
     return kt, vt
-
-
-@triton.jit
-def _attn_head(q, kr, vr, kt0, vt0, gate, k_cache_ptr, v_cache_ptr, out_ptr, pos, g, h, d, dmask, scale,
-               NKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SHORT_S: tl.constexpr):
-    """Query head h's attention at position ``pos`` alone (attn_step_kernel's short form), from its roped query q
-    [BLOCK_D], row pos's cache-rounded key and value kr, vr (the softmax's seed: m = its score, l = 1, acc = v), the
-    first tile's K / V rows kt0, vt0 (``_head_loads``) and its gate: rows 0 .. pos - 1 in SHORT_S-row tiles, fp32
-    products and sums (the running sum kept per tile row, reduced at the end); out[h] = acc / l * sigmoid(gate).
-    attn_rows_step_kernel runs it for a verified row, so its rows are the one-token step's bit for bit."""
-    s_off = tl.arange(0, SHORT_S)
-    qs = q * (scale * 1.4426950408889634)
-    m_i = tl.sum(qs * kr, axis=0)
-    l_j = tl.where(s_off == 0, 1.0, 0.0)
-    acc = vr
-    m_i, l_j, acc = _head_tile(qs, kt0, vt0, s_off, pos, m_i, l_j, acc)
-    for start in tl.range(SHORT_S, pos, SHORT_S, num_stages=2):
-        rows = start + s_off
-        kt, vt = _kv_tile(k_cache_ptr, v_cache_ptr, rows, pos, g, d, dmask, NKV, D, BLOCK_D != D)
-        m_i, l_j, acc = _head_tile(qs, kt, vt, rows, pos, m_i, l_j, acc)
-    tl.store(out_ptr + h * D + d, acc / tl.sum(l_j, axis=0) * tl.sigmoid(gate), mask=dmask)
 
 
 @triton.jit
@@ -751,13 +671,12 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
                           SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_S: tl.constexpr, SPLIT_ROWS: tl.constexpr, PIPE_BYTES: tl.constexpr,
                           MERGE_CH: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SMALL: tl.constexpr,
-                          MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SHORT_ROWS: tl.constexpr,
-                          SHORT_S: tl.constexpr, PDL: tl.constexpr = False, YARN: tl.constexpr = None):
+                          MERGE_SMALL_STAGES: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
+                          YARN: tl.constexpr = None):
     """``attn_rows_q_ref`` (attn_rows_q_kernel's operands; kernel ids attn_rows_step_bf16 / _f32) computed row by
     row as attn_step_kernel computes one position, so that a speculative verify's rows are the one-token step's
     bit for bit: grid [NKV, SPLITS, M], program (g, j, r) is attn_step_kernel's program (g, j) at position
-    pos + r (its splits, tiles and merge, ``_attn_row``, or at up to SHORT_ROWS its one program a query head,
-    ``_attn_head``), the queries from row r of x, row pos + r's key and value
+    pos + r (its splits, tiles and merge, ``_attn_row``), the queries from row r of x, row pos + r's key and value
     read back from the cache (attn_rows_kv_kernel wrote them: the cache-rounded values attn_step_kernel seeds
     with), no cache write. Partials and tickets a row: part [M * NH * SPLITS, D + 2], ticket [M * NKV]. Invalid
     rows of out are written as 0 (split 0)."""
@@ -781,28 +700,7 @@ def attn_rows_step_kernel(x_ptr, q_norm_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 
     else:
         pos = pos0 + rr
         active = tl.maximum(tl.minimum(tl.cdiv(pos, SPLIT_ROWS), SPLITS), 1)
-        if SHORT_ROWS > 0:  # (a static branch: the kernel without it is the grouped form alone)
-            if pos <= SHORT_ROWS:
-                if sp < REP:
-                    hq = g * REP + sp
-                    hx, hxp, gate, kt0, vt0 = _head_loads(qg_ptr, k_cache_ptr, v_cache_ptr, hq, g, d, dmask,
-                                                          rotary_dim, NKV, D, S, SHORT_S)
-                    wq = tl.load(q_norm_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-                    wqp = tl.load(q_norm_ptr + _rope_partner(d, rotary_dim), mask=d < rotary_dim,
-                                  other=0.0).to(tl.float32)
-                    cos, sin = _rope_cos_sin(pos, d, theta, rotary_dim, BLOCK_D, YARN)
-                    qh = _norm_rope_apply(hx, hxp, wq, wqp, d, eps, cos, sin, rotary_dim, D)
-                    row = pos * (NKV * D) + g * D
-                    kr = tl.load(k_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
-                    vr = tl.load(v_cache_ptr + row + d, mask=dmask, other=0.0).to(tl.float32)
-                    _attn_head(qh, kr, vr, kt0, vt0, gate, k_cache_ptr, v_cache_ptr, out_row, pos, g, hq, d, dmask,
-                               scale, NKV, D, BLOCK_D, SHORT_S)
-            elif sp < active:
-                _rows_grouped(q_norm_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_row, qg_ptr, pos, g, sp,
-                              rr, active, heads, hmask, d, dmask, eps, theta, rotary_dim, scale, NH, NKV, D, SPLITS,
-                              BLOCK_H, BLOCK_Q, BLOCK_D, BLOCK_S, PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL,
-                              MERGE_SMALL_STAGES, DOT_FP32, REP, BF16, YARN)
-        elif sp < active:
+        if sp < active:
             _rows_grouped(q_norm_ptr, k_cache_ptr, v_cache_ptr, part_ptr, ticket_ptr, out_row, qg_ptr, pos, g, sp, rr,
                           active, heads, hmask, d, dmask, eps, theta, rotary_dim, scale, NH, NKV, D, SPLITS,
                           BLOCK_H, BLOCK_Q, BLOCK_D, BLOCK_S, PIPE_BYTES, MERGE_CH, MERGE_STAGES, MERGE_SMALL,

@@ -392,7 +392,7 @@ def _tile_weights(w_ptr, rows, k0, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K
 def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                  MASKED: tl.constexpr, NORM: tl.constexpr, w_tile=None, PAIR_FMA: tl.constexpr = False,
-                 x_tile=None, s_tile=None):
+                 s_tile=None):
     """(partial products, x^2): partial products of rows ``rows`` (clamped, in
     bounds) with inputs [k0, k0 + BLOCK_K): fp32 [BLOCK_N, BLOCK_K / CHUNK], one sum per CHUNK
     inputs, a thread's 16-byte load (32 inputs for q4, 8 bf16, 4 f32). MASKED: the tile runs past K
@@ -400,32 +400,27 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
     made per tile as kernels/rmsnorm.py's row norm makes it: rstd given (NORM_PARTIALS), or from
     this tile, the whole of x (NORM_TILE), or applied by the caller after the K loop (NORM_AFTER:
     the products are of x * (1 + nw), and x^2 is returned per input, summed by the caller once after
-    the loop: a sum per tile would be a reduction across the warps in every iteration). ``x_tile``: the tile's
-    inputs as the products take them (normed where NORM; NORM_PARTIALS or NORM_NONE), loaded and made by the
-    caller (``_normed``); ``s_tile``: its q4 scales (``_tile_scales``), loaded by the caller with the words."""
+    the loop: a sum per tile would be a reduction across the warps in every iteration). ``s_tile``: the tile's q4
+    scales (``_tile_scales``), loaded by the caller with the words."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    ssq = 0.0  # x^2 (NORM_AFTER)
-    if x_tile is not None:
-        tl.static_assert(NORM == NORM_NONE or NORM == NORM_PARTIALS)
-        xv = x_tile
+    if MASKED:
+        xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
     else:
+        xv = tl.load(x_ptr + ks)
+    ssq = 0.0  # x^2 (NORM_AFTER)
+    if NORM != NORM_NONE:
         if MASKED:
-            xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
         else:
-            xv = tl.load(x_ptr + ks)
-        if NORM != NORM_NONE:
-            if MASKED:
-                nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
-            else:
-                nw = tl.load(nw_ptr + ks)
-            xv = xv.to(tl.float32)
-            if NORM == NORM_TILE:
-                rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps)
-            if NORM == NORM_AFTER:
-                ssq = xv * xv
-                xv = xv * (1.0 + nw.to(tl.float32))
-            else:
-                xv = _normed(xv, nw, rstd)
+            nw = tl.load(nw_ptr + ks)
+        xv = xv.to(tl.float32)
+        if NORM == NORM_TILE:
+            rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps)
+        if NORM == NORM_AFTER:
+            ssq = xv * xv
+            xv = xv * (1.0 + nw.to(tl.float32))
+        else:
+            xv = _normed(xv, nw, rstd)
     if GROUP > 0:
         # (the scales are loaded after the products, below, unless the caller passed them: one helper loading
         # words and scales together, shared with _rows_tile, made the 27B q4 step 5% slower on the H200, 5.84
@@ -468,7 +463,7 @@ def _matvec_tile(x_ptr, w_ptr, rows, k0, nw_ptr, rstd, eps, N: tl.constexpr, K: 
 @triton.jit
 def _normed(xv, nw, rstd):
     """rmsnorm(x)'s inputs to the products, x * rstd * (1 + nw) in fp32 (kernels/rmsnorm.py's row norm), from the
-    loaded x and norm weight: ``_matvec_tile``'s NORM_PARTIALS / NORM_TILE form, and its callers' ``x_tile``."""
+    loaded x and norm weight: ``_matvec_tile``'s NORM_PARTIALS / NORM_TILE form."""
     return xv.to(tl.float32) * rstd * (1.0 + nw.to(tl.float32))
 
 
@@ -546,13 +541,12 @@ def _l2_prefetch_range(base, lo, nbytes):
 @triton.jit
 def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, nw_ptr=None, rstd=1.0, eps=0.0,
-                 NORM: tl.constexpr = 0, w0=None, PAIR_FMA: tl.constexpr = False, x0=None, s0=None):
+                 NORM: tl.constexpr = 0, w0=None, PAIR_FMA: tl.constexpr = False, s0=None):
     """sum_k W[rows, k] * x[k] in fp32 for one weight (f32, bf16 or q4 when GROUP > 0): [BLOCK_N].
     ``rows`` must be in bounds (the callers clamp them). NORM: rmsnorm(x)[k] = x[k] * rstd * (1 + nw[k])
     in place of x[k] (_matvec_tile; NORM_AFTER: the rstd of the sum of x^2 over the tiles, applied to
-    the row sums). ``w0``: the first tile, already loaded (``_first_tile``); ``x0`` / ``s0`` with it: that
-    tile's inputs as the products take them and its q4 scales (``_matvec_tile``'s x_tile, s_tile); the same
-    products in the same order either way."""
+    the row sums). ``w0``: the first tile, already loaded (``_first_tile``); ``s0`` with it: that tile's q4
+    scales (``_matvec_tile``'s s_tile); the same products in the same order either way."""
     tl.static_assert(GROUP == 0 or (GROUP % 32 == 0 and BLOCK_K % GROUP == 0 and K % GROUP == 0))
     if GROUP > 0:
         CHUNK: tl.constexpr = 32
@@ -574,7 +568,7 @@ def _matvec_rows(x_ptr, w_ptr, rows, N: tl.constexpr, K: tl.constexpr, GROUP: tl
     else:  # the tile after w0
         START: tl.constexpr = BLOCK_K
         part, t = _matvec_tile(x_ptr, w_ptr, rows, 0, nw_ptr, rstd, eps, N, K, GROUP, BLOCK_N, BLOCK_K, CHUNK,
-                               K < BLOCK_K, NORM, w0, PAIR_FMA, x0, s0)
+                               K < BLOCK_K, NORM, w0, PAIR_FMA, s0)
         acc += part
         ssq += t
     for k0 in tl.range(START, K_FULL, BLOCK_K, num_stages=STAGES):

@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.matvec import (_INTERPRET, _Q4_WORD_DOT, FEW_ROWS, NORM_NONE, NORM_PARTIALS, _matvec_few_rows,
-                                    _first_scales, _first_tile, _matvec_rows, _matvec_tile, _normed,
-                                    _partials_rstd, _q4_words_interpreted, matvec_launch, matvec_ref)
+                                    _matvec_rows, _matvec_tile, _partials_rstd, _q4_words_interpreted, matvec_launch,
+                                    matvec_ref)
 from kestrel.kernels.pdl import pdl_wait
 from kestrel.kernels.rmsnorm import rmsnorm_ref
 from kestrel.kernels.targets import pow2_at_least
@@ -268,8 +268,7 @@ def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k
     ceil(Is / BLOCK_N), one for the shared gate's logit; a grid row per input row. The moe rule's tiles:
     BLOCK_N rows (at most the smaller expert width), the whole input in one tile up to ``gate_up_max_k``
     (a multiple of every q4 group). ``partials`` (rmsnorm_moe_gate_up): the producer's partial sums of
-    squares, P and BLOCK_P as the rmsnorm matvec's; EARLY where the rule's ``gate_up_early`` and the input is
-    one tile (rmsnorm_moe_gate_up_kernel)."""
+    squares, P and BLOCK_P as the rmsnorm matvec's."""
     rule = target.rules["moe"]
     block_n = min(rule.gate_up_block_n, pow2_at_least(min(inter, shared)))
     block_k = max(max(groups), min(rule.gate_up_max_k, pow2_at_least(h)))
@@ -277,7 +276,7 @@ def moe_gate_up_launch(rows: int, e: int, h: int, inter: int, shared: int, top_k
     consts = {"E": e, "H": h, "I": inter, "IS": shared, "TOPK": top_k, "GROUP_G": groups[0], "GROUP_S": groups[1],
               "GROUP_GATE": groups[2], "BLOCK_N": block_n, "BLOCK_K": block_k}
     if partials:
-        consts |= {"P": partials, "BLOCK_P": pow2_at_least(partials), "EARLY": rule.gate_up_early and block_k == h}
+        consts |= {"P": partials, "BLOCK_P": pow2_at_least(partials)}
     return {"grid": [top_k * nb_i + nb_s + 1, rows, 1], "num_warps": max(1, min(rule.gate_up_warps,
                                                                                  block_n * block_k // 1024)),
             "constexprs": consts}
@@ -436,83 +435,18 @@ def rmsnorm_moe_gate_up_kernel(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, s
                                experts, eps, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr,
                                TOPK: tl.constexpr, GROUP_G: tl.constexpr, GROUP_S: tl.constexpr,
                                GROUP_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               P: tl.constexpr, BLOCK_P: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
+                               P: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """moe_gate_up_kernel of rmsnorm(x) (one row: the layer's post-attention norm, fused): the mean square
     from the producer's P partial sums of x^2 (matvec_add_kernel's), summed in index order by every
     program, and x * rstd * (1 + nw) made per tile (kernels/matvec.py's NORM_PARTIALS).
 
-    EARLY (the moe rule's ``gate_up_early``; the whole input in one tile): the same products with fewer memory round
-    trips after the PDL wait. Before it every program loads x, the partial sums and the norm weight and makes the
-    normed input (``_gate_up_early``), the shared expert's programs their words and scales too; after it a routed
-    program loads its expert id, then the gate's and the up projection's words and scales at once (one round trip,
-    where the tile loop takes four: words, then scales after the products, for each matrix in turn). x and the
-    partial sums are written by the op before the router (the residual add): the step runs it, the router, moe_topk
-    and this kernel (fuse's split), and a programmatic launch of this kernel starts only once every moe_topk program
-    has passed its wait, which returns once the router has completed (kernels/pdl.py); without programmatic edges
-    the launches run one after another."""
-    if EARLY:
-        _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, eps, E, H,
-                       I, IS, TOPK, GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, P, BLOCK_P, PDL)
-    else:
-        pdl_wait(PDL)
-        rstd = _partials_rstd(ss_ptr, eps, H, P, BLOCK_P)
-        _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps, E, H, I,
-                     IS, TOPK, GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, NORM_PARTIALS)
-
-
-@triton.jit
-def _gate_up_early(x_ptr, ss_ptr, nw_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, eps,
-                   E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr,
-                   GROUP_G: tl.constexpr, GROUP_S: tl.constexpr, GROUP_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    """rmsnorm_moe_gate_up_kernel's program with EARLY (its docstring): _moe_gate_up's products, the same
-    arithmetic in the same order, from inputs and tiles loaded as early as each may be."""
-    tl.static_assert(BLOCK_K == H, "EARLY: the whole input in one tile")
-    pid = tl.program_id(0)
-    row = tl.program_id(1)
-    NB_I: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
-    NB_S: tl.constexpr = (IS + BLOCK_N - 1) // BLOCK_N
-    ACT: tl.constexpr = TOPK * I + IS + 1
-    out = act_ptr + row * ACT
-    ns = tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    xn = _normed(tl.load(x_ptr + row * H + ks), tl.load(nw_ptr + ks), _partials_rstd(ss_ptr, eps, H, P, BLOCK_P))
-    if pid < TOPK * NB_I:
-        pdl_wait(PDL)
-        j = pid // NB_I
-        r = (pid % NB_I) * BLOCK_N + ns
-        e = tl.load(ids_ptr + row * TOPK + j)
-        e = tl.minimum(tl.maximum(e, 0), E - 1)
-        rows = e * I + tl.minimum(r, I - 1)
-        wg = _first_tile(wg_ptr, rows, H, GROUP_G, BLOCK_K, True)
-        wu = _first_tile(wu_ptr, rows, H, GROUP_G, BLOCK_K, True)
-        sg = _first_scales(wg_ptr, rows, E * I, H, GROUP_G, BLOCK_K, True)
-        su = _first_scales(wu_ptr, rows, E * I, H, GROUP_G, BLOCK_K, True)
-        g = _matvec_rows(x_ptr, wg_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS,
-                         wg, x0=xn, s0=sg)
-        u = _matvec_rows(x_ptr, wu_ptr, rows, E * I, H, GROUP_G, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS,
-                         wu, x0=xn, s0=su)
-        tl.store(out + j * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < I)
-    elif pid < TOPK * NB_I + NB_S:
-        r = (pid - TOPK * NB_I) * BLOCK_N + ns
-        rows = tl.minimum(r, IS - 1)
-        wg = _first_tile(sg_ptr, rows, H, GROUP_S, BLOCK_K, True)
-        wu = _first_tile(su_ptr, rows, H, GROUP_S, BLOCK_K, True)
-        sg = _first_scales(sg_ptr, rows, IS, H, GROUP_S, BLOCK_K, True)
-        su = _first_scales(su_ptr, rows, IS, H, GROUP_S, BLOCK_K, True)
-        pdl_wait(PDL)
-        g = _matvec_rows(x_ptr, sg_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS, wg,
-                         x0=xn, s0=sg)
-        u = _matvec_rows(x_ptr, su_ptr, rows, IS, H, GROUP_S, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps, NORM_PARTIALS, wu,
-                         x0=xn, s0=su)
-        tl.store(out + TOPK * I + r, g / (1.0 + tl.exp(-g)) * u, mask=r < IS)
-    else:
-        w = _first_tile(sgate_ptr, ns * 0, H, GROUP_GATE, BLOCK_K, True)
-        s = _first_scales(sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_K, True)
-        pdl_wait(PDL)
-        y = _matvec_rows(x_ptr, sgate_ptr, ns * 0, 1, H, GROUP_GATE, BLOCK_N, BLOCK_K, nw_ptr, 1.0, eps,
-                         NORM_PARTIALS, w, x0=xn, s0=s)
-        tl.store(out + TOPK * I + IS + ns, y, mask=ns < 1)
+    The normed input made before the PDL wait and a routed program's gate / up words and scales loaded at once
+    after its id (stop 43: two memory round trips after the wait instead of six) was even at 80B-A3B q4 (1.7283 /
+    1.7256 against 1.7255 / 1.7259 ms/token, H200, stop 45): removed, in the tree at commit 2e5c32b."""
+    pdl_wait(PDL)
+    rstd = _partials_rstd(ss_ptr, eps, H, P, BLOCK_P)
+    _moe_gate_up(x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, sgate_ptr, act_ptr, nw_ptr, rstd, eps, E, H, I, IS,
+                 TOPK, GROUP_G, GROUP_S, GROUP_GATE, BLOCK_N, BLOCK_K, NORM_PARTIALS)
 
 
 @triton.jit

@@ -146,10 +146,6 @@ class AttentionRule(Rule):
     #                             GdnDeltaRule.fp_fusion
     narrow_queries: bool = True  # BLOCK_Q: the group's queries normed and roped as REP rows (a power of two), then
     #                              repeated to the BLOCK_H rows of the mma tile (else all BLOCK_H rows computed)
-    short_rows: int = 0         # SHORT_ROWS: at positions up to this, one program a query head (fp32 FMA products
-    #                             over short_block_s-row tiles, the first loaded with the inputs) instead of the
-    #                             group's mma tile; 0: never
-    short_block_s: int = 32     # SHORT_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,9 +239,6 @@ class MoeRule(Rule):
                                 # expert's rows in one tile, STAGES -1), () for down_stages' forms
     topk_sort: bool = False     # moe_topk: the top-k by one bitonic top-k (SORT) rather than k serial max rounds
     down_early: bool = False    # moe_down's gathered form: the routing and the routed rows loaded before the PDL wait
-    gate_up_early: bool = False  # rmsnorm_moe_gate_up with its input in one tile: the normed input (and the shared
-    #                              expert's tiles) made before the PDL wait, a routed program's gate / up words and
-    #                              scales loaded at once after it (EARLY)
     carveout: int = -1          # every kernel of a plan with routed experts prefers this shared-memory carveout (percent
     #                             of the SM's shared memory, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, set by
     #                             the runtime at load); -1: no preference (the driver's choice, kernel by kernel)

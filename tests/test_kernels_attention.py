@@ -3,7 +3,6 @@ copies of the caches (fresh random inputs, bf16 and fp32 caches; GQA groups of 1
 heads per kv head), and AOT compilation for every target at tiny shapes and at the real 27B shape with
 the launch rule's constexprs. The interpreter runs the bf16 path with DOT_FP32 (its bf16 dots are
 wrong): the same exact bf16 parts of q and of the weights, through fp32 dots."""
-import dataclasses
 import json
 import subprocess
 import sys
@@ -65,21 +64,14 @@ def run_kernel(qg, k, v, qn, kn, kc, vc, pos, rotary_dim, consts, grid):  # (YaR
     return out
 
 
-def with_attention(target, **fields):
-    """``target`` with its attention rule's ``fields`` replaced (a rule not on by default, e.g. short_rows)."""
-    return dataclasses.replace(target, rules={**target.rules,
-                                              "attention": dataclasses.replace(target.rules["attention"], **fields)})
-
-
-def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None, target=None,
-               yarn=None):
+def check_step(nh, nkv, d, s, pos, rotary_dim, dtype, seed, block_s=None, splits=None, extra=None, yarn=None):
     inputs = make_inputs(nh, nkv, d, s, pos, dtype, seed)
     qg, k, v, qn, kn, kc, vc = inputs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = attn_step_ref(qg, k, v, qn, kn, kc_ref, vc_ref, pos, EPS, THETA, rotary_dim, d ** -0.5, yarn)
     extra = {**(extra or {}), **({"YARN": yarn} if yarn else {})}
-    target = target or TARGETS["sm_90"]
-    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, target), CACHE[dtype], target)
+    c = attn_step_launch(nh, nkv, d, s, splits or attn_splits(nkv, s, TARGETS["sm_90"]), CACHE[dtype],
+                         TARGETS["sm_90"])
     consts = dict(c["constexprs"], DOT_FP32=True, **({"BLOCK_S": block_s, "SPLIT_ROWS": block_s} if block_s else {}),
                   **(extra or {}))
     before_k, before_v = kc.clone(), vc.clone()
@@ -138,11 +130,10 @@ def test_rope_frequencies_are_the_references(rope, theta, rotary_dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_attn_step_with_yarn(dtype):
     """attn_step_kernel with the YARN constexpr against attn_step_ref with the same YaRN parameters (and unlike the
-    plain-RoPE reference: the constexpr is not ignored), the grouped form and the one-program-a-head form."""
+    plain-RoPE reference: the constexpr is not ignored)."""
     y = yarn(16)
-    for pos, target in ((0, None), (33, None), (63, None),
-                        (5, with_attention(TARGETS["sm_90"], short_rows=8, short_block_s=16))):
-        _, out = check_step(4, 2, 32, 64, pos, 16, dtype, seed=pos, yarn=y, target=target)
+    for pos in (0, 33, 63):
+        _, out = check_step(4, 2, 32, 64, pos, 16, dtype, seed=pos, yarn=y)
         if pos == 0:  # (one row: the output is its value, whatever the rotation)
             continue
         plain = attn_step_ref(*make_inputs(4, 2, 32, 64, pos, dtype, pos), pos, EPS, THETA, 16, 32 ** -0.5)
@@ -211,23 +202,6 @@ def test_attn_step_query_rows(dtype):
                            extra={"BLOCK_Q": block_q})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("nh,nkv,splits", [(8, 2, 8), (6, 2, 2), (4, 4, 4)], ids=["rep4", "rep3-grid", "rep1"])
-def test_attn_step_one_program_a_head(nh, nkv, splits, dtype):
-    """``attention.short_rows`` (SHORT_ROWS): at positions up to it one program a query head (``_attn_head``, FMA
-    products over SHORT_S-row tiles), else the grouped form, in one kernel. Positions: row p alone (0), inside the
-    first tile, its last row, one past it, several tiles, SHORT_ROWS itself and one past it (the grouped form, merging
-    splits), with the cache NaN from row p on (the first tile is loaded before p is known: its rows past p must
-    never count) and SHORT_S 16; REP = 3 on two splits (the grid widened to REP programs a kv head, the programs past
-    the splits idle in the grouped form) and REP = 1."""
-    target = with_attention(TARGETS["sm_90"], short_rows=40, short_block_s=16)
-    c = attn_step_launch(nh, nkv, 32, 100, splits, CACHE[dtype], target)
-    assert c["grid"] == [nkv, max(splits, nh // nkv), 1] and c["constexprs"]["SHORT_ROWS"] == 40
-    for pos in (0, 5, 15, 16, 33, 40, 41, 99):
-        check_step(nh, nkv, 32, 100, pos, 8 if pos % 2 else 16, dtype, seed=7 * pos + nh, block_s=16, splits=splits,
-                   target=target)
-
-
 def test_attn_step_clamps_pos():
     """pos past the cache end behaves as S - 1: nothing outside the cache is read or written."""
     nh, nkv, d, s = 4, 2, 32, 40
@@ -267,8 +241,8 @@ for kid, types, consts, nw, cc in json.loads(sys.stdin.read()):
 print(json.dumps(res))
 """
 AOT_SHAPES = [(24, 4, 256, 4096)]  # 27B's (REP 6), on every target: its splits and pipeline bytes are the target's
-# REP 2, 1, 3 at other head widths and contexts (bf16 caches, the plans' own), and the one-program-a-head form, on
-# the two families of tensor-core code (Ampere's mma, Hopper's): attn_step compiles take ~5 s each
+# REP 2, 1, 3 at other head widths and contexts (bf16 caches, the plans' own), and 27B's shape with YaRN, on the two
+# families of tensor-core code (Ampere's mma, Hopper's): attn_step compiles take ~5 s each
 AOT_SMALL_SHAPES = [(4, 2, 32, 64), (2, 2, 16, 40), (6, 2, 64, 256)]
 AOT_SMALL_TARGETS = ("sm_80", "sm_90")
 PTR = {"bf16": "*bf16", "f32": "*fp32"}
@@ -281,9 +255,9 @@ def aot_jobs(dt):
         pairs += [(shape, TARGETS[name]) for shape in AOT_SMALL_SHAPES for name in AOT_SMALL_TARGETS]
     launches = [attn_step_launch(*shape, attn_splits(shape[1], shape[3], t), dt, t) for shape, t in pairs]
     ccs = [t.cc for _, t in pairs]
-    for t in (TARGETS[name] for name in AOT_SMALL_TARGETS):  # the one-program-a-head form (attention.short_rows),
-        # at 27B's shape, with YaRN (Qwen's settings on its quarter-rotated head)
-        c = attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt, with_attention(t, short_rows=128))
+    for t in (TARGETS[name] for name in AOT_SMALL_TARGETS):  # 27B's shape with YaRN (Qwen's settings on its
+        # quarter-rotated head)
+        c = attn_step_launch(24, 4, 256, 4096, attn_splits(4, 4096, t), dt, t)
         launches.append(c | {"constexprs": c["constexprs"] | {"YARN": yarn(64, 1e7, factor=4.0, truncate=True,
                                                                              original_max_position_embeddings=262144)}})
         ccs.append(t.cc)

@@ -409,19 +409,13 @@ def test_aot_compiles_for_every_target(aot_results, dt):
 
 
 @DTYPES
-@pytest.mark.parametrize("nh,nkv,d,s,pos,split_rows,short,rope", [
-    (4, 2, 32, 64, 9, None, 0, None), (6, 2, 16, 64, 40, 16, 0, None), (4, 2, 32, 64, 9, None, 16, None),
-    (6, 2, 16, 64, 40, 16, 41, None), (6, 2, 16, 64, 40, 16, 41, "yarn")])
-def test_step_order_rows_are_the_one_token_steps_bit_for_bit(nh, nkv, d, s, pos, split_rows, short, rope, dtype):
+@pytest.mark.parametrize("nh,nkv,d,s,pos,split_rows,rope", [
+    (4, 2, 32, 64, 9, None, None), (6, 2, 16, 64, 40, 16, None), (6, 2, 16, 64, 40, 16, "yarn")])
+def test_step_order_rows_are_the_one_token_steps_bit_for_bit(nh, nkv, d, s, pos, split_rows, rope, dtype):
     """attn_rows_step_kernel (``attn_rows.step_order_rows``): after attn_rows_kv_kernel wrote the chunk's rows, each
     valid row equals attn_step_kernel run at that position, one step after another, bit for bit (the same splits,
-    tiles, seeding and merge; split_rows 16: several splits merge; ``short``: attention.short_rows, one program a
-    query head up to that position, 41: rows 40 and 41 that way, row 42 grouped; ``rope`` yarn: all three kernels
-    with the YARN constexpr); the invalid rows are zero; tickets reset."""
-    SM90 = TARGETS["sm_90"]
-    if short:
-        SM90 = dataclasses.replace(SM90, rules={**SM90.rules, "attention": dataclasses.replace(
-            SM90.rules["attention"], short_rows=short, short_block_s=16)})
+    tiles, seeding and merge; split_rows 16: several splits merge; ``rope`` yarn: all three kernels with the YARN
+    constexpr); the invalid rows are zero; tickets reset."""
     m, n_valid, rd = 4, 3, d // 2
     y = {"YARN": yarn(rd)} if rope else {}
     x, qn, kn, kc, vc = make_inputs(nh, nkv, d, m, s, pos, dtype, seed=nh + pos)

@@ -181,17 +181,6 @@ def test_fused_norm_and_residual(dtype):
     # the norm is applied: the same kernel without it differs
     plain = moe_gate_up_ref(ref_s, ids, w["wg"][1], w["wu"][1], w["sg"][1], w["su"][1], w["sgate"][1], e)
     assert not torch.allclose(out, plain, rtol=1e-2, atol=1e-3)
-    # EARLY (the rule's gate_up_early; the whole input in one tile): the normed input and the shared expert's tiles
-    # made before the PDL wait, a routed program's words and scales loaded at once: bit for bit the same
-    assert not consts["EARLY"] and consts["BLOCK_K"] == h
-    on = dataclasses.replace(SM90, rules={**SM90.rules, "moe": dataclasses.replace(SM90.rules["moe"],
-                                                                                  gate_up_early=True)})
-    assert moe_gate_up_launch(1, e, h, inter, shared, k, (w["wg"][2], w["sg"][2], w["sgate"][2]), on,
-                              partials=h // 16)["constexprs"]["EARLY"]
-    early = torch.full_like(out, float("nan"))
-    interpret(rmsnorm_moe_gate_up_kernel)[grid](s, ss, nw, ids, w["wg"][0], w["wu"][0], w["sg"][0], w["su"][0],
-                                                w["sgate"][0], early, e, 1e-6, **dict(consts, EARLY=True))
-    assert torch.equal(early, out), f"rmsnorm_moe_gate_up {dtype} EARLY: {(early - out).abs().max()}"
 
 
 def test_moe_down_gathered_form():
@@ -343,11 +332,9 @@ def aot_jobs():
             # one row, the norm and the residual folded in (fuse's rule 7)
             p = h // matvec_launch(h, 4096, groups[0], t)["constexprs"]["BLOCK_N"]
             gn = moe_gate_up_launch(1, e, h, inter, shared, k, groups, t, partials=p)
-            for early in (False, True):  # (EARLY: the rule's gate_up_early)
-                jobs.append([f"rmsnorm_moe_gate_up_{q}/{name}" + ("-early" if early else ""),
-                             "kestrel.kernels.moe:rmsnorm_moe_gate_up_kernel",
-                             ["*fp32", "*fp32", "*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32", "fp32"],
-                             gn["constexprs"] | {"EARLY": early}, gn["num_warps"], t.cc])
+            jobs.append([f"rmsnorm_moe_gate_up_{q}/{name}", "kestrel.kernels.moe:rmsnorm_moe_gate_up_kernel",
+                         ["*fp32", "*fp32", "*fp32", "*i32", wt, wt, wt, wt, "*bf16", "*fp32", "i32", "fp32"],
+                         gn["constexprs"], gn["num_warps"], t.cc])
             pairs = 256 * k  # the M-row step's 256 rows, grouped by expert
             gg = moe.moe_grouped_launch(pairs, e, inter, h, groups[0], moe.GROUPED_CHUNK, t, pair=True)
             jobs.append([f"moe_gate_up_grouped_{q}/{name}", "kestrel.kernels.moe:moe_gate_up_grouped_kernel",
@@ -388,7 +375,7 @@ _aot = split_compile_fixture(_COMPILE_ALL, aot_jobs, "test_aot_compiles_every_mo
 def test_aot_compiles_every_moe_kernel_for_every_target(_aot):
     jobs = aot_jobs()
     compiled = _aot.compiled()
-    assert len(jobs) == 19 * (len(ALL_TARGETS) - 1)
+    assert len(jobs) == 17 * (len(ALL_TARGETS) - 1)
     for key, fn, types, consts, warps, cc in jobs:
         res = compiled[key]
         assert isinstance(res, list), f"{key}: {res}"

@@ -472,28 +472,21 @@ def mini_q35_moe_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quant,rows,model", [("bf16", 4, "next"), ("q4", 16, "next"), ("q4-triton", 16, "next"),
-                                              ("q4", 0, "next"), ("q4-early", 0, "next"), ("bf16", 4, "q35_moe"),
-                                              ("q4", 0, "q35_moe")])
+                                              ("q4", 0, "next"), ("bf16", 4, "q35_moe"), ("q4", 0, "q35_moe")])
 def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, model, request, tmp_path, monkeypatch):
     """A Qwen3-Next sm_90 plan's launch lists (``q35_moe``: a Qwen3.5 MoE plan's, its GDN projections unfused) in
     the interpreter against the CPU path. With rows: the M-row
     step (4 rows: each row's experts on its own; 16: grouped by expert, kernels/moe.py; one chunk of a
     4-token prompt whose rows route to different experts),
     then a one-token step (within the M-row GEMM's bf16 rounding, as the dense test); q4: one-token steps
-    from the first prompt token (within 1e-4); q4-early: the same with two forms not on by default
-    (KESTREL_RULES), rmsnorm_moe_gate_up's EARLY and attn_step's one program a query head (the one-tile q4
-    matvecs' TOGETHER, tested here with them until stop 46, is in the rule: every q4 plan has it). Each step's last
-    routing buffer holds the experts the CPU reference chose, the same tokens come out."""
+    from the first prompt token (within 1e-4; every q4 plan has the one-tile q4 matvecs' TOGETHER, the rule). Each
+    step's last routing buffer holds the experts the CPU reference chose, the same tokens come out."""
     from conftest import run_cli
     from kestrel.compiler.ops import is_view
 
     mma = quant == "q4" and rows == 16  # the grouped q4 experts on the tensor-core kernel (emulated here) ...
     if quant == "q4-triton":  # ... or, turned off (KESTREL_RULES), on the few-rows grouped kernels
         _rules(monkeypatch, "q4_mma.max_rows=0 q4_mma.grouped_rows=0")
-        quant = "q4"
-    early = quant == "q4-early"
-    if early:
-        _rules(monkeypatch, "moe.gate_up_early=True attention.short_rows=8")
         quant = "q4"
     path = str(tmp_path / f"mini-{model}-{quant}.plan")
     r = run_cli("kestrelc", "build", request.getfixturevalue(f"mini_{model}_checkpoint"), "-o", path, "--target", "sm_90", "--quant", quant,
@@ -509,7 +502,6 @@ def test_sm90_moe_plan_in_interpreter_matches_cpu_reference(quant, rows, model, 
     ids = {k["id"] for k in plan.launch_plan["kernels"]}
     assert mma == ({"q4mma_gate_up_grouped_q4g32", "q4mma_down_grouped_q4g32"} <= ids), sorted(ids)
     consts = {k["id"].split("_q4")[0].split("_bf16")[0]: k["constexprs"] for k in plan.launch_plan["kernels"]}
-    assert consts["rmsnorm_moe_gate_up"]["EARLY"] == early and consts["attn_step"]["SHORT_ROWS"] == (8 if early else 0)
     assert any(c.get("TOGETHER") for c in consts.values()) == (quant == "q4")
     prompt = [5, 9, 3, 60] if rows else [5, 9]
     tokens = _begin(gpu, cpu, prompt)
