@@ -96,28 +96,6 @@ def _close_zygote():
     _Zygote.close()
 
 
-def _wants_trained(items) -> bool:
-    return os.environ.get("KESTREL_TEST_NO_PREFETCH") != "1" and any(
-        "trained" in getattr(item, "fixturenames", ()) and item.module.__name__ == "test_numerics" for item in items)
-
-
-@pytest.hookimpl(tryfirst=True)  # (an xdist worker: before it reports its collection to the controller)
-def pytest_collection_finish(session):
-    """Start training test_numerics' byte models in the background (hf_checkpoints.TrainedInBackground) when
-    one of its tests will run. An xdist worker instead marks the folder the controller gave it as wanted:
-    the controller trains them there, once (pytest_xdist_node_collection_finished)."""
-    if not _wants_trained(session.items):
-        return
-    from hf_checkpoints import TrainedInBackground
-
-    shared = getattr(session.config, "workerinput", {}).get("kestrel_trained_root")
-    if shared:
-        open(os.path.join(shared, "wanted"), "w").close()
-        TrainedInBackground.use(shared)
-    else:
-        TrainedInBackground.start()
-
-
 # --- pytest-xdist (pyproject.toml's addopts: -n auto --dist loadfile --no-loadscope-reorder) ---------------
 
 # Seconds each file's tests took on one of the two workers on the 2-core machine (stop 51's fresh clone, empty Triton
@@ -169,41 +147,6 @@ def pytest_xdist_auto_num_workers(config):
     if cores < 2 or files is not None and len(files) <= 1:
         return 0
     return cores
-
-
-_trained_root = None  # the xdist controller's folder for the background training (TrainedInBackground)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """The xdist controller: every worker is told the one folder where test_numerics' byte models will
-    be trained (if a worker's collection wants them)."""
-    global _trained_root
-    if _trained_root is None:
-        import tempfile
-
-        _trained_root = tempfile.mkdtemp(prefix="kestrel-trained-")
-    node.workerinput["kestrel_trained_root"] = _trained_root
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids):
-    """The xdist controller: once a worker has marked the folder wanted (pytest_collection_finish), train
-    the models there in the background, once, before any test is handed out."""
-    if _trained_root and os.path.exists(os.path.join(_trained_root, "wanted")):
-        from hf_checkpoints import TrainedInBackground
-
-        if not TrainedInBackground.jobs:
-            TrainedInBackground.start(_trained_root)
-
-
-def pytest_sessionfinish(session):
-    if "hf_checkpoints" in sys.modules:
-        sys.modules["hf_checkpoints"].TrainedInBackground.stop()
-    if _trained_root and not _xdist_worker(session.config):
-        import shutil
-
-        shutil.rmtree(_trained_root, ignore_errors=True)
 
 
 def run_cli(*args, env=None, stdin=None):

@@ -244,6 +244,7 @@ def add_mtp_head(folder: str, seed: int = 1, tensors: dict | None = None) -> dic
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 HELD_OUT = os.path.join(GOLDEN, "plan_memory", "tied_two_layers_q4.in.ir")
+TRAINED_DIR = os.path.join(GOLDEN, "trained")
 
 
 def train_byte_model(folder: str, config: dict, steps: int = 250, seed: int = 0):
@@ -270,96 +271,29 @@ def train_byte_model(folder: str, config: dict, steps: int = 250, seed: int = 0)
         model(input_ids=batch[:, :-1], labels=batch[:, 1:]).loss.backward()
         opt.step()
         opt.zero_grad()
-    model.eval().save_pretrained(folder)
+    model.eval().to(torch.bfloat16).save_pretrained(folder)
     return model
 
 
-# The byte models test_numerics trains (train_byte_model), by name: the tiny preset's architecture and a
+# The byte models test_numerics evaluates (train_byte_model; trained_folder), by name: the tiny preset's architecture and a
 # transformers config of other shapes.
 TRAINED = {"tiny": {k: v for k, v in PRESETS["tiny"].items() if k not in ("architectures", "model_type", "dtype")},
            "transformers_base": dict(BASE, vocab_size=256)}
 
 
-class TrainedInBackground:
-    """The TRAINED models trained in child processes started when the session's tests are collected
-    (conftest.py, if a test that needs them was), one torch thread each, so that their minutes of CPU
-    training overlap the tests that run before theirs; ``folder(name)`` waits for one (training it here
-    if no child was started). KESTREL_TEST_NO_PREFETCH=1 trains in the fixture instead.
-
-    Under pytest-xdist the controller starts them (once for all workers, conftest.py) in a folder every
-    worker is told of (``use``); a thread of the process that started a job writes its exit status to
-    ``<folder>.rc`` when it ends, which is what ``folder`` waits for, in whichever process."""
-
-    root: str | None = None
-    owner = False  # this process made root (and removes it at stop)
-    jobs: dict = {}
-
-    @classmethod
-    def start(cls, root: str | None = None) -> None:
-        import json
-        import subprocess
-        import sys
-        import tempfile
-        import threading
-
-        if root is None:
-            root = tempfile.mkdtemp(prefix="kestrel-trained-")
-            cls.owner = True
-        cls.root = root
-        here = os.path.dirname(os.path.abspath(__file__))
-        for name, config in TRAINED.items():
-            folder = os.path.join(cls.root, name)
-            code = ("import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, sys.argv[1]); "
-                    "from hf_checkpoints import train_byte_model; train_byte_model(sys.argv[2], json.loads(sys.argv[3]))")
-            err = open(folder + ".stderr", "w")  # (a file: a pipe nobody reads till the fixture could stall it)
-            proc = subprocess.Popen([sys.executable, "-c", code, here, folder, json.dumps(config)],
-                                    stdout=subprocess.DEVNULL, stderr=err)
-            err.close()
-            cls.jobs[name] = proc
-            threading.Thread(target=cls._record_exit, args=(folder, proc), daemon=True).start()
-
-    @staticmethod
-    def _record_exit(folder: str, proc) -> None:
-        rc = proc.wait()
-        with open(folder + ".rc.tmp", "w") as f:
-            f.write(str(rc))
-        os.replace(folder + ".rc.tmp", folder + ".rc")
-
-    @classmethod
-    def use(cls, root: str) -> None:
-        """Wait for the models another process (the xdist controller) trains in ``root``."""
-        cls.root = root
-
-    @classmethod
-    def folder(cls, name: str, tmp_path_factory) -> str:
-        import time
-
-        folder = os.path.join(cls.root, name) if cls.root else None
-        if folder is None or not os.path.exists(folder + ".stderr"):  # never started: train here
-            folder = str(tmp_path_factory.mktemp(name))
-            train_byte_model(folder, TRAINED[name])
-            return folder
-        while not os.path.exists(folder + ".rc"):
-            time.sleep(0.2)
-        with open(folder + ".rc") as f:
-            rc = int(f.read())
-        if rc != 0:
-            with open(folder + ".stderr") as f:
-                raise AssertionError(f"training {name} in the background failed (exit {rc}):\n{f.read()[-3000:]}")
-        return folder
-
-    @classmethod
-    def stop(cls) -> None:
-        import shutil
-
-        for proc in cls.jobs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        cls.jobs = {}
-        if cls.root and cls.owner:
-            shutil.rmtree(cls.root, ignore_errors=True)
-        cls.root, cls.owner = None, False
+def trained_folder(name: str) -> str:
+    """tests/golden/trained/<name>: TRAINED[name] trained by ``train_byte_model`` and saved in bf16 (as released
+    checkpoints are), committed so that the suite does not spend ~2.5 CPU-minutes training them on every run.
+    ``KESTREL_UPDATE_GOLDEN=1`` trains them again and rewrites the folder (then review the numerics tests' figures).
+    A TRAINED config that no longer matches the saved one fails here, naming the update flag."""
+    folder = os.path.join(TRAINED_DIR, name)
+    if os.environ.get("KESTREL_UPDATE_GOLDEN") == "1":
+        train_byte_model(folder, TRAINED[name])
+    saved = json.load(open(os.path.join(folder, "config.json")))
+    stale = sorted(k for k, v in TRAINED[name].items() if saved.get(k, v) != v)
+    assert not stale, (f"tests/golden/trained/{name} was trained with other {stale}: rerun with "
+                       "KESTREL_UPDATE_GOLDEN=1 to train it again")
+    return folder
 
 
 def edit_config(folder: str, fn) -> None:

@@ -4,13 +4,13 @@
   (quantize with --quant none too).
 * q4: teacher-forced top-1 agreement with fp32 is >= 95% on held-out text, for the tiny
   architecture and for a transformers config of other shapes, both trained briefly by transformers
-  (see hf_checkpoints.train_byte_model for why trained); the relative logits error is reported
+  and saved in bf16 (see hf_checkpoints.train_byte_model for why trained; trained_folder); the relative logits error is reported
   (max |q4 - fp32| / max |fp32| per step, median). On random weights it is reported only.
 """
 import pytest
 import torch
 
-from hf_checkpoints import HELD_OUT, TRAINED, TrainedInBackground
+from hf_checkpoints import HELD_OUT, TRAINED, trained_folder
 from kestrel.compiler.frontend import open_checkpoint
 from kestrel.passes.pipeline import PASS_NAMES, PassOptions, run_passes
 from kestrel.compiler.presets import synthesize
@@ -69,10 +69,9 @@ MAX_SEQ_EVAL = 600
 
 
 @pytest.fixture(scope="module", params=sorted(TRAINED))
-def trained(request, tmp_path_factory):
-    """hf_checkpoints.TRAINED[name], trained by train_byte_model (in the background from the session's start:
-    conftest.py)."""
-    return request.param, open_checkpoint(TrainedInBackground.folder(request.param, tmp_path_factory))
+def trained(request):
+    """hf_checkpoints.TRAINED[name], trained by train_byte_model (committed: hf_checkpoints.trained_folder)."""
+    return request.param, open_checkpoint(trained_folder(request.param))
 
 
 @pytest.mark.parametrize("group", [128, 64])
