@@ -336,6 +336,12 @@ NH, NKV, D, M, S = 24, 4, 256, 128, 4096
 W = NH * 2 * D + 2 * NKV * D
 
 
+# Every target: the kv and q kernels at the prefill's 128 rows and the step-order rows kernel at a verify's 4; the
+# other forms (the q kernel split over the sequence at 4 rows, and YaRN in all three) on the two families of
+# tensor-core code (Ampere's mma, Hopper's), as test_kernels_attention.py's AOT jobs
+AOT_VARIANT_TARGETS = ("sm_80", "sm_90")
+
+
 def aot_jobs(dt):
     p = PTR[dt]
     kv_types = ["*fp32", "*fp32", p, p, "*i32", "*i32"] + ["i32", "i32", "fp32", "fp32", "i32"]
@@ -346,10 +352,15 @@ def aot_jobs(dt):
         t = TARGETS[name]
         kv = attn_rows_kv_launch(M, W, NKV, D, S, dt, t)
         q = attn_rows_q_launch(M, W, NH, NKV, D, S, t)
+        st = attn_rows_step_launch(4, W, NH, NKV, D, S, dt, t)  # the step-order form at a verify's 4 rows
         jobs.append((f"attn_rows_kv_{dt}", "kestrel.kernels.attention:attn_rows_kv_kernel", kv_types,
                      kv["constexprs"], kv["num_warps"], t.cc))
         jobs.append((f"attn_rows_q_{dt}", "kestrel.kernels.attention:attn_rows_q_kernel", q_types, q["constexprs"],
                      q["num_warps"], t.cc))
+        jobs.append((f"attn_rows_step_{dt}", "kestrel.kernels.attention:attn_rows_step_kernel", q_types,
+                     st["constexprs"], st["num_warps"], t.cc))
+        if name not in AOT_VARIANT_TARGETS:
+            continue
         y = {"YARN": yarn(D // 4)}  # (the YaRN forms: the kv kernel, the split q kernel and the step-order rows)
         jobs.append((f"attn_rows_kv_{dt}_yarn", "kestrel.kernels.attention:attn_rows_kv_kernel", kv_types,
                      kv["constexprs"] | y, kv["num_warps"], t.cc))
@@ -357,8 +368,7 @@ def aot_jobs(dt):
         assert v["constexprs"]["SPLITS"] > 1
         jobs.append((f"attn_rows_q_{dt}_split", "kestrel.kernels.attention:attn_rows_q_kernel", q_types,
                      v["constexprs"] | y, v["num_warps"], t.cc))
-        st = attn_rows_step_launch(4, W, NH, NKV, D, S, dt, t)  # the step-order form at a verify's 4 rows
-        jobs.append((f"attn_rows_step_{dt}", "kestrel.kernels.attention:attn_rows_step_kernel", q_types,
+        jobs.append((f"attn_rows_step_{dt}_yarn", "kestrel.kernels.attention:attn_rows_step_kernel", q_types,
                      st["constexprs"] | y, st["num_warps"], t.cc))
     return jobs
 
@@ -400,7 +410,7 @@ def test_aot_compiles_for_every_target(aot_results, dt):
     assert rc == 0, f"AOT compile of attn_rows_*_{dt} failed:\n{err[-3000:]}"
     res = json.loads(out.strip().splitlines()[-1])
     jobs = aot_jobs(dt)
-    assert len(res) == len(jobs) == 5 * len(GPU_TARGETS)
+    assert len(res) == len(jobs) == 3 * len(GPU_TARGETS) + 3 * len(AOT_VARIANT_TARGETS)
     for (kid, _, _, consts, nw, cc), r in zip(jobs, res):
         assert r["elf"] and r["name"] and r["num_warps"] == nw, (kid, cc)
         assert r["arch"] == f"sm_{cc}{'a' if cc >= 90 else ''}"
