@@ -98,21 +98,21 @@ def _close_zygote():
 
 # --- pytest-xdist (pyproject.toml's addopts: -n auto --dist loadfile --no-loadscope-reorder) ---------------
 
-# Seconds each file's tests took on one of the two workers on the 2-core machine (stop 51's fresh clone, empty Triton
-# cache; the sampler's seeds and attn_step's AOT jobs then cut as estimated; files under 8 s left out): under xdist
-# the files are handed out longest first, so that the last ones to start are short and the workers end together. A
-# file not listed counts as DEFAULT_FILE_SECONDS; stale figures cost only balance.
+# Seconds each file's tests took on one of the two workers on the 2-core machine (stop 52's fresh clone, empty Triton
+# cache; test_numerics then cut as estimated; files under 8 s left out): under xdist the files are handed out longest
+# first, so that the last ones to start are short and the workers end together. A file not listed counts as
+# DEFAULT_FILE_SECONDS; stale figures cost only balance.
 FILE_SECONDS = {
-    "test_launch_plan_interpreted.py": 512, "test_kernels_attention.py": 274, "test_kernels_moe.py": 146,
-    "test_kernels_attn_rows.py": 145, "test_numerics.py": 120, "test_runtime_gpu_stub_driver.py": 108,
-    "test_kernels_small.py": 104, "test_speculative.py": 98, "test_cli_trust.py": 95, "test_prefill_rows.py": 81,
-    "test_kernels_speculative.py": 76, "test_kernels_norm_matvec.py": 70, "test_kernels_gdn_rows.py": 55,
-    "test_spec_sampling_many.py": 50, "test_kernels_matvec_rows.py": 48, "test_hub_cache.py": 45,
-    "test_bounded_memory.py": 40, "test_kernels_matvec.py": 35, "test_kernels_gemm.py": 31,
-    "test_kernels_q4_mma.py": 28, "test_spec_sampling.py": 26, "test_install.py": 25, "test_oracle_next.py": 25,
-    "test_oracle.py": 24, "test_onnx.py": 22, "test_spec_sampling_e2e.py": 22, "test_kernels_gdn.py": 17,
-    "test_kernels_bf16_mma.py": 13, "test_runtime_gpu_without_gpu.py": 11, "test_frontend_errors.py": 11,
-    "test_kernels_q4_stream.py": 10, "test_launch_rules.py": 10, "test_runtime_cpu.py": 9,
+    "test_launch_plan_interpreted.py": 404, "test_kernels_attention.py": 157, "test_kernels_moe.py": 129,
+    "test_speculative.py": 128, "test_kernels_attn_rows.py": 123, "test_runtime_gpu_stub_driver.py": 121,
+    "test_kernels_small.py": 99, "test_kernels_norm_matvec.py": 90, "test_kernels_speculative.py": 77,
+    "test_numerics.py": 70, "test_cli_trust.py": 64, "test_kernels_gdn_rows.py": 61, "test_oracle_next.py": 55,
+    "test_hub_cache.py": 51, "test_prefill_rows.py": 51, "test_spec_sampling_many.py": 45,
+    "test_kernels_matvec_rows.py": 42, "test_oracle.py": 40, "test_kernels_matvec.py": 36, "test_kernels_q4_mma.py": 34,
+    "test_kernels_gemm.py": 30, "test_spec_sampling.py": 27, "test_bounded_memory.py": 26, "test_onnx.py": 25,
+    "test_install.py": 22, "test_spec_sampling_e2e.py": 21, "test_kernels_gdn.py": 18, "test_kernels_bf16_mma.py": 16,
+    "test_launch_rules.py": 14, "test_runtime_cpu.py": 12, "test_runtime_gpu_without_gpu.py": 11,
+    "test_kernels_q4_stream.py": 10,
 }
 DEFAULT_FILE_SECONDS = 5
 
