@@ -4,8 +4,8 @@
   (quantize with --quant none too).
 * q4: teacher-forced top-1 agreement with fp32 is >= 95% on held-out text, for the tiny
   architecture and for a transformers config of other shapes, both trained briefly by transformers
-  and saved in bf16 (see hf_checkpoints.train_byte_model for why trained; trained_folder); the relative logits error is reported
-  (max |q4 - fp32| / max |fp32| per step, median). On random weights it is reported only.
+  and saved in bf16 (see hf_checkpoints.train_byte_model for why trained; trained_folder); the relative
+  logits error is reported (max |q4 - fp32| / max |fp32| per step, median). On random weights it is reported only.
 """
 import pytest
 import torch
